@@ -1,0 +1,74 @@
+"""Reading and writing the files a plan is made from and written to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainwire.client.config import InputExample
+from trainwire.client.files import write_bytes_atomic
+from trainwire.client.plan import ManagedTrainingPlan
+
+
+def read_examples_jsonl(path: str | Path) -> list[InputExample]:
+    """One JSON example per line (blank lines skipped); a bad line is refused with its number."""
+    examples = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                examples.append(InputExample.from_dict(json.loads(line)))
+            except ValueError as error:
+                # json.JSONDecodeError is a ValueError too.
+                raise ValueError(f"{path}:{number}: {error}") from None
+    return examples
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config as a dict, from ``.json`` or ``.yaml``/``.yml``; validated by the caller."""
+    text = Path(path).read_text(encoding="utf-8")
+    suffix = Path(path).suffix.lower()
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not valid YAML: {error}") from None
+    elif suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as error:
+            raise ValueError(f"{path}: not valid JSON: {error}") from None
+    else:
+        raise ValueError(f"{path}: a config file must end in .json, .yaml or .yml")
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config must be a mapping of keys to values")
+    return data
+
+
+def write_manifest(path: str | Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest atomically: a crash leaves the old file or none, never half of one."""
+    write_bytes_atomic(path, json.dumps(manifest, separators=(",", ":")).encode())
+
+
+def write_plan_manifest(path: str | Path, plan: ManagedTrainingPlan) -> None:
+    """Write a plan's manifest atomically, encoding it once (the fast path for large plans)."""
+    write_bytes_atomic(path, plan.manifest_bytes())
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except ValueError as error:
+        raise ValueError(f"{path}: not a JSON manifest: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a manifest must be a JSON object")
+    return data
+
+
+def load_plan(path: str | Path) -> ManagedTrainingPlan:
+    """Read and verify a manifest file."""
+    return ManagedTrainingPlan.from_manifest(read_manifest(path))

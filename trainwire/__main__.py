@@ -1,0 +1,3 @@
+from trainwire.cli import main
+
+raise SystemExit(main())

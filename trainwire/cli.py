@@ -1,0 +1,145 @@
+"""The ``trainwire`` command line: one subcommand per job, each a thin call into the package.
+
+A user's mistake (a bad file, an unknown key, a refused setting) prints one line and exits with
+status 2; it never prints a traceback. Server-side commands import torch lazily, so ``trainwire
+plan`` and ``trainwire inspect MANIFEST`` stay torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from trainwire.client.config import TrainingConfig
+from trainwire.client.manifest import (
+    read_config_file,
+    read_examples_jsonl,
+    read_manifest,
+    write_plan_manifest,
+)
+from trainwire.client.overrides import apply_overrides, parse_config_overrides
+from trainwire.client.plan import ManagedTrainingPlan
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+def _config_from_args(config_path: str, overrides: Sequence[str]) -> TrainingConfig:
+    data = read_config_file(config_path)
+    valid, invalid = parse_config_overrides(overrides)
+    if invalid:
+        raise UsageError(f"--set takes key=value, got: {', '.join(invalid)}")
+    return TrainingConfig.from_dict(apply_overrides(data, valid))
+
+
+def command_plan(args: argparse.Namespace) -> int:
+    config = _config_from_args(args.config, args.set)
+    examples = read_examples_jsonl(args.examples)
+    eval_examples = read_examples_jsonl(args.eval_examples) if args.eval_examples else None
+    plan = ManagedTrainingPlan(examples, config, eval_examples=eval_examples)
+    write_plan_manifest(args.output, plan)
+    print(
+        f"wrote {args.output}: {len(plan.examples)} examples, {plan.batch_count} microbatches, "
+        f"{plan.max_steps} updates, {plan.fingerprint}"
+    )
+    return 0
+
+
+def describe_manifest(path: Path) -> str:
+    """A human summary of a manifest; its fingerprint is verified on the way."""
+    manifest = read_manifest(path)
+    plan = ManagedTrainingPlan.from_manifest(manifest)
+    config = plan.config
+    policy = plan.selection_policy
+    evaluations = [i for i in range(plan.batch_count) if plan.evaluates_after(i)]
+    lora = config.lora
+    lines = [
+        f"manifest     {path}",
+        f"format       {manifest['format']}",
+        f"fingerprint  {plan.fingerprint} (verified)",
+        f"model        {config.model} ({config.task}, "
+        + (f"LoRA r={lora.r} alpha={lora.alpha}" if lora else "full weights")
+        + f", {config.precision})",
+        f"examples     {len(plan.examples)} training, {len(plan.eval_examples or ())} evaluation",
+        f"batches      {plan.batch_count} microbatches of up to {config.batch_size}, "
+        f"accumulation {config.gradient_accumulation_steps}",
+        f"epochs       {config.num_epochs}",
+        f"updates      {plan.max_steps}",
+        f"evaluations  {len(evaluations)} ({config.eval_strategy})"
+        + (f" after microbatches {_abbreviate(evaluations)}" if evaluations else ""),
+        f"selection    {policy['metric']} ({policy['mode']}), early stopping "
+        + (
+            f"after {policy['patience']} evaluation(s) without gain"
+            if policy["patience"]
+            else "off"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _abbreviate(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")
+
+
+def command_inspect(args: argparse.Namespace) -> int:
+    path = Path(args.path)
+    if not path.exists():
+        raise UsageError(f"{path}: no such file or directory")
+    if path.is_file():
+        print(describe_manifest(path))
+        return 0
+    raise UsageError(f"{path}: not a manifest file")
+
+
+def command_demo(args: argparse.Namespace) -> int:
+    print("trainwire demo: the end-to-end demo arrives with the controller; nothing to run yet.")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainwire", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    plan = commands.add_parser("plan", help="plan a run and write its manifest")
+    plan.add_argument("--examples", required=True, help="training examples, one JSON per line")
+    plan.add_argument("--eval-examples", help="evaluation examples, one JSON per line")
+    plan.add_argument("--config", required=True, help="training config (.json or .yaml)")
+    plan.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    plan.add_argument("--output", required=True, help="where to write the manifest")
+    plan.set_defaults(handler=command_plan)
+
+    inspect = commands.add_parser("inspect", help="describe a manifest")
+    inspect.add_argument("path")
+    inspect.set_defaults(handler=command_inspect)
+
+    demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")
+    demo.set_defaults(handler=command_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except (UsageError, ValueError, OSError) as error:
+        print(f"trainwire {args.command}: error: {error}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print(f"trainwire {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,294 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SESSION_STATE_UNSPECIFIED: _ClassVar[SessionState]
+    SESSION_STATE_IDLE: _ClassVar[SessionState]
+    SESSION_STATE_RESTORING: _ClassVar[SessionState]
+    SESSION_STATE_OPEN: _ClassVar[SessionState]
+    SESSION_STATE_CLOSED: _ClassVar[SessionState]
+
+class ExportFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EXPORT_FORMAT_UNSPECIFIED: _ClassVar[ExportFormat]
+    EXPORT_FORMAT_FULL: _ClassVar[ExportFormat]
+    EXPORT_FORMAT_ADAPTER: _ClassVar[ExportFormat]
+SESSION_STATE_UNSPECIFIED: SessionState
+SESSION_STATE_IDLE: SessionState
+SESSION_STATE_RESTORING: SessionState
+SESSION_STATE_OPEN: SessionState
+SESSION_STATE_CLOSED: SessionState
+EXPORT_FORMAT_UNSPECIFIED: ExportFormat
+EXPORT_FORMAT_FULL: ExportFormat
+EXPORT_FORMAT_ADAPTER: ExportFormat
+
+class Example(_message.Message):
+    __slots__ = ("text", "label", "completion")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    label: str
+    completion: str
+    def __init__(self, text: _Optional[str] = ..., label: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...
+
+class Operation(_message.Message):
+    __slots__ = ("operation_key", "expected_position")
+    OPERATION_KEY_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_POSITION_FIELD_NUMBER: _ClassVar[int]
+    operation_key: str
+    expected_position: int
+    def __init__(self, operation_key: _Optional[str] = ..., expected_position: _Optional[int] = ...) -> None: ...
+
+class OperationResult(_message.Message):
+    __slots__ = ("operation_key", "position", "replayed", "state_digest")
+    OPERATION_KEY_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    operation_key: str
+    position: int
+    replayed: bool
+    state_digest: str
+    def __init__(self, operation_key: _Optional[str] = ..., position: _Optional[int] = ..., replayed: _Optional[bool] = ..., state_digest: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("run_id", "config_fingerprint", "step", "last_operation_key", "state_digest", "position", "restored_checkpoint", "device", "state", "pending_microbatches", "max_steps")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LAST_OPERATION_KEY_FIELD_NUMBER: _ClassVar[int]
+    STATE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_fingerprint: str
+    step: int
+    last_operation_key: str
+    state_digest: str
+    position: int
+    restored_checkpoint: str
+    device: str
+    state: SessionState
+    pending_microbatches: int
+    max_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., last_operation_key: _Optional[str] = ..., state_digest: _Optional[str] = ..., position: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., pending_microbatches: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("run_id", "config_json", "max_steps")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    max_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., max_steps: _Optional[int] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("info", "created")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    info: SessionInfo
+    created: bool
+    def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SessionInfo
+    def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("examples",)
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    examples: _containers.RepeatedCompositeFieldContainer[Example]
+    def __init__(self, examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("label", "scores")
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    label: str
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, label: _Optional[str] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ForwardResponse(_message.Message):
+    __slots__ = ("loss", "predictions")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
+    def __init__(self, loss: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ...) -> None: ...
+
+class ForwardBackwardRequest(_message.Message):
+    __slots__ = ("operation", "examples")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    examples: _containers.RepeatedCompositeFieldContainer[Example]
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ...) -> None: ...
+
+class ForwardBackwardResponse(_message.Message):
+    __slots__ = ("loss", "result")
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    loss: float
+    result: OperationResult
+    def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+
+class OptimStepRequest(_message.Message):
+    __slots__ = ("operation",)
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ...) -> None: ...
+
+class OptimStepResponse(_message.Message):
+    __slots__ = ("step", "learning_rate", "grad_norm", "result")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    learning_rate: float
+    grad_norm: float
+    result: OperationResult
+    def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+
+class SaveStateRequest(_message.Message):
+    __slots__ = ("operation", "name")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    name: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class SaveStateResponse(_message.Message):
+    __slots__ = ("result", "name", "step")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    result: OperationResult
+    name: str
+    step: int
+    def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ..., name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LoadStateRequest(_message.Message):
+    __slots__ = ("operation", "name")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    name: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+
+class LoadStateResponse(_message.Message):
+    __slots__ = ("result", "step")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    result: OperationResult
+    step: int
+    def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LoadWeightsRequest(_message.Message):
+    __slots__ = ("operation", "checkpoint_name", "export_name", "model_path")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    checkpoint_name: str
+    export_name: str
+    model_path: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., checkpoint_name: _Optional[str] = ..., export_name: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+
+class LoadWeightsResponse(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: OperationResult
+    def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+
+class ExportWeightsRequest(_message.Message):
+    __slots__ = ("operation", "name", "download")
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    operation: Operation
+    name: str
+    download: bool
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., download: _Optional[bool] = ...) -> None: ...
+
+class ExportedFile(_message.Message):
+    __slots__ = ("path", "size_bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ExportResult(_message.Message):
+    __slots__ = ("result", "name", "format", "files")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    result: OperationResult
+    name: str
+    format: ExportFormat
+    files: _containers.RepeatedCompositeFieldContainer[ExportedFile]
+    def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ..., name: _Optional[str] = ..., format: _Optional[_Union[ExportFormat, str]] = ..., files: _Optional[_Iterable[_Union[ExportedFile, _Mapping]]] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("path", "offset", "data")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    data: bytes
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class FileEnd(_message.Message):
+    __slots__ = ("path", "size_bytes", "sha256")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size_bytes: int
+    sha256: str
+    def __init__(self, path: _Optional[str] = ..., size_bytes: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ExportWeightsResponse(_message.Message):
+    __slots__ = ("result", "chunk", "file_end")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    FILE_END_FIELD_NUMBER: _ClassVar[int]
+    result: ExportResult
+    chunk: FileChunk
+    file_end: FileEnd
+    def __init__(self, result: _Optional[_Union[ExportResult, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., file_end: _Optional[_Union[FileEnd, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SessionInfo
+    def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
