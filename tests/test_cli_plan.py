@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-from trainwire.client import ManagedTrainingPlan, read_manifest
 
 from trainwire.cli import main
+from trainwire.client import ManagedTrainingPlan, read_manifest
 
 CONFIG = {
     "model": "tiny-bert",

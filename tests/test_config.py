@@ -4,6 +4,7 @@ import json
 import re
 
 import pytest
+
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
 
 

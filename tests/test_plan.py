@@ -7,6 +7,7 @@ import sys
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from trainwire.client import InputExample, ManagedTrainingPlan, TrainingConfig
 
 

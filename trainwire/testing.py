@@ -4,8 +4,8 @@ Why this exists: trainwire drives Hugging Face models, and the only honest test 
 model with a real tokenizer that ``transformers`` loads from a directory. Downloading one is not an
 option (the tests and the demo run without a network), and a mock would hide exactly the loading,
 padding and saving details that break in practice. So :func:`make_tiny_model` trains a small
-tokenizer on a bundled English corpus and writes a freshly initialized model a few hundred
-kilobytes large, in well under a second.
+tokenizer on a bundled English corpus and writes a freshly initialized model of about 200 kB, in
+tens of milliseconds (once transformers has imported the model's code).
 
 What a caller may rely on:
 
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import random
 from collections.abc import Sequence
 from importlib import resources
@@ -47,8 +46,13 @@ MAX_POSITIONS = 256
 ATTN_IMPLEMENTATION = "eager"  # eager attention repeats bit for bit on CPU; sdpa may not
 
 LLAMA_VOCAB_SIZE = 500
-BERT_BPE_VOCAB_SIZE = 320  # the WordPiece vocabulary adds every character twice (c and ##c)
-LLAMA_SPECIALS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+BERT_BPE_VOCAB_SIZE = 380  # the WordPiece vocabulary adds every character twice (c and ##c)
+LLAMA_SPECIALS = {
+    "pad_token": "<pad>",
+    "unk_token": "<unk>",
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+}
 BERT_SPECIALS = {
     "pad_token": "[PAD]",
     "unk_token": "[UNK]",
@@ -58,23 +62,15 @@ BERT_SPECIALS = {
 }
 WORD_START = "▁"  # marks a word's first piece while the BERT vocabulary is trained
 
-_TINY_SIZES: dict[str, dict[str, int]] = {
-    "llama": {
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 64,
-        "max_position_embeddings": MAX_POSITIONS,
-    },
-    "bert": {
-        "hidden_size": 32,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "intermediate_size": 64,
-        "max_position_embeddings": MAX_POSITIONS,
-    },
+# Both architectures share one tiny shape; llama adds grouped-query attention (2 kv heads).
+_TINY_SHAPE = {
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 64,
+    "max_position_embeddings": MAX_POSITIONS,
 }
+LLAMA_KV_HEADS = 2
 
 
 def make_tiny_model(
@@ -95,8 +91,9 @@ def make_tiny_model(
         labels: the class names, in order, for ``sequence-classification`` (at least 2); they
             become ``id2label``/``label2id``. Must be empty for ``causal-lm``.
         seed: initializes the weights; the caller's global torch RNG is not touched.
-        shards: with N > 1, the safetensors are split into about N shards plus an index
-            (``model.safetensors.index.json``); None or 1 writes one ``model.safetensors``.
+        shards: with N > 1, the safetensors are split into N shards (fewer only if the model has
+            fewer tensors) plus ``model.safetensors.index.json``; None or 1 writes one
+            ``model.safetensors``.
 
     Returns:
         ``directory`` as a Path, loadable with ``AutoTokenizer`` and ``AutoModelForCausalLM`` or
@@ -138,7 +135,9 @@ def _validate_model_args(
     if len(set(labels)) != len(labels):
         problems.append(f"labels must be unique, got {list(labels)}")
     if task == "causal-lm" and labels:
-        problems.append("labels are only for sequence-classification: leave them empty for causal-lm")
+        problems.append(
+            "labels are only for sequence-classification: leave them empty for causal-lm"
+        )
     if task == "sequence-classification" and len(labels) < 2:
         problems.append(f"sequence-classification needs at least 2 labels, got {len(labels)}")
     if not _is_int(seed) or not 0 <= seed < 2**63:
@@ -159,7 +158,7 @@ def _corpus_lines() -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tokenizer_json(arch: str) -> str:
     """The trained tokenizer, serialized. Training is deterministic, so caching changes nothing."""
     tokenizer = _train_llama_tokenizer() if arch == "llama" else _train_bert_tokenizer()
@@ -265,12 +264,13 @@ def _model_config(
     from transformers import BertConfig, LlamaConfig
 
     settings: dict[str, Any] = {
-        **_TINY_SIZES[arch],
+        **_TINY_SHAPE,
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
     }
     if arch == "llama":
         settings.update(
+            num_key_value_heads=LLAMA_KV_HEADS,
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             tie_word_embeddings=False,  # separate head: simpler LoRA targets and exports
@@ -302,8 +302,7 @@ def _save_model(model: PreTrainedModel, directory: Path, shards: int | None) -> 
     """Save safetensors (sharded by byte size when asked) and record eager attention."""
     max_shard_size: int | str = "50GB"  # transformers' default: one file
     if shards is not None and shards > 1:
-        total_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        max_shard_size = math.ceil(total_bytes / shards)
+        max_shard_size = _shard_size_for(model.state_dict(), shards)
     model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     # transformers keeps the attention choice out of config.json, yet reads the key back:
     # written here, a plain from_pretrained(directory) loads with eager attention too.
@@ -313,34 +312,40 @@ def _save_model(model: PreTrainedModel, directory: Path, shards: int | None) -> 
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def _shard_size_for(state_dict: dict[str, Any], shards: int) -> int:
+    """The smallest ``max_shard_size`` (bytes) that splits ``state_dict`` into at most ``shards``.
+
+    Sizes are asked of the splitter that ``save_pretrained`` itself uses. It fills shards in key
+    order, so a larger limit never gives more shards, and a bisection finds the smallest limit:
+    exactly ``shards`` files whenever the tensor sizes allow it.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    def count(limit: int) -> int:
+        split = split_torch_state_dict_into_shards(state_dict, max_shard_size=limit)
+        return len(split.filename_to_tensors)
+
+    low = 1
+    high = sum(tensor.numel() * tensor.element_size() for tensor in state_dict.values())
+    while low < high:
+        middle = (low + high) // 2
+        if count(middle) <= shards:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+# fmt: off
 _POSITIVE_WORDS = (
-    "good",
-    "great",
-    "excellent",
-    "wonderful",
-    "lovely",
-    "happy",
-    "brilliant",
-    "amazing",
-    "fantastic",
-    "perfect",
-    "delightful",
-    "superb",
+    "good", "great", "excellent", "wonderful", "lovely", "happy",
+    "brilliant", "amazing", "fantastic", "perfect", "delightful", "superb",
 )
 _NEGATIVE_WORDS = (
-    "bad",
-    "awful",
-    "terrible",
-    "sad",
-    "poor",
-    "boring",
-    "horrible",
-    "dreadful",
-    "dull",
-    "miserable",
-    "weak",
-    "disappointing",
+    "bad", "awful", "terrible", "sad", "poor", "boring",
+    "horrible", "dreadful", "dull", "miserable", "weak", "disappointing",
 )
+# fmt: on
 _SUBJECTS = ("movie", "film", "food", "service", "story", "music", "meal", "hotel", "show", "staff")
 _SENTIMENT_TEMPLATES = (
     "The {subject} was {word}.",
@@ -378,8 +383,11 @@ _NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", 
 
 
 def tiny_text_examples(count: int, seed: int = 0) -> list[InputExample]:
-    """Causal-lm examples, deterministic in ``seed``: plain texts, and every third one a prompt
-    with a ``completion`` (small sums), so both loss modes get exercised."""
+    """Causal-lm examples, deterministic in ``seed``; every third one has a ``completion``.
+
+    Plain texts (short sentences, counting) exercise the whole-text loss; prompts asking for a
+    small sum, with the answer as ``completion``, exercise the completion-only loss.
+    """
     _check_count(count)
     rng = random.Random(seed)
     examples = []

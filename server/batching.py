@@ -1,0 +1,105 @@
+"""Examples to tensors: tokenization, completion masking, length checks and padding.
+
+Nothing is lost silently: an example longer than ``max_length`` tokens is refused with its
+index unless the config asks for truncation, and every example of a batch is encoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainwire.client.config import InputExample, TrainingConfig
+from trainwire.client.plan import check_examples
+from trainwire.server.errors import InvalidArgument
+
+IGNORE_INDEX = -100  # the label id Hugging Face losses skip
+
+
+@dataclass
+class Batch:
+    """Model inputs for one batch, on the session's device."""
+
+    inputs: dict[str, torch.Tensor]
+    example_count: int
+    token_count: int  # non-padding tokens, for throughput figures
+
+
+class BatchEncoder:
+    """Encodes examples for one session's task with its tokenizer."""
+
+    def __init__(self, tokenizer, config: TrainingConfig, device: torch.device) -> None:
+        if tokenizer.pad_token_id is None:
+            raise InvalidArgument(f"the tokenizer of {config.model} has no pad token")
+        self.tokenizer = tokenizer
+        self.config = config
+        self.device = device
+        self.label_ids = {label: i for i, label in enumerate(config.labels)}
+
+    def encode(self, examples: Sequence[InputExample]) -> Batch:
+        """Validate and encode a batch; raises ``InvalidArgument`` naming the bad example."""
+        if not examples:
+            raise InvalidArgument("empty batch: send at least one example")
+        try:
+            check_examples(examples, self.config)
+        except ValueError as error:
+            raise InvalidArgument(str(error)) from None
+        if self.config.task == "causal-lm":
+            rows = [self._causal_lm_row(i, example) for i, example in enumerate(examples)]
+        else:
+            rows = [self._classification_row(i, example) for i, example in enumerate(examples)]
+        return self._pad(rows)
+
+    def _fit(self, index: int, ids: list[int]) -> list[int]:
+        limit = self.config.max_length
+        if len(ids) <= limit:
+            return ids
+        if not self.config.truncation:
+            raise InvalidArgument(
+                f"example {index}: {len(ids)} tokens is over max_length {limit}; shorten it, "
+                "raise max_length, or set truncation true to cut it"
+            )
+        return ids[:limit]
+
+    def _causal_lm_row(self, index: int, example: InputExample) -> tuple[list[int], list[int]]:
+        eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
+        prompt = self.tokenizer(example.text)["input_ids"]
+        if example.completion is None:
+            ids = self._fit(index, prompt + eos)
+            return ids, list(ids)
+        completion = self.tokenizer(example.completion, add_special_tokens=False)["input_ids"]
+        ids = self._fit(index, prompt + completion + eos)
+        labels = ([IGNORE_INDEX] * len(prompt) + completion + eos)[: len(ids)]
+        if all(label == IGNORE_INDEX for label in labels):
+            raise InvalidArgument(
+                f"example {index}: truncation to max_length {self.config.max_length} leaves no "
+                "completion token to learn"
+            )
+        return ids, labels
+
+    def _classification_row(self, index: int, example: InputExample) -> tuple[list[int], int]:
+        ids = self._fit(index, self.tokenizer(example.text)["input_ids"])
+        return ids, self.label_ids[example.label]
+
+    def _pad(self, rows: list[tuple[list[int], list[int] | int]]) -> Batch:
+        width = max(len(ids) for ids, _ in rows)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (ids, _) in enumerate(rows):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            attention_mask[i, : len(ids)] = 1
+        if self.config.task == "causal-lm":
+            labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+            for i, (_, row_labels) in enumerate(rows):
+                labels[i, : len(row_labels)] = torch.tensor(row_labels)
+        else:
+            labels = torch.tensor([label for _, label in rows], dtype=torch.long)
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        return Batch(
+            inputs={name: tensor.to(self.device) for name, tensor in inputs.items()},
+            example_count=len(rows),
+            token_count=int(attention_mask.sum()),
+        )

@@ -1,0 +1,134 @@
+"""Session checkpoints on disk: one directory, written atomically, holding no pickle.
+
+Layout (names are constants, defined once here):
+
+    session.json            format, config and fingerprint, step, accumulation counter, device
+                            type, base-model fingerprint, RNG (Python, NumPy), extra state
+    model.safetensors       every parameter, by its live name
+    optimizer.safetensors   AdamW moments and step counts, as ``<param index>.<name>``
+    gradients.safetensors   pending (accumulated, not yet applied) gradients
+    rng.safetensors         torch CPU and CUDA generator states
+    trainer.safetensors     the session trainer's own state (a custom trainer's buffers)
+
+Everything loads with safetensors or JSON only: a planted pickle is never unpickled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from trainwire.client.files import fsync_directory
+from trainwire.server.errors import InvalidArgument, NotFound
+
+CHECKPOINT_FORMAT = "trainwire.checkpoint/v1"
+SESSION_FILE = "session.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+GRADIENTS_FILE = "gradients.safetensors"
+RNG_FILE = "rng.safetensors"
+TRAINER_FILE = "trainer.safetensors"
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path) -> Iterator[Path]:
+    """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole.
+
+    Files are fsynced, then the directory is renamed into place and its parent fsynced. An
+    existing directory at ``path`` is moved aside first and removed after the rename, so a crash
+    leaves either the old checkpoint or the new one under ``path`` (or the old one aside).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        yield tmp
+        for item in tmp.iterdir():
+            with open(item, "rb") as handle:
+                os.fsync(handle.fileno())
+        fsync_directory(tmp)
+        aside = None
+        if path.exists():
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
+            os.replace(path, aside / path.name)
+        os.replace(tmp, path)
+        fsync_directory(path.parent)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    # safetensors refuses shared storage; contiguous CPU copies are what goes to disk anyway.
+    save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, path)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors on the CPU; anything else is refused, never unpickled."""
+    if not path.is_file():
+        raise NotFound(f"{path.name} is missing from {path.parent}")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as error:
+        raise InvalidArgument(f"{path}: not a readable safetensors file ({error})") from None
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
+def read_session_json(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's metadata; NotFound when there is no checkpoint there."""
+    meta_path = checkpoint / SESSION_FILE
+    if not checkpoint.is_dir():
+        raise NotFound(f"no checkpoint at {checkpoint}")
+    if not meta_path.is_file():
+        raise InvalidArgument(f"{checkpoint} is not a session checkpoint (no {SESSION_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as error:
+        raise InvalidArgument(f"{meta_path}: not valid JSON ({error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise InvalidArgument(f"{checkpoint}: not a {CHECKPOINT_FORMAT} checkpoint")
+    return meta
+
+
+def is_session_checkpoint(path: Path) -> bool:
+    return (path / SESSION_FILE).is_file()
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW's per-parameter state as flat ``<index>.<name>`` tensors."""
+    tensors = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            tensors[f"{index}.{name}"] = value
+    return tensors
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Restore per-parameter state; the groups' settings come from the (identical) config."""
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        index, _, name = key.partition(".")
+        state.setdefault(int(index), {})[name] = value
+    current = optimizer.state_dict()
+    parameter_count = sum(len(group["params"]) for group in current["param_groups"])
+    if any(index >= parameter_count for index in state):
+        raise InvalidArgument("the checkpoint's optimizer state names parameters this model lacks")
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})

@@ -1,0 +1,102 @@
+"""Loading a session's model and tokenizer from a local directory, and wrapping it in LoRA.
+
+Model paths resolve under the session's model root, and nothing outside it is read. Loading runs
+through the real ``from_pretrained`` path, offline.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from trainwire.client.config import LoraSettings, TrainingConfig
+from trainwire.server.errors import InvalidArgument, NotFound
+
+MODEL_CONFIG_FILE = "config.json"
+
+
+def resolve_under(root: Path | None, name: str, what: str) -> Path:
+    """``name`` as a path inside ``root`` (any local path when there is no root).
+
+    Symlinks are resolved first, so a link cannot lead outside the root either.
+    """
+    if not name:
+        raise InvalidArgument(f"{what}: empty path")
+    if root is None:
+        return Path(name).expanduser().resolve()
+    base = root.resolve()
+    candidate = (base / name).resolve()
+    if candidate != base and base not in candidate.parents:
+        raise InvalidArgument(f"{what} {name!r} resolves outside the model root {base}")
+    return candidate
+
+
+def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:
+    path = resolve_under(model_root, config.model, "model")
+    if not (path / MODEL_CONFIG_FILE).is_file():
+        raise NotFound(f"model {config.model!r}: no {MODEL_CONFIG_FILE} in {path}")
+    return path
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def load_model(
+    config: TrainingConfig, model_dir: Path, dtype: torch.dtype, tokenizer
+) -> torch.nn.Module:
+    """The task's Auto model, in ``dtype`` on the CPU (the caller moves it to its device)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+
+    if config.task == "causal-lm":
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, local_files_only=True)
+    else:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir,
+            dtype=dtype,
+            local_files_only=True,
+            num_labels=len(config.labels),
+            id2label=dict(enumerate(config.labels)),
+            label2id={label: i for i, label in enumerate(config.labels)},
+        )
+        if model.config.pad_token_id is None:
+            # Decoder classifiers find each sequence's last token through the pad id.
+            model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.use_cache = False
+    return model
+
+
+def peft_target_modules(lora: LoraSettings) -> str | list[str]:
+    return "all-linear" if lora.target_modules == ("all-linear",) else list(lora.target_modules)
+
+
+def apply_lora(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Module:
+    """Wrap ``model`` in one trainable LoRA adapter (draws its initialization from the RNG)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    lora = config.lora
+    assert lora is not None
+    task_type = TaskType.CAUSAL_LM if config.task == "causal-lm" else TaskType.SEQ_CLS
+    try:
+        peft_config = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=peft_target_modules(lora),
+            use_dora=lora.use_dora,
+            task_type=task_type,
+        )
+        return get_peft_model(model, peft_config)
+    except ValueError as error:
+        raise InvalidArgument(f"lora: {error}") from None
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing: frozen embeddings do not cut the adapters' gradients."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

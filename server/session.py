@@ -1,0 +1,373 @@
+"""The training engine: one model, one optimizer, one schedule, driven one operation at a time.
+
+Lifecycle: set up (load the model, wrap it in LoRA, build the optimizer) → operate (forward,
+forward_backward, optim_step) → save / export → close. Every path that trains (in-process, gRPC,
+controller, Lightning) drives this one class, so they all produce the same bits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainwire.client.config import InputExample, TrainingConfig
+from trainwire.server import checkpoint as ckpt
+from trainwire.server import weights
+from trainwire.server.batching import Batch, BatchEncoder
+from trainwire.server.device import refuse_unsupported_setups, resolve_device, resolve_dtype
+from trainwire.server.digest import update_with_tensors
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from trainwire.server.model_loading import (
+    apply_lora,
+    enable_gradient_checkpointing,
+    load_model,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from trainwire.server.optimization import build_optimizer, learning_rate_at
+from trainwire.server.rng import RngState, preserved_global_rng
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Prediction:
+    """A classifier's answer for one example: the top label and the scores in label order."""
+
+    label: str
+    scores: list[float]
+
+
+@dataclass
+class ForwardResult:
+    loss: float
+    predictions: list[Prediction] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    step: int  # updates applied, this one included
+    learning_rate: float  # the rate this update used
+    grad_norm: float  # the global gradient norm before clipping
+
+
+class SessionTrainer:
+    """The per-batch math of a session; subclass it for a custom loss or extra state.
+
+    A subclass's ``session_state_dict()`` rides in the session checkpoint and the state digest,
+    so state it keeps (a recovery buffer, say) resumes exactly. There is still one optimizer loop:
+    the session's.
+    """
+
+    def __init__(self, config: TrainingConfig) -> None:
+        self.config = config
+
+    def compute_loss(self, model: torch.nn.Module, batch: Batch, *, training: bool) -> Any:
+        """The model's output for ``batch``; its ``.loss`` is what backward runs on.
+
+        ``training`` is False under ``forward``, which must leave the trainer's state alone.
+        """
+        return model(**batch.inputs)
+
+    def session_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_session_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise InvalidArgument(
+                f"the checkpoint holds trainer state ({', '.join(sorted(state))}) that "
+                f"{type(self).__name__} does not keep"
+            )
+
+
+TrainerFactory = Callable[[TrainingConfig], SessionTrainer]
+
+
+class TrainingSession:
+    """One Hugging Face model trained in full or through one LoRA adapter.
+
+    Operations are serialized by a lock, and each installs the session's own RNG state around
+    itself, so sessions in one process never change each other's bits.
+    """
+
+    def __init__(
+        self,
+        config: TrainingConfig,
+        *,
+        device: str | torch.device | None = None,
+        max_steps: int | None = None,
+        model_root: str | Path | None = None,
+        trainer_factory: TrainerFactory = SessionTrainer,
+    ) -> None:
+        # Validate everything first: a refused session allocates nothing.
+        if not isinstance(config, TrainingConfig):
+            raise InvalidArgument(f"config must be a TrainingConfig, got {type(config).__name__}")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise InvalidArgument(
+                f"max_steps must be a positive integer or None, got {max_steps!r}"
+            )
+        refuse_unsupported_setups()
+        self.config = config
+        self.max_steps = max_steps
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(config, self.device)
+        self.model_root = None if model_root is None else Path(model_root)
+        self.model_dir = resolve_model_dir(config, self.model_root)
+
+        self._lock = threading.RLock()
+        self._rng = RngState.seeded(config.seed)
+        with self._session_rng():
+            self.tokenizer = load_tokenizer(self.model_dir)
+            model = load_model(config, self.model_dir, self.dtype, self.tokenizer)
+            if config.lora is not None:
+                model = apply_lora(model, config)
+            if config.gradient_checkpointing:
+                enable_gradient_checkpointing(model)
+            self.model = model.to(self.device)
+        self.encoder = BatchEncoder(self.tokenizer, config, self.device)
+        self.optimizer = build_optimizer(self.model, config)
+        self.trainer = trainer_factory(config)
+        self.step = 0
+        self.accumulated = 0  # microbatches whose gradients are pending
+        self._version = 0  # state-changing operations applied; keys the digest cache
+        self._broken: str | None = None
+        self._digest_cache: tuple[int, str] | None = None
+        self.base_fingerprint = self._base_model_fingerprint()
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _session_rng(self) -> Iterator[None]:
+        """Run with the session's RNG installed; keep what it drew only if the block succeeds."""
+        with preserved_global_rng():
+            self._rng.install()
+            yield
+            self._rng = RngState.capture()
+
+    @contextlib.contextmanager
+    def _operation(self) -> Iterator[None]:
+        with self._lock:
+            if self._broken is not None:
+                raise FailedPrecondition(
+                    f"the session is unusable: {self._broken}. Restore it with load_state from "
+                    "a checkpoint; it refuses other operations until then"
+                )
+            with self._session_rng():
+                yield
+
+    def _break(self, what: str, error: BaseException) -> None:
+        self._broken = f"{what} failed midway ({type(error).__name__}: {error})"
+        logger.error("session marked unusable: %s", self._broken)
+
+    def _changed(self) -> None:
+        self._version += 1
+
+    def trainable_parameters(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _base_model_fingerprint(self) -> str | None:
+        """For LoRA: sha256 of the frozen base weights an adapter is trained on."""
+        if self.config.lora is None:
+            return None
+        digest = hashlib.sha256()
+        base = {
+            weights.native_name(name): p
+            for name, p in self.model.named_parameters()
+            if weights.native_name(name) is not None
+            and ".modules_to_save." not in name
+            and ".original_module." not in name
+        }
+        update_with_tensors(digest, base)
+        return "sha256:" + digest.hexdigest()
+
+    @property
+    def is_fresh(self) -> bool:
+        return self._version == 0
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def forward(self, examples: Sequence[InputExample]) -> ForwardResult:
+        """The batch loss (and predictions for classification); no gradients, no state change."""
+        with self._operation():
+            batch = self.encoder.encode(examples)
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    output = self.trainer.compute_loss(self.model, batch, training=False)
+            except torch.OutOfMemoryError as error:
+                raise ResourceExhausted(f"forward ran out of memory: {error}") from None
+            predictions = []
+            if self.config.task == "sequence-classification":
+                scores = output.logits.float().cpu()
+                for row in scores:
+                    top = int(torch.argmax(row))
+                    predictions.append(Prediction(self.config.labels[top], row.tolist()))
+            return ForwardResult(float(output.loss.item()), predictions)
+
+    def forward_backward(self, examples: Sequence[InputExample]) -> float:
+        """Run one microbatch forward and backward; its gradients accumulate until optim_step.
+
+        Returns the native scalar batch loss. The pending gradients are renormalized by the
+        number of microbatches really accumulated when the update is applied.
+        """
+        with self._operation():
+            batch = self.encoder.encode(examples)
+            self.model.train()
+            try:
+                loss = self.trainer.compute_loss(self.model, batch, training=True).loss
+            except torch.OutOfMemoryError as error:
+                # Nothing was applied yet: the session's state (RNG included) is unchanged.
+                raise ResourceExhausted(f"forward_backward ran out of memory: {error}") from None
+            try:
+                loss.backward()
+            except BaseException as error:
+                self._break("forward_backward", error)
+                raise
+            self.accumulated += 1
+            self._changed()
+            return float(loss.item())
+
+    def optim_step(self) -> StepResult:
+        """Apply one update: renormalize, clip, step AdamW at the scheduled rate, zero grads."""
+        with self._operation():
+            if self.accumulated == 0:
+                raise FailedPrecondition(
+                    "optim_step: no microbatch accumulated since the last update; "
+                    "run forward_backward first"
+                )
+            try:
+                rate = learning_rate_at(self.step, self.config, self.max_steps)
+            except ValueError as error:
+                raise InvalidArgument(str(error)) from None
+            try:
+                grad_norm = self._apply_update(rate)
+            except BaseException as error:
+                self._break("optim_step", error)
+                raise
+            self.step += 1
+            self.accumulated = 0
+            self._changed()
+            return StepResult(self.step, rate, grad_norm)
+
+    def _apply_update(self, rate: float) -> float:
+        parameters = [p for p in self.trainable_parameters() if p.grad is not None]
+        if self.accumulated > 1:
+            for parameter in parameters:
+                parameter.grad.div_(self.accumulated)
+        max_norm = self.config.max_grad_norm
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def pending_gradients(self) -> dict[str, torch.Tensor]:
+        return {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
+
+    def state_digest(self) -> str:
+        """sha256 over the whole continuation state: parameters, optimizer moments, schedule
+        position, pending gradients, accumulation counter, RNG and trainer state.
+
+        Equal digests mean equal continuations. Cached per state version.
+        """
+        with self._lock:
+            if self._digest_cache is not None and self._digest_cache[0] == self._version:
+                return self._digest_cache[1]
+            digest = hashlib.sha256(b"trainwire.state/v1|")
+            digest.update(f"step={self.step}|accumulated={self.accumulated}|".encode())
+            digest.update(f"max_steps={self.max_steps}|".encode())
+            update_with_tensors(digest, dict(self.model.named_parameters()))
+            update_with_tensors(digest, ckpt.optimizer_state_tensors(self.optimizer))
+            update_with_tensors(digest, self.pending_gradients())
+            update_with_tensors(digest, self.trainer.session_state_dict())
+            self._rng.update_digest(digest)
+            value = "sha256:" + digest.hexdigest()
+            self._digest_cache = (self._version, value)
+            return value
+
+    def save_state(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
+        """Write the complete continuation state to a checkpoint directory, atomically.
+
+        ``extra`` (JSON) rides along; managed runs keep their cursor and history there.
+        """
+        from trainwire.server.session_state import write_checkpoint
+
+        with self._lock:
+            if self._broken is not None:
+                raise FailedPrecondition(f"cannot save an unusable session: {self._broken}")
+            write_checkpoint(self, Path(path), extra or {})
+
+    def load_state(self, path: str | Path) -> dict[str, Any]:
+        """Restore everything from a checkpoint into this fresh session; returns its ``extra``."""
+        from trainwire.server.session_state import read_checkpoint_into
+
+        with self._lock:
+            if not self.is_fresh and self._broken is None:
+                raise FailedPrecondition(
+                    f"load_state needs a fresh session; this one has applied {self._version} "
+                    f"operation(s) (step {self.step}). Open a new session to restore"
+                )
+            extra = read_checkpoint_into(self, Path(path))
+            self._broken = None
+            self._changed()
+            return extra
+
+    def load_weights(self, path: str | Path) -> None:
+        """Copy weights only, from a session checkpoint, a native model or a PEFT adapter.
+
+        The optimizer, schedule and RNG stay this run's. A full model seeds a LoRA session's base
+        weights (the adapters stay fresh).
+        """
+        with self._operation():
+            source = Path(path)
+            kind = weights.source_kind(source)
+            if kind == "checkpoint":
+                weights.copy_into(weights.plan_checkpoint_load(self.model, source))
+            elif kind == "native":
+                tensors = weights.read_native_model_tensors(source)
+                weights.copy_into(weights.plan_native_load(self.model, tensors))
+            else:
+                tensors = weights.plan_adapter_load(self.model, source, self.base_fingerprint)
+                weights.load_adapter_tensors(self.model, tensors)
+            self.base_fingerprint = self._base_model_fingerprint()
+            self._changed()
+
+    def export_weights(self, path: str | Path) -> None:
+        """Write a directory ``transformers`` (full) or ``peft`` (adapter) loads, atomically."""
+        with self._lock:
+            self._export_model(self.model, Path(path))
+
+    def _export_model(self, model: torch.nn.Module, path: Path) -> None:
+        record = {
+            "base_model_fingerprint": self.base_fingerprint,
+            "step": self.step,
+            "state_digest": self.state_digest(),
+        }
+        weights.write_export(path, model, self.tokenizer, self.config, record)
+
+    def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
+        """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
+        with self._lock:
+            detached = copy.deepcopy(self.model).to("cpu")
+            pairs = weights.plan_checkpoint_load(detached, Path(checkpoint))
+            weights.copy_into(pairs)
+            record = {
+                "base_model_fingerprint": self.base_fingerprint,
+                "checkpoint": str(checkpoint),
+            }
+            weights.write_export(Path(path), detached, self.tokenizer, self.config, record)

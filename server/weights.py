@@ -1,0 +1,224 @@
+"""Weights in and out of a live model: ``load_weights`` sources and ``export_weights``.
+
+Every source is read completely and checked (names, shapes, dtypes, adapter settings, base
+model) before a single live tensor is touched, so a refused load changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainwire.client.config import TrainingConfig
+from trainwire.server.checkpoint import (
+    MODEL_FILE,
+    atomic_directory,
+    is_session_checkpoint,
+    load_tensors,
+    write_json,
+)
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from trainwire.server.model_loading import MODEL_CONFIG_FILE
+
+EXPORT_FORMAT = "trainwire.export/v1"
+EXPORT_FILE = "trainwire_export.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+SHARD_INDEX_FILE = "model.safetensors.index.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def native_name(live_name: str) -> str | None:
+    """The name a native (non-PEFT) model gives a live parameter; None for adapter weights."""
+    if "lora_" in live_name:
+        return None
+    name = live_name.removeprefix(PEFT_PREFIX)
+    for wrapper in (".base_layer.", ".original_module.", ".modules_to_save.default."):
+        name = name.replace(wrapper, ".")
+    return name
+
+
+def describe_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:
+    """Every name, shape and dtype difference between two tensor sets, saved vs now."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:5])}")
+    for name in sorted(set(expected) & set(found)):
+        want, got = expected[name], found[name]
+        if want.shape != got.shape:
+            problems.append(f"{name}: shape {tuple(got.shape)}, model has {tuple(want.shape)}")
+        elif want.dtype != got.dtype:
+            problems.append(f"{name}: dtype {got.dtype}, model has {want.dtype}")
+    return "; ".join(problems[:10])
+
+
+def read_native_model_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """A native model directory's weights, single-file or sharded safetensors."""
+    single = directory / MODEL_FILE
+    if single.is_file():
+        return load_tensors(single)
+    index_path = directory / SHARD_INDEX_FILE
+    if not index_path.is_file():
+        raise InvalidArgument(
+            f"{directory}: no {MODEL_FILE} or {SHARD_INDEX_FILE}; only safetensors weights load"
+        )
+    try:
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+    except (ValueError, KeyError) as error:
+        raise InvalidArgument(f"{index_path}: not a safetensors shard index ({error})") from None
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        shard_path = (directory / shard).resolve()
+        if shard_path.parent != directory.resolve():
+            raise InvalidArgument(f"{index_path}: shard {shard!r} lies outside the model directory")
+        tensors.update(load_tensors(shard_path))
+    return tensors
+
+
+def plan_native_load(
+    model: torch.nn.Module, source: dict[str, torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Pair each live non-adapter parameter with its source tensor, or refuse the whole load."""
+    live = {name: p for name, p in model.named_parameters() if native_name(name) is not None}
+    by_native: dict[str, list[torch.Tensor]] = {}
+    for name, parameter in live.items():
+        by_native.setdefault(native_name(name), []).append(parameter)
+    expected = {name: params[0] for name, params in by_native.items()}
+    problems = describe_mismatches(expected, source)
+    if problems:
+        raise InvalidArgument(f"the weights do not fit this model: {problems}")
+    return [(param, source[name]) for name, params in by_native.items() for param in params]
+
+
+def plan_checkpoint_load(
+    model: torch.nn.Module, checkpoint: Path
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    source = load_tensors(checkpoint / MODEL_FILE)
+    live = dict(model.named_parameters())
+    problems = describe_mismatches(live, source)
+    if problems:
+        raise InvalidArgument(f"checkpoint {checkpoint.name} does not fit this model: {problems}")
+    return [(live[name], source[name]) for name in live]
+
+
+def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    with torch.no_grad():
+        for live, source in pairs:
+            live.copy_(source.to(live.device))
+
+
+def adapter_settings_mismatches(model: torch.nn.Module, saved: dict[str, Any]) -> list[str]:
+    """Where a saved adapter's settings differ from the live adapter's, saved vs now."""
+    now = model.peft_config["default"]
+    pairs = {
+        "r": (saved.get("r"), now.r),
+        "alpha": (saved.get("lora_alpha"), now.lora_alpha),
+        "dropout": (saved.get("lora_dropout"), now.lora_dropout),
+        "target_modules": (
+            sorted(_as_list(saved.get("target_modules"))),
+            sorted(_as_list(now.target_modules)),
+        ),
+        "use_dora": (bool(saved.get("use_dora", False)), bool(now.use_dora)),
+    }
+    return [f"{key}: saved {a!r}, now {b!r}" for key, (a, b) in pairs.items() if a != b]
+
+
+def _as_list(value: Any) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+def plan_adapter_load(
+    model: torch.nn.Module, directory: Path, base_fingerprint: str | None
+) -> dict[str, torch.Tensor]:
+    """Check a PEFT adapter directory against the live adapter; returns its tensors."""
+    from peft import get_peft_model_state_dict
+
+    if base_fingerprint is None or not hasattr(model, "peft_config"):
+        raise FailedPrecondition(
+            f"{directory.name} is a LoRA adapter, but this session trains full weights; open the "
+            "session with lora settings to load it"
+        )
+    try:
+        saved = json.loads((directory / ADAPTER_CONFIG_FILE).read_text())
+    except ValueError as error:
+        raise InvalidArgument(
+            f"{directory}/{ADAPTER_CONFIG_FILE}: invalid JSON ({error})"
+        ) from None
+    mismatches = adapter_settings_mismatches(model, saved)
+    if mismatches:
+        raise InvalidArgument(f"adapter {directory.name} does not match: {'; '.join(mismatches)}")
+    record = read_export_record(directory)
+    if record is not None and record.get("base_model_fingerprint") != base_fingerprint:
+        raise InvalidArgument(
+            f"adapter {directory.name} was trained on another base model: saved "
+            f"{record.get('base_model_fingerprint')}, now {base_fingerprint}"
+        )
+    tensors = load_tensors(directory / ADAPTER_WEIGHTS_FILE)
+    problems = describe_mismatches(get_peft_model_state_dict(model), tensors)
+    if problems:
+        raise InvalidArgument(f"adapter {directory.name} does not fit this model: {problems}")
+    return tensors
+
+
+def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    from peft import set_peft_model_state_dict
+
+    with torch.no_grad():
+        set_peft_model_state_dict(model, tensors)
+
+
+def source_kind(directory: Path) -> str:
+    """``checkpoint``, ``adapter`` or ``native`` by the files a directory holds."""
+    if not directory.is_dir():
+        raise NotFound(f"no weights at {directory}")
+    if is_session_checkpoint(directory):
+        return "checkpoint"
+    if (directory / ADAPTER_CONFIG_FILE).is_file():
+        return "adapter"
+    if (directory / MODEL_CONFIG_FILE).is_file():
+        return "native"
+    raise InvalidArgument(
+        f"{directory} is neither a session checkpoint, a PEFT adapter nor a model directory"
+    )
+
+
+def read_export_record(directory: Path) -> dict[str, Any] | None:
+    path = directory / EXPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+def write_export(
+    path: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    config: TrainingConfig,
+    record: dict[str, Any],
+) -> None:
+    """A directory ``transformers`` (full) or ``peft`` (adapter) loads for inference."""
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        write_json(
+            tmp / EXPORT_FILE,
+            {
+                "format": EXPORT_FORMAT,
+                "kind": "adapter" if config.lora is not None else "full",
+                "config": config.to_dict(),
+                "config_fingerprint": config.fingerprint(),
+                **record,
+            },
+        )
