@@ -1,0 +1,185 @@
+"""The one loop that replays a plan: microbatches, updates, evaluations, best selection, early
+stopping. In-process runs (ManagedTraining) and remote runs (Controller) both drive it, each
+through a small backend, so they take the same decisions in the same order and end with the
+same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from trainwire.client.config import InputExample
+from trainwire.client.evaluation import EvaluationTally, evaluation_batches
+from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.client.progress import Progress, evaluation_record, update_record
+from trainwire.client.results import TrainingResult
+from trainwire.client.selection import SelectionState
+
+
+@dataclass
+class RunState:
+    """Where a replay stands: enough to resume it exactly, JSON round-trippable."""
+
+    plan_fingerprint: str
+    selection: SelectionState
+    next_microbatch: int = 0
+    pending_losses: list[float] = field(default_factory=list)  # since the last update
+    history: list[dict[str, Any]] = field(default_factory=list)
+    best_checkpoint: str | None = None
+    finished: bool = False
+
+    @classmethod
+    def start(cls, plan: ManagedTrainingPlan) -> RunState:
+        return cls(plan.fingerprint, SelectionState.from_policy(plan.selection_policy))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "plan_fingerprint": self.plan_fingerprint,
+            "selection": self.selection.to_dict(),
+            "next_microbatch": self.next_microbatch,
+            "pending_losses": list(self.pending_losses),
+            "history": list(self.history),
+            "best_checkpoint": self.best_checkpoint,
+            "finished": self.finished,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunState:
+        return cls(
+            plan_fingerprint=data["plan_fingerprint"],
+            selection=SelectionState.from_dict(data["selection"]),
+            next_microbatch=data["next_microbatch"],
+            pending_losses=list(data["pending_losses"]),
+            history=list(data["history"]),
+            best_checkpoint=data["best_checkpoint"],
+            finished=data["finished"],
+        )
+
+
+@dataclass
+class StepOutcome:
+    step: int
+    learning_rate: float
+    grad_norm: float
+
+
+class ReplayBackend(Protocol):
+    """The operations a replay needs; microbatch indices let a remote backend key them."""
+
+    def forward_backward(self, index: int, examples: list[InputExample]) -> float: ...
+
+    def optim_step(self, index: int) -> StepOutcome: ...
+
+    def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
+        """The batch loss and, for classification, the predicted labels."""
+        ...
+
+    def save_best(self, index: int, state: RunState) -> str:
+        """Keep the current weights as the best; returns the checkpoint's name or path."""
+        ...
+
+    def after_microbatch(self, index: int, state: RunState) -> None:
+        """Microbatch ``index`` and what follows it are done: persist, checkpoint, report."""
+        ...
+
+
+def evaluate(
+    backend: ReplayBackend, examples: Sequence[InputExample], batch_size: int
+) -> dict[str, float]:
+    tally = EvaluationTally()
+    for batch in evaluation_batches(examples, batch_size):
+        loss, labels = backend.forward(batch)
+        tally.add(batch, loss, labels)
+    return tally.metrics()
+
+
+def replay(
+    plan: ManagedTrainingPlan,
+    backend: ReplayBackend,
+    state: RunState,
+    *,
+    eval_examples: Sequence[InputExample] | None = None,
+    on_step: Callable[[Progress], None] | None = None,
+) -> RunState:
+    """Run the plan from ``state.next_microbatch`` to its end or to an early stop."""
+    eval_examples = plan.eval_examples if eval_examples is None else eval_examples
+    batch_size = plan.config.batch_size
+    for i in range(state.next_microbatch, plan.batch_count):
+        if state.finished:
+            break
+        epoch, step = plan.epoch(i), plan.steps_after(i)
+        loss = backend.forward_backward(i, plan.batch(i))
+        state.pending_losses.append(loss)
+        update = evaluation = None
+        if plan.is_update(i):
+            outcome = backend.optim_step(i)
+            update = update_record(
+                microbatch=i,
+                epoch=epoch,
+                step=outcome.step,
+                losses=state.pending_losses,
+                learning_rate=outcome.learning_rate,
+                grad_norm=outcome.grad_norm,
+            )
+            state.history.append(update)
+            state.pending_losses = []
+        state.next_microbatch = i + 1
+        if plan.evaluates_after(i):
+            metrics = evaluate(backend, eval_examples or (), batch_size)
+            is_best = state.selection.observe(metrics, step=step, epoch=epoch)
+            evaluation = evaluation_record(
+                microbatch=i, epoch=epoch, step=step, metrics=metrics, is_best=is_best
+            )
+            state.history.append(evaluation)
+            if is_best:
+                state.best_checkpoint = backend.save_best(i, state)
+        # Early stopping ends the run here: the last microbatch run is its last.
+        state.finished = state.selection.stopped_early or i + 1 == plan.batch_count
+        backend.after_microbatch(i, state)
+        if on_step is not None:
+            on_step(
+                Progress(
+                    microbatch=i,
+                    batch_count=plan.batch_count,
+                    epoch=epoch,
+                    step=step,
+                    max_steps=plan.max_steps,
+                    loss=loss,
+                    update=update,
+                    evaluation=evaluation,
+                )
+            )
+    return state
+
+
+def training_result(
+    plan: ManagedTrainingPlan,
+    state: RunState,
+    *,
+    state_digest: str,
+    last_checkpoint: str | None,
+) -> TrainingResult:
+    """The result of a finished replay, the same for every runner."""
+    last = max(state.next_microbatch - 1, 0)
+    selection = state.selection
+    metrics: dict[str, float] = {}
+    for record in state.history:
+        if record["kind"] == "update":
+            metrics["train_loss"] = record["loss"]
+        else:
+            metrics.update({k: v for k, v in record.items() if k.startswith("eval_")})
+    return TrainingResult(
+        best_score=selection.best_value,
+        best_step=selection.best_step,
+        best_epoch=selection.best_epoch,
+        best_checkpoint=state.best_checkpoint,
+        last_checkpoint=last_checkpoint,
+        stopped_step=plan.steps_after(last) if state.next_microbatch else 0,
+        stopped_epoch=plan.epoch(last),
+        early_stopped=selection.stopped_early,
+        history=list(state.history),
+        metrics=metrics,
+        state_digest=state_digest,
+    )

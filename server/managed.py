@@ -1,0 +1,150 @@
+"""ManagedTraining: a plan replayed in-process on a TrainingSession.
+
+It drives the same replay loop as the remote Controller (``trainwire.client.replay``), so the
+two take the same decisions and end with the same bits. Managed checkpoints are session
+checkpoints whose ``extra`` holds the run state: plan fingerprint, exact cursor, evaluation and
+best state, history and early-stopping counters.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from trainwire.client.config import InputExample
+from trainwire.client.plan import ManagedTrainingPlan, check_examples
+from trainwire.client.progress import Progress
+from trainwire.client.replay import RunState, StepOutcome, replay, training_result
+from trainwire.client.results import TrainingResult
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.session import TrainingSession
+
+MANAGED_KEY = "managed"
+BEST_CHECKPOINT = "best"
+LAST_CHECKPOINT = "last"
+
+
+class _SessionBackend:
+    """The replay's operations, applied directly to a local session."""
+
+    def __init__(self, training: ManagedTraining) -> None:
+        self.training = training
+        self.session = training.session
+
+    def forward_backward(self, index: int, examples: list[InputExample]) -> float:
+        return self.session.forward_backward(examples)
+
+    def optim_step(self, index: int) -> StepOutcome:
+        result = self.session.optim_step()
+        return StepOutcome(result.step, result.learning_rate, result.grad_norm)
+
+    def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
+        result = self.session.forward(examples)
+        return result.loss, [prediction.label for prediction in result.predictions]
+
+    def save_best(self, index: int, state: RunState) -> str:
+        path = self.training.checkpoint_dir / BEST_CHECKPOINT
+        self.training._save(path, state)
+        return str(path)
+
+    def after_microbatch(self, index: int, state: RunState) -> None:
+        every = self.training.checkpoint_every
+        plan = self.training.plan
+        if every and plan.is_update(index) and plan.steps_after(index) % every == 0:
+            self.training._save(self.training.checkpoint_dir / LAST_CHECKPOINT, state)
+
+
+class ManagedTraining:
+    """Replays ``plan`` on ``session``: run, checkpoint, resume, export the best, close.
+
+    The session must be built for this plan: the same config and ``max_steps=plan.max_steps``
+    (the schedule decays over it). ``checkpoint_dir`` holds the best and last checkpoints (a
+    temporary directory, removed on close, when not given); ``checkpoint_every`` saves ``last``
+    every that many updates.
+    """
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        plan: ManagedTrainingPlan,
+        eval_examples: Sequence[InputExample] | None = None,
+        *,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every: int | None = None,
+    ) -> None:
+        if session.config.fingerprint() != plan.config.fingerprint():
+            raise InvalidArgument(
+                "the session's config is not the plan's: session "
+                f"{session.config.fingerprint()}, plan {plan.config.fingerprint()}"
+            )
+        if session.max_steps != plan.max_steps:
+            raise InvalidArgument(
+                f"the session was built with max_steps={session.max_steps}, the plan has "
+                f"{plan.max_steps} updates; build it with max_steps=plan.max_steps"
+            )
+        if checkpoint_every is not None and checkpoint_every < 1:
+            raise InvalidArgument(f"checkpoint_every must be positive, got {checkpoint_every}")
+        if eval_examples is not None:
+            eval_examples = list(eval_examples)
+            check_examples(eval_examples, plan.config, what="eval example")
+        self.session = session
+        self.plan = plan
+        self.eval_examples = eval_examples if eval_examples is not None else plan.eval_examples
+        if plan.config.eval_strategy != "no" and not self.eval_examples:
+            raise InvalidArgument("the plan evaluates, but there are no eval examples")
+        self._owns_checkpoint_dir = checkpoint_dir is None
+        self.checkpoint_dir = Path(checkpoint_dir or tempfile.mkdtemp(prefix="trainwire-run-"))
+        self.checkpoint_every = checkpoint_every
+        self.state = RunState.start(plan)
+
+    def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
+        """Run to the end of the plan (or an early stop) from wherever the run stands."""
+        backend = _SessionBackend(self)
+        self.state = replay(
+            self.plan, backend, self.state, eval_examples=self.eval_examples, on_step=on_step
+        )
+        last = self.checkpoint_dir / LAST_CHECKPOINT
+        self._save(last, self.state)
+        return training_result(
+            self.plan,
+            self.state,
+            state_digest=self.session.state_digest(),
+            last_checkpoint=str(last),
+        )
+
+    def _save(self, path: Path, state: RunState) -> None:
+        self.session.save_state(path, extra={MANAGED_KEY: state.to_dict()})
+
+    def save_state(self, path: str | Path) -> None:
+        """A managed checkpoint: the session's complete state plus the run's cursor."""
+        self._save(Path(path), self.state)
+
+    def load_state(self, path: str | Path) -> None:
+        """Resume from a managed checkpoint into this run's fresh session."""
+        from trainwire.server.session_state import read_extra
+
+        saved = read_extra(Path(path)).get(MANAGED_KEY)
+        if saved is None:
+            raise InvalidArgument(f"{path} is a session checkpoint without a managed run state")
+        if saved["plan_fingerprint"] != self.plan.fingerprint:
+            raise FailedPrecondition(
+                f"the checkpoint belongs to plan {saved['plan_fingerprint']}, this run's plan is "
+                f"{self.plan.fingerprint}; resume it with its own manifest"
+            )
+        self.session.load_state(path)
+        self.state = RunState.from_dict(saved)
+
+    def export_weights(self, path: str | Path) -> None:
+        """Export the best weights (from a detached CPU copy) or, without evaluation, the last."""
+        best = self.state.best_checkpoint
+        if best is not None:
+            self.session.export_checkpoint_weights(best, path)
+        else:
+            self.session.export_weights(path)
+
+    def close(self) -> None:
+        """Remove the temporary checkpoint directory, if this run made one."""
+        if self._owns_checkpoint_dir:
+            shutil.rmtree(self.checkpoint_dir, ignore_errors=True)
