@@ -10,11 +10,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.manifest import (
+    load_plan,
     read_config_file,
     read_examples_jsonl,
     read_manifest,
@@ -98,8 +100,43 @@ def command_inspect(args: argparse.Namespace) -> int:
     raise UsageError(f"{path}: not a manifest file")
 
 
+def command_run(args: argparse.Namespace) -> int:
+    from trainwire.client.controller import Controller
+    from trainwire.client.progress_bar import ProgressReporter
+    from trainwire.client.session_client import SessionClient
+
+    plan = load_plan(args.manifest)
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    client = SessionClient(args.server, token=token, root_certificates=root_certificates)
+    reporter = ProgressReporter(quiet=args.quiet, log_every=args.log_every)
+    try:
+        controller = Controller(
+            client,
+            plan,
+            run_id=args.run_id,
+            work_dir=args.work_dir,
+            checkpoint_every=args.checkpoint_every,
+        )
+        result = controller.run(on_step=reporter)
+    finally:
+        reporter.close()
+        client.close()
+    print(
+        f"run {args.run_id} done: step {result.stopped_step}, best {result.best_score} "
+        f"(step {result.best_step}), digest {result.state_digest}; "
+        f"summary in {Path(args.work_dir) / 'training_summary.json'}"
+    )
+    return 0
+
+
 def command_demo(args: argparse.Namespace) -> int:
-    print("trainwire demo: the end-to-end demo arrives with the controller; nothing to run yet.")
+    from trainwire.demo import DemoSettings, run_demo
+
+    settings = DemoSettings.fast() if args.fast else DemoSettings()
+    # Each demo gets its own directory, so a second demo trains again instead of resuming.
+    work_dir = Path(args.work_dir or Path("trainwire-demo") / time.strftime("%Y%m%d-%H%M%S"))
+    run_demo(work_dir, server=args.server, settings=settings, quiet=args.quiet)
     return 0
 
 
@@ -122,7 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.set_defaults(handler=command_inspect)
 
+    run = commands.add_parser("run", help="replay a manifest against a server, crash-proof")
+    run.add_argument("--server", required=True, help="the server's HOST:PORT")
+    run.add_argument("--manifest", required=True, help="the manifest from trainwire plan")
+    run.add_argument("--run-id", required=True, help="names the run in every operation key")
+    run.add_argument("--work-dir", required=True, help="cursor, export and summary go here")
+    run.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    run.add_argument("--token-file", help="a file holding the server's bearer token")
+    run.add_argument("--tls-ca", help="PEM root certificates to verify a TLS server")
+    run.add_argument("--quiet", action="store_true", help="no progress output")
+    run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
+    run.set_defaults(handler=command_run)
+
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")
+    demo.add_argument("--work-dir", help="where it writes (default: trainwire-demo/<time>)")
+    demo.add_argument("--server", help="drive this server instead of starting a local one")
+    demo.add_argument("--fast", action="store_true", help="a shorter run (for tests)")
+    demo.add_argument("--quiet", action="store_true", help="no progress output")
     demo.set_defaults(handler=command_demo)
     return parser
 

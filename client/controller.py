@@ -1,0 +1,234 @@
+"""The controller: replays a manifest against a remote session, exactly once, through crashes.
+
+Every operation carries a stable key, ``{run_id}/{manifest fingerprint}/{microbatch}/{operation}``,
+and the position the controller believes the session is at. The server's journal answers a key
+it has seen with the recorded result, so replaying after any crash re-applies nothing; the
+position check makes sure no operation lands on a state the controller did not expect. The
+cursor is persisted only after the operations it covers have committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from trainwire.client.artifacts import write_run_artifacts
+from trainwire.client.config import InputExample
+from trainwire.client.cursor import Record, WorkDirectory
+from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.client.progress import Progress
+from trainwire.client.replay import RunState, StepOutcome, replay, training_result
+from trainwire.client.results import TrainingResult
+
+logger = logging.getLogger(__name__)
+
+BEST_CHECKPOINT = "best"
+LATEST_CHECKPOINT = "latest"
+EXPORT_NAME = "final"
+EXPORT_DIR = "export"
+# Lost connections and a server restarting: wait and resume.
+RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+class PositionMoved(Exception):
+    """The server is not where the controller expected (it restarted): resynchronize."""
+
+
+def operation_key(run_id: str, fingerprint: str, index: int, operation: str) -> str:
+    return f"{run_id}/{fingerprint}/{index}/{operation}"
+
+
+def microbatch_of_key(key: str, run_id: str, fingerprint: str) -> int | None:
+    """The microbatch index a key of this run names, or None for another run's key."""
+    prefix = f"{run_id}/{fingerprint}/"
+    if not key.startswith(prefix):
+        return None
+    index, _, _ = key[len(prefix) :].partition("/")
+    return int(index) if index.isdigit() else None
+
+
+class _RemoteBackend:
+    """The replay's operations as keyed, position-checked calls on the client."""
+
+    def __init__(self, controller: Controller) -> None:
+        self.c = controller
+
+    def forward_backward(self, index: int, examples: list[InputExample]) -> float:
+        outcome = self.c._keyed(self.c.client.forward_backward, index, "forward_backward", examples)
+        return outcome.loss
+
+    def optim_step(self, index: int) -> StepOutcome:
+        outcome = self.c._keyed(self.c.client.optim_step, index, "optim_step")
+        return StepOutcome(outcome.step, outcome.learning_rate, outcome.grad_norm)
+
+    def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
+        outcome = self.c.client.forward(examples)
+        return outcome.loss, [prediction.label for prediction in outcome.predictions]
+
+    def save_best(self, index: int, state: RunState) -> str:
+        self.c._checkpoint(index, "save_best", BEST_CHECKPOINT, state)
+        return BEST_CHECKPOINT
+
+    def after_microbatch(self, index: int, state: RunState) -> None:
+        plan, every = self.c.plan, self.c.checkpoint_every
+        if every and plan.is_update(index) and plan.steps_after(index) % every == 0:
+            self.c._checkpoint(index, "checkpoint", LATEST_CHECKPOINT, state)
+        self.c.work.write_cursor(Record(self.c.position, state))
+
+
+class Controller:
+    """Drives one run of ``manifest`` on the session behind ``client``.
+
+    Args:
+        client: a ``SessionClient`` (or anything with its methods).
+        manifest: the manifest dict (its fingerprint is verified) or a ``ManagedTrainingPlan``.
+        run_id: names the run on the server and in every operation key.
+        work_dir: the cursor, snapshots, downloaded export and summary live here.
+        checkpoint_every: ask the server for a checkpoint every this many updates.
+        recovery_timeout_s: how long to keep waiting for an unreachable server.
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        manifest: dict[str, Any] | ManagedTrainingPlan,
+        *,
+        run_id: str,
+        work_dir: str | Path,
+        checkpoint_every: int = 10,
+        recovery_timeout_s: float = 600.0,
+    ) -> None:
+        if not run_id or "/" in run_id:
+            raise ValueError(f"run_id must be non-empty and free of '/', got {run_id!r}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
+        if isinstance(manifest, ManagedTrainingPlan):
+            self.plan = manifest
+        else:
+            self.plan = ManagedTrainingPlan.from_manifest(manifest)
+        self.client = client
+        self.run_id = run_id
+        self.checkpoint_every = checkpoint_every
+        self.recovery_timeout_s = recovery_timeout_s
+        self.work = WorkDirectory(
+            work_dir, run_id=run_id, manifest_fingerprint=self.plan.fingerprint
+        )
+        self.work.bind()
+        self.position = 0
+        self.state = RunState.start(self.plan)
+
+    def key(self, index: int, operation: str) -> str:
+        return operation_key(self.run_id, self.plan.fingerprint, index, operation)
+
+    # -- keyed calls ---------------------------------------------------------------------------
+
+    def _keyed(self, method: Callable[..., Any], index: int, operation: str, *args: Any) -> Any:
+        try:
+            outcome = method(
+                *args, operation_key=self.key(index, operation), expected_position=self.position
+            )
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "position" in (
+                error.details() or ""
+            ):
+                raise PositionMoved(error.details()) from error
+            raise
+        self.position = outcome.position
+        return outcome
+
+    def _checkpoint(self, index: int, operation: str, name: str, state: RunState) -> None:
+        # The snapshot goes first: once the checkpoint exists, a server restarting from it must
+        # find the controller's state for its position.
+        self.work.write_snapshot(Record(self.position + 1, state))
+        self._keyed(self.client.save_state, index, operation, name)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def _synchronize(self) -> None:
+        """Open the session (idempotent) and decide where to resume from the server's position."""
+        info = self.client.open(
+            self.run_id,
+            self.plan.config,
+            max_steps=self.plan.max_steps,
+            plan_fingerprint=self.plan.fingerprint,
+        )
+        record = self.work.resume_point(info.position, RunState.start(self.plan))
+        if record.position < info.position:
+            last = microbatch_of_key(info.last_operation_key, self.run_id, self.plan.fingerprint)
+            if last is None or last > record.state.next_microbatch:
+                raise RuntimeError(
+                    f"the server's session is at position {info.position} (last operation "
+                    f"{info.last_operation_key!r}), beyond anything recorded in {self.work.path}; "
+                    "resume with the work directory that started this run"
+                )
+        self.position = record.position
+        self.state = record.state
+        logger.info(
+            "run %s: resuming at microbatch %d, position %d (server at %d)",
+            self.run_id,
+            self.state.next_microbatch,
+            self.position,
+            info.position,
+        )
+
+    def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
+        """Replay to the end, export the result, write the summary; resumable at any point."""
+        deadline = None
+        attempt = 0
+        while True:
+            try:
+                self._synchronize()
+                self.state = replay(self.plan, _RemoteBackend(self), self.state, on_step=on_step)
+                return self._finish()
+            except PositionMoved as moved:
+                logger.warning("run %s: %s; resynchronizing", self.run_id, moved)
+            except grpc.RpcError as error:
+                if error.code() not in RECOVERABLE:
+                    raise
+                now = time.monotonic()
+                deadline = deadline or now + self.recovery_timeout_s
+                if now > deadline:
+                    raise
+                attempt += 1
+                delay = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
+                logger.warning(
+                    "run %s: server unreachable (%s); retrying in %.1fs",
+                    self.run_id,
+                    error.code().name,
+                    delay,
+                )
+                time.sleep(delay)
+                continue
+            deadline, attempt = None, 0
+
+    def _finish(self) -> TrainingResult:
+        index = self.plan.batch_count  # past the last microbatch: the run's closing operations
+        checkpoint = BEST_CHECKPOINT if self.state.best_checkpoint else None
+        export_dir = self.work.path / EXPORT_DIR
+        self._keyed(
+            self.client.export_weights,
+            index,
+            "export",
+            EXPORT_NAME,
+            download_to=export_dir,
+            checkpoint=checkpoint,
+        )
+        info = self.client.info()
+        result = training_result(
+            self.plan, self.state, state_digest=info.state_digest, last_checkpoint=None
+        )
+        write_run_artifacts(
+            self.work.path,
+            result,
+            self.plan,
+            run_id=self.run_id,
+            export_dir=str(export_dir),
+            exported_from=checkpoint or "live",
+        )
+        return result

@@ -1,0 +1,151 @@
+"""ManagedTraining: the in-process replay equals the plan driven op by op, and resumes exactly."""
+
+import pytest
+
+from trainwire.client import LoraSettings, ManagedTrainingPlan, TrainingConfig
+from trainwire.server.managed import ManagedTraining
+from trainwire.server.session import TrainingSession
+from trainwire.testing import (
+    SENTIMENT_LABELS,
+    make_tiny_model,
+    tiny_sentiment_examples,
+    tiny_text_examples,
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("managed-models")
+    return {
+        "bert": make_tiny_model(
+            root / "bert", task="sequence-classification", arch="bert", labels=SENTIMENT_LABELS
+        ),
+        "llama": make_tiny_model(root / "llama"),
+    }
+
+
+def classification_plan(models, **changes):
+    config = TrainingConfig(
+        model=str(models["bert"]),
+        task="sequence-classification",
+        labels=SENTIMENT_LABELS,
+        learning_rate=3e-3,
+        batch_size=5,
+        gradient_accumulation_steps=2,
+        num_epochs=3,
+        eval_strategy="epoch",
+        metric_for_best="eval_accuracy",
+    ).replace(**changes)
+    return ManagedTrainingPlan(
+        tiny_sentiment_examples(23), config, eval_examples=tiny_sentiment_examples(8, seed=1)
+    )
+
+
+def causal_plan(models, **changes):
+    config = TrainingConfig(
+        model=str(models["llama"]), learning_rate=1e-3, batch_size=4, num_epochs=2
+    ).replace(**changes)
+    return ManagedTrainingPlan(tiny_text_examples(10), config)
+
+
+def op_by_op_digest(plan, stop_after=None):
+    session = TrainingSession(plan.config, max_steps=plan.max_steps)
+    for i in range(plan.batch_count):
+        session.forward_backward(plan.batch(i))
+        if plan.is_update(i):
+            session.optim_step()
+        if i == stop_after:
+            break
+    return session.state_digest()
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, dropout=0.1)])
+@pytest.mark.parametrize("make_plan", [classification_plan, causal_plan])
+def test_managed_run_equals_the_plan_driven_op_by_op(models, make_plan, lora, tmp_path):
+    plan = make_plan(models, lora=lora)
+    session = TrainingSession(plan.config, max_steps=plan.max_steps)
+    training = ManagedTraining(session, plan, checkpoint_dir=tmp_path)
+    result = training.run()
+    assert result.state_digest == session.state_digest() == op_by_op_digest(plan)
+    assert result.stopped_step == plan.max_steps
+    assert [r["step"] for r in result.history if r["kind"] == "update"] == list(
+        range(1, plan.max_steps + 1)
+    )
+
+
+def test_resume_from_a_managed_checkpoint_mid_accumulation_equals_the_uninterrupted_run(
+    models, tmp_path
+):
+    plan = classification_plan(models)
+    uninterrupted = ManagedTraining(
+        TrainingSession(plan.config, max_steps=plan.max_steps), plan, checkpoint_dir=tmp_path / "a"
+    ).run()
+
+    first = ManagedTraining(
+        TrainingSession(plan.config, max_steps=plan.max_steps), plan, checkpoint_dir=tmp_path / "b"
+    )
+    stop_at = 2  # microbatch 2 opens an accumulation that microbatch 3 closes
+    assert not plan.is_update(stop_at)
+
+    # Interrupt the first run right after microbatch 2, then checkpoint it there.
+    class Stop(Exception):
+        pass
+
+    def stop(progress):
+        if progress.microbatch == stop_at:
+            raise Stop
+
+    with pytest.raises(Stop):
+        first.run(on_step=stop)
+    first.save_state(tmp_path / "resume")
+
+    resumed = ManagedTraining(
+        TrainingSession(plan.config, max_steps=plan.max_steps), plan, checkpoint_dir=tmp_path / "c"
+    )
+    resumed.load_state(tmp_path / "resume")
+    assert resumed.state.next_microbatch == stop_at + 1
+    result = resumed.run()
+    assert result.state_digest == uninterrupted.state_digest
+    assert result.history == uninterrupted.history
+    assert (result.best_step, result.best_score) == (
+        uninterrupted.best_step,
+        uninterrupted.best_score,
+    )
+
+
+def test_a_checkpoint_of_another_plan_is_refused(models, tmp_path):
+    plan = classification_plan(models)
+    training = ManagedTraining(TrainingSession(plan.config, max_steps=plan.max_steps), plan)
+    training.save_state(tmp_path / "ckpt")
+    other = classification_plan(models, seed=1)
+    fresh = ManagedTraining(TrainingSession(other.config, max_steps=other.max_steps), other)
+    with pytest.raises(RuntimeError, match="belongs to plan"):
+        fresh.load_state(tmp_path / "ckpt")
+
+
+def test_a_session_built_for_another_plan_is_refused(models):
+    plan = classification_plan(models)
+    with pytest.raises(ValueError, match="max_steps"):
+        ManagedTraining(TrainingSession(plan.config, max_steps=plan.max_steps + 1), plan)
+    other = classification_plan(models, learning_rate=1e-2)
+    with pytest.raises(ValueError, match="config"):
+        ManagedTraining(TrainingSession(other.config, max_steps=plan.max_steps), plan)
+
+
+def test_early_stopping_ends_the_run_and_best_export_leaves_the_live_state_alone(models, tmp_path):
+    # A learning rate of zero never improves: the first evaluation is the best, and a tie is no
+    # gain, so patience 1 stops after the second evaluation.
+    plan = classification_plan(
+        models, learning_rate=0.0, early_stopping=True, early_stopping_patience=1
+    )
+    session = TrainingSession(plan.config, max_steps=plan.max_steps)
+    training = ManagedTraining(session, plan, checkpoint_dir=tmp_path)
+    result = training.run()
+    evaluations = [r for r in result.history if r["kind"] == "evaluation"]
+    assert len(evaluations) == 2 and result.early_stopped
+    assert result.best_epoch == 0 and result.stopped_epoch == 1
+    assert result.stopped_step == plan.steps_after(evaluations[-1]["microbatch"])
+    before = session.state_digest()
+    training.export_weights(tmp_path / "export")
+    assert session.state_digest() == before
+    assert (tmp_path / "export" / "config.json").is_file()
