@@ -25,6 +25,7 @@ from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
 from trainwire.client.replay import RunState, StepOutcome, replay, training_result
 from trainwire.client.results import TrainingResult
+from trainwire.client.retry import position_from_error
 
 logger = logging.getLogger(__name__)
 
@@ -128,15 +129,18 @@ class Controller:
 
     # -- keyed calls ---------------------------------------------------------------------------
 
-    def _keyed(self, method: Callable[..., Any], index: int, operation: str, *args: Any) -> Any:
+    def _keyed(
+        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
+    ) -> Any:
         try:
             outcome = method(
-                *args, operation_key=self.key(index, operation), expected_position=self.position
+                *args,
+                operation_key=self.key(index, operation),
+                expected_position=self.position,
+                **kwargs,
             )
         except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.FAILED_PRECONDITION and "position" in (
-                error.details() or ""
-            ):
+            if position_from_error(error) is not None:
                 raise PositionMoved(error.details()) from error
             raise
         self.position = outcome.position

@@ -121,13 +121,49 @@ def command_run(args: argparse.Namespace) -> int:
         result = controller.run(on_step=reporter)
     finally:
         reporter.close()
-        client.close()
+        client.close_channel()
     print(
         f"run {args.run_id} done: step {result.stopped_step}, best {result.best_score} "
         f"(step {result.best_step}), digest {result.state_digest}; "
         f"summary in {Path(args.work_dir) / 'training_summary.json'}"
     )
     return 0
+
+
+def command_dispatch(args: argparse.Namespace) -> int:
+    from trainwire.client.dispatch import Dispatcher, dispatch_with_live_table
+    from trainwire.client.session_client import SessionClient
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    servers = [server.strip() for server in args.servers.split(",") if server.strip()]
+    dispatcher = Dispatcher(
+        servers,
+        args.manifests,
+        work_dir=args.work_dir,
+        client_factory=lambda target: SessionClient(
+            target, token=token, root_certificates=root_certificates
+        ),
+        checkpoint_every=args.checkpoint_every,
+    )
+    statuses = dispatch_with_live_table(dispatcher, live=not args.quiet)
+    failed = [status.run_id for status in statuses if status.state != "done"]
+    if failed:
+        print(f"trainwire dispatch: {len(failed)} run(s) failed: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+def command_train(args: argparse.Namespace) -> int:
+    from trainwire.server.training.run import run_train_command
+
+    return run_train_command(args)
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    from trainwire.server.serve import run_serve_command
+
+    return run_serve_command(args)
 
 
 def command_demo(args: argparse.Namespace) -> int:
@@ -170,6 +206,44 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
     run.set_defaults(handler=command_run)
+
+    dispatch = commands.add_parser("dispatch", help="run many manifests over a pool of servers")
+    dispatch.add_argument("--servers", required=True, help="comma-separated HOST:PORT list")
+    dispatch.add_argument("--manifests", required=True, nargs="+", help="manifest files")
+    dispatch.add_argument("--work-dir", required=True, help="one subdirectory per run")
+    dispatch.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    dispatch.add_argument("--token-file", help="a file holding the servers' bearer token")
+    dispatch.add_argument("--tls-ca", help="PEM root certificates to verify TLS servers")
+    dispatch.add_argument("--quiet", action="store_true", help="no live table, summary only")
+    dispatch.set_defaults(handler=command_dispatch)
+
+    train = commands.add_parser("train", help="run a manifest locally through Lightning")
+    train.add_argument("--manifest", required=True, help="the manifest from trainwire plan")
+    train.add_argument("--output", required=True, help="checkpoints, logs, export and summary")
+    train.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA where there is one")
+    train.add_argument("--ckpt-path", help="resume: 'last', or a checkpoint file of this run")
+    train.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
+    )
+    train.set_defaults(handler=command_train)
+
+    serve = commands.add_parser("serve", help="serve one training session over gRPC")
+    serve.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any)")
+    serve.add_argument("--state-dir", required=True, help="runs, journals, checkpoints, exports")
+    serve.add_argument("--model-root", help="model paths resolve under this directory")
+    serve.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA where there is one)")
+    serve.add_argument("--token-file", help="a file holding the bearer token clients must send")
+    serve.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", help="PEM CA that must sign client certificates (mTLS)")
+    serve.add_argument(
+        "--max-message-bytes", type=int, help="largest request accepted (default 64 MiB)"
+    )
+    serve.add_argument("--port-file", help="write the bound port here once listening")
+    serve.add_argument(
+        "--stop-grace-s", type=float, help="on SIGTERM, time the operation in flight may take"
+    )
+    serve.set_defaults(handler=command_serve)
 
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")
     demo.add_argument("--work-dir", help="where it writes (default: trainwire-demo/<time>)")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ class DemoSettings:
 
     @classmethod
     def fast(cls) -> DemoSettings:
-        return cls(train_examples=96, eval_examples=32, num_epochs=3, learning_rate=3e-3)
+        return cls(train_examples=128, eval_examples=32, num_epochs=3, learning_rate=2e-2)
 
 
 def demo_plan(model_root: Path, settings: DemoSettings) -> ManagedTrainingPlan:
@@ -100,9 +101,11 @@ def run_demo(
             plan.config.replace(model=str(model_root / MODEL_NAME)),
             eval_examples=plan.eval_examples,
         )
+    # The local server logs a line per operation; the progress bar tells the story instead.
+    logging.getLogger("trainwire.server").setLevel(logging.WARNING)
     with contextlib.ExitStack() as stack:
         target = server or stack.enter_context(local_server(work_dir / "server", model_root))
-        client = stack.enter_context(contextlib.closing(SessionClient(target)))
+        client = stack.enter_context(SessionClient(target))
         reporter = ProgressReporter(quiet=quiet)
         controller = Controller(
             client, plan, run_id="demo", work_dir=work_dir / "run", checkpoint_every=10
