@@ -1,0 +1,142 @@
+"""The Controller through a real loopback server: equal to the in-process run, resumable, strict."""
+
+import json
+
+import grpc
+import pytest
+from service_fixtures import connect, running_server
+
+from trainwire.client import LoraSettings, ManagedTrainingPlan
+from trainwire.client.controller import Controller
+from trainwire.server.managed import ManagedTraining
+from trainwire.server.session import TrainingSession
+from trainwire.testing import tiny_sentiment_examples
+
+
+def classification_plan(config_factory, **changes):
+    config = config_factory(
+        learning_rate=5e-3,
+        batch_size=5,
+        gradient_accumulation_steps=2,
+        num_epochs=3,
+        eval_strategy="epoch",
+        metric_for_best="eval_accuracy",
+    ).replace(**changes)
+    return ManagedTrainingPlan(
+        tiny_sentiment_examples(23), config, eval_examples=tiny_sentiment_examples(8, seed=1)
+    )
+
+
+def in_process(plan, tmp_path):
+    session = TrainingSession(plan.config, max_steps=plan.max_steps)
+    training = ManagedTraining(session, plan, checkpoint_dir=tmp_path / "in-process")
+    return training.run()
+
+
+class Interrupt(Exception):
+    """Stands for the controller dying between two microbatches."""
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4, dropout=0.1)], ids=["full", "lora"])
+def test_controller_equals_managed_training_in_process(
+    bert_classifier_config, model_root, tmp_path, lora
+):
+    plan = classification_plan(bert_classifier_config, lora=lora)
+    expected = in_process(plan, tmp_path)
+    with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
+        controller = Controller(
+            client,
+            plan.to_manifest(),
+            run_id="eq",
+            work_dir=tmp_path / "work",
+            checkpoint_every=2,
+        )
+        result = controller.run()
+    assert result.state_digest == expected.state_digest
+    assert result.history == expected.history
+    assert (result.best_step, result.best_epoch, result.best_score) == (
+        expected.best_step,
+        expected.best_epoch,
+        expected.best_score,
+    )
+    summary = json.loads((tmp_path / "work" / "training_summary.json").read_text())
+    assert summary["state_digest"] == expected.state_digest
+    for name in ("training_summary.yaml", "metrics.jsonl", "loss_curve.png"):
+        assert (tmp_path / "work" / name).stat().st_size > 0
+    weights_file = "adapter_config.json" if lora else "config.json"
+    assert (tmp_path / "work" / "export" / weights_file).is_file()
+
+
+def test_a_killed_controller_and_a_restarted_server_still_end_bit_identical(
+    bert_classifier_config, model_root, tmp_path
+):
+    plan = classification_plan(bert_classifier_config)
+    expected = in_process(plan, tmp_path)
+    manifest = plan.to_manifest()
+    state, work = tmp_path / "state", tmp_path / "work"
+
+    def stop_at(index):
+        def on_step(progress):
+            if progress.microbatch == index:
+                raise Interrupt
+
+        return on_step
+
+    with running_server(state, model_root) as handle, connect(handle) as client:
+        with pytest.raises(Interrupt):
+            Controller(client, manifest, run_id="r", work_dir=work, checkpoint_every=2).run(
+                on_step=stop_at(5)
+            )
+        # A second controller picks the run up from its cursor.
+        with pytest.raises(Interrupt):
+            Controller(client, manifest, run_id="r", work_dir=work, checkpoint_every=2).run(
+                on_step=stop_at(8)
+            )
+        position_before_restart = client.info().position
+    # The server goes down; the new one restores its latest checkpoint, behind the cursor.
+    with running_server(state, model_root) as handle, connect(handle) as client:
+        info = client.info()
+        assert 0 < info.position < position_before_restart
+        result = Controller(client, manifest, run_id="r", work_dir=work, checkpoint_every=2).run()
+    assert result.state_digest == expected.state_digest
+    assert result.history == expected.history
+
+
+def test_a_work_directory_of_another_manifest_is_refused(
+    bert_classifier_config, model_root, tmp_path
+):
+    plan = classification_plan(bert_classifier_config)
+    other = classification_plan(bert_classifier_config, seed=7)
+    with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
+        with pytest.raises(Interrupt):
+            Controller(client, plan, run_id="r", work_dir=tmp_path / "work").run(
+                on_step=lambda p: (_ for _ in ()).throw(Interrupt())
+            )
+        with pytest.raises(ValueError, match="use another work directory"):
+            Controller(client, other, run_id="r", work_dir=tmp_path / "work")
+        with pytest.raises(ValueError, match="resume it with its own run id"):
+            Controller(client, plan, run_id="other", work_dir=tmp_path / "work")
+
+
+def test_a_run_id_bound_to_another_manifest_on_the_server_is_refused(
+    bert_classifier_config, model_root, tmp_path
+):
+    plan = classification_plan(bert_classifier_config)
+    other = classification_plan(bert_classifier_config, seed=7)
+    with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
+        with pytest.raises(Interrupt):
+            Controller(client, plan, run_id="r", work_dir=tmp_path / "a").run(
+                on_step=lambda p: (_ for _ in ()).throw(Interrupt())
+            )
+        with pytest.raises(grpc.RpcError) as caught:
+            Controller(client, other, run_id="r", work_dir=tmp_path / "b").run()
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_the_demo_runs_end_to_end_and_learns(tmp_path):
+    from trainwire.demo import DemoSettings, run_demo, summary_shows_learning
+
+    result = run_demo(tmp_path, settings=DemoSettings.fast(), quiet=True)
+    assert summary_shows_learning(tmp_path / "run")
+    accuracies = [r["eval_accuracy"] for r in result.history if r["kind"] == "evaluation"]
+    assert accuracies[0] <= 0.6 < 0.9 <= max(accuracies)
