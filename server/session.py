@@ -124,6 +124,10 @@ class TrainingSession:
         self.model_dir = resolve_model_dir(config, self.model_root)
 
         self._lock = threading.RLock()
+        if self.device.type == "cuda":
+            # Initialize CUDA before seeding, so the session's RNG snapshot holds the CUDA
+            # generators too; lazily initialized, they would take whatever seed came last.
+            torch.cuda.init()
         self._rng = RngState.seeded(config.seed)
         with self._session_rng():
             self.tokenizer = load_tokenizer(self.model_dir)
@@ -286,19 +290,24 @@ class TrainingSession:
         Equal digests mean equal continuations. Cached per state version.
         """
         with self._lock:
-            if self._digest_cache is not None and self._digest_cache[0] == self._version:
-                return self._digest_cache[1]
-            digest = hashlib.sha256(b"trainwire.state/v1|")
-            digest.update(f"step={self.step}|accumulated={self.accumulated}|".encode())
-            digest.update(f"max_steps={self.max_steps}|".encode())
-            update_with_tensors(digest, dict(self.model.named_parameters()))
-            update_with_tensors(digest, ckpt.optimizer_state_tensors(self.optimizer))
-            update_with_tensors(digest, self.pending_gradients())
-            update_with_tensors(digest, self.trainer.session_state_dict())
-            self._rng.update_digest(digest)
-            value = "sha256:" + digest.hexdigest()
-            self._digest_cache = (self._version, value)
-            return value
+            return self._state_digest_held()
+
+    def _state_digest_held(self) -> str:
+        """``state_digest`` for a caller that holds the lock, or a helper thread working for it
+        (a checkpoint hashes while it writes)."""
+        if self._digest_cache is not None and self._digest_cache[0] == self._version:
+            return self._digest_cache[1]
+        digest = hashlib.sha256(b"trainwire.state/v1|")
+        digest.update(f"step={self.step}|accumulated={self.accumulated}|".encode())
+        digest.update(f"max_steps={self.max_steps}|".encode())
+        update_with_tensors(digest, dict(self.model.named_parameters()))
+        update_with_tensors(digest, ckpt.optimizer_state_tensors(self.optimizer))
+        update_with_tensors(digest, self.pending_gradients())
+        update_with_tensors(digest, self.trainer.session_state_dict())
+        self._rng.update_digest(digest)
+        value = "sha256:" + digest.hexdigest()
+        self._digest_cache = (self._version, value)
+        return value
 
     def save_state(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write the complete continuation state to a checkpoint directory, atomically.
@@ -350,6 +359,8 @@ class TrainingSession:
     def export_weights(self, path: str | Path) -> None:
         """Write a directory ``transformers`` (full) or ``peft`` (adapter) loads, atomically."""
         with self._lock:
+            if self._broken is not None:
+                raise FailedPrecondition(f"cannot export an unusable session: {self._broken}")
             self._export_model(self.model, Path(path))
 
     def _export_model(self, model: torch.nn.Module, path: Path) -> None:
@@ -363,11 +374,16 @@ class TrainingSession:
     def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
         """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
         with self._lock:
+            meta = ckpt.read_session_json(Path(checkpoint))
             detached = copy.deepcopy(self.model).to("cpu")
             pairs = weights.plan_checkpoint_load(detached, Path(checkpoint))
             weights.copy_into(pairs)
+            # The checkpoint's own record: a load_weights since may have changed the live base.
             record = {
-                "base_model_fingerprint": self.base_fingerprint,
-                "checkpoint": str(checkpoint),
+                "base_model_fingerprint": meta.get("base_model_fingerprint"),
+                "step": meta.get("step"),
+                "state_digest": meta.get("state_digest"),
+                # The name, not the path: the same weights give the same export files anywhere.
+                "checkpoint": Path(checkpoint).name,
             }
             weights.write_export(Path(path), detached, self.tokenizer, self.config, record)

@@ -1,0 +1,148 @@
+"""Dispatch: many manifests over a pool of servers, each run ending with its reference digest."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from service_fixtures import running_server
+
+from trainwire.cli import main
+from trainwire.client import ManagedTrainingPlan, SessionClient, write_manifest
+from trainwire.client.dispatch import Dispatcher, run_id_for
+from trainwire.server.managed import ManagedTraining
+from trainwire.server.session import TrainingSession
+from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def plans(bert_classifier_config, llama_config):
+    evals = tiny_sentiment_examples(8, seed=1)
+    classify = dict(eval_strategy="epoch", metric_for_best="eval_accuracy", learning_rate=5e-3)
+    return {
+        "sentiment-a": ManagedTrainingPlan(
+            tiny_sentiment_examples(24),
+            bert_classifier_config(batch_size=4, num_epochs=2, **classify),
+            eval_examples=evals,
+        ),
+        "sentiment-b": ManagedTrainingPlan(
+            tiny_sentiment_examples(20, seed=5),
+            bert_classifier_config(batch_size=5, gradient_accumulation_steps=2, **classify),
+            eval_examples=evals,
+        ),
+        "text": ManagedTrainingPlan(
+            tiny_text_examples(16), llama_config(batch_size=4, num_epochs=2, learning_rate=1e-3)
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference_digests(plans):
+    digests = {}
+    for name, plan in plans.items():
+        session = TrainingSession(plan.config, max_steps=plan.max_steps)
+        digests[name] = ManagedTraining(session, plan).run().state_digest
+    return digests
+
+
+def write_manifests(plans, directory):
+    paths = {}
+    for name, plan in plans.items():
+        paths[name] = directory / f"{name}.json"
+        write_manifest(paths[name], plan.to_manifest())
+    return paths
+
+
+def summary_digest(work_dir, path, plan):
+    summary = work_dir / run_id_for(path, plan) / "training_summary.json"
+    return json.loads(summary.read_text())["state_digest"]
+
+
+@pytest.mark.timeout(600)
+def test_dispatch_over_three_servers_survives_a_killed_server(
+    plans, reference_digests, model_root, tmp_path
+):
+    manifests = write_manifests(plans, tmp_path)
+    ports = [free_port() for _ in plans]
+    servers = {}
+
+    def start(port):
+        args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
+                "--state-dir", str(tmp_path / f"state-{port}"), "--model-root", str(model_root),
+                "--device", "cpu"]  # fmt: skip
+        log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+        servers[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+    for port in ports:
+        start(port)
+    dispatcher = Dispatcher(
+        [f"127.0.0.1:{port}" for port in ports],
+        list(manifests.values()),
+        work_dir=tmp_path / "runs",
+        client_factory=lambda target: SessionClient(target, timeout_s=60),
+        checkpoint_every=1,
+    )
+    thread = threading.Thread(target=dispatcher.run)
+    thread.start()
+    try:
+        # Kill the first server once its run has made progress, then bring it back.
+        victim = ports[0]
+        deadline = time.monotonic() + 120
+        while not any(
+            s.server.endswith(str(victim)) and s.step >= 2 for s in dispatcher.statuses()
+        ):
+            assert time.monotonic() < deadline, dispatcher.statuses()
+            time.sleep(0.02)
+        servers[victim].send_signal(signal.SIGKILL)
+        servers[victim].wait()
+        start(victim)
+        thread.join(timeout=400)
+        assert not thread.is_alive()
+    finally:
+        for process in servers.values():
+            process.kill()
+            process.wait()
+
+    statuses = {status.manifest: status for status in dispatcher.statuses()}
+    for name, path in manifests.items():
+        status = statuses[str(path)]
+        assert status.state == "done", status
+        assert status.result.state_digest == reference_digests[name]
+        assert summary_digest(tmp_path / "runs", path, plans[name]) == reference_digests[name]
+
+
+def test_a_server_takes_the_next_run_after_closing_the_last(
+    plans, reference_digests, model_root, tmp_path, capsys
+):
+    manifests = write_manifests(plans, tmp_path)
+    with running_server(tmp_path / "state", model_root) as handle:
+        code = main(
+            ["dispatch", "--servers", f"127.0.0.1:{handle.port}", "--manifests",
+             *map(str, manifests.values()), "--work-dir", str(tmp_path / "runs"), "--quiet"]
+        )  # fmt: skip
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "summary" in table and table.count("done") == len(plans)
+    for name, path in manifests.items():
+        assert summary_digest(tmp_path / "runs", path, plans[name]) == reference_digests[name]
+
+
+def test_dispatch_refuses_an_empty_pool_and_a_repeated_manifest(plans, tmp_path):
+    manifests = write_manifests(plans, tmp_path)
+    path = manifests["text"]
+    with pytest.raises(ValueError, match="at least one server"):
+        Dispatcher([], [path], work_dir=tmp_path, client_factory=SessionClient)
+    with pytest.raises(ValueError, match="listed twice"):
+        Dispatcher(["127.0.0.1:1"], [path, path], work_dir=tmp_path, client_factory=SessionClient)
