@@ -1,0 +1,247 @@
+"""``trainwire train``: run a manifest on this machine through a Lightning Trainer.
+
+Lifecycle: validate (plan, overrides, device, precision, the guards) → set up (session,
+module, trainer; the session is restored from the checkpoint when resuming) → fit → summarize.
+Nothing is loaded or written until every check has passed, so a refused start or resume leaves
+the output directory byte-identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from trainwire.client.config import TrainingConfig
+from trainwire.client.manifest import load_plan
+from trainwire.client.overrides import apply_overrides, parse_config_overrides
+from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.client.replay import RunState, training_result
+from trainwire.client.results import TrainingResult
+from trainwire.server.session import TrainingSession
+from trainwire.server.training.callbacks import StopOnInterrupt
+from trainwire.server.training.checkpoints import (
+    CHECKPOINT_DIR,
+    LAST_NAME,
+    CheckpointInfo,
+    SessionCheckpointIO,
+    resolve_checkpoint,
+)
+from trainwire.server.training.guards import (
+    refuse_a_fresh_start_into_a_used_directory,
+    refuse_a_resume_from_another_directory,
+    refuse_a_resume_of_a_stopped_run,
+    refuse_a_resume_under_other_settings,
+    refuse_other_constructor_settings,
+)
+from trainwire.server.training.hardware import (
+    LIGHTNING_PRECISION,
+    HardwareInfo,
+    detect_hardware,
+    effective_precision,
+)
+from trainwire.server.training.module import ManifestModule, PlanProgressBar
+from trainwire.server.training.settings import constructor_settings, run_settings
+from trainwire.server.training.summary import save_training_summary
+from trainwire.server.training.trainer import create_trainer
+
+logger = logging.getLogger(__name__)
+
+EXPORT_DIR = "export"
+DEVICES = ("cpu", "cuda")
+
+
+def train(
+    manifest: str | Path,
+    output_dir: str | Path,
+    *,
+    device: str | None = None,
+    ckpt_path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    callbacks: Sequence[Callback] = (),
+    enable_progress_bar: bool = False,
+) -> TrainingResult:
+    """Run (or resume, with ``ckpt_path``) a manifest into ``output_dir``; returns the result.
+
+    A run that finishes (plan spent or stopped early) exports its final weights to
+    ``output_dir/export`` and writes ``training_summary.json``/``.yaml``; a run stopped before
+    (a callback asked the trainer to stop) resumes from ``last.ckpt``. Resuming a run whose plan
+    is spent trains nothing and writes nothing.
+    """
+    plan = load_run_plan(manifest, overrides)
+    # Real paths throughout: a run reached through a symlink keeps its checkpoints' identity.
+    output = Path(os.path.realpath(output_dir))
+    hardware = run_hardware(plan.config, device)
+    settings = resume_settings(plan, hardware)
+    resume = check_start(plan, output, settings, ckpt_path)
+    if resume is not None and resume.cursor >= plan.batch_count:
+        logger.info("%s: the plan is spent; nothing to train", resume.path)
+        state = RunState.from_dict(resume.record["run_state"])
+        digest = resume.state_digest or ""
+        return training_result(plan, state, state_digest=digest, last_checkpoint=str(resume.path))
+
+    output.mkdir(parents=True, exist_ok=True)
+    session = TrainingSession(plan.config, device=hardware.accelerator, max_steps=plan.max_steps)
+    module = ManifestModule(plan, session, run_record=run_record(plan, output, settings))
+    trainer = create_trainer(
+        output,
+        hardware=hardware,
+        monitor=None if plan.config.eval_strategy == "no" else plan.config.metric_for_best,
+        mode=plan.config.selection_mode,
+        patience=plan.config.early_stopping_patience if plan.config.early_stopping else None,
+        callbacks=[*callbacks, PlanProgressBar()] if enable_progress_bar else callbacks,
+        plugins=[SessionCheckpointIO(session)],
+        enable_progress_bar=enable_progress_bar,
+    )
+    # With a checkpoint, Lightning restores its loops and callbacks, and the module its session.
+    trainer.fit(module, ckpt_path=None if resume is None else resume.path)
+    return finish(module, trainer.checkpoint_callback, hardware, output)
+
+
+def load_run_plan(manifest: str | Path, overrides: Sequence[str]) -> ManagedTrainingPlan:
+    """The manifest's plan (fingerprint verified), re-planned when ``--set`` changes its config."""
+    plan = load_plan(manifest)
+    valid, invalid = parse_config_overrides(overrides)
+    if invalid:
+        raise ValueError(f"--set takes key=value, got: {', '.join(invalid)}")
+    if not valid:
+        return plan
+    config = TrainingConfig.from_dict(apply_overrides(plan.config.to_dict(), valid))
+    return ManagedTrainingPlan(plan.examples, config, eval_examples=plan.eval_examples)
+
+
+def run_hardware(config: TrainingConfig, device: str | None) -> HardwareInfo:
+    """Where the run trains: ``device``, or CUDA where there is one, else the CPU (the engine
+    runs on cpu or cuda), at the precision the config allows there."""
+    detected = detect_hardware(
+        log_info=True, cuda_precision=LIGHTNING_PRECISION.get(config.precision, "32-true")
+    )
+    accelerator = device or ("cuda" if detected.accelerator == "cuda" else "cpu")
+    if accelerator not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {accelerator!r}")
+    if accelerator == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available on this machine; use --device cpu")
+    precision = effective_precision(config, accelerator)
+    if accelerator == detected.accelerator:
+        return dataclasses.replace(detected, precision=precision)
+    return HardwareInfo(
+        accelerator=accelerator,
+        precision=precision,
+        device_name=accelerator,
+        device_count=1,
+        torch_version=str(torch.__version__),
+    )
+
+
+def resume_settings(plan: ManagedTrainingPlan, hardware: HardwareInfo) -> dict[str, Any]:
+    """What a resume must match: the free settings, and the plan they were planned into."""
+    settings = run_settings(
+        plan.config, accelerator=hardware.accelerator, precision=hardware.precision
+    )
+    return {**settings, "manifest_fingerprint": plan.fingerprint}
+
+
+def check_start(
+    plan: ManagedTrainingPlan,
+    output: Path,
+    settings: dict[str, Any],
+    ckpt_path: str | Path | None,
+) -> CheckpointInfo | None:
+    """The guards of a fresh start or a resume; returns the checkpoint to resume from."""
+    checkpoint_dir = output / CHECKPOINT_DIR
+    path = resolve_checkpoint(ckpt_path, checkpoint_dir, None)
+    if path is None:
+        refuse_a_fresh_start_into_a_used_directory(checkpoint_dir)
+        return None
+    info = CheckpointInfo.read(path)
+    logger.info("resuming from %s at microbatch %d of %d", path, info.cursor, info.batch_count)
+    refuse_a_resume_from_another_directory(info, output)
+    refuse_other_constructor_settings(
+        info.constructor_settings, constructor_settings(plan.config), what=str(info.path)
+    )
+    refuse_a_resume_under_other_settings(info, settings, seed=plan.config.seed)
+    refuse_a_resume_of_a_stopped_run(info)
+    if info.session_checkpoint is None or not info.session_checkpoint.is_dir():
+        raise ValueError(
+            f"{info.path}: its session checkpoint {info.session_checkpoint} is missing; "
+            "resume from another checkpoint of that run"
+        )
+    return info
+
+
+def run_record(plan: ManagedTrainingPlan, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """The run's identity, recorded in every checkpoint and checked on every resume."""
+    return {
+        "output_dir": str(output),
+        "settings": settings,
+        "constructor_settings": constructor_settings(plan.config),
+        "seed": plan.config.seed,
+    }
+
+
+def finish(
+    module: ManifestModule, checkpoint: Any, hardware: HardwareInfo, output: Path
+) -> TrainingResult:
+    """The result; a finished run also exports its weights and writes its summary."""
+    last = getattr(checkpoint, "last_model_path", "") or None
+    result = module.result(last_checkpoint=last)
+    if not module.finished:
+        logger.warning(
+            "stopped at microbatch %d of %d; resume with --ckpt-path %s",
+            module.run_state.next_microbatch,
+            module.plan.batch_count,
+            LAST_NAME,
+        )
+        return result
+    export_weights(module.session, result, output / EXPORT_DIR)
+    extra = {"runner": "lightning", "manifest_fingerprint": module.plan.fingerprint}
+    save_training_summary(result, module.plan.config, hardware, output, extra=extra)
+    return result
+
+
+def export_weights(session: TrainingSession, result: TrainingResult, path: Path) -> None:
+    """The best weights (from a detached CPU copy of the best checkpoint) or, without
+    evaluation, the last: what ManagedTraining exports too."""
+    if result.best_checkpoint is None:
+        session.export_weights(path)
+        return
+    best = CheckpointInfo.read(result.best_checkpoint)
+    session.export_checkpoint_weights(best.session_checkpoint, path)
+
+
+def run_train_command(args: argparse.Namespace) -> int:
+    """The ``trainwire train`` handler: train, then print where the results are."""
+    # Our own lines say where and how it trains; Lightning's info lines would repeat them.
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    interrupt = StopOnInterrupt()
+    result = train(
+        args.manifest,
+        args.output,
+        device=args.device,
+        ckpt_path=args.ckpt_path,
+        overrides=args.set,
+        callbacks=[interrupt],
+        enable_progress_bar=True,
+    )
+    updates = sum(1 for record in result.history if record["kind"] == "update")
+    if interrupt.requested:
+        print(
+            f"{args.output}: interrupted after {updates} updates; resume with "
+            f"--ckpt-path {LAST_NAME}"
+        )
+        return 130
+    best = (
+        f", best {result.best_score} at update {result.best_step}"
+        if result.best_score is not None
+        else ""
+    )
+    stopped = ", stopped early" if result.early_stopped else ""
+    print(f"{args.output}: {updates} updates{best}{stopped}; state_digest {result.state_digest}")
+    return 0

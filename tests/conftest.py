@@ -1,0 +1,157 @@
+"""Shared fixtures: tiny real models built once per test session, and config factories.
+
+Every model lives under one session-wide ``model_root`` directory, so a test can open a session
+either by absolute path (``config.model``) or relative to ``model_root=model_root``. Models are
+built offline by :func:`trainwire.testing.make_tiny_model` (about a second for all of them) and
+must be treated as read-only: a test that needs to change a model copies it first.
+
+Fixtures:
+    model_root: the directory holding every tiny model below.
+    tiny_llama: a causal-lm llama (``make_tiny_model(arch="llama")``).
+    tiny_bert_classifier: a bert sequence classifier over ``SENTIMENT_LABELS``.
+    tiny_llama_classifier: a llama sequence classifier over ``SENTIMENT_LABELS``.
+    llama_config, bert_classifier_config, llama_classifier_config: factories
+        ``(**overrides) -> TrainingConfig`` for the models above with small, fast defaults
+        (``SMALL_SETTINGS``); any config field can be overridden.
+
+    small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
+        take part in every training step, so RNG bugs show up in digests.
+    drive_plan: ``drive_plan(session, plan, start=0, stop=None, *, after_op=None)`` runs
+        microbatches op by op as the controller does (forward_backward, then optim_step iff the
+        plan updates there) and returns their losses.
+
+Tests marked ``cuda`` are skipped where torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainwire.client import LoraSettings, ManagedTrainingPlan, TrainingConfig
+from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
+
+SMALL_SETTINGS: dict[str, Any] = {
+    "batch_size": 3,
+    "max_length": 64,
+    # Large enough that every update visibly moves the tiny weights.
+    "learning_rate": 1e-3,
+    "weight_decay": 0.01,
+}
+"""Defaults of the config factories: tiny batches, short examples, a visible learning rate."""
+
+SMALL_LORA = LoraSettings(r=4, alpha=8, dropout=0.1)
+
+ConfigFactory = Callable[..., TrainingConfig]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip ``cuda`` tests without a CUDA device (torch is imported only if there are some)."""
+    cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not cuda_items:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in cuda_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def model_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_root: Path) -> Path:
+    return make_tiny_model(model_root / "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_classifier(model_root: Path) -> Path:
+    return make_tiny_model(
+        model_root / "bert-classifier",
+        arch="bert",
+        task="sequence-classification",
+        labels=SENTIMENT_LABELS,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_classifier(model_root: Path) -> Path:
+    return make_tiny_model(
+        model_root / "llama-classifier",
+        arch="llama",
+        task="sequence-classification",
+        labels=SENTIMENT_LABELS,
+    )
+
+
+def _config_factory(model: Path, **fixed: Any) -> ConfigFactory:
+    def make(**overrides: Any) -> TrainingConfig:
+        return TrainingConfig(**{"model": str(model), **fixed, **SMALL_SETTINGS, **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_config(tiny_llama: Path) -> ConfigFactory:
+    """``llama_config(**overrides)``: a causal-lm config for ``tiny_llama``."""
+    return _config_factory(tiny_llama, task="causal-lm")
+
+
+@pytest.fixture(scope="session")
+def bert_classifier_config(tiny_bert_classifier: Path) -> ConfigFactory:
+    """``bert_classifier_config(**overrides)``: a classification config for the bert."""
+    return _config_factory(
+        tiny_bert_classifier, task="sequence-classification", labels=SENTIMENT_LABELS
+    )
+
+
+@pytest.fixture(scope="session")
+def llama_classifier_config(tiny_llama_classifier: Path) -> ConfigFactory:
+    """``llama_classifier_config(**overrides)``: a classification config for the llama."""
+    return _config_factory(
+        tiny_llama_classifier, task="sequence-classification", labels=SENTIMENT_LABELS
+    )
+
+
+@pytest.fixture(scope="session")
+def small_lora() -> LoraSettings:
+    return SMALL_LORA
+
+
+def drive_plan(
+    session: Any,
+    plan: ManagedTrainingPlan,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    after_op: Callable[[int, str], None] | None = None,
+) -> list[float]:
+    """Run microbatches ``start..stop-1`` as the controller does; returns their losses.
+
+    ``forward_backward`` on each microbatch, then ``optim_step`` iff the plan updates there.
+    ``after_op(i, "forward_backward" | "optim_step")`` is called after each operation.
+    """
+    losses = []
+    for i in range(start, plan.batch_count if stop is None else stop):
+        losses.append(session.forward_backward(plan.batch(i)))
+        if after_op is not None:
+            after_op(i, "forward_backward")
+        if plan.is_update(i):
+            session.optim_step()
+            if after_op is not None:
+                after_op(i, "optim_step")
+    return losses
+
+
+@pytest.fixture(name="drive_plan", scope="session")
+def drive_plan_fixture() -> Callable[..., list[float]]:
+    """:func:`drive_plan`, for tests in other modules."""
+    return drive_plan
