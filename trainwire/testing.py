@@ -62,13 +62,23 @@ BERT_SPECIALS = {
 }
 WORD_START = "▁"  # marks a word's first piece while the BERT vocabulary is trained
 
-# Both architectures share one tiny shape; llama adds grouped-query attention (2 kv heads).
-_TINY_SHAPE = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 64,
-    "max_position_embeddings": MAX_POSITIONS,
+# Both architectures share each shape; llama adds grouped-query attention (2 kv heads).
+# "tiny" is for tests; "small" (4 layers x 256 hidden) gives the benchmarks real work to time.
+SHAPES = {
+    "tiny": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
+    "small": {
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 688,
+        "max_position_embeddings": MAX_POSITIONS,
+    },
 }
 LLAMA_KV_HEADS = 2
 
@@ -81,6 +91,7 @@ def make_tiny_model(
     labels: Sequence[str] = (),
     seed: int = 0,
     shards: int | None = None,
+    size: str = "tiny",
 ) -> Path:
     """Write a tiny real model and its tokenizer into ``directory`` and return it as a Path.
 
@@ -94,6 +105,7 @@ def make_tiny_model(
         shards: with N > 1, the safetensors are split into N shards (fewer only if the model has
             fewer tensors) plus ``model.safetensors.index.json``; None or 1 writes one
             ``model.safetensors``.
+        size: ``tiny`` (tests) or ``small`` (4 layers x 256 hidden, for benchmarks).
 
     Returns:
         ``directory`` as a Path, loadable with ``AutoTokenizer`` and ``AutoModelForCausalLM`` or
@@ -103,9 +115,11 @@ def make_tiny_model(
         ValueError: listing every problem with the arguments, before anything is written.
     """
     labels = _validate_model_args(task, arch, labels, seed, shards)
+    if size not in SHAPES:
+        raise ValueError(f"make_tiny_model: unknown size {size!r}: use one of {', '.join(SHAPES)}")
     out = Path(directory)
     tokenizer = _pretrained_tokenizer(arch)
-    config = _model_config(arch, task, labels, tokenizer)
+    config = _model_config(arch, task, labels, tokenizer, SHAPES[size])
     model = _init_model(config, task, seed)
     out.mkdir(parents=True, exist_ok=True)
     _save_model(model, out, shards)
@@ -259,12 +273,16 @@ def _pretrained_tokenizer(arch: str) -> PreTrainedTokenizerFast:
 
 
 def _model_config(
-    arch: str, task: str, labels: tuple[str, ...], tokenizer: PreTrainedTokenizerFast
+    arch: str,
+    task: str,
+    labels: tuple[str, ...],
+    tokenizer: PreTrainedTokenizerFast,
+    shape: dict[str, int],
 ) -> PretrainedConfig:
     from transformers import BertConfig, LlamaConfig
 
     settings: dict[str, Any] = {
-        **_TINY_SHAPE,
+        **shape,
         "vocab_size": len(tokenizer),
         "pad_token_id": tokenizer.pad_token_id,
     }

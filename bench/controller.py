@@ -1,0 +1,167 @@
+"""The controller's replay against ManagedTraining in-process, and recovery after a restart.
+
+    python bench/controller.py [--quick]
+
+1. One manifest (a small llama, 4 layers x 256 hidden, batch 8, checkpoint every 10 updates),
+   run twice side by side: in-process (ManagedTraining + export + artifacts) and through the
+   controller against a `trainwire serve` process on loopback (Open's model load excluded from
+   both, as session construction is). Goal: ratio <= 1.10.
+2. Recovery: the server is SIGKILLed mid-run and restarted; seconds from the restart to the
+   first resumed operation, against loading that checkpoint alone in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from trainwire.client import ManagedTrainingPlan, SessionClient, TrainingConfig
+from trainwire.client.artifacts import write_run_artifacts
+from trainwire.client.controller import Controller
+from trainwire.server.managed import ManagedTraining
+from trainwire.server.session import TrainingSession
+from trainwire.testing import make_tiny_model, tiny_text_examples
+
+CHECKPOINT_EVERY = 10
+
+
+class Stop(Exception):
+    pass
+
+
+def long_examples(count: int):
+    """Texts of roughly 100-150 tokens, built from the bundled examples."""
+    pieces = tiny_text_examples(count * 6, seed=11)
+    return [
+        type(pieces[0])(" ".join(p.text for p in pieces[i * 6 : (i + 1) * 6])) for i in range(count)
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(port: int, state: Path, model_root: Path) -> subprocess.Popen:
+    args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
+            "--state-dir", str(state), "--model-root", str(model_root),
+            "--device", "cpu"]  # fmt: skip
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def in_process(plan: ManagedTrainingPlan, work: Path, model_root: Path) -> float:
+    session = TrainingSession(plan.config, max_steps=plan.max_steps, model_root=model_root)
+    started = time.perf_counter()
+    training = ManagedTraining(
+        session, plan, checkpoint_dir=work / "checkpoints", checkpoint_every=CHECKPOINT_EVERY
+    )
+    result = training.run()
+    training.export_weights(work / "export")
+    write_run_artifacts(work, result, plan)
+    return time.perf_counter() - started
+
+
+def remote(plan: ManagedTrainingPlan, work: Path, client: SessionClient) -> float:
+    client.open("bench", plan.config, max_steps=plan.max_steps, plan_fingerprint=plan.fingerprint)
+    started = time.perf_counter()
+    Controller(client, plan, run_id="bench", work_dir=work, checkpoint_every=CHECKPOINT_EVERY).run()
+    return time.perf_counter() - started
+
+
+def recovery(plan: ManagedTrainingPlan, tmp: Path, model_root: Path) -> tuple[float, float, float]:
+    """(restart → SERVING, restart → first resumed microbatch, checkpoint load in-process)."""
+    port = free_port()
+    state, work = tmp / "recovery-state", tmp / "recovery-work"
+    server = start_server(port, state, model_root)
+    client = SessionClient(f"127.0.0.1:{port}", timeout_s=120)
+    client.wait_until_serving(timeout_s=120)
+    stop_after = CHECKPOINT_EVERY + 2  # past the first checkpoint, before the end
+
+    def stop(progress):
+        if progress.microbatch == stop_after:
+            raise Stop
+
+    controller = Controller(
+        client, plan, run_id="r", work_dir=work, checkpoint_every=CHECKPOINT_EVERY
+    )
+    with contextlib.suppress(Stop):
+        controller.run(on_step=stop)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    restarted = time.perf_counter()
+    server = start_server(port, state, model_root)
+    client.wait_until_serving(timeout_s=300)
+    serving = time.perf_counter()
+    first: list[float] = []
+
+    def record_first(progress):
+        if not first:
+            first.append(time.perf_counter())
+            raise Stop
+
+    controller = Controller(
+        client, plan, run_id="r", work_dir=work, checkpoint_every=CHECKPOINT_EVERY
+    )
+    with contextlib.suppress(Stop):
+        controller.run(on_step=record_first)
+    server.send_signal(signal.SIGKILL)
+    server.wait()
+    client.close_channel()
+    checkpoint = state / "runs" / "r" / "checkpoints" / "latest"
+    load_started = time.perf_counter()
+    session = TrainingSession(plan.config, max_steps=plan.max_steps, model_root=model_root)
+    session.load_state(checkpoint)
+    loaded = time.perf_counter()
+    return serving - restarted, first[0] - restarted, loaded - load_started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer examples")
+    args = parser.parse_args()
+    count = 64 if args.quick else 96
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        model_root = tmp / "models"
+        make_tiny_model(model_root / "small-llama", size="small")
+        config = TrainingConfig(
+            model="small-llama",
+            batch_size=8,
+            num_epochs=2,
+            max_length=256,
+            learning_rate=1e-4,
+            shuffle=True,
+        )
+        plan = ManagedTrainingPlan(long_examples(count), config)
+        local_s = in_process(plan, tmp / "local", model_root)
+        port = free_port()
+        server = start_server(port, tmp / "state", model_root)
+        try:
+            client = SessionClient(f"127.0.0.1:{port}", timeout_s=120)
+            client.wait_until_serving(timeout_s=120)
+            remote_s = remote(plan, tmp / "remote", client)
+            client.close_channel()
+        finally:
+            server.send_signal(signal.SIGKILL)
+            server.wait()
+        serving_s, first_op_s, load_s = recovery(plan, tmp, model_root)
+    print(f"manifest: {plan.batch_count} microbatches of 8, {plan.max_steps} updates, "
+          f"checkpoint every {CHECKPOINT_EVERY}")  # fmt: skip
+    print(f"in-process ManagedTraining   {local_s:8.2f} s")
+    print(f"controller over loopback     {remote_s:8.2f} s")
+    print(f"ratio remote / in-process    {remote_s / local_s:8.3f}   (goal <= 1.10)")
+    print(f"restart -> SERVING           {serving_s:8.2f} s")
+    print(f"restart -> first resumed op  {first_op_s:8.2f} s")
+    print(f"checkpoint load in-process   {load_s:8.2f} s   (session build + load_state)")
+
+
+if __name__ == "__main__":
+    main()
