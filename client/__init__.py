@@ -15,6 +15,7 @@ from trainwire.client.manifest import (
 )
 from trainwire.client.overrides import parse_config_overrides
 from trainwire.client.plan import MANIFEST_FORMAT, ManagedTrainingPlan, Microbatch
+from trainwire.client.session_client import SessionClient
 
 __all__ = [
     "MANIFEST_FORMAT",
@@ -22,6 +23,7 @@ __all__ = [
     "LoraSettings",
     "ManagedTrainingPlan",
     "Microbatch",
+    "SessionClient",
     "TrainingConfig",
     "load_plan",
     "parse_config_overrides",

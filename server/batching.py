@@ -46,11 +46,26 @@ class BatchEncoder:
             check_examples(examples, self.config)
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
+        # One tokenizer call per batch, not per example: the same ids, a fraction of the time.
+        texts = self._token_ids([e.text for e in examples], special=True)
         if self.config.task == "causal-lm":
-            rows = [self._causal_lm_row(i, example) for i, example in enumerate(examples)]
+            # check_examples refused empty completions: "" here stands for "no completion".
+            completions = self._token_ids([e.completion or "" for e in examples], special=False)
+            rows = [
+                self._causal_lm_row(i, prompt, completion if e.completion is not None else None)
+                for i, (e, prompt, completion) in enumerate(
+                    zip(examples, texts, completions, strict=True)
+                )
+            ]
         else:
-            rows = [self._classification_row(i, example) for i, example in enumerate(examples)]
+            rows = [
+                (self._fit(i, ids), self.label_ids[e.label])
+                for i, (e, ids) in enumerate(zip(examples, texts, strict=True))
+            ]
         return self._pad(rows)
+
+    def _token_ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def _fit(self, index: int, ids: list[int]) -> list[int]:
         limit = self.config.max_length
@@ -63,13 +78,13 @@ class BatchEncoder:
             )
         return ids[:limit]
 
-    def _causal_lm_row(self, index: int, example: InputExample) -> tuple[list[int], list[int]]:
+    def _causal_lm_row(
+        self, index: int, prompt: list[int], completion: list[int] | None
+    ) -> tuple[list[int], list[int]]:
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
-        prompt = self.tokenizer(example.text)["input_ids"]
-        if example.completion is None:
+        if completion is None:
             ids = self._fit(index, prompt + eos)
             return ids, list(ids)
-        completion = self.tokenizer(example.completion, add_special_tokens=False)["input_ids"]
         ids = self._fit(index, prompt + completion + eos)
         labels = ([IGNORE_INDEX] * len(prompt) + completion + eos)[: len(ids)]
         if all(label == IGNORE_INDEX for label in labels):
@@ -78,10 +93,6 @@ class BatchEncoder:
                 "completion token to learn"
             )
         return ids, labels
-
-    def _classification_row(self, index: int, example: InputExample) -> tuple[list[int], int]:
-        ids = self._fit(index, self.tokenizer(example.text)["input_ids"])
-        return ids, self.label_ids[example.label]
 
     def _pad(self, rows: list[tuple[list[int], list[int] | int]]) -> Batch:
         width = max(len(ids) for ids, _ in rows)

@@ -69,9 +69,13 @@ def atomic_directory(path: Path) -> Iterator[Path]:
         raise
 
 
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], *, sync: bool = False) -> None:
+    """Write ``tensors`` to a safetensors file; with ``sync``, fsync it before returning."""
     # safetensors refuses shared storage; contiguous CPU copies are what goes to disk anyway.
     save_file({name: t.detach().contiguous().cpu() for name, t in tensors.items()}, path)
+    if sync:
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -119,16 +123,41 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> dict[str, torch
     return tensors
 
 
-def load_optimizer_state(
+def optimizer_state_from_tensors(
     optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
-) -> None:
-    """Restore per-parameter state; the groups' settings come from the (identical) config."""
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Check flat ``<index>.<name>`` tensors against the optimizer's parameters and return
+    per-parameter state the optimizer may own, on each parameter's device.
+
+    Owned copies, because a CPU tensor from ``load_file`` maps the checkpoint file, and a file
+    rewritten in place after the load must never reach a live session.
+    """
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
+    for key, value in sorted(tensors.items()):
         index, _, name = key.partition(".")
-        state.setdefault(int(index), {})[name] = value
+        if not index.isdigit() or int(index) >= len(parameters) or not name:
+            raise InvalidArgument(
+                f"the checkpoint's optimizer state {key!r} names a parameter this model lacks"
+            )
+        parameter = parameters[int(index)]
+        if name == "step":  # AdamW keeps its step counts on the CPU and moves them itself
+            state.setdefault(int(index), {})[name] = value.clone()
+            continue
+        if value.shape != parameter.shape or value.dtype != parameter.dtype:
+            raise InvalidArgument(
+                f"the checkpoint's optimizer state {key!r} is {value.dtype} "
+                f"{tuple(value.shape)}; its parameter is {parameter.dtype} "
+                f"{tuple(parameter.shape)}"
+            )
+        state.setdefault(int(index), {})[name] = value.to(parameter.device, copy=True)
+    return state
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, state: dict[int, dict[str, torch.Tensor]]
+) -> None:
+    """Install checked per-parameter state; the groups' settings come from the (identical)
+    config."""
     current = optimizer.state_dict()
-    parameter_count = sum(len(group["params"]) for group in current["param_groups"])
-    if any(index >= parameter_count for index in state):
-        raise InvalidArgument("the checkpoint's optimizer state names parameters this model lacks")
     optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})

@@ -99,4 +99,10 @@ def apply_lora(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Modul
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     """Non-reentrant checkpointing: frozen embeddings do not cut the adapters' gradients."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    # transformers 5 renamed it (the old name warns); older releases only have the old name.
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)

@@ -28,18 +28,23 @@ class RngState:
     cuda: list[torch.Tensor]
 
     @classmethod
-    def capture(cls) -> RngState:
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
-        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda)
+    def capture(cls, *, cuda: bool = True) -> RngState:
+        """The global generators' state; the CUDA ones only with ``cuda`` (and once CUDA is up).
+
+        A CPU session leaves CUDA out: its bits never depend on those generators, and its state
+        must not change shape when something else in the process initializes CUDA.
+        """
+        cuda_states = torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_initialized() else []
+        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_states)
 
     @classmethod
-    def seeded(cls, seed: int) -> RngState:
+    def seeded(cls, seed: int, *, cuda: bool = True) -> RngState:
         """The state every generator has after seeding with ``seed``; globals untouched."""
         with preserved_global_rng():
             random.seed(seed)
             np.random.seed(seed % 2**32)
             torch.manual_seed(seed)  # seeds CUDA generators too, where initialized
-            return cls.capture()
+            return cls.capture(cuda=cuda)
 
     def install(self) -> None:
         random.setstate(self.python)

@@ -128,7 +128,7 @@ class TrainingSession:
             # Initialize CUDA before seeding, so the session's RNG snapshot holds the CUDA
             # generators too; lazily initialized, they would take whatever seed came last.
             torch.cuda.init()
-        self._rng = RngState.seeded(config.seed)
+        self._rng = RngState.seeded(config.seed, cuda=self.device.type == "cuda")
         with self._session_rng():
             self.tokenizer = load_tokenizer(self.model_dir)
             model = load_model(config, self.model_dir, self.dtype, self.tokenizer)
@@ -139,6 +139,10 @@ class TrainingSession:
             self.model = model.to(self.device)
         self.encoder = BatchEncoder(self.tokenizer, config, self.device)
         self.optimizer = build_optimizer(self.model, config)
+        # Which parameters train never changes after set up; walking a LoRA model's modules
+        # for them costs milliseconds a step.
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._training_mode: bool | None = None  # the mode this session last set; see below
         self.trainer = trainer_factory(config)
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
@@ -155,7 +159,7 @@ class TrainingSession:
         with preserved_global_rng():
             self._rng.install()
             yield
-            self._rng = RngState.capture()
+            self._rng = RngState.capture(cuda=self.device.type == "cuda")
 
     @contextlib.contextmanager
     def _operation(self) -> Iterator[None]:
@@ -176,7 +180,15 @@ class TrainingSession:
         self._version += 1
 
     def trainable_parameters(self) -> list[torch.Tensor]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return list(self._trainable)
+
+    def _set_training(self, training: bool) -> None:
+        # Module.train() walks every module (milliseconds a step for a LoRA model), so only on a
+        # change. The top module's flag alone is no witness: PEFT's wrapper starts in training
+        # mode around a base model in eval mode. So the session remembers what it set.
+        if self._training_mode != training or self.model.training != training:
+            self.model.train(training)
+            self._training_mode = training
 
     def _base_model_fingerprint(self) -> str | None:
         """For LoRA: sha256 of the frozen base weights an adapter is trained on."""
@@ -203,7 +215,7 @@ class TrainingSession:
         """The batch loss (and predictions for classification); no gradients, no state change."""
         with self._operation():
             batch = self.encoder.encode(examples)
-            self.model.eval()
+            self._set_training(False)
             try:
                 with torch.no_grad():
                     output = self.trainer.compute_loss(self.model, batch, training=False)
@@ -225,7 +237,7 @@ class TrainingSession:
         """
         with self._operation():
             batch = self.encoder.encode(examples)
-            self.model.train()
+            self._set_training(True)
             try:
                 loss = self.trainer.compute_loss(self.model, batch, training=True).loss
             except torch.OutOfMemoryError as error:

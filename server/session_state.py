@@ -6,6 +6,7 @@ dtypes) before it touches the session, so a refused restore changes nothing.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,32 @@ if TYPE_CHECKING:
 
 
 def write_checkpoint(session: TrainingSession, path: Path, extra: dict[str, Any]) -> None:
-    meta = {
+    files = {
+        ckpt.MODEL_FILE: dict(session.model.named_parameters()),
+        ckpt.OPTIMIZER_FILE: ckpt.optimizer_state_tensors(session.optimizer),
+        ckpt.GRADIENTS_FILE: session.pending_gradients(),
+        ckpt.RNG_FILE: session._rng.tensors(),
+        ckpt.TRAINER_FILE: session.trainer.session_state_dict(),
+    }
+    # Serializing, syncing and hashing all release the GIL, so two helper threads write and sync
+    # the files while a third computes the state digest from the same tensors (the caller holds
+    # the session's lock: nothing changes the state meanwhile). Two writers, not five, bound the
+    # host memory a CUDA session's files take while in flight.
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="trainwire-checkpoint") as pool:
+        digest = pool.submit(session._state_digest_held)
+        with ckpt.atomic_directory(path) as tmp:
+            writes = [
+                pool.submit(ckpt.save_tensors, tmp / name, tensors, sync=True)
+                for name, tensors in files.items()
+            ]
+            wait(writes)  # all of them, before a failure removes the directory they write into
+            for write in writes:
+                write.result()
+            ckpt.write_json(tmp / ckpt.SESSION_FILE, _metadata(session, digest.result(), extra))
+
+
+def _metadata(session: TrainingSession, digest: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {
         "format": ckpt.CHECKPOINT_FORMAT,
         "config": session.config.to_dict(),
         "config_fingerprint": session.config.fingerprint(),
@@ -30,18 +56,9 @@ def write_checkpoint(session: TrainingSession, path: Path, extra: dict[str, Any]
         "base_model_fingerprint": session.base_fingerprint,
         "trainer": type(session.trainer).__name__,
         "rng": session._rng.to_json(),
-        "state_digest": session.state_digest(),
+        "state_digest": digest,
         "extra": extra,
     }
-    with ckpt.atomic_directory(path) as tmp:
-        ckpt.save_tensors(tmp / ckpt.MODEL_FILE, dict(session.model.named_parameters()))
-        ckpt.save_tensors(
-            tmp / ckpt.OPTIMIZER_FILE, ckpt.optimizer_state_tensors(session.optimizer)
-        )
-        ckpt.save_tensors(tmp / ckpt.GRADIENTS_FILE, session.pending_gradients())
-        ckpt.save_tensors(tmp / ckpt.RNG_FILE, session._rng.tensors())
-        ckpt.save_tensors(tmp / ckpt.TRAINER_FILE, session.trainer.session_state_dict())
-        ckpt.write_json(tmp / ckpt.SESSION_FILE, meta)
 
 
 def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -80,23 +97,37 @@ def read_checkpoint_into(session: TrainingSession, path: Path) -> dict[str, Any]
     problems = describe_mismatches(live, model_tensors)
     if problems:
         raise InvalidArgument(f"checkpoint {path.name} does not fit this model: {problems}")
-    optimizer_tensors = ckpt.load_tensors(path / ckpt.OPTIMIZER_FILE)
     gradients = ckpt.load_tensors(path / ckpt.GRADIENTS_FILE)
+    problems = describe_mismatches({n: live[n] for n in gradients if n in live}, gradients)
     unknown = sorted(set(gradients) - set(live))
-    if unknown:
-        raise InvalidArgument(f"checkpoint {path.name}: gradients for unknown {unknown[:5]}")
-    rng = RngState.from_parts(meta["rng"], ckpt.load_tensors(path / ckpt.RNG_FILE))
+    if problems or unknown:
+        raise InvalidArgument(
+            f"checkpoint {path.name}: gradients do not fit this model: {problems or unknown[:5]}"
+        )
+    optimizer_state = ckpt.optimizer_state_from_tensors(
+        session.optimizer, ckpt.load_tensors(path / ckpt.OPTIMIZER_FILE)
+    )
+    try:
+        rng_tensors = {n: t.clone() for n, t in ckpt.load_tensors(path / ckpt.RNG_FILE).items()}
+        rng = RngState.from_parts(meta["rng"], rng_tensors)
+        step, accumulated = int(meta["step"]), int(meta["accumulated"])
+    except (KeyError, TypeError, ValueError) as error:
+        raise InvalidArgument(
+            f"checkpoint {path.name}: malformed {ckpt.SESSION_FILE} or RNG state ({error!r})"
+        ) from None
     trainer_state = ckpt.load_tensors(path / ckpt.TRAINER_FILE)
+    # Owned copies on the session's device, made before anything is applied (a CUDA session
+    # may run out of memory here, and must not be left half restored).
+    owned_gradients = {n: g.to(live[n].device, copy=True) for n, g in gradients.items()}
 
     # Everything is read and checked; now apply it (the trainer first: it may still refuse).
     session.trainer.load_session_state_dict(trainer_state)
     copy_into([(live[name], model_tensors[name]) for name in live])
-    ckpt.load_optimizer_state(session.optimizer, optimizer_tensors)
+    ckpt.load_optimizer_state(session.optimizer, optimizer_state)
     for name, parameter in live.items():
-        grad = gradients.get(name)
-        parameter.grad = None if grad is None else grad.to(parameter.device).clone()
-    session.step = int(meta["step"])
-    session.accumulated = int(meta["accumulated"])
+        parameter.grad = owned_gradients.get(name)
+    session.step = step
+    session.accumulated = accumulated
     session.base_fingerprint = meta.get("base_model_fingerprint")
     session._rng = rng
     return dict(meta.get("extra") or {})

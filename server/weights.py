@@ -201,6 +201,22 @@ def read_export_record(directory: Path) -> dict[str, Any] | None:
         return None
 
 
+def record_attention_implementation(directory: Path, model: torch.nn.Module) -> None:
+    """Write the attention kernel the session ran into the export's ``config.json``.
+
+    ``save_pretrained`` leaves it out, so a reload would pick the default (sdpa), whose logits
+    and gradients differ in the last bits from the eager kernels a session may have trained with;
+    the export then would not reproduce the session's losses exactly.
+    """
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if not implementation:
+        return
+    config_path = directory / MODEL_CONFIG_FILE
+    data = json.loads(config_path.read_text())
+    data["attn_implementation"] = implementation
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
 def write_export(
     path: Path,
     model: torch.nn.Module,
@@ -211,6 +227,8 @@ def write_export(
     """A directory ``transformers`` (full) or ``peft`` (adapter) loads for inference."""
     with atomic_directory(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
+        if config.lora is None:
+            record_attention_implementation(tmp, model)
         tokenizer.save_pretrained(tmp)
         write_json(
             tmp / EXPORT_FILE,

@@ -14,6 +14,7 @@ class SessionState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SESSION_STATE_RESTORING: _ClassVar[SessionState]
     SESSION_STATE_OPEN: _ClassVar[SessionState]
     SESSION_STATE_CLOSED: _ClassVar[SessionState]
+    SESSION_STATE_FAILED: _ClassVar[SessionState]
 
 class ExportFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ SESSION_STATE_IDLE: SessionState
 SESSION_STATE_RESTORING: SessionState
 SESSION_STATE_OPEN: SessionState
 SESSION_STATE_CLOSED: SessionState
+SESSION_STATE_FAILED: SessionState
 EXPORT_FORMAT_UNSPECIFIED: ExportFormat
 EXPORT_FORMAT_FULL: ExportFormat
 EXPORT_FORMAT_ADAPTER: ExportFormat
@@ -40,12 +42,14 @@ class Example(_message.Message):
     def __init__(self, text: _Optional[str] = ..., label: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("operation_key", "expected_position")
+    __slots__ = ("operation_key", "expected_position", "include_digest")
     OPERATION_KEY_FIELD_NUMBER: _ClassVar[int]
     EXPECTED_POSITION_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     operation_key: str
     expected_position: int
-    def __init__(self, operation_key: _Optional[str] = ..., expected_position: _Optional[int] = ...) -> None: ...
+    include_digest: bool
+    def __init__(self, operation_key: _Optional[str] = ..., expected_position: _Optional[int] = ..., include_digest: _Optional[bool] = ...) -> None: ...
 
 class OperationResult(_message.Message):
     __slots__ = ("operation_key", "position", "replayed", "state_digest")
@@ -60,7 +64,7 @@ class OperationResult(_message.Message):
     def __init__(self, operation_key: _Optional[str] = ..., position: _Optional[int] = ..., replayed: _Optional[bool] = ..., state_digest: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("run_id", "config_fingerprint", "step", "last_operation_key", "state_digest", "position", "restored_checkpoint", "device", "state", "pending_microbatches", "max_steps")
+    __slots__ = ("run_id", "config_fingerprint", "step", "last_operation_key", "state_digest", "position", "restored_checkpoint", "device", "state", "pending_microbatches", "max_steps", "plan_fingerprint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +76,7 @@ class SessionInfo(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     PENDING_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     config_fingerprint: str
     step: int
@@ -83,17 +88,20 @@ class SessionInfo(_message.Message):
     state: SessionState
     pending_microbatches: int
     max_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., last_operation_key: _Optional[str] = ..., state_digest: _Optional[str] = ..., position: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., pending_microbatches: _Optional[int] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    plan_fingerprint: str
+    def __init__(self, run_id: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., last_operation_key: _Optional[str] = ..., state_digest: _Optional[str] = ..., position: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., pending_microbatches: _Optional[int] = ..., max_steps: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("run_id", "config_json", "max_steps")
+    __slots__ = ("run_id", "config_json", "max_steps", "plan_fingerprint")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     config_json: str
     max_steps: int
-    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., max_steps: _Optional[int] = ...) -> None: ...
+    plan_fingerprint: str
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., max_steps: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("info", "created")
@@ -222,14 +230,16 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
-    __slots__ = ("operation", "name", "download")
+    __slots__ = ("operation", "name", "download", "checkpoint")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     name: str
     download: bool
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., download: _Optional[bool] = ...) -> None: ...
+    checkpoint: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., download: _Optional[bool] = ..., checkpoint: _Optional[str] = ...) -> None: ...
 
 class ExportedFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")

@@ -92,8 +92,9 @@ class TrainingSessionServiceServicer:
     """
 
     def Open(self, request, context):
-        """Opens the session for a run, or confirms it: idempotent for the same run id, config and
-        max_steps; another run or config on an open session is FAILED_PRECONDITION.
+        """Opens the session for a run, or confirms it: idempotent for the same run id, config,
+        max_steps and plan fingerprint; another run, config, max_steps or plan on an open session is
+        FAILED_PRECONDITION naming what differs. After Close, Open of a new run id starts afresh.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,148 @@
+"""The durable operation journal: which operation keys a run has applied, and what they returned.
+
+One SQLite database per run, in WAL mode with ``synchronous=FULL``: a committed entry survives a
+power cut, and ``record`` returns only after the commit. The session host looks a key up before
+running anything (same payload → the recorded result; other payload → ALREADY_EXISTS) and records
+each applied operation with its position.
+
+A restart rolls the session back to its latest checkpoint; the entries after it are marked
+``rolled_back`` rather than deleted, so their keys run again when the controller replays them (the
+new run replaces the rolled-back row) while the log of what happened stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+JOURNAL_FILE = "journal.sqlite3"
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS operations (
+    operation_key  TEXT PRIMARY KEY,
+    kind           TEXT NOT NULL,
+    payload_sha256 TEXT NOT NULL,
+    position       INTEGER NOT NULL,
+    result         TEXT NOT NULL,
+    rolled_back    INTEGER NOT NULL DEFAULT 0,
+    recorded_at    REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS operations_by_position ON operations (position);
+"""
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """One applied operation: its key, what it was, where it landed and what it returned."""
+
+    operation_key: str
+    kind: str
+    payload_sha256: str
+    position: int
+    result: dict[str, Any]
+    rolled_back: bool = False
+    recorded_at: float = 0.0
+
+
+class Journal:
+    """The journal of one run, at ``path`` (created on first use).
+
+    Thread-safe; the host serializes operations anyway, so contention is nil.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        # isolation_level=None: no implicit transactions; each write is one explicit transaction.
+        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def lookup(self, operation_key: str) -> JournalEntry | None:
+        """The live (not rolled back) entry for ``operation_key``, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM operations WHERE operation_key = ? AND rolled_back = 0",
+                (operation_key,),
+            ).fetchone()
+        return None if row is None else _entry(row)
+
+    def record(self, entry: JournalEntry) -> None:
+        """Commit ``entry`` durably; it replaces a rolled-back entry of the same key.
+
+        Raises ``sqlite3.IntegrityError`` if a live entry holds the key (the host never asks).
+        """
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "DELETE FROM operations WHERE operation_key = ? AND rolled_back = 1",
+                    (entry.operation_key,),
+                )
+                self._db.execute(
+                    "INSERT INTO operations VALUES (?, ?, ?, ?, ?, 0, ?)",
+                    (
+                        entry.operation_key,
+                        entry.kind,
+                        entry.payload_sha256,
+                        entry.position,
+                        json.dumps(entry.result, sort_keys=True),
+                        entry.recorded_at or time.time(),
+                    ),
+                )
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def roll_back_after(self, position: int) -> int:
+        """Mark every live entry past ``position`` rolled back; returns how many."""
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE operations SET rolled_back = 1 WHERE position > ? AND rolled_back = 0",
+                (position,),
+            )
+            return cursor.rowcount
+
+    def entries(self, *, include_rolled_back: bool = False) -> list[JournalEntry]:
+        """Entries in position order (rolled-back ones after live ones at the same position)."""
+        where = "" if include_rolled_back else "WHERE rolled_back = 0"
+        with self._lock:
+            rows = self._db.execute(
+                f"SELECT * FROM operations {where} ORDER BY position, rolled_back, recorded_at"
+            ).fetchall()
+        return [_entry(row) for row in rows]
+
+    def last(self) -> JournalEntry | None:
+        """The live entry with the highest position, or None."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT * FROM operations WHERE rolled_back = 0 ORDER BY position DESC LIMIT 1"
+            ).fetchone()
+        return None if row is None else _entry(row)
+
+
+def _entry(row: tuple[Any, ...]) -> JournalEntry:
+    key, kind, payload, position, result, rolled_back, recorded_at = row
+    return JournalEntry(
+        key, kind, payload, position, json.loads(result), bool(rolled_back), recorded_at
+    )

@@ -1,0 +1,84 @@
+"""Restart recovery: find a run's latest checkpoint and bring the session and journal back to it.
+
+A SaveState checkpoint records in its ``extra`` where it stands: the run, its position, the key
+and payload digest of the SaveState that wrote it, and that operation's result. That is enough to
+restore the session, roll the journal back to the same position, and re-record the SaveState if
+the server died between writing the checkpoint and committing its journal entry.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.journal import Journal, JournalEntry
+from trainwire.server.session import TrainingSession
+from trainwire.server.session_state import read_extra
+from trainwire.server.state_dir import RunDirectory
+
+logger = logging.getLogger(__name__)
+
+SAVE_KIND = "SaveState"
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """A checkpoint of this run and what its SaveState recorded (``position``, ``operation_key``,
+    ``payload_sha256``, ``result``)."""
+
+    path: Path
+    server: dict[str, Any]
+
+    @property
+    def position(self) -> int:
+        return int(self.server["position"])
+
+
+def latest_checkpoint(run: RunDirectory, run_id: str, extra_key: str) -> RestorePoint | None:
+    """The run's checkpoint with the highest position; checkpoints of other runs are skipped."""
+    best: RestorePoint | None = None
+    for path in run.checkpoint_paths():
+        try:
+            server = read_extra(path).get(extra_key)
+        except (NotFound, InvalidArgument) as error:
+            logger.warning("ignoring %s: %s", path, error)
+            continue
+        if not isinstance(server, dict) or server.get("run_id") != run_id:
+            logger.warning("ignoring %s: not a checkpoint of run %s", path, run_id)
+            continue
+        point = RestorePoint(path, server)
+        if best is None or point.position > best.position:
+            best = point
+    return best
+
+
+def restore_into(
+    session: TrainingSession, journal: Journal, point: RestorePoint | None
+) -> tuple[int, str]:
+    """Load ``point`` into the fresh ``session`` and align ``journal``; (position, last key)."""
+    if point is None:
+        rolled = journal.roll_back_after(0)
+        if rolled:
+            logger.warning("no checkpoint: %d journal entries rolled back to position 0", rolled)
+        return 0, ""
+    session.load_state(point.path)
+    key = point.server["operation_key"]
+    rolled = journal.roll_back_after(point.position)
+    if rolled:
+        logger.info("%d journal entries after position %d rolled back", rolled, point.position)
+    if journal.lookup(key) is None:
+        # The server died after the checkpoint was renamed into place, before the commit.
+        journal.record(
+            JournalEntry(
+                key,
+                SAVE_KIND,
+                point.server["payload_sha256"],
+                point.position,
+                point.server["result"],
+            )
+        )
+        logger.warning("re-recorded %s %r at position %d", SAVE_KIND, key, point.position)
+    return point.position, key

@@ -1,0 +1,183 @@
+"""The gRPC servicer: decode the request, call the session host, encode what it returns.
+
+Errors become status codes here and nowhere else (``STATUS_CODES``), and every call is logged as
+one JSON line: kind, operation key, result (applied, replayed or the status), position, duration.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any, TypeVar
+
+import grpc
+
+from trainwire.client import wire
+from trainwire.server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from trainwire.server.host import PositionMismatch, SessionHost
+from trainwire.server.state_dir import read_export_files
+from trainwire.v1 import session_pb2 as pb
+from trainwire.v1 import session_pb2_grpc as pb_grpc
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# First match wins: the project's own classes, then the built-ins a library may raise.
+STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
+    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
+    (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+)
+
+
+def status_code(error: BaseException) -> grpc.StatusCode:
+    """The status a failed call reports for ``error``; INTERNAL for anything unexpected."""
+    for cls, code in STATUS_CODES:
+        if isinstance(error, cls):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+def log_operation(kind: str, key: str, started: float, result: str, **fields: Any) -> None:
+    record = {"kind": kind, "key": key, "result": result, **fields}
+    record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    level = logging.DEBUG if kind == "Info" and result == "ok" else logging.INFO
+    logger.log(level, "operation %s", json.dumps(record, sort_keys=True))
+
+
+class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
+    """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``."""
+
+    def __init__(self, host: SessionHost) -> None:
+        self.host = host
+
+    def _run(self, context: grpc.ServicerContext, kind: str, key: str, call: Callable[[], T]) -> T:
+        started = time.perf_counter()
+        try:
+            outcome = call()
+        except Exception as error:
+            code = status_code(error)
+            if code == grpc.StatusCode.INTERNAL:
+                logger.exception("%s failed unexpectedly", kind)
+            log_operation(kind, key, started, code.name, message=str(error))
+            if isinstance(error, PositionMismatch):
+                context.set_trailing_metadata(((wire.POSITION_METADATA_KEY, str(error.position)),))
+            context.abort(code, str(error) or type(error).__name__)
+        replayed = getattr(outcome, "replayed", False)
+        fields = {"position": outcome.position} if hasattr(outcome, "position") else {}
+        log_operation(kind, key, started, "replayed" if replayed else "ok", **fields)
+        return outcome
+
+    def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
+        call = partial(
+            self.host.open,
+            request.run_id,
+            request.config_json,
+            request.max_steps,
+            request.plan_fingerprint,
+        )
+        outcome = self._run(context, "Open", "", call)
+        return wire.open_response_to_proto(outcome)
+
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
+        info = self._run(context, "Info", "", self.host.info)
+        return pb.InfoResponse(info=wire.session_info_to_proto(info))
+
+    def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+        examples = wire.examples_from_proto(request.examples)
+        outcome = self._run(context, "Forward", "", partial(self.host.forward, examples))
+        return wire.forward_to_proto(outcome)
+
+    def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
+        op = wire.operation_from_proto(request.operation)
+        examples = wire.examples_from_proto(request.examples)
+        call = partial(self.host.forward_backward, examples, op)
+        return wire.forward_backward_to_proto(self._run(context, "ForwardBackward", op.key, call))
+
+    def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
+        op = wire.operation_from_proto(request.operation)
+        outcome = self._run(context, "OptimStep", op.key, partial(self.host.optim_step, op))
+        return wire.optim_step_to_proto(outcome)
+
+    def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
+        op = wire.operation_from_proto(request.operation)
+        call = partial(self.host.save_state, request.name, op)
+        return wire.save_state_to_proto(self._run(context, "SaveState", op.key, call))
+
+    def LoadState(self, request: pb.LoadStateRequest, context) -> pb.LoadStateResponse:
+        op = wire.operation_from_proto(request.operation)
+        call = partial(self.host.load_state, request.name, op)
+        return wire.load_state_to_proto(self._run(context, "LoadState", op.key, call))
+
+    def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
+        op = wire.operation_from_proto(request.operation)
+
+        def call() -> wire.OperationOutcome:
+            return self.host.load_weights(wire.weights_source_from_proto(request), op)
+
+        return wire.load_weights_to_proto(self._run(context, "LoadWeights", op.key, call))
+
+    def ExportWeights(
+        self, request: pb.ExportWeightsRequest, context
+    ) -> Iterator[pb.ExportWeightsResponse]:
+        op = wire.operation_from_proto(request.operation)
+        call = partial(self.host.export_weights, request.name, op, checkpoint=request.checkpoint)
+        outcome = self._run(context, "ExportWeights", op.key, call)
+        yield wire.export_result_to_proto(outcome)
+        if not request.download:
+            return
+        try:
+            for file, offset, data in read_export_files(outcome.directory, outcome.files):
+                yield (
+                    wire.encode_chunk(file.path, offset, data)
+                    if data
+                    else (wire.file_end_to_proto(file))
+                )
+        except (OSError, InvalidArgument) as error:
+            message = f"export {request.name!r} changed on the server; export it again ({error})"
+            context.abort(status_code(error), message)
+
+    def Close(self, request: pb.CloseRequest, context) -> pb.CloseResponse:
+        info = self._run(context, "Close", "", self.host.close)
+        return pb.CloseResponse(info=wire.session_info_to_proto(info))
+
+
+def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as the generated ``add_..._to_server`` would, except that
+    ExportWeights sends its pre-encoded chunks as they are (``wire.serialize_export_item``)."""
+    service = pb.DESCRIPTOR.services_by_name["TrainingSessionService"]
+    handlers = {}
+    for method in service.methods:
+        make = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
+        response = getattr(pb, method.output_type.name)
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            response_serializer=wire.serialize_export_item
+            if method.name == "ExportWeights"
+            else response.SerializeToString,
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),)
+    )
+    server.add_registered_method_handlers(service.full_name, handlers)

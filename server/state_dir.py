@@ -1,0 +1,213 @@
+"""The server's state directory: where each run keeps its record, journal, checkpoints and exports.
+
+The layout is drawn in ``trainwire.server.host``; its names are the constants below. Names are
+checked here, and a resolved path must stay inside its folder, so neither ``..`` nor a planted
+symlink leads out of the state directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trainwire.client.files import write_text_atomic
+from trainwire.client.wire import ExportedFile
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.journal import JOURNAL_FILE
+
+RUNS_DIR = "runs"
+LOCK_FILE = "server.lock"
+RUN_FILE = "run.json"
+CHECKPOINTS_DIR = "checkpoints"
+EXPORTS_DIR = "exports"
+RUN_OPEN, RUN_CLOSED = "open", "closed"
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+NAME_RULE = "1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit"
+
+
+def check_name(name: str, what: str) -> str:
+    """``name`` if it is a valid run, checkpoint or export name; InvalidArgument otherwise."""
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise InvalidArgument(f"{what} name {name!r} is not allowed: use {NAME_RULE}")
+    return name
+
+
+def confined(folder: Path, name: str, what: str) -> Path:
+    """``folder/name`` after checking the name and that it resolves inside ``folder``."""
+    check_name(name, what)
+    path = folder / name
+    base = folder.resolve()
+    if path.resolve().parent != base:
+        raise InvalidArgument(f"{what} {name!r} resolves outside {base} (a symlink?); refused")
+    return path
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What identifies a run's session, persisted so a restarted server can reopen it."""
+
+    run_id: str
+    config: dict[str, Any]
+    config_fingerprint: str
+    max_steps: int | None
+    plan_fingerprint: str
+    state: str = RUN_OPEN
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    def differences(self, requested: RunRecord) -> list[str]:
+        """How ``requested`` differs from this run in config, max_steps and plan, in words."""
+        out = []
+        if self.config_fingerprint != requested.config_fingerprint:
+            ours, theirs = self.config, requested.config
+            changes = ", ".join(
+                f"{key}: open {ours.get(key)!r}, requested {theirs.get(key)!r}"
+                for key in sorted(set(ours) | set(theirs))
+                if ours.get(key) != theirs.get(key)
+            )
+            out.append(f"config ({changes})")
+        if self.max_steps != requested.max_steps:
+            out.append(f"max_steps (open {self.max_steps}, requested {requested.max_steps})")
+        if self.plan_fingerprint != requested.plan_fingerprint:
+            out.append(
+                f"plan fingerprint (open {self.plan_fingerprint!r}, "
+                f"requested {requested.plan_fingerprint!r})"
+            )
+        return out
+
+    @classmethod
+    def from_json(cls, text: str) -> RunRecord:
+        return cls(**json.loads(text))
+
+
+class RunDirectory:
+    """One run's folder under ``<state dir>/runs``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.journal_path = path / JOURNAL_FILE
+        self.checkpoints = path / CHECKPOINTS_DIR
+        self.exports = path / EXPORTS_DIR
+
+    def exists(self) -> bool:
+        return (self.path / RUN_FILE).is_file()
+
+    def read_record(self) -> RunRecord:
+        return RunRecord.from_json((self.path / RUN_FILE).read_text())
+
+    def write_record(self, record: RunRecord) -> None:
+        for folder in (self.path, self.checkpoints, self.exports):
+            folder.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.path / RUN_FILE, record.to_json())
+
+    def checkpoint(self, name: str) -> Path:
+        return confined(self.checkpoints, name, "checkpoint")
+
+    def export(self, name: str) -> Path:
+        return confined(self.exports, name, "export")
+
+    def checkpoint_paths(self) -> list[Path]:
+        """Every finished checkpoint folder (hidden temporary folders excluded), by name."""
+        if not self.checkpoints.is_dir():
+            return []
+        return sorted(
+            p for p in self.checkpoints.iterdir() if NAME_PATTERN.fullmatch(p.name) and p.is_dir()
+        )
+
+
+class StateDirectory:
+    """The root every run lives under; created on first use, and held by one server at a time.
+
+    The hold is an exclusive ``flock`` on ``server.lock``: the kernel drops it when the process
+    dies, so a restarted server takes over at once, while a second live one is refused.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        (self.root / RUNS_DIR).mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise OSError(
+                f"another server is using the state directory {self.root}; stop it first"
+            ) from None
+
+    def release(self) -> None:
+        """Let another server take the directory over."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor drops the flock
+            self._lock_fd = None
+
+    def run(self, run_id: str) -> RunDirectory:
+        return RunDirectory(confined(self.root / RUNS_DIR, run_id, "run id"))
+
+    def open_runs(self) -> list[RunRecord]:
+        """The runs recorded as open (at most one, unless the directory was tampered with)."""
+        records = []
+        for path in sorted((self.root / RUNS_DIR).iterdir()):
+            run = RunDirectory(path)
+            if NAME_PATTERN.fullmatch(path.name) and run.exists():
+                record = run.read_record()
+                if record.state == RUN_OPEN:
+                    records.append(record)
+        return records
+
+
+CHUNK_BYTES = 1 << 20  # the most a streamed chunk carries
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK_BYTES):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def list_export_files(directory: Path) -> tuple[ExportedFile, ...]:
+    """Every file of an export, sorted by its ``/``-separated relative path, with its sha256."""
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    return tuple(
+        ExportedFile(p.relative_to(directory).as_posix(), p.stat().st_size, _sha256_of(p))
+        for p in sorted(files, key=lambda p: p.relative_to(directory).as_posix())
+    )
+
+
+def read_export_files(
+    directory: Path, files: Iterable[ExportedFile], chunk_bytes: int = CHUNK_BYTES
+) -> Iterator[tuple[ExportedFile, int, memoryview]]:
+    """Each file's ``(file, offset, data)`` chunks in order, then ``(file, size, empty)``.
+
+    ``data`` views one reused buffer (no fresh allocation per chunk): it is valid until the next
+    item. The bytes are read as they are now; the receiver checks them against the recorded
+    sha256.
+    """
+    buffer = memoryview(bytearray(chunk_bytes))
+    for file in files:
+        offset = 0
+        with open(confined_file(directory, file.path), "rb", buffering=0) as handle:
+            while read := handle.readinto(buffer):
+                yield file, offset, buffer[:read]
+                offset += read
+        yield file, offset, buffer[:0]
+
+
+def confined_file(directory: Path, relative: str) -> Path:
+    """``directory/relative`` for a recorded export path, refusing anything that leaves it."""
+    base = directory.resolve()
+    path = (base / relative).resolve()
+    if PurePosixPath(relative).is_absolute() or base not in path.parents:
+        raise InvalidArgument(f"export file {relative!r} lies outside {base}")
+    return path

@@ -1,0 +1,416 @@
+"""The session host without a network: exactly-once keys, positions, recovery, confinement."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sqlite3
+import threading
+
+import pytest
+from service_fixtures import REVIEWS, TEXTS, microbatches
+
+from trainwire.client import wire
+from trainwire.client.wire import OperationSpec, WeightsSource
+from trainwire.server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
+from trainwire.server.host import PositionMismatch, SessionHost
+from trainwire.server.session import TrainingSession
+from trainwire.server.session_state import read_extra
+
+BATCHES = microbatches(TEXTS)
+
+
+def op(key: str, position: int | None = None, digest: bool = False) -> OperationSpec:
+    return OperationSpec(key, position, digest)
+
+
+@pytest.fixture
+def make_host(tmp_path, model_root):
+    hosts = []
+
+    def make(**options) -> SessionHost:
+        host = SessionHost(tmp_path / "state", model_root=model_root, device="cpu", **options)
+        host.recover()
+        hosts.append(host)
+        return host
+
+    yield make
+    for host in hosts:
+        host.release()
+
+
+@pytest.fixture
+def config(llama_config):
+    return llama_config()
+
+
+@pytest.fixture
+def host(make_host, config):
+    host = make_host()
+    host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
+    return host
+
+
+def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config):
+    again = host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
+
+    assert again.created is False
+    assert (again.run_id, again.state, again.position) == ("run", wire.OPEN, 0)
+    assert again.config_fingerprint == config.fingerprint()
+    assert (again.max_steps, again.plan_fingerprint) == (10, "sha256:plan")
+
+
+@pytest.mark.parametrize(
+    ("run_id", "changes", "max_steps", "plan", "match"),
+    [
+        ("other", {}, 10, "sha256:plan", "open for run 'run', not 'other'"),
+        ("run", {"learning_rate": 0.5}, 10, "sha256:plan", "learning_rate: open 0.001, req"),
+        ("run", {}, 11, "sha256:plan", r"max_steps \(open 10, requested 11\)"),
+        ("run", {}, 10, "sha256:other", "plan fingerprint"),
+    ],
+)
+def test_open_refuses_another_run_config_steps_or_plan_naming_the_difference(
+    host, config, run_id, changes, max_steps, plan, match
+):
+    requested = json.dumps(config.replace(**changes).to_dict())
+
+    with pytest.raises(FailedPrecondition, match=match):
+        host.open(run_id, requested, max_steps, plan)
+
+
+def test_open_refuses_bad_configs_as_invalid_arguments(make_host, config):
+    host = make_host()
+    fp16 = dict(config.to_dict(), precision="fp16")
+
+    with pytest.raises(InvalidArgument, match="fp16 is not supported"):
+        host.open("run", json.dumps(fp16), 10)
+    with pytest.raises(InvalidArgument, match="unknown config key"):
+        host.open("run", json.dumps(dict(config.to_dict(), learning_rat=1)), 10)
+    with pytest.raises(InvalidArgument, match="not valid JSON"):
+        host.open("run", "{", 10)
+    with pytest.raises(InvalidArgument, match="run id name 'a/b' is not allowed"):
+        host.open("a/b", json.dumps(config.to_dict()), 10)
+    assert host.info().state == wire.IDLE
+    assert not (host.state_dir.root / "runs" / "run").exists()
+
+
+def test_operations_before_open_are_failed_precondition(make_host):
+    host = make_host()
+
+    with pytest.raises(FailedPrecondition, match="call Open first"):
+        host.forward_backward(BATCHES[0], op("k"))
+    with pytest.raises(FailedPrecondition, match="call Open first"):
+        host.forward(BATCHES[0])
+
+
+def test_a_retried_key_returns_the_recorded_result_without_running_again(host):
+    first = host.forward_backward(BATCHES[0], op("k1", 0, digest=True))
+    host.optim_step(op("k2", 1))
+    digest = host.info().state_digest
+
+    again = host.forward_backward(BATCHES[0], op("k1", 0))
+
+    assert again == dataclasses.replace(first, replayed=True)  # the digest it recorded, too
+    assert host.info().position == 2 and host.info().state_digest == digest
+    assert [e.operation_key for e in host.journal.entries()] == ["k1", "k2"]
+
+
+def test_a_reused_key_with_another_payload_is_already_exists(host):
+    host.forward_backward(BATCHES[0], op("k1"))
+    digest = host.info().state_digest
+
+    with pytest.raises(AlreadyExists, match="'k1' was already used for another ForwardBackward"):
+        host.forward_backward(BATCHES[1], op("k1"))
+    with pytest.raises(AlreadyExists):
+        host.optim_step(op("k1"))
+    assert host.info().state_digest == digest and host.info().position == 1
+
+
+def test_a_position_mismatch_names_the_real_position_and_changes_nothing(host):
+    host.forward_backward(BATCHES[0], op("k1", 0))
+    digest = host.info().state_digest
+
+    with pytest.raises(PositionMismatch, match="the session is at position 1") as raised:
+        host.forward_backward(BATCHES[1], op("k2", 0))
+
+    assert raised.value.position == 1
+    assert host.info().state_digest == digest
+    assert host.journal.lookup("k2") is None
+
+
+def test_an_engine_error_is_not_journaled_and_moves_nothing(host):
+    digest = host.info().state_digest
+
+    with pytest.raises(InvalidArgument, match="empty batch"):
+        host.forward_backward([], op("k1", 0))
+    with pytest.raises(FailedPrecondition, match="run forward_backward first"):
+        host.optim_step(op("k1", 0))
+
+    assert host.info().position == 0 and host.info().state_digest == digest
+    assert host.journal.entries() == []
+
+
+def test_the_digest_is_computed_only_when_asked(host):
+    plain = host.forward_backward(BATCHES[0], op("k1"))
+    asked = host.forward_backward(BATCHES[1], op("k2", digest=True))
+
+    assert plain.state_digest == ""
+    assert asked.state_digest == host.info().state_digest
+    # A replay of the last operation may still ask: the state is the one it left.
+    assert host.forward_backward(BATCHES[1], op("k2", digest=True)).state_digest == (
+        asked.state_digest
+    )
+
+
+def test_save_state_records_where_the_session_stands_in_the_checkpoint(host):
+    host.forward_backward(BATCHES[0], op("k1"))
+    saved = host.save_state("c1", op("k2"))
+
+    server = read_extra(host.state_dir.run("run").checkpoint("c1"))["server"]
+
+    assert (server["run_id"], server["position"], server["operation_key"]) == ("run", 2, "k2")
+    assert server["result"]["state_digest"] == saved.state_digest == host.info().state_digest
+
+
+def run_ops(host: SessionHost, start: int, pairs: int) -> list[object]:
+    """``pairs`` × (forward_backward, optim_step) from position ``start``; keys ``k{position}``."""
+    outcomes = []
+    for position in range(start, start + 2 * pairs, 2):
+        batch = BATCHES[(position // 2) % len(BATCHES)]
+        outcomes.append(host.forward_backward(batch, op(f"k{position}", position)))
+        outcomes.append(host.optim_step(op(f"k{position + 1}", position + 1)))
+    return outcomes
+
+
+def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same_digest(
+    host, make_host
+):
+    run_ops(host, 0, 2)
+    host.save_state("early", op("save-early", 4))
+    run_ops(host, 5, 1)
+    saved = host.save_state("late", op("save-late", 7))
+    uninterrupted = run_ops(host, 8, 2)
+    final = host.info()
+    host.release()  # the "crash": nothing is closed, the run stays recorded open
+
+    restarted = make_host()
+    info = restarted.info()
+
+    assert (info.position, info.restored_checkpoint, info.last_operation_key) == (
+        8,
+        "late",
+        "save-late",
+    )
+    assert info.state_digest == saved.state_digest and info.step == saved.step
+    assert restarted.forward_backward(BATCHES[1], op("k2", 99)).replayed  # before: answered
+    replayed = run_ops(restarted, 8, 2)
+    assert [o.replayed for o in replayed] == [False] * 4  # rolled back: they ran again
+    assert replayed == uninterrupted
+    assert restarted.info().state_digest == final.state_digest
+
+
+def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_host):
+    run_ops(host, 0, 1)
+    saved = host.save_state("c1", op("save", 2))
+    host.release()
+    db = sqlite3.connect(host.state_dir.run("run").journal_path)
+    with db:  # as if the server died between the checkpoint's rename and the journal commit
+        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
+    db.close()
+
+    restarted = make_host()
+
+    assert restarted.info().position == 3
+    assert restarted.save_state("c1", op("save", 2)) == wire.CheckpointOutcome(
+        "save", 3, True, saved.state_digest, name="c1", step=1
+    )
+
+
+def test_recovery_without_a_checkpoint_starts_fresh_at_position_zero(host, make_host):
+    fresh_digest = host.info().state_digest
+    run_ops(host, 0, 2)
+    host.release()
+
+    restarted = make_host()
+
+    info = restarted.info()
+    assert (info.position, info.step, info.restored_checkpoint) == (0, 0, "")
+    assert info.state_digest == fresh_digest
+    assert restarted.journal.entries() == []
+    assert not run_ops(restarted, 0, 1)[0].replayed
+
+
+def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host, config):
+    run_ops(host, 0, 1)
+    host.save_state("c1", op("save"))
+    closed = host.close()
+
+    assert closed.state == wire.CLOSED and host.info() == closed
+    assert host.close() == closed  # idempotent
+    with pytest.raises(FailedPrecondition, match="was closed"):
+        host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
+    opened = host.open("run2", json.dumps(config.to_dict()), 10)
+    assert (opened.created, opened.position, opened.run_id) == (True, 0, "run2")
+    assert host.state_dir.run("run").checkpoint("c1").is_dir()
+    with pytest.raises(NotFound):  # the other run's checkpoint is not this run's
+        host.load_state("c1", op("load"))
+
+
+@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "", "x" * 129, "a b"])
+def test_odd_names_are_refused_before_anything_runs(host, name):
+    calls = [
+        lambda: host.save_state(name, op("k")),
+        lambda: host.load_state(name, op("k")),
+        lambda: host.export_weights(name, op("k")),
+        lambda: host.load_weights(WeightsSource("checkpoint", name), op("k")),
+        lambda: host.load_weights(WeightsSource("export", name), op("k")),
+    ]
+    if name:  # an empty checkpoint means "the live state"
+        calls.append(lambda: host.export_weights("ok", op("k"), checkpoint=name))
+    for call in calls:
+        with pytest.raises(InvalidArgument, match="is not allowed: use 1-128 characters"):
+            call()
+    assert host.info().position == 0
+
+
+def test_symlinks_cannot_lead_out_of_the_state_directory(host, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    os.symlink(outside, host.state_dir.run("run").checkpoints / "evil")
+
+    with pytest.raises(InvalidArgument, match="resolves outside"):
+        host.save_state("evil", op("k"))
+    assert list(outside.iterdir()) == []
+
+
+def test_model_paths_resolve_under_the_model_root(host, tiny_llama):
+    with pytest.raises(InvalidArgument, match="outside the model root"):
+        host.load_weights(WeightsSource("model_path", "../../etc"), op("k1"))
+    with pytest.raises(InvalidArgument, match="outside the model root"):
+        host.load_weights(WeightsSource("model_path", "/etc"), op("k1"))
+
+    loaded = host.load_weights(WeightsSource("model_path", tiny_llama.name), op("k1", 0))
+
+    assert loaded.position == 1
+
+
+def test_export_from_a_checkpoint_leaves_the_live_state_alone(host):
+    run_ops(host, 0, 1)
+    host.save_state("c1", op("save"))
+    run_ops(host, 3, 1)
+    digest = host.info().state_digest
+
+    exported = host.export_weights("best", op("export"), checkpoint="c1")
+
+    assert host.info().state_digest == digest
+    assert exported.format == wire.FORMAT_FULL and exported.directory.is_dir()
+    assert {f.path for f in exported.files} >= {"config.json", "model.safetensors"}
+    with pytest.raises(NotFound, match="no checkpoint named 'nope'"):
+        host.export_weights("other", op("export2"), checkpoint="nope")
+
+
+def test_shutdown_refuses_new_operations_and_lets_the_one_in_flight_commit(host):
+    session = host.session
+    started, release = threading.Event(), threading.Event()
+    original = session.forward_backward
+
+    def slow(examples):
+        started.set()
+        release.wait(10)
+        return original(examples)
+
+    session.forward_backward = slow
+    results = []
+    worker = threading.Thread(
+        target=lambda: results.append(host.forward_backward(BATCHES[0], op("k1")))
+    )
+    worker.start()
+    assert started.wait(10)
+
+    host.begin_shutdown()
+    with pytest.raises(Unavailable, match="shutting down"):
+        host.optim_step(op("k2"))
+    assert not host.wait_idle(0.05)
+    release.set()
+    worker.join(10)
+
+    assert host.wait_idle(10)
+    assert results[0].position == 1 and host.journal.lookup("k1") is not None
+
+
+def test_the_same_key_sent_concurrently_runs_once(host):
+    session = host.session
+    calls = []
+    original = session.forward_backward
+    session.forward_backward = lambda examples: calls.append(1) or original(examples)
+    barrier = threading.Barrier(6)
+    outcomes = []
+
+    def send() -> None:
+        barrier.wait(10)
+        outcomes.append(host.forward_backward(BATCHES[0], op("same", 0)))
+
+    threads = [threading.Thread(target=send) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert len(calls) == 1
+    assert sorted(o.replayed for o in outcomes) == [False] + [True] * 5
+    assert {o.loss for o in outcomes} == {outcomes[0].loss}
+
+
+def test_classification_forward_reports_predictions_in_label_order(
+    make_host, llama_classifier_config
+):
+    host = make_host()
+    config = llama_classifier_config()
+    host.open("cls", json.dumps(config.to_dict()), 4)
+    local = TrainingSession(config, device="cpu", max_steps=4)
+
+    remote = host.forward(REVIEWS[:4])
+    expected = local.forward(REVIEWS[:4])
+
+    assert remote.loss == expected.loss
+    assert [(p.label, list(p.scores)) for p in remote.predictions] == [
+        (p.label, p.scores) for p in expected.predictions
+    ]
+
+
+def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
+    host, tmp_path, model_root
+):
+    run_ops(host, 0, 1)
+    host.save_state("c1", op("save", 2))
+    host.release()
+    serving: list[bool] = []
+
+    restarted = SessionHost(
+        tmp_path / "state", model_root=model_root, device="cpu", on_serving=serving.append
+    )
+    try:
+        assert restarted.info().state == wire.RESTORING and restarted.info().run_id == "run"
+        with pytest.raises(Unavailable, match="restoring"):
+            restarted.optim_step(op("k"))
+        restarted.recover()
+
+        assert serving == [False, True]
+        assert (restarted.info().state, restarted.info().position) == (wire.OPEN, 3)
+    finally:
+        restarted.release()
+
+
+def test_a_second_host_on_the_same_state_directory_is_refused(host, tmp_path, model_root):
+    with pytest.raises(OSError, match="another server is using the state directory"):
+        SessionHost(tmp_path / "state", model_root=model_root, device="cpu")
+
+    host.release()
+    SessionHost(tmp_path / "state", model_root=model_root, device="cpu").release()

@@ -1,0 +1,161 @@
+"""The service's public surface without a server: wire conversions, retries, imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import grpc
+import pytest
+
+from trainwire.client import wire
+from trainwire.client.retry import RetryPolicy, call_with_retry, position_from_error
+from trainwire.client.session_client import parse_weights_source
+from trainwire.v1 import session_pb2 as pb
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details="", trailing=()):
+        self._code, self._details, self._trailing = code, details, trailing
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return self._trailing
+
+
+def test_outcomes_round_trip_through_the_journal_record_and_the_wire():
+    files = (wire.ExportedFile("model.safetensors", 10, "ab" * 32),)
+    outcome = wire.ExportOutcome("k", 3, False, "sha256:x", name="e", format="adapter", files=files)
+
+    record = wire.outcome_record(outcome)
+    replayed = wire.outcome_from_record(wire.ExportOutcome, record, replayed=True)
+    decoded = wire.export_outcome_from_proto(wire.export_result_to_proto(replayed).result)
+
+    assert "replayed" not in record and "directory" not in record
+    assert decoded == replayed and decoded.replayed and decoded.files == files
+    step = wire.OptimStepOutcome("k", 2, True, "", step=1, learning_rate=0.1 + 0.2, grad_norm=3.5)
+    assert wire.optim_step_from_proto(wire.optim_step_to_proto(step)) == step  # doubles exact
+
+
+def test_session_info_round_trips_every_state():
+    for state in (wire.IDLE, wire.RESTORING, wire.OPEN, wire.CLOSED, wire.FAILED):
+        info = wire.SessionInfo(run_id="r", position=4, state=state, max_steps=7)
+        assert wire.session_info_from_proto(wire.session_info_to_proto(info)) == info
+
+
+@pytest.mark.parametrize(
+    ("path", "offset", "data"),
+    [("model.safetensors", 0, b"\x00" * 300), ("sub/é.bin", 3 << 40, bytes(range(256)) * 4099),
+     ("", 1, b"x"), ("a", 0, b"")],
+)  # fmt: skip
+def test_hand_encoded_chunks_are_the_bytes_protobuf_writes_and_decode_without_copies(
+    path, offset, data
+):
+    expected = pb.ExportWeightsResponse(
+        chunk=pb.FileChunk(path=path, offset=offset, data=data)
+    ).SerializeToString()
+
+    encoded = wire.encode_chunk(path, offset, data)
+    decoded = wire.decode_export_item(encoded)
+
+    assert encoded == expected
+    assert isinstance(decoded, wire.RawChunk)
+    assert (decoded.path, decoded.offset, bytes(decoded.data)) == (path, offset, data)
+    assert isinstance(decoded.data, memoryview)
+
+
+def test_other_export_items_decode_through_protobuf():
+    end = pb.ExportWeightsResponse(file_end=pb.FileEnd(path="a", size_bytes=3, sha256="ab"))
+    chunk_with_unknown_field_5 = b"\x12\x05" + b"\x0a\x01a" + b"\x28\x01"
+
+    assert wire.decode_export_item(end.SerializeToString()) == end
+    parsed = wire.decode_export_item(chunk_with_unknown_field_5)
+    assert isinstance(parsed, pb.ExportWeightsResponse) and parsed.chunk.path == "a"
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "value"),
+    [
+        ("checkpoint:best", "checkpoint", "best"),
+        ("export:final", "export", "final"),
+        ("model:base/llama", "model_path", "base/llama"),
+        ("base/llama", "model_path", "base/llama"),
+    ],
+)
+def test_weights_sources_are_named_by_prefix(text, kind, value):
+    assert parse_weights_source(text) == wire.WeightsSource(kind, value)
+
+
+def test_only_unavailable_and_deadline_exceeded_are_retried_with_growing_jittered_waits():
+    policy = RetryPolicy(max_attempts=4, initial_backoff_s=1.0, max_backoff_s=3.0, jitter=0.5)
+    failures = [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED]
+    waits: list[float] = []
+
+    def flaky():
+        if failures:
+            raise FakeRpcError(failures.pop(0))
+        return "done"
+
+    assert call_with_retry(flaky, policy, sleep=waits.append, rng=lambda: 1.0) == "done"
+    assert waits == [0.5, 1.0]  # 1.0 and 2.0, each scaled by (1 - 0.5 * 1.0)
+    assert policy.delay_s(5, rng=lambda: 0.0) == 3.0  # capped
+
+    def refused():
+        raise FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT)
+
+    with pytest.raises(FakeRpcError):
+        call_with_retry(refused, policy, sleep=waits.append)
+    assert len(waits) == 2
+
+
+def test_the_last_retryable_error_is_raised_as_received():
+    error = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "down")
+    calls = []
+
+    def down():
+        calls.append(1)
+        raise error
+
+    with pytest.raises(FakeRpcError) as raised:
+        call_with_retry(down, RetryPolicy(max_attempts=3), sleep=lambda s: None)
+    assert raised.value is error and len(calls) == 3
+
+
+def test_position_from_error_reads_the_metadata_then_the_details():
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    metadata = ((wire.POSITION_METADATA_KEY, "12"),)
+    assert position_from_error(FakeRpcError(code, "", metadata)) == 12
+    assert position_from_error(FakeRpcError(code, "but the session is at position 5 (")) == 5
+    assert position_from_error(FakeRpcError(code, "no session is open")) is None
+    assert position_from_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "position 5")) is None
+
+
+def test_the_client_package_and_session_client_import_without_torch():
+    probe = (
+        "import sys\n"
+        "from trainwire.client import SessionClient\n"
+        "import trainwire.client.wire, trainwire.client.retry, trainwire.server\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'numpy', 'transformers'))\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_server_package_exports_load_lazily_and_serve_is_callable():
+    import trainwire.server
+    import trainwire.server.serve as serve_module
+    from trainwire.server import ManagedTraining, SessionHost, TrainingSession, serve
+
+    assert TrainingSession.__name__ == "TrainingSession"
+    assert ManagedTraining.__name__ == "ManagedTraining" and SessionHost.__name__ == "SessionHost"
+    assert callable(serve) and callable(trainwire.server.serve) and callable(serve_module)
+    with pytest.raises(AttributeError):
+        trainwire.server.NoSuchThing  # noqa: B018

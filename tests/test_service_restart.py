@@ -1,0 +1,101 @@
+"""A real ``trainwire serve`` process killed with SIGKILL, restarted on its state directory, and
+stopped with SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_fixtures import TEXTS, apply_remote, connect, training_ops, wait_for
+
+from trainwire.client import wire
+from trainwire.server.journal import Journal
+
+TOKEN = "restart-token"
+
+
+class ServeProcess:
+    """``python -m trainwire serve`` on a free port, its log in ``log``."""
+
+    def __init__(self, tmp_path: Path, state_dir: Path, model_root: Path, name: str) -> None:
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        self.port_file = tmp_path / f"{name}.port"
+        self.log = tmp_path / f"{name}.log"
+        command = [
+            sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
+            "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
+            "--token-file", str(token_file), "--port-file", str(self.port_file),
+        ]  # fmt: skip
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self.port_file.exists() or self.process.poll() is not None, 120)
+        assert self.process.poll() is None, self.log.read_text()
+        self.port = int(self.port_file.read_text())
+
+    def stop(self, signum: int) -> int:
+        os.kill(self.process.pid, signum)
+        return self.process.wait(timeout=60)
+
+    def kill_if_running(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=60)
+
+
+@pytest.fixture
+def processes():
+    started: list[ServeProcess] = []
+    yield started
+    for process in started:
+        process.kill_if_running()
+
+
+def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_same_bits(
+    tmp_path, model_root, llama_config, processes
+):
+    state_dir = tmp_path / "state"
+    ops = training_ops(TEXTS[:12])  # fb fb optim fb fb optim
+    first = ServeProcess(tmp_path, state_dir, model_root, "first")
+    processes.append(first)
+    with connect(first.port, token=TOKEN) as client:
+        client.open("run", llama_config(), max_steps=4)
+        before = apply_remote(client, ops[:3], "run")
+        saved = client.save_state("c1", operation_key="save", expected_position=3)
+        uninterrupted = apply_remote(client, ops, "run", first=3, position=4)
+        final = client.info()
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+
+    second = ServeProcess(tmp_path, state_dir, model_root, "second")
+    processes.append(second)
+    with connect(second.port, token=TOKEN) as client:  # waits through NOT_SERVING
+        info = client.info()
+        assert (info.state, info.position, info.step) == (wire.OPEN, 4, 1)
+        assert (info.restored_checkpoint, info.last_operation_key) == ("c1", "save")
+        assert info.state_digest == saved.state_digest
+        early = client.forward_backward(ops[0][1], operation_key="run/0", expected_position=0)
+        assert early.replayed and early.loss == before[0].loss
+        replayed = apply_remote(client, ops, "run", first=3, position=4)
+        assert [o.replayed for o in replayed] == [False, False, False]
+        assert replayed == uninterrupted
+        assert client.info().state_digest == final.state_digest
+
+    assert second.stop(signal.SIGTERM) == 0
+    log = second.log.read_text()
+    assert "restored at position 4 (checkpoint c1" in log
+    assert "SIGTERM received" in log and f"listening on 127.0.0.1:{second.port}" in log
+    with Journal(state_dir / "runs" / "run" / "journal.sqlite3") as journal:
+        entries = journal.entries(include_rolled_back=True)
+    assert [(e.operation_key, e.position, e.rolled_back) for e in entries] == [
+        ("run/0", 1, False),
+        ("run/1", 2, False),
+        ("run/2", 3, False),
+        ("save", 4, False),
+        ("run/3", 5, False),
+        ("run/4", 6, False),
+        ("run/5", 7, False),
+    ]

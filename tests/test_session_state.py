@@ -1,0 +1,445 @@
+"""Session checkpoints: a resume from any point of a plan equals the uninterrupted run, bit for bit.
+
+The resume-equivalence pattern (train, save, restore into a fresh session, finish, compare the
+state digests) is applied at every microbatch of a small plan, before and after its update, for
+both tasks, full weights and LoRA.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainwire.client import ManagedTrainingPlan, TrainingConfig
+from trainwire.server import checkpoint as ckpt
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from trainwire.server.session import SessionTrainer, TrainingSession
+from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
+
+# 11 examples in batches of 3 give 4 microbatches an epoch (the last holds 2); with accumulation 3
+# an epoch has one full accumulation and one partial one (a single microbatch at the epoch end).
+PLAN_SETTINGS = {"gradient_accumulation_steps": 3, "num_epochs": 2, "warmup_steps": 1}
+EXAMPLE_COUNT = 11
+
+VARIANTS = ["causal-lm-full", "causal-lm-lora", "classification-full", "classification-lora"]
+
+
+@pytest.fixture(params=VARIANTS)
+def plan(request, llama_config, bert_classifier_config, small_lora) -> ManagedTrainingPlan:
+    """A small plan for one task and weight kind: 8 microbatches, 4 updates, uneven batches."""
+    task, kind = request.param.rsplit("-", 1)
+    lora = small_lora if kind == "lora" else None
+    if task == "causal-lm":
+        config = llama_config(lora=lora, **PLAN_SETTINGS)
+        examples = tiny_text_examples(EXAMPLE_COUNT)
+    else:
+        config = bert_classifier_config(lora=lora, **PLAN_SETTINGS)
+        examples = tiny_sentiment_examples(EXAMPLE_COUNT)
+    return ManagedTrainingPlan(examples, config)
+
+
+def open_session(plan: ManagedTrainingPlan, **kwargs) -> TrainingSession:
+    return TrainingSession(plan.config, max_steps=plan.max_steps, **kwargs)
+
+
+def finish_from(session: TrainingSession, plan: ManagedTrainingPlan, i: int, op: str, drive_plan):
+    """Continue a session restored right after operation ``op`` of microbatch ``i``."""
+    if op == "forward_backward" and plan.is_update(i):
+        session.optim_step()
+    return drive_plan(session, plan, i + 1)
+
+
+def test_resume_at_every_microbatch_equals_uninterrupted_run(plan, tmp_path, drive_plan) -> None:
+    assert plan.batch_count == 8 and plan.max_steps == 4
+    assert any(len(plan.rows(i)) < plan.config.batch_size for i in range(plan.batch_count))
+    reference = open_session(plan)
+    reference_losses = drive_plan(reference, plan)
+
+    session = open_session(plan)
+    saved = []  # (microbatch, operation, checkpoint, digest at save)
+
+    def save(i: int, op: str) -> None:
+        digest = session.state_digest()
+        path = tmp_path / f"after-{i}-{op}"
+        session.save_state(path)
+        assert session.state_digest() == digest, "saving changed the state"
+        saved.append((i, op, path, digest))
+
+    losses = drive_plan(session, plan, after_op=save)
+    assert losses == reference_losses
+    assert session.state_digest() == reference.state_digest()
+    assert len(saved) == plan.batch_count + plan.max_steps
+    assert any(json.loads((p / ckpt.SESSION_FILE).read_text())["accumulated"] for *_, p, _ in saved)
+
+    for i, op, path, digest in saved:
+        resumed = open_session(plan)
+        resumed.load_state(path)
+        assert resumed.state_digest() == digest, f"restore after microbatch {i} {op}"
+        assert finish_from(resumed, plan, i, op, drive_plan) == reference_losses[i + 1 :]
+        assert resumed.state_digest() == reference.state_digest(), f"resume after {i} {op}"
+
+
+def test_checkpoint_holds_the_complete_state_as_safetensors_and_json(
+    llama_config, small_lora, tmp_path
+) -> None:
+    config = llama_config(lora=small_lora, lr_scheduler="constant")
+    session = TrainingSession(config)
+    examples = tiny_text_examples(6)
+    session.forward_backward(examples[:3])
+    session.optim_step()
+    session.forward_backward(examples[3:])
+    session.save_state(tmp_path / "checkpoint")
+
+    files = sorted(path.name for path in (tmp_path / "checkpoint").iterdir())
+    assert files == sorted(
+        [
+            ckpt.SESSION_FILE,
+            ckpt.MODEL_FILE,
+            ckpt.OPTIMIZER_FILE,
+            ckpt.GRADIENTS_FILE,
+            ckpt.RNG_FILE,
+            ckpt.TRAINER_FILE,
+        ]
+    )
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"], "a temporary was left behind"
+    meta = json.loads((tmp_path / "checkpoint" / ckpt.SESSION_FILE).read_text())
+    assert meta["config_fingerprint"] == config.fingerprint()
+    assert meta["config"] == config.to_dict()
+    assert (meta["step"], meta["accumulated"], meta["device_type"]) == (1, 1, "cpu")
+    assert meta["state_digest"] == session.state_digest()
+    assert meta["base_model_fingerprint"] == session.base_fingerprint
+    gradients = load_file(tmp_path / "checkpoint" / ckpt.GRADIENTS_FILE)
+    assert set(gradients) == {n for n, p in session.model.named_parameters() if p.requires_grad}
+    optimizer = load_file(tmp_path / "checkpoint" / ckpt.OPTIMIZER_FILE)
+    assert len(optimizer) == 3 * len(session.trainable_parameters())  # step, exp_avg, exp_avg_sq
+    assert "torch_cpu" in load_file(tmp_path / "checkpoint" / ckpt.RNG_FILE)
+
+
+def test_save_over_an_existing_checkpoint_replaces_it_whole(llama_config, tmp_path) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.save_state(tmp_path / "checkpoint")
+    session.forward_backward(tiny_text_examples(3))
+    session.save_state(tmp_path / "checkpoint")
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"]
+    restored = TrainingSession(llama_config(lr_scheduler="constant"))
+    restored.load_state(tmp_path / "checkpoint")
+    assert restored.state_digest() == session.state_digest()
+    assert restored.accumulated == 1
+
+
+def test_save_state_carries_extra_json_back_from_load_state(llama_config, tmp_path) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.save_state(tmp_path / "checkpoint", extra={"cursor": 3, "history": [1.5]})
+    restored = TrainingSession(llama_config(lr_scheduler="constant"))
+    assert restored.load_state(tmp_path / "checkpoint") == {"cursor": 3, "history": [1.5]}
+
+
+# -- refusals: each leaves the session as it was ----------------------------------------------
+
+
+@pytest.fixture
+def checkpoint(llama_config, tmp_path) -> Path:
+    """A checkpoint of a llama session (constant schedule) after one microbatch."""
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.forward_backward(tiny_text_examples(3))
+    session.save_state(tmp_path / "checkpoint")
+    return tmp_path / "checkpoint"
+
+
+def test_load_state_refuses_a_used_session(llama_config, checkpoint) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.forward_backward(tiny_text_examples(3))
+    digest = session.state_digest()
+    with pytest.raises(FailedPrecondition, match=r"needs a fresh session.*1 operation"):
+        session.load_state(checkpoint)
+    assert session.state_digest() == digest
+
+
+def test_load_state_refuses_another_config_naming_each_difference(llama_config, checkpoint) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant", learning_rate=2e-3))
+    digest = session.state_digest()
+    with pytest.raises(
+        FailedPrecondition, match=r"config fingerprint.*learning_rate: saved 0\.001, now 0\.002"
+    ):
+        session.load_state(checkpoint)
+    assert session.state_digest() == digest
+    assert session.is_fresh
+
+
+def test_load_state_refuses_another_max_steps(llama_config, checkpoint) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"), max_steps=9)
+    with pytest.raises(FailedPrecondition, match=r"max_steps: saved None, now 9"):
+        session.load_state(checkpoint)
+
+
+def test_load_state_refuses_another_device_type(llama_config, checkpoint) -> None:
+    meta_path = checkpoint / ckpt.SESSION_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["device_type"] = "cuda"
+    meta_path.write_text(json.dumps(meta))
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    digest = session.state_digest()
+    with pytest.raises(FailedPrecondition, match=r"device type: saved cuda, now cpu"):
+        session.load_state(checkpoint)
+    assert session.state_digest() == digest
+
+
+def test_load_state_refuses_what_is_not_a_checkpoint(llama_config, tmp_path, tiny_llama) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    with pytest.raises(NotFound, match="no checkpoint at"):
+        session.load_state(tmp_path / "missing")
+    with pytest.raises(InvalidArgument, match="is not a session checkpoint"):
+        session.load_state(tiny_llama)
+    assert session.is_fresh
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what an attacker's pickle would run."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_planted_pickle_is_refused_and_never_unpickled(
+    llama_config, checkpoint, tmp_path
+) -> None:
+    proof = tmp_path / "proof-the-payload-is-live"
+    pickle.loads(pickle.dumps(_Payload(proof)))
+    assert proof.exists()
+
+    marker = tmp_path / "pwned"
+    planted = checkpoint / ckpt.OPTIMIZER_FILE
+    torch.save({"state": _Payload(marker)}, planted)  # a pickle in the optimizer's place
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    digest = session.state_digest()
+    with pytest.raises(
+        InvalidArgument, match=r"optimizer\.safetensors: not a readable safetensors"
+    ):
+        session.load_state(checkpoint)
+    assert not marker.exists()
+    assert session.state_digest() == digest and session.is_fresh
+
+
+def _rewrite_in_place(path: Path, change) -> None:
+    """Rewrite a safetensors file's tensor data in place, as a careless copy over it would."""
+    rewritten = path.with_suffix(".rewritten")
+    save_file({name: change(t.clone()) for name, t in load_file(path).items()}, rewritten)
+    with open(path, "r+b") as handle:
+        handle.write(rewritten.read_bytes())
+
+
+def test_a_restored_session_owns_its_state(llama_config, tmp_path) -> None:
+    """A checkpoint rewritten in place after load_state never reaches the live session."""
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.forward_backward(tiny_text_examples(3))
+    session.optim_step()
+    session.forward_backward(tiny_text_examples(6)[3:])
+    session.save_state(tmp_path / "checkpoint")
+    restored = TrainingSession(llama_config(lr_scheduler="constant"))
+    restored.load_state(tmp_path / "checkpoint")
+    digest = restored.state_digest()
+    for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.GRADIENTS_FILE, ckpt.RNG_FILE):
+        _rewrite_in_place(tmp_path / "checkpoint" / name, torch.zeros_like)
+    restored._digest_cache = None
+    assert restored.state_digest() == digest
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        (ckpt.OPTIMIZER_FILE, r"optimizer state '0\.exp_avg' is torch\.float32 \(1,\)"),
+        (ckpt.GRADIENTS_FILE, r"gradients do not fit this model: .*shape \(1,\)"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_before_anything_changes(
+    llama_config, tmp_path, name, message
+) -> None:
+    session = TrainingSession(llama_config(lr_scheduler="constant"))
+    session.forward_backward(tiny_text_examples(3))
+    session.optim_step()
+    session.forward_backward(tiny_text_examples(3))
+    session.save_state(tmp_path / "checkpoint")
+    tensors = load_file(tmp_path / "checkpoint" / name)
+    last = sorted(tensors)[-1]  # every other tensor stays valid, so a partial apply would show
+    damaged_key = "0.exp_avg" if name == ckpt.OPTIMIZER_FILE else last
+    tensors[damaged_key] = torch.zeros(1)
+    save_file(tensors, tmp_path / "checkpoint" / name)
+
+    fresh = TrainingSession(llama_config(lr_scheduler="constant"))
+    digest = fresh.state_digest()
+    with pytest.raises(InvalidArgument, match=message):
+        fresh.load_state(tmp_path / "checkpoint")
+    assert fresh.state_digest() == digest and fresh.is_fresh
+
+
+# -- a failure midway breaks the session until it is restored ---------------------------------
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise InjectedFault("injected failure in backward")
+
+
+class FaultyTrainer(SessionTrainer):
+    """Fails once, in the backward of the first decoder layer, when armed.
+
+    Backward reaches layer 0 last, so by then the later layers' gradients have accumulated:
+    the failure leaves half-applied gradients behind, as an OOM in backward would.
+    """
+
+    armed = False
+
+    def compute_loss(self, model, batch, *, training):
+        if not (training and self.armed):
+            return super().compute_loss(model, batch, training=training)
+        self.armed = False
+        layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
+
+        def fail_in_backward(module, args, output):
+            if isinstance(output, tuple):
+                return (_FailInBackward.apply(output[0]), *output[1:])
+            return _FailInBackward.apply(output)
+
+        handle = layer.register_forward_hook(fail_in_backward)
+        try:
+            return super().compute_loss(model, batch, training=training)
+        finally:
+            handle.remove()
+
+
+def test_a_failure_in_backward_refuses_everything_until_load_state(
+    llama_config, small_lora, tmp_path, drive_plan
+) -> None:
+    config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
+    plan = ManagedTrainingPlan(tiny_text_examples(9), config)
+    reference = TrainingSession(config, max_steps=plan.max_steps)
+    drive_plan(reference, plan)
+
+    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=FaultyTrainer)
+    drive_plan(session, plan, 0, 1)  # mid-accumulation
+    session.save_state(tmp_path / "checkpoint")
+    digest = session.state_digest()
+    gradients = {name: g.clone() for name, g in session.pending_gradients().items()}
+    session.trainer.armed = True
+    with pytest.raises(InjectedFault):
+        session.forward_backward(plan.batch(1))
+    pending = session.pending_gradients()
+    changed = [name for name, grad in pending.items() if not torch.equal(grad, gradients[name])]
+    assert changed, "the injected failure should leave half-applied gradients"
+
+    refused = [
+        lambda: session.forward(plan.batch(1)),
+        lambda: session.forward_backward(plan.batch(1)),
+        session.optim_step,
+        lambda: session.save_state(tmp_path / "after-failure"),
+        lambda: session.load_weights(tmp_path / "checkpoint"),
+        lambda: session.export_weights(tmp_path / "export"),
+    ]
+    for operation in refused:
+        with pytest.raises(FailedPrecondition, match=r"unusable.*InjectedFault"):
+            operation()
+    assert not (tmp_path / "after-failure").exists() and not (tmp_path / "export").exists()
+
+    session.load_state(tmp_path / "checkpoint")
+    assert session.state_digest() == digest
+    drive_plan(session, plan, 1)
+    assert session.state_digest() == reference.state_digest()
+
+
+def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora, drive_plan) -> None:
+    config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
+    plan = ManagedTrainingPlan(tiny_text_examples(9), config)
+    reference = TrainingSession(config, max_steps=plan.max_steps)
+    drive_plan(reference, plan)
+
+    class OutOfMemoryOnce(SessionTrainer):
+        fail = False
+
+        def compute_loss(self, model, batch, *, training):
+            output = super().compute_loss(model, batch, training=training)  # draws dropout
+            if self.fail:
+                self.fail = False
+                raise torch.OutOfMemoryError("pretend the device is full")
+            return output
+
+    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=OutOfMemoryOnce)
+    drive_plan(session, plan, 0, 1)
+    digest = session.state_digest()
+    session.trainer.fail = True
+    with pytest.raises(ResourceExhausted, match="forward_backward ran out of memory"):
+        session.forward_backward(plan.batch(1))
+    assert session.state_digest() == digest
+    drive_plan(session, plan, 1)
+    assert session.state_digest() == reference.state_digest()
+
+
+# -- the extension point: a trainer's own state rides in the checkpoint -----------------------
+
+
+class LossSumTrainer(SessionTrainer):
+    """Keeps a running sum of training losses: state the session must save and digest."""
+
+    def __init__(self, config: TrainingConfig) -> None:
+        super().__init__(config)
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+
+    def compute_loss(self, model, batch, *, training):
+        output = super().compute_loss(model, batch, training=training)
+        if training:
+            self.loss_sum += output.loss.detach().double()
+        return output
+
+    def session_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"loss_sum": self.loss_sum}
+
+    def load_session_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if set(state) != {"loss_sum"}:
+            raise InvalidArgument(f"LossSumTrainer keeps loss_sum, the checkpoint {sorted(state)}")
+        self.loss_sum = state["loss_sum"].clone()
+
+
+def test_a_custom_trainer_state_rides_in_the_checkpoint_and_the_digest(
+    llama_config, small_lora, tmp_path, drive_plan
+) -> None:
+    config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
+    plan = ManagedTrainingPlan(tiny_text_examples(9), config)
+    reference = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    losses = drive_plan(reference, plan)
+    assert reference.trainer.loss_sum.item() == sum(torch.tensor(losses).double().tolist())
+    plain = TrainingSession(config, max_steps=plan.max_steps)
+    drive_plan(plain, plan)
+    assert plain.state_digest() != reference.state_digest(), "the trainer state is not digested"
+
+    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    drive_plan(session, plan, 0, 1)
+    session.save_state(tmp_path / "checkpoint")
+    resumed = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    resumed.load_state(tmp_path / "checkpoint")
+    assert torch.equal(resumed.trainer.loss_sum, session.trainer.loss_sum)
+    drive_plan(resumed, plan, 1)
+    assert resumed.state_digest() == reference.state_digest()
+    assert torch.equal(resumed.trainer.loss_sum, reference.trainer.loss_sum)
+
+    stranger = TrainingSession(config, max_steps=plan.max_steps)
+    with pytest.raises(InvalidArgument, match=r"trainer state \(loss_sum\).*SessionTrainer"):
+        stranger.load_state(tmp_path / "checkpoint")
+    assert stranger.is_fresh
+    fresh = TrainingSession(config, max_steps=plan.max_steps)
+    assert stranger.state_digest() == fresh.state_digest()
