@@ -19,7 +19,6 @@ from trainwire.client.manifest import (
     load_plan,
     read_config_file,
     read_examples_jsonl,
-    read_manifest,
     write_plan_manifest,
 )
 from trainwire.client.overrides import apply_overrides, parse_config_overrides
@@ -53,51 +52,11 @@ def command_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe_manifest(path: Path) -> str:
-    """A human summary of a manifest; its fingerprint is verified on the way."""
-    manifest = read_manifest(path)
-    plan = ManagedTrainingPlan.from_manifest(manifest)
-    config = plan.config
-    policy = plan.selection_policy
-    evaluations = [i for i in range(plan.batch_count) if plan.evaluates_after(i)]
-    lora = config.lora
-    lines = [
-        f"manifest     {path}",
-        f"format       {manifest['format']}",
-        f"fingerprint  {plan.fingerprint} (verified)",
-        f"model        {config.model} ({config.task}, "
-        + (f"LoRA r={lora.r} alpha={lora.alpha}" if lora else "full weights")
-        + f", {config.precision})",
-        f"examples     {len(plan.examples)} training, {len(plan.eval_examples or ())} evaluation",
-        f"batches      {plan.batch_count} microbatches of up to {config.batch_size}, "
-        f"accumulation {config.gradient_accumulation_steps}",
-        f"epochs       {config.num_epochs}",
-        f"updates      {plan.max_steps}",
-        f"evaluations  {len(evaluations)} ({config.eval_strategy})"
-        + (f" after microbatches {_abbreviate(evaluations)}" if evaluations else ""),
-        f"selection    {policy['metric']} ({policy['mode']}), early stopping "
-        + (
-            f"after {policy['patience']} evaluation(s) without gain"
-            if policy["patience"]
-            else "off"
-        ),
-    ]
-    return "\n".join(lines)
-
-
-def _abbreviate(values: list[int], limit: int = 8) -> str:
-    shown = ", ".join(str(v) for v in values[:limit])
-    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")
-
-
 def command_inspect(args: argparse.Namespace) -> int:
-    path = Path(args.path)
-    if not path.exists():
-        raise UsageError(f"{path}: no such file or directory")
-    if path.is_file():
-        print(describe_manifest(path))
-        return 0
-    raise UsageError(f"{path}: not a manifest file")
+    from trainwire.inspection import describe_path
+
+    print(describe_path(Path(args.path)))
+    return 0
 
 
 def command_run(args: argparse.Namespace) -> int:
@@ -191,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--output", required=True, help="where to write the manifest")
     plan.set_defaults(handler=command_plan)
 
-    inspect = commands.add_parser("inspect", help="describe a manifest")
+    inspect = commands.add_parser(
+        "inspect", help="describe a manifest, a session checkpoint or an export"
+    )
     inspect.add_argument("path")
     inspect.set_defaults(handler=command_inspect)
 

@@ -1,0 +1,143 @@
+"""``trainwire inspect PATH``: a human description of a manifest, a session checkpoint or an
+export. A manifest is described without torch; its fingerprint is verified on the way.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainwire.client.manifest import read_manifest
+from trainwire.client.plan import ManagedTrainingPlan
+
+# Kept equal to trainwire.server.checkpoint.SESSION_FILE and trainwire.server.weights.EXPORT_FILE
+# (a test checks it), so inspecting never has to import torch.
+SESSION_FILE = "session.json"
+EXPORT_FILE = "trainwire_export.json"
+
+
+def describe_path(path: Path) -> str:
+    """Describe whatever ``path`` is; ValueError when it is none of the three."""
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
+    if path.is_file():
+        return describe_manifest(path)
+    if (path / SESSION_FILE).is_file():
+        return describe_checkpoint(path)
+    if (path / EXPORT_FILE).is_file():
+        return describe_export(path)
+    raise ValueError(f"{path}: neither a manifest, a session checkpoint nor a trainwire export")
+
+
+def describe_manifest(path: Path) -> str:
+    """A human summary of a manifest; its fingerprint is verified on the way."""
+    manifest = read_manifest(path)
+    plan = ManagedTrainingPlan.from_manifest(manifest)
+    config = plan.config
+    policy = plan.selection_policy
+    evaluations = [i for i in range(plan.batch_count) if plan.evaluates_after(i)]
+    lora = config.lora
+    lines = [
+        f"manifest     {path}",
+        f"format       {manifest['format']}",
+        f"fingerprint  {plan.fingerprint} (verified)",
+        f"model        {config.model} ({config.task}, "
+        + (f"LoRA r={lora.r} alpha={lora.alpha}" if lora else "full weights")
+        + f", {config.precision})",
+        f"examples     {len(plan.examples)} training, {len(plan.eval_examples or ())} evaluation",
+        f"batches      {plan.batch_count} microbatches of up to {config.batch_size}, "
+        f"accumulation {config.gradient_accumulation_steps}",
+        f"epochs       {config.num_epochs}",
+        f"updates      {plan.max_steps}",
+        f"evaluations  {len(evaluations)} ({config.eval_strategy})"
+        + (f" after microbatches {_abbreviate(evaluations)}" if evaluations else ""),
+        f"selection    {policy['metric']} ({policy['mode']}), early stopping "
+        + (
+            f"after {policy['patience']} evaluation(s) without gain"
+            if policy["patience"]
+            else "off"
+        ),
+    ]
+    return "\n".join(lines)
+
+
+def _abbreviate(values: list[int], limit: int = 8) -> str:
+    shown = ", ".join(str(v) for v in values[:limit])
+    return shown + (f", ... ({len(values) - limit} more)" if len(values) > limit else "")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _files(directory: Path) -> str:
+    sizes = sorted(
+        (p.relative_to(directory).as_posix(), p.stat().st_size)
+        for p in directory.rglob("*")
+        if p.is_file()
+    )
+    return ", ".join(f"{name} ({size:,} B)" for name, size in sizes)
+
+
+def describe_checkpoint(path: Path) -> str:
+    meta = _read_json(path / SESSION_FILE)
+    config = meta.get("config", {})
+    extra = meta.get("extra") or {}
+    lines = [
+        f"checkpoint   {path}",
+        f"format       {meta.get('format')}",
+        f"model        {config.get('model')} ({config.get('task')}, "
+        + ("LoRA" if config.get("lora") else "full weights")
+        + f", {config.get('precision')}, {meta.get('device_type')})",
+        f"config       {meta.get('config_fingerprint')}",
+        f"step         {meta.get('step')} of {meta.get('max_steps')}, "
+        f"{meta.get('accumulated')} microbatch(es) accumulated",
+        f"state digest {meta.get('state_digest')}",
+    ]
+    if "server" in extra:
+        server = extra["server"]
+        lines.append(
+            f"server       run {server.get('run_id')}, position {server.get('position')}, "
+            f"saved by {server.get('operation_key')}"
+        )
+    if "managed" in extra:
+        managed = extra["managed"]
+        lines.append(
+            f"managed run  plan {managed.get('plan_fingerprint')}, next microbatch "
+            f"{managed.get('next_microbatch')}, finished {managed.get('finished')}"
+        )
+    lines.append(f"files        {_files(path)}")
+    return "\n".join(lines)
+
+
+def describe_export(path: Path) -> str:
+    record = _read_json(path / EXPORT_FILE)
+    config = record.get("config", {})
+    lines = [
+        f"export       {path}",
+        f"format       {record.get('format')}",
+        f"kind         {record.get('kind')} ("
+        + (
+            "loads with peft on its base model"
+            if record.get("kind") == "adapter"
+            else "loads with transformers"
+        )
+        + ")",
+        f"model        {config.get('model')} ({config.get('task')})",
+        f"config       {record.get('config_fingerprint')}",
+        f"step         {record.get('step')}",
+        f"state digest {record.get('state_digest')}",
+    ]
+    if record.get("base_model_fingerprint"):
+        lines.append(f"base model   {record['base_model_fingerprint']}")
+    if record.get("checkpoint"):
+        lines.append(f"from         checkpoint {record['checkpoint']}")
+    lines.append(f"files        {_files(path)}")
+    return "\n".join(lines)
