@@ -41,6 +41,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -383,6 +384,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps (and one GPU shape)")
     args = parser.parse_args()
     transformers_logging.set_verbosity_error()  # the engine cuts long texts on purpose
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
     setup = make_setup(args.device, args.quick)
     dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
     print(

@@ -184,7 +184,8 @@ class ExportedFile:
 
 @dataclass(frozen=True)
 class ExportOutcome(OperationOutcome):
-    """An export written on the server; ``directory`` is where it was downloaded, if it was."""
+    """An export written on the server. ``directory`` is where its files are on this side: the
+    download directory on a client (None without a download), the export itself on the server."""
 
     name: str = ""
     format: str = ""

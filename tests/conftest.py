@@ -12,8 +12,9 @@ Fixtures:
     tiny_llama_classifier: a llama sequence classifier over ``SENTIMENT_LABELS``.
     llama_config, bert_classifier_config, llama_classifier_config: factories
         ``(**overrides) -> TrainingConfig`` for the models above with small, fast defaults
-        (``SMALL_SETTINGS``); any config field can be overridden.
-
+        (``SMALL_SETTINGS``); any config field can be overridden. The schedule stays the
+        default ``linear``: a session that steps needs ``max_steps`` (the plan's), or pass
+        ``lr_scheduler="constant"``.
     small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
         take part in every training step, so RNG bugs show up in digests.
     drive_plan: ``drive_plan(session, plan, start=0, stop=None, *, after_op=None)`` runs

@@ -111,6 +111,22 @@ def test_interleaved_sessions_give_the_digests_each_gives_alone(llama_config, sm
     assert together == [alone, other_alone]
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_forward_backward_trains_with_dropout_and_forward_evaluates_without(
+    llama_config, dropout
+) -> None:
+    lora = LoraSettings(r=4, alpha=8, dropout=dropout)
+    session = TrainingSession(llama_config(lora=lora), max_steps=2)
+    session.forward_backward(TEXTS[:3])
+    assert all(module.training for module in session.model.modules())
+    session.optim_step()  # lora_B moves off zero, so dropout on the adapters shows in the loss
+    evaluated = session.forward(TEXTS[3:]).loss
+    assert not any(module.training for module in session.model.modules())
+    trained = session.forward_backward(TEXTS[3:])
+    assert (trained != evaluated) == (dropout > 0)
+    assert session.forward(TEXTS[3:]).loss == evaluated
+
+
 # -- the math of a step -------------------------------------------------------------------------
 
 

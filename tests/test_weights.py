@@ -56,9 +56,10 @@ def task_setup(request, llama_config, bert_classifier_config):
 
 
 def trained(config, examples, steps: int = 2) -> TrainingSession:
+    """A session after ``steps`` updates, on the first and last three examples in turn."""
     session = TrainingSession(config, max_steps=steps)
     for step in range(steps):
-        session.forward_backward(examples[step % 2 * 3 : step % 2 * 3 + 3])
+        session.forward_backward(examples[:3] if step % 2 == 0 else examples[3:])
         session.optim_step()
     return session
 
@@ -77,7 +78,7 @@ def test_load_weights_from_a_checkpoint_keeps_the_optimizer_step_and_rng(
     session = trained(llama_config(lora=small_lora, learning_rate=5e-4), examples[::-1], steps=1)
     session.forward_backward(examples[:2])
     before = (session.step, session.accumulated, optimizer_digest(session))
-    rng, gradients = session._rng.fingerprint(), params(session)
+    rng, own_weights = session._rng.fingerprint(), params(session)
     pending = {name: g.clone() for name, g in session.pending_gradients().items()}
     digest = session.state_digest()
     session.load_weights(tmp_path / "checkpoint")
@@ -86,7 +87,7 @@ def test_load_weights_from_a_checkpoint_keeps_the_optimizer_step_and_rng(
     assert (session.step, session.accumulated, optimizer_digest(session)) == before
     assert session._rng.fingerprint() == rng
     assert parameter_digest(session.pending_gradients()) == parameter_digest(pending)
-    assert parameter_digest(params(session)) != parameter_digest(gradients)
+    assert parameter_digest(params(session)) != parameter_digest(own_weights)
     assert session.state_digest() != digest
     session.optim_step()
 
