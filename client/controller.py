@@ -72,9 +72,9 @@ class _RemoteBackend:
         outcome = self.c.client.forward(examples)
         return outcome.loss, [prediction.label for prediction in outcome.predictions]
 
-    def save_best(self, index: int, state: RunState) -> str:
+    def save_best(self, index: int, state: RunState) -> None:
+        state.best_checkpoint = BEST_CHECKPOINT
         self.c._checkpoint(index, "save_best", BEST_CHECKPOINT, state)
-        return BEST_CHECKPOINT
 
     def after_microbatch(self, index: int, state: RunState) -> None:
         plan, every = self.c.plan, self.c.checkpoint_every

@@ -76,8 +76,12 @@ class ReplayBackend(Protocol):
         """The batch loss and, for classification, the predicted labels."""
         ...
 
-    def save_best(self, index: int, state: RunState) -> str:
-        """Keep the current weights as the best; returns the checkpoint's name or path."""
+    def save_best(self, index: int, state: RunState) -> None:
+        """Keep the current weights as the best, and name them in ``state.best_checkpoint``.
+
+        The name goes into ``state`` before anything is persisted, so a checkpoint or snapshot
+        taken here already records where the best lives.
+        """
         ...
 
     def after_microbatch(self, index: int, state: RunState) -> None:
@@ -134,7 +138,7 @@ def replay(
             )
             state.history.append(evaluation)
             if is_best:
-                state.best_checkpoint = backend.save_best(i, state)
+                backend.save_best(i, state)
         # Early stopping ends the run here: the last microbatch run is its last.
         state.finished = state.selection.stopped_early or i + 1 == plan.batch_count
         backend.after_microbatch(i, state)

@@ -44,10 +44,10 @@ class _SessionBackend:
         result = self.session.forward(examples)
         return result.loss, [prediction.label for prediction in result.predictions]
 
-    def save_best(self, index: int, state: RunState) -> str:
+    def save_best(self, index: int, state: RunState) -> None:
         path = self.training.checkpoint_dir / BEST_CHECKPOINT
+        state.best_checkpoint = str(path)
         self.training._save(path, state)
-        return str(path)
 
     def after_microbatch(self, index: int, state: RunState) -> None:
         every = self.training.checkpoint_every

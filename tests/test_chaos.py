@@ -215,6 +215,7 @@ def test_sigkilled_server_and_controller_end_bit_identical(
     summary = json.loads((cluster.work / "training_summary.json").read_text())
     assert summary["state_digest"] == expected.state_digest
     assert summary["result"]["history"] == expected.history
+    assert summary["result"]["best_checkpoint"] == "best"
     assert file_hashes(cluster.work / "export") == expected_export
 
     lineage = cluster.journal_lineage()

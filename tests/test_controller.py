@@ -140,3 +140,34 @@ def test_the_demo_runs_end_to_end_and_learns(tmp_path):
     assert summary_shows_learning(tmp_path / "run")
     accuracies = [r["eval_accuracy"] for r in result.history if r["kind"] == "evaluation"]
     assert accuracies[0] <= 0.6 < 0.9 <= max(accuracies)
+
+
+def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
+    bert_classifier_config, model_root, tmp_path
+):
+    plan = classification_plan(bert_classifier_config)
+    session = TrainingSession(plan.config, max_steps=plan.max_steps)
+    training = ManagedTraining(session, plan, checkpoint_dir=tmp_path / "in-process")
+    expected = training.run()
+    training.export_weights(tmp_path / "expected-export")
+    first_evaluation = next(r["microbatch"] for r in expected.history if r["kind"] == "evaluation")
+    state, work = tmp_path / "state", tmp_path / "work"
+
+    def stop(progress):
+        if progress.microbatch == first_evaluation:
+            raise Interrupt
+
+    # No periodic checkpoints: the best, saved at the first evaluation, is the latest one.
+    with (
+        running_server(state, model_root) as handle,
+        connect(handle) as client,
+        pytest.raises(Interrupt),
+    ):
+        Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run(on_step=stop)
+    with running_server(state, model_root) as handle, connect(handle) as client:
+        assert client.info().restored_checkpoint == "best"
+        result = Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run()
+    assert result.best_checkpoint == "best"
+    assert result.state_digest == expected.state_digest
+    exported = (work / "export" / "model.safetensors").read_bytes()
+    assert exported == (tmp_path / "expected-export" / "model.safetensors").read_bytes()
