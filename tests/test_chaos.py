@@ -163,7 +163,7 @@ def expected_operation_count(plan: ManagedTrainingPlan, result) -> int:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", [1, 2])
+@pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkilled_server_and_controller_end_bit_identical(
     seed, chaos_plan, reference, model_root, tmp_path
 ):
