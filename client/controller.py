@@ -60,9 +60,9 @@ class _RemoteBackend:
     def __init__(self, controller: Controller) -> None:
         self.c = controller
 
-    def forward_backward(self, index: int, examples: list[InputExample]) -> float:
+    def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
         outcome = self.c._keyed(self.c.client.forward_backward, index, "forward_backward", examples)
-        return outcome.loss
+        return outcome.loss, outcome.token_count
 
     def optim_step(self, index: int) -> StepOutcome:
         outcome = self.c._keyed(self.c.client.optim_step, index, "optim_step")

@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 
 class ProgressReporter:
-    """An ``on_step`` callback: microbatch i/N, epoch, step, loss, eval metric, rate, ETA.
+    """An ``on_step`` callback: microbatch i/N, epoch, step, loss, eval metric, tokens/s, ETA.
 
     ``quiet`` prints nothing; without a terminal it logs one line every ``log_every`` updates.
     """
@@ -25,10 +25,14 @@ class ProgressReporter:
         self.bar: Any = None
         self.started = time.monotonic()
         self.last_metric = ""
+        self.tokens = 0
+        self.seen = 0
 
     def __call__(self, progress: Progress) -> None:
         if self.quiet:
             return
+        self.tokens += progress.tokens
+        self.seen += 1
         if progress.evaluation is not None:
             metrics = {k: v for k, v in progress.evaluation.items() if k.startswith("eval_")}
             self.last_metric = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
@@ -53,22 +57,31 @@ class ProgressReporter:
         self.bar.update(progress.microbatch + 1 - self.bar.n)
         postfix = {"epoch": progress.epoch, "step": f"{progress.step}/{progress.max_steps}"}
         postfix["loss"] = f"{progress.loss:.4f}"
+        postfix["tok/s"] = f"{self.tokens_per_second():.0f}"
         if self.last_metric:
             postfix["eval"] = self.last_metric
         self.bar.set_postfix(postfix, refresh=False)
 
+    def tokens_per_second(self) -> float:
+        elapsed = time.monotonic() - self.started
+        return self.tokens / elapsed if elapsed > 0 else 0.0
+
     def _line(self, progress: Progress) -> None:
         done = progress.microbatch + 1
         elapsed = time.monotonic() - self.started
-        rate = done / elapsed if elapsed > 0 else 0.0
+        # The rate of this process's own microbatches: a resumed run starts part way through.
+        rate = self.seen / elapsed if elapsed > 0 else 0.0
         eta = (progress.batch_count - done) / rate if rate else 0.0
-        print(
-            f"microbatch {done}/{progress.batch_count} epoch {progress.epoch} "
-            f"step {progress.step}/{progress.max_steps} loss {progress.update['loss']:.4f} "
-            f"{self.last_metric} {rate:.1f} mb/s eta {eta:.0f}s".replace("  ", " "),
-            file=self.stream,
-            flush=True,
-        )
+        parts = [
+            f"microbatch {done}/{progress.batch_count}",
+            f"epoch {progress.epoch}",
+            f"step {progress.step}/{progress.max_steps}",
+            f"loss {progress.update['loss']:.4f}",
+            self.last_metric,
+            f"{self.tokens_per_second():.0f} tok/s",
+            f"eta {eta:.0f}s",
+        ]
+        print(" ".join(part for part in parts if part), file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

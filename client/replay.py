@@ -68,7 +68,9 @@ class StepOutcome:
 class ReplayBackend(Protocol):
     """The operations a replay needs; microbatch indices let a remote backend key them."""
 
-    def forward_backward(self, index: int, examples: list[InputExample]) -> float: ...
+    def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
+        """The microbatch's loss and its (non-padding) token count."""
+        ...
 
     def optim_step(self, index: int) -> StepOutcome: ...
 
@@ -114,7 +116,7 @@ def replay(
         if state.finished:
             break
         epoch, step = plan.epoch(i), plan.steps_after(i)
-        loss = backend.forward_backward(i, plan.batch(i))
+        loss, tokens = backend.forward_backward(i, plan.batch(i))
         state.pending_losses.append(loss)
         update = evaluation = None
         if plan.is_update(i):
@@ -153,6 +155,7 @@ def replay(
                     loss=loss,
                     update=update,
                     evaluation=evaluation,
+                    tokens=tokens,
                 )
             )
     return state

@@ -158,6 +158,7 @@ class OperationOutcome:
 @dataclass(frozen=True)
 class ForwardBackwardOutcome(OperationOutcome):
     loss: float = 0.0
+    token_count: int = 0  # non-padding tokens in the microbatch, for throughput
 
 
 @dataclass(frozen=True)
@@ -261,11 +262,15 @@ def forward_from_proto(response: pb.ForwardResponse) -> ForwardOutcome:
 
 
 def forward_backward_to_proto(outcome: ForwardBackwardOutcome) -> pb.ForwardBackwardResponse:
-    return pb.ForwardBackwardResponse(loss=outcome.loss, result=_operation_result(outcome))
+    return pb.ForwardBackwardResponse(
+        loss=outcome.loss, token_count=outcome.token_count, result=_operation_result(outcome)
+    )
 
 
 def forward_backward_from_proto(response: pb.ForwardBackwardResponse) -> ForwardBackwardOutcome:
-    return ForwardBackwardOutcome(loss=response.loss, **_operation_fields(response.result))
+    return ForwardBackwardOutcome(
+        loss=response.loss, token_count=response.token_count, **_operation_fields(response.result)
+    )
 
 
 def optim_step_to_proto(outcome: OptimStepOutcome) -> pb.OptimStepResponse:

@@ -33,8 +33,9 @@ class _SessionBackend:
         self.training = training
         self.session = training.session
 
-    def forward_backward(self, index: int, examples: list[InputExample]) -> float:
-        return self.session.forward_backward(examples)
+    def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
+        loss = self.session.forward_backward(examples)
+        return loss, self.session.last_token_count
 
     def optim_step(self, index: int) -> StepOutcome:
         result = self.session.optim_step()

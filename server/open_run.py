@@ -89,7 +89,8 @@ class OpenRun:
         self, key: str, position: int, digest: str, examples: Sequence[InputExample]
     ) -> wire.ForwardBackwardOutcome:
         loss = self.session.forward_backward(examples)
-        return wire.ForwardBackwardOutcome(key, position, loss=loss)
+        tokens = self.session.last_token_count
+        return wire.ForwardBackwardOutcome(key, position, loss=loss, token_count=tokens)
 
     def optim_step(self, key: str, position: int, digest: str) -> wire.OptimStepOutcome:
         r = self.session.optim_step()

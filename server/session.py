@@ -146,6 +146,7 @@ class TrainingSession:
         self.trainer = trainer_factory(config)
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
+        self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
         self._version = 0  # state-changing operations applied; keys the digest cache
         self._broken: str | None = None
         self._digest_cache: tuple[int, str] | None = None
@@ -249,6 +250,7 @@ class TrainingSession:
                 self._break("forward_backward", error)
                 raise
             self.accumulated += 1
+            self.last_token_count = batch.token_count
             self._changed()
             return float(loss.item())
 

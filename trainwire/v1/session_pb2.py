@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainwire/v1/session.proto\x12\x0ctrainwire.v1\"]\n\x07\x45xample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\x05label\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x17\n\ncompletion\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06_labelB\r\n\x0b_completion\"p\n\tOperation\x12\x15\n\roperation_key\x18\x01 \x01(\t\x12\x1e\n\x11\x65xpected_position\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0einclude_digest\x18\x03 \x01(\x08\x42\x14\n\x12_expected_position\"b\n\x0fOperationResult\x12\x15\n\roperation_key\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\"\xae\x02\n\x0bSessionInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x1a\n\x12last_operation_key\x18\x04 \x01(\t\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x10\n\x08position\x18\x06 \x01(\x03\x12\x1b\n\x13restored_checkpoint\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12)\n\x05state\x18\t \x01(\x0e\x32\x1a.trainwire.v1.SessionState\x12\x1c\n\x14pending_microbatches\x18\n \x01(\x03\x12\x11\n\tmax_steps\x18\x0b \x01(\x03\x12\x18\n\x10plan_fingerprint\x18\x0c \x01(\t\"_\n\x0bOpenRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x11\n\tmax_steps\x18\x03 \x01(\x03\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\"H\n\x0cOpenResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\r\n\x0bInfoRequest\"7\n\x0cInfoResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo\"9\n\x0e\x46orwardRequest\x12\'\n\x08\x65xamples\x18\x01 \x03(\x0b\x32\x15.trainwire.v1.Example\"+\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\"N\n\x0f\x46orwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12-\n\x0bpredictions\x18\x02 \x03(\x0b\x32\x18.trainwire.v1.Prediction\"m\n\x16\x46orwardBackwardRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\'\n\x08\x65xamples\x18\x02 \x03(\x0b\x32\x15.trainwire.v1.Example\"V\n\x17\x46orwardBackwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\">\n\x10OptimStepRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\"z\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12-\n\x06result\x18\x04 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\"L\n\x10SaveStateRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\"^\n\x11SaveStateResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"L\n\x10LoadStateRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\"P\n\x11LoadStateResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x92\x01\n\x12LoadWeightsRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x19\n\x0f\x63heckpoint_name\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x65xport_name\x18\x03 \x01(\tH\x00\x12\x14\n\nmodel_path\x18\x04 \x01(\tH\x00\x42\x08\n\x06source\"D\n\x13LoadWeightsResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\"v\n\x14\x45xportWeightsRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08\x64ownload\x18\x03 \x01(\x08\x12\x12\n\ncheckpoint\x18\x04 \x01(\t\"@\n\x0c\x45xportedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa2\x01\n\x0c\x45xportResult\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.trainwire.v1.ExportFormat\x12)\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x1a.trainwire.v1.ExportedFile\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\";\n\x07\x46ileEnd\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa2\x01\n\x15\x45xportWeightsResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1a.trainwire.v1.ExportResultH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.FileChunkH\x00\x12)\n\x08\x66ile_end\x18\x03 \x01(\x0b\x32\x15.trainwire.v1.FileEndH\x00\x42\x06\n\x04item\"\x0e\n\x0c\x43loseRequest\"8\n\rCloseResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo*\xae\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_IDLE\x10\x01\x12\x1b\n\x17SESSION_STATE_RESTORING\x10\x02\x12\x16\n\x12SESSION_STATE_OPEN\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05*`\n\x0c\x45xportFormat\x12\x1d\n\x19\x45XPORT_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XPORT_FORMAT_FULL\x10\x01\x12\x19\n\x15\x45XPORT_FORMAT_ADAPTER\x10\x02\x32\x9a\x06\n\x16TrainingSessionService\x12=\n\x04Open\x12\x19.trainwire.v1.OpenRequest\x1a\x1a.trainwire.v1.OpenResponse\x12=\n\x04Info\x12\x19.trainwire.v1.InfoRequest\x1a\x1a.trainwire.v1.InfoResponse\x12\x46\n\x07\x46orward\x12\x1c.trainwire.v1.ForwardRequest\x1a\x1d.trainwire.v1.ForwardResponse\x12^\n\x0f\x46orwardBackward\x12$.trainwire.v1.ForwardBackwardRequest\x1a%.trainwire.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12\x1e.trainwire.v1.OptimStepRequest\x1a\x1f.trainwire.v1.OptimStepResponse\x12L\n\tSaveState\x12\x1e.trainwire.v1.SaveStateRequest\x1a\x1f.trainwire.v1.SaveStateResponse\x12L\n\tLoadState\x12\x1e.trainwire.v1.LoadStateRequest\x1a\x1f.trainwire.v1.LoadStateResponse\x12R\n\x0bLoadWeights\x12 .trainwire.v1.LoadWeightsRequest\x1a!.trainwire.v1.LoadWeightsResponse\x12Z\n\rExportWeights\x12\".trainwire.v1.ExportWeightsRequest\x1a#.trainwire.v1.ExportWeightsResponse0\x01\x12@\n\x05\x43lose\x12\x1a.trainwire.v1.CloseRequest\x1a\x1b.trainwire.v1.CloseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atrainwire/v1/session.proto\x12\x0ctrainwire.v1\"]\n\x07\x45xample\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x12\n\x05label\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x17\n\ncompletion\x18\x03 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06_labelB\r\n\x0b_completion\"p\n\tOperation\x12\x15\n\roperation_key\x18\x01 \x01(\t\x12\x1e\n\x11\x65xpected_position\x18\x02 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0einclude_digest\x18\x03 \x01(\x08\x42\x14\n\x12_expected_position\"b\n\x0fOperationResult\x12\x15\n\roperation_key\x18\x01 \x01(\t\x12\x10\n\x08position\x18\x02 \x01(\x03\x12\x10\n\x08replayed\x18\x03 \x01(\x08\x12\x14\n\x0cstate_digest\x18\x04 \x01(\t\"\xae\x02\n\x0bSessionInfo\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x1a\n\x12\x63onfig_fingerprint\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\x1a\n\x12last_operation_key\x18\x04 \x01(\t\x12\x14\n\x0cstate_digest\x18\x05 \x01(\t\x12\x10\n\x08position\x18\x06 \x01(\x03\x12\x1b\n\x13restored_checkpoint\x18\x07 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x08 \x01(\t\x12)\n\x05state\x18\t \x01(\x0e\x32\x1a.trainwire.v1.SessionState\x12\x1c\n\x14pending_microbatches\x18\n \x01(\x03\x12\x11\n\tmax_steps\x18\x0b \x01(\x03\x12\x18\n\x10plan_fingerprint\x18\x0c \x01(\t\"_\n\x0bOpenRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x02 \x01(\t\x12\x11\n\tmax_steps\x18\x03 \x01(\x03\x12\x18\n\x10plan_fingerprint\x18\x04 \x01(\t\"H\n\x0cOpenResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x08\"\r\n\x0bInfoRequest\"7\n\x0cInfoResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo\"9\n\x0e\x46orwardRequest\x12\'\n\x08\x65xamples\x18\x01 \x03(\x0b\x32\x15.trainwire.v1.Example\"+\n\nPrediction\x12\r\n\x05label\x18\x01 \x01(\t\x12\x0e\n\x06scores\x18\x02 \x03(\x02\"N\n\x0f\x46orwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12-\n\x0bpredictions\x18\x02 \x03(\x0b\x32\x18.trainwire.v1.Prediction\"m\n\x16\x46orwardBackwardRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\'\n\x08\x65xamples\x18\x02 \x03(\x0b\x32\x15.trainwire.v1.Example\"k\n\x17\x46orwardBackwardResponse\x12\x0c\n\x04loss\x18\x01 \x01(\x01\x12-\n\x06result\x18\x02 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x13\n\x0btoken_count\x18\x03 \x01(\x03\">\n\x10OptimStepRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\"z\n\x11OptimStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x15\n\rlearning_rate\x18\x02 \x01(\x01\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12-\n\x06result\x18\x04 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\"L\n\x10SaveStateRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\"^\n\x11SaveStateResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0c\n\x04step\x18\x03 \x01(\x03\"L\n\x10LoadStateRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\"P\n\x11LoadStateResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04step\x18\x02 \x01(\x03\"\x92\x01\n\x12LoadWeightsRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x19\n\x0f\x63heckpoint_name\x18\x02 \x01(\tH\x00\x12\x15\n\x0b\x65xport_name\x18\x03 \x01(\tH\x00\x12\x14\n\nmodel_path\x18\x04 \x01(\tH\x00\x42\x08\n\x06source\"D\n\x13LoadWeightsResponse\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\"v\n\x14\x45xportWeightsRequest\x12*\n\toperation\x18\x01 \x01(\x0b\x32\x17.trainwire.v1.Operation\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08\x64ownload\x18\x03 \x01(\x08\x12\x12\n\ncheckpoint\x18\x04 \x01(\t\"@\n\x0c\x45xportedFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa2\x01\n\x0c\x45xportResult\x12-\n\x06result\x18\x01 \x01(\x0b\x32\x1d.trainwire.v1.OperationResult\x12\x0c\n\x04name\x18\x02 \x01(\t\x12*\n\x06\x66ormat\x18\x03 \x01(\x0e\x32\x1a.trainwire.v1.ExportFormat\x12)\n\x05\x66iles\x18\x04 \x03(\x0b\x32\x1a.trainwire.v1.ExportedFile\"7\n\tFileChunk\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\";\n\x07\x46ileEnd\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x12\n\nsize_bytes\x18\x02 \x01(\x03\x12\x0e\n\x06sha256\x18\x03 \x01(\t\"\xa2\x01\n\x15\x45xportWeightsResponse\x12,\n\x06result\x18\x01 \x01(\x0b\x32\x1a.trainwire.v1.ExportResultH\x00\x12(\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x17.trainwire.v1.FileChunkH\x00\x12)\n\x08\x66ile_end\x18\x03 \x01(\x0b\x32\x15.trainwire.v1.FileEndH\x00\x42\x06\n\x04item\"\x0e\n\x0c\x43loseRequest\"8\n\rCloseResponse\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.trainwire.v1.SessionInfo*\xae\x01\n\x0cSessionState\x12\x1d\n\x19SESSION_STATE_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_STATE_IDLE\x10\x01\x12\x1b\n\x17SESSION_STATE_RESTORING\x10\x02\x12\x16\n\x12SESSION_STATE_OPEN\x10\x03\x12\x18\n\x14SESSION_STATE_CLOSED\x10\x04\x12\x18\n\x14SESSION_STATE_FAILED\x10\x05*`\n\x0c\x45xportFormat\x12\x1d\n\x19\x45XPORT_FORMAT_UNSPECIFIED\x10\x00\x12\x16\n\x12\x45XPORT_FORMAT_FULL\x10\x01\x12\x19\n\x15\x45XPORT_FORMAT_ADAPTER\x10\x02\x32\x9a\x06\n\x16TrainingSessionService\x12=\n\x04Open\x12\x19.trainwire.v1.OpenRequest\x1a\x1a.trainwire.v1.OpenResponse\x12=\n\x04Info\x12\x19.trainwire.v1.InfoRequest\x1a\x1a.trainwire.v1.InfoResponse\x12\x46\n\x07\x46orward\x12\x1c.trainwire.v1.ForwardRequest\x1a\x1d.trainwire.v1.ForwardResponse\x12^\n\x0f\x46orwardBackward\x12$.trainwire.v1.ForwardBackwardRequest\x1a%.trainwire.v1.ForwardBackwardResponse\x12L\n\tOptimStep\x12\x1e.trainwire.v1.OptimStepRequest\x1a\x1f.trainwire.v1.OptimStepResponse\x12L\n\tSaveState\x12\x1e.trainwire.v1.SaveStateRequest\x1a\x1f.trainwire.v1.SaveStateResponse\x12L\n\tLoadState\x12\x1e.trainwire.v1.LoadStateRequest\x1a\x1f.trainwire.v1.LoadStateResponse\x12R\n\x0bLoadWeights\x12 .trainwire.v1.LoadWeightsRequest\x1a!.trainwire.v1.LoadWeightsResponse\x12Z\n\rExportWeights\x12\".trainwire.v1.ExportWeightsRequest\x1a#.trainwire.v1.ExportWeightsResponse0\x01\x12@\n\x05\x43lose\x12\x1a.trainwire.v1.CloseRequest\x1a\x1b.trainwire.v1.CloseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'trainwire.v1.session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SESSIONSTATE']._serialized_start=2734
-  _globals['_SESSIONSTATE']._serialized_end=2908
-  _globals['_EXPORTFORMAT']._serialized_start=2910
-  _globals['_EXPORTFORMAT']._serialized_end=3006
+  _globals['_SESSIONSTATE']._serialized_start=2755
+  _globals['_SESSIONSTATE']._serialized_end=2929
+  _globals['_EXPORTFORMAT']._serialized_start=2931
+  _globals['_EXPORTFORMAT']._serialized_end=3027
   _globals['_EXAMPLE']._serialized_start=44
   _globals['_EXAMPLE']._serialized_end=137
   _globals['_OPERATION']._serialized_start=139
@@ -60,39 +60,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDBACKWARDREQUEST']._serialized_start=1085
   _globals['_FORWARDBACKWARDREQUEST']._serialized_end=1194
   _globals['_FORWARDBACKWARDRESPONSE']._serialized_start=1196
-  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1282
-  _globals['_OPTIMSTEPREQUEST']._serialized_start=1284
-  _globals['_OPTIMSTEPREQUEST']._serialized_end=1346
-  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1348
-  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1470
-  _globals['_SAVESTATEREQUEST']._serialized_start=1472
-  _globals['_SAVESTATEREQUEST']._serialized_end=1548
-  _globals['_SAVESTATERESPONSE']._serialized_start=1550
-  _globals['_SAVESTATERESPONSE']._serialized_end=1644
-  _globals['_LOADSTATEREQUEST']._serialized_start=1646
-  _globals['_LOADSTATEREQUEST']._serialized_end=1722
-  _globals['_LOADSTATERESPONSE']._serialized_start=1724
-  _globals['_LOADSTATERESPONSE']._serialized_end=1804
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1807
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1953
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1955
-  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2023
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2025
-  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=2143
-  _globals['_EXPORTEDFILE']._serialized_start=2145
-  _globals['_EXPORTEDFILE']._serialized_end=2209
-  _globals['_EXPORTRESULT']._serialized_start=2212
-  _globals['_EXPORTRESULT']._serialized_end=2374
-  _globals['_FILECHUNK']._serialized_start=2376
-  _globals['_FILECHUNK']._serialized_end=2431
-  _globals['_FILEEND']._serialized_start=2433
-  _globals['_FILEEND']._serialized_end=2492
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=2495
-  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=2657
-  _globals['_CLOSEREQUEST']._serialized_start=2659
-  _globals['_CLOSEREQUEST']._serialized_end=2673
-  _globals['_CLOSERESPONSE']._serialized_start=2675
-  _globals['_CLOSERESPONSE']._serialized_end=2731
-  _globals['_TRAININGSESSIONSERVICE']._serialized_start=3009
-  _globals['_TRAININGSESSIONSERVICE']._serialized_end=3803
+  _globals['_FORWARDBACKWARDRESPONSE']._serialized_end=1303
+  _globals['_OPTIMSTEPREQUEST']._serialized_start=1305
+  _globals['_OPTIMSTEPREQUEST']._serialized_end=1367
+  _globals['_OPTIMSTEPRESPONSE']._serialized_start=1369
+  _globals['_OPTIMSTEPRESPONSE']._serialized_end=1491
+  _globals['_SAVESTATEREQUEST']._serialized_start=1493
+  _globals['_SAVESTATEREQUEST']._serialized_end=1569
+  _globals['_SAVESTATERESPONSE']._serialized_start=1571
+  _globals['_SAVESTATERESPONSE']._serialized_end=1665
+  _globals['_LOADSTATEREQUEST']._serialized_start=1667
+  _globals['_LOADSTATEREQUEST']._serialized_end=1743
+  _globals['_LOADSTATERESPONSE']._serialized_start=1745
+  _globals['_LOADSTATERESPONSE']._serialized_end=1825
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=1828
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=1974
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_start=1976
+  _globals['_LOADWEIGHTSRESPONSE']._serialized_end=2044
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_start=2046
+  _globals['_EXPORTWEIGHTSREQUEST']._serialized_end=2164
+  _globals['_EXPORTEDFILE']._serialized_start=2166
+  _globals['_EXPORTEDFILE']._serialized_end=2230
+  _globals['_EXPORTRESULT']._serialized_start=2233
+  _globals['_EXPORTRESULT']._serialized_end=2395
+  _globals['_FILECHUNK']._serialized_start=2397
+  _globals['_FILECHUNK']._serialized_end=2452
+  _globals['_FILEEND']._serialized_start=2454
+  _globals['_FILEEND']._serialized_end=2513
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_start=2516
+  _globals['_EXPORTWEIGHTSRESPONSE']._serialized_end=2678
+  _globals['_CLOSEREQUEST']._serialized_start=2680
+  _globals['_CLOSEREQUEST']._serialized_end=2694
+  _globals['_CLOSERESPONSE']._serialized_start=2696
+  _globals['_CLOSERESPONSE']._serialized_end=2752
+  _globals['_TRAININGSESSIONSERVICE']._serialized_start=3030
+  _globals['_TRAININGSESSIONSERVICE']._serialized_end=3824
 # @@protoc_insertion_point(module_scope)

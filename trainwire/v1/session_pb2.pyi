@@ -152,12 +152,14 @@ class ForwardBackwardRequest(_message.Message):
     def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("loss", "result")
+    __slots__ = ("loss", "result", "token_count")
     LOSS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     loss: float
     result: OperationResult
-    def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
+    token_count: int
+    def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., token_count: _Optional[int] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
     __slots__ = ("operation",)
