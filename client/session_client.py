@@ -10,12 +10,9 @@ carry their operation key, and the server answers a key it has applied from its 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -27,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainwire.client import wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
-from trainwire.client.files import fsync_directory
+from trainwire.client.files import atomic_directory
 from trainwire.client.retry import (  # noqa: F401 (position_from_error: re-exported)
     RETRYABLE_CODES,
     RetryPolicy,
@@ -303,7 +300,7 @@ def _receive_export(
     if download_to is None:
         return outcome
     target = Path(download_to)
-    with _staging_directory(target) as staging:
+    with atomic_directory(target) as staging:
         _receive_files(stream, staging, outcome.files)
     return replace(outcome, directory=target)
 
@@ -383,24 +380,3 @@ def _safe_relative(path: str) -> Path:
     if not path or relative.is_absolute() or ".." in relative.parts or "\\" in path:
         raise DownloadError(f"the server sent an unsafe file path {path!r}")
     return Path(*relative.parts)
-
-
-@contextlib.contextmanager
-def _staging_directory(target: Path) -> Iterator[Path]:
-    """A temporary directory beside ``target`` that replaces it whole on success."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-        fsync_directory(tmp)
-        aside = None
-        if target.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, aside / target.name)
-        os.replace(tmp, target)
-        fsync_directory(target.parent)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

@@ -15,12 +15,8 @@ Everything loads with safetensors or JSON only: a planted pickle is never unpick
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +24,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from trainwire.client.files import fsync_directory
 from trainwire.server.errors import InvalidArgument, NotFound
 
 CHECKPOINT_FORMAT = "trainwire.checkpoint/v1"
@@ -38,35 +33,6 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 GRADIENTS_FILE = "gradients.safetensors"
 RNG_FILE = "rng.safetensors"
 TRAINER_FILE = "trainer.safetensors"
-
-
-@contextlib.contextmanager
-def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside ``path``; on success it replaces ``path`` whole.
-
-    Files are fsynced, then the directory is renamed into place and its parent fsynced. An
-    existing directory at ``path`` is moved aside first and removed after the rename, so a crash
-    leaves either the old checkpoint or the new one under ``path`` (or the old one aside).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-        for item in tmp.iterdir():
-            with open(item, "rb") as handle:
-                os.fsync(handle.fileno())
-        fsync_directory(tmp)
-        aside = None
-        if path.exists():
-            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old-", dir=path.parent))
-            os.replace(path, aside / path.name)
-        os.replace(tmp, path)
-        fsync_directory(path.parent)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], *, sync: bool = False) -> None:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainwire.client.files import atomic_directory
 from trainwire.server import checkpoint as ckpt
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.rng import RngState
@@ -33,7 +34,7 @@ def write_checkpoint(session: TrainingSession, path: Path, extra: dict[str, Any]
     # host memory a CUDA session's files take while in flight.
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="trainwire-checkpoint") as pool:
         digest = pool.submit(session._state_digest_held)
-        with ckpt.atomic_directory(path) as tmp:
+        with atomic_directory(path) as tmp:
             writes = [
                 pool.submit(ckpt.save_tensors, tmp / name, tensors, sync=True)
                 for name, tensors in files.items()

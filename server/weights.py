@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig
+from trainwire.client.files import atomic_directory
 from trainwire.server.checkpoint import (
     MODEL_FILE,
-    atomic_directory,
     is_session_checkpoint,
     load_tensors,
     write_json,
