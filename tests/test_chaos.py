@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import pytest
+from plans import sentiment_plan
 
 from trainwire.client import ManagedTrainingPlan, write_manifest
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
-from trainwire.testing import tiny_sentiment_examples
 
 RUN_ID = "chaos"
 RUN_TIMEOUT_S = 240
@@ -130,18 +130,8 @@ def wait_until(condition, timeout_s: float) -> bool:
 
 
 @pytest.fixture(scope="module")
-def chaos_plan(tiny_bert_classifier, bert_classifier_config):
-    config = bert_classifier_config(
-        learning_rate=5e-3,
-        batch_size=4,
-        gradient_accumulation_steps=2,
-        num_epochs=2,
-        eval_strategy="epoch",
-        metric_for_best="eval_accuracy",
-    )
-    return ManagedTrainingPlan(
-        tiny_sentiment_examples(36), config, eval_examples=tiny_sentiment_examples(8, seed=1)
-    )
+def chaos_plan(bert_classifier_config):
+    return sentiment_plan(bert_classifier_config, examples=36, batch_size=4, num_epochs=2)
 
 
 @pytest.fixture(scope="module")

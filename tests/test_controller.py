@@ -4,27 +4,13 @@ import json
 
 import grpc
 import pytest
+from plans import sentiment_plan
 from service_fixtures import connect, running_server
 
-from trainwire.client import LoraSettings, ManagedTrainingPlan
+from trainwire.client import LoraSettings
 from trainwire.client.controller import Controller
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
-from trainwire.testing import tiny_sentiment_examples
-
-
-def classification_plan(config_factory, **changes):
-    config = config_factory(
-        learning_rate=5e-3,
-        batch_size=5,
-        gradient_accumulation_steps=2,
-        num_epochs=3,
-        eval_strategy="epoch",
-        metric_for_best="eval_accuracy",
-    ).replace(**changes)
-    return ManagedTrainingPlan(
-        tiny_sentiment_examples(23), config, eval_examples=tiny_sentiment_examples(8, seed=1)
-    )
 
 
 def in_process(plan, tmp_path):
@@ -41,7 +27,7 @@ class Interrupt(Exception):
 def test_controller_equals_managed_training_in_process(
     bert_classifier_config, model_root, tmp_path, lora
 ):
-    plan = classification_plan(bert_classifier_config, lora=lora)
+    plan = sentiment_plan(bert_classifier_config, lora=lora)
     expected = in_process(plan, tmp_path)
     with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
         controller = Controller(
@@ -70,7 +56,7 @@ def test_controller_equals_managed_training_in_process(
 def test_a_killed_controller_and_a_restarted_server_still_end_bit_identical(
     bert_classifier_config, model_root, tmp_path
 ):
-    plan = classification_plan(bert_classifier_config)
+    plan = sentiment_plan(bert_classifier_config)
     expected = in_process(plan, tmp_path)
     manifest = plan.to_manifest()
     state, work = tmp_path / "state", tmp_path / "work"
@@ -105,8 +91,8 @@ def test_a_killed_controller_and_a_restarted_server_still_end_bit_identical(
 def test_a_work_directory_of_another_manifest_is_refused(
     bert_classifier_config, model_root, tmp_path
 ):
-    plan = classification_plan(bert_classifier_config)
-    other = classification_plan(bert_classifier_config, seed=7)
+    plan = sentiment_plan(bert_classifier_config)
+    other = sentiment_plan(bert_classifier_config, seed=7)
     with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
         with pytest.raises(Interrupt):
             Controller(client, plan, run_id="r", work_dir=tmp_path / "work").run(
@@ -121,8 +107,8 @@ def test_a_work_directory_of_another_manifest_is_refused(
 def test_a_run_id_bound_to_another_manifest_on_the_server_is_refused(
     bert_classifier_config, model_root, tmp_path
 ):
-    plan = classification_plan(bert_classifier_config)
-    other = classification_plan(bert_classifier_config, seed=7)
+    plan = sentiment_plan(bert_classifier_config)
+    other = sentiment_plan(bert_classifier_config, seed=7)
     with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
         with pytest.raises(Interrupt):
             Controller(client, plan, run_id="r", work_dir=tmp_path / "a").run(
@@ -145,7 +131,7 @@ def test_the_demo_runs_end_to_end_and_learns(tmp_path):
 def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
     bert_classifier_config, model_root, tmp_path
 ):
-    plan = classification_plan(bert_classifier_config)
+    plan = sentiment_plan(bert_classifier_config)
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
     training = ManagedTraining(session, plan, checkpoint_dir=tmp_path / "in-process")
     expected = training.run()

@@ -1,51 +1,25 @@
 """ManagedTraining: the in-process replay equals the plan driven op by op, and resumes exactly."""
 
 import pytest
+from plans import sentiment_plan
 
-from trainwire.client import LoraSettings, ManagedTrainingPlan, TrainingConfig
+from trainwire.client import LoraSettings, ManagedTrainingPlan
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
-from trainwire.testing import (
-    SENTIMENT_LABELS,
-    make_tiny_model,
-    tiny_sentiment_examples,
-    tiny_text_examples,
-)
+from trainwire.testing import tiny_text_examples
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("managed-models")
+@pytest.fixture
+def plans(bert_classifier_config, llama_config):
+    """``plans[task](**changes)``: a small plan of each task."""
     return {
-        "bert": make_tiny_model(
-            root / "bert", task="sequence-classification", arch="bert", labels=SENTIMENT_LABELS
+        "classification": lambda **changes: sentiment_plan(
+            bert_classifier_config, **{"learning_rate": 3e-3, **changes}
         ),
-        "llama": make_tiny_model(root / "llama"),
+        "causal-lm": lambda **changes: ManagedTrainingPlan(
+            tiny_text_examples(10), llama_config(batch_size=4, num_epochs=2, **changes)
+        ),
     }
-
-
-def classification_plan(models, **changes):
-    config = TrainingConfig(
-        model=str(models["bert"]),
-        task="sequence-classification",
-        labels=SENTIMENT_LABELS,
-        learning_rate=3e-3,
-        batch_size=5,
-        gradient_accumulation_steps=2,
-        num_epochs=3,
-        eval_strategy="epoch",
-        metric_for_best="eval_accuracy",
-    ).replace(**changes)
-    return ManagedTrainingPlan(
-        tiny_sentiment_examples(23), config, eval_examples=tiny_sentiment_examples(8, seed=1)
-    )
-
-
-def causal_plan(models, **changes):
-    config = TrainingConfig(
-        model=str(models["llama"]), learning_rate=1e-3, batch_size=4, num_epochs=2
-    ).replace(**changes)
-    return ManagedTrainingPlan(tiny_text_examples(10), config)
 
 
 def op_by_op_digest(plan, stop_after=None):
@@ -60,9 +34,9 @@ def op_by_op_digest(plan, stop_after=None):
 
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, dropout=0.1)])
-@pytest.mark.parametrize("make_plan", [classification_plan, causal_plan])
-def test_managed_run_equals_the_plan_driven_op_by_op(models, make_plan, lora, tmp_path):
-    plan = make_plan(models, lora=lora)
+@pytest.mark.parametrize("task", ["classification", "causal-lm"])
+def test_managed_run_equals_the_plan_driven_op_by_op(plans, task, lora, tmp_path):
+    plan = plans[task](lora=lora)
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
     training = ManagedTraining(session, plan, checkpoint_dir=tmp_path)
     result = training.run()
@@ -74,9 +48,9 @@ def test_managed_run_equals_the_plan_driven_op_by_op(models, make_plan, lora, tm
 
 
 def test_resume_from_a_managed_checkpoint_mid_accumulation_equals_the_uninterrupted_run(
-    models, tmp_path
+    plans, tmp_path
 ):
-    plan = classification_plan(models)
+    plan = plans["classification"]()
     uninterrupted = ManagedTraining(
         TrainingSession(plan.config, max_steps=plan.max_steps), plan, checkpoint_dir=tmp_path / "a"
     ).run()
@@ -113,30 +87,30 @@ def test_resume_from_a_managed_checkpoint_mid_accumulation_equals_the_uninterrup
     )
 
 
-def test_a_checkpoint_of_another_plan_is_refused(models, tmp_path):
-    plan = classification_plan(models)
+def test_a_checkpoint_of_another_plan_is_refused(plans, tmp_path):
+    plan = plans["classification"]()
     training = ManagedTraining(TrainingSession(plan.config, max_steps=plan.max_steps), plan)
     training.save_state(tmp_path / "ckpt")
-    other = classification_plan(models, seed=1)
+    other = plans["classification"](seed=1)
     fresh = ManagedTraining(TrainingSession(other.config, max_steps=other.max_steps), other)
     with pytest.raises(RuntimeError, match="belongs to plan"):
         fresh.load_state(tmp_path / "ckpt")
 
 
-def test_a_session_built_for_another_plan_is_refused(models):
-    plan = classification_plan(models)
+def test_a_session_built_for_another_plan_is_refused(plans):
+    plan = plans["classification"]()
     with pytest.raises(ValueError, match="max_steps"):
         ManagedTraining(TrainingSession(plan.config, max_steps=plan.max_steps + 1), plan)
-    other = classification_plan(models, learning_rate=1e-2)
+    other = plans["classification"](learning_rate=1e-2)
     with pytest.raises(ValueError, match="config"):
         ManagedTraining(TrainingSession(other.config, max_steps=plan.max_steps), plan)
 
 
-def test_early_stopping_ends_the_run_and_best_export_leaves_the_live_state_alone(models, tmp_path):
+def test_early_stopping_ends_the_run_and_best_export_leaves_the_live_state_alone(plans, tmp_path):
     # A learning rate of zero never improves: the first evaluation is the best, and a tie is no
     # gain, so patience 1 stops after the second evaluation.
-    plan = classification_plan(
-        models, learning_rate=0.0, early_stopping=True, early_stopping_patience=1
+    plan = plans["classification"](
+        learning_rate=0.0, early_stopping=True, early_stopping_patience=1
     )
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
     training = ManagedTraining(session, plan, checkpoint_dir=tmp_path)
