@@ -157,3 +157,24 @@ def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
     assert result.state_digest == expected.state_digest
     exported = (work / "export" / "model.safetensors").read_bytes()
     assert exported == (tmp_path / "expected-export" / "model.safetensors").read_bytes()
+
+
+def test_trainwire_run_replays_a_manifest_file_against_a_token_server(
+    bert_classifier_config, model_root, tmp_path, capsys
+):
+    from trainwire.cli import main
+    from trainwire.client import write_manifest
+
+    plan = sentiment_plan(bert_classifier_config, num_epochs=1)
+    manifest = tmp_path / "manifest.json"
+    write_manifest(manifest, plan.to_manifest())
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    with running_server(tmp_path / "state", model_root, token="s3cret") as handle:
+        args = ["run", "--server", f"127.0.0.1:{handle.port}", "--manifest", str(manifest),
+                "--run-id", "cli", "--work-dir", str(tmp_path / "work"), "--quiet"]  # fmt: skip
+        assert main([*args, "--token-file", str(token_file)]) == 0
+    expected = in_process(plan, tmp_path)
+    summary = json.loads((tmp_path / "work" / "training_summary.json").read_text())
+    assert summary["state_digest"] == expected.state_digest
+    assert f"digest {expected.state_digest}" in capsys.readouterr().out

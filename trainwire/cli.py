@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.manifest import (
@@ -59,15 +60,35 @@ def command_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command reaches its server(s): token, TLS, mutual TLS."""
+    parser.add_argument("--token-file", help="a file holding the server's bearer token")
+    parser.add_argument("--tls-ca", help="PEM root certificates to verify a TLS server")
+    parser.add_argument("--tls-cert", help="PEM client certificate, for mutual TLS")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--tls-server-name", help="the name to verify in the server certificate")
+
+
+def client_options(args: argparse.Namespace) -> dict[str, Any]:
+    """SessionClient keyword arguments from add_client_arguments' flags."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise UsageError("--tls-cert and --tls-key go together")
+    return {
+        "token": Path(args.token_file).read_text().strip() if args.token_file else None,
+        "root_certificates": Path(args.tls_ca).read_bytes() if args.tls_ca else None,
+        "certificate_chain": Path(args.tls_cert).read_bytes() if args.tls_cert else None,
+        "private_key": Path(args.tls_key).read_bytes() if args.tls_key else None,
+        "server_name": args.tls_server_name,
+    }
+
+
 def command_run(args: argparse.Namespace) -> int:
     from trainwire.client.controller import Controller
     from trainwire.client.progress_bar import ProgressReporter
     from trainwire.client.session_client import SessionClient
 
     plan = load_plan(args.manifest)
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
-    client = SessionClient(args.server, token=token, root_certificates=root_certificates)
+    client = SessionClient(args.server, **client_options(args))
     reporter = ProgressReporter(quiet=args.quiet, log_every=args.log_every)
     try:
         controller = Controller(
@@ -93,16 +114,13 @@ def command_dispatch(args: argparse.Namespace) -> int:
     from trainwire.client.dispatch import Dispatcher, dispatch_with_live_table
     from trainwire.client.session_client import SessionClient
 
-    token = Path(args.token_file).read_text().strip() if args.token_file else None
-    root_certificates = Path(args.tls_ca).read_bytes() if args.tls_ca else None
+    options = client_options(args)
     servers = [server.strip() for server in args.servers.split(",") if server.strip()]
     dispatcher = Dispatcher(
         servers,
         args.manifests,
         work_dir=args.work_dir,
-        client_factory=lambda target: SessionClient(
-            target, token=token, root_certificates=root_certificates
-        ),
+        client_factory=lambda target: SessionClient(target, **options),
         checkpoint_every=args.checkpoint_every,
     )
     statuses = dispatch_with_live_table(dispatcher, live=not args.quiet)
@@ -162,8 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", required=True, help="names the run in every operation key")
     run.add_argument("--work-dir", required=True, help="cursor, export and summary go here")
     run.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
-    run.add_argument("--token-file", help="a file holding the server's bearer token")
-    run.add_argument("--tls-ca", help="PEM root certificates to verify a TLS server")
+    add_client_arguments(run)
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
     run.set_defaults(handler=command_run)
@@ -173,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--manifests", required=True, nargs="+", help="manifest files")
     dispatch.add_argument("--work-dir", required=True, help="one subdirectory per run")
     dispatch.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
-    dispatch.add_argument("--token-file", help="a file holding the servers' bearer token")
-    dispatch.add_argument("--tls-ca", help="PEM root certificates to verify TLS servers")
+    add_client_arguments(dispatch)
     dispatch.add_argument("--quiet", action="store_true", help="no live table, summary only")
     dispatch.set_defaults(handler=command_dispatch)
 
