@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from trainwire.client.config import TrainingConfig
@@ -40,7 +42,14 @@ def resolve_dtype(config: TrainingConfig, device: torch.device) -> torch.dtype:
 
 
 def refuse_unsupported_setups() -> None:
-    """Distributed training and graph compilation change the bits a run produces: refused."""
+    """Distributed training changes the bits a run produces: refused, whether a process group is
+    up or a launcher (torchrun) set a world size. The engine itself never compiles graphs."""
+    world_size = os.environ.get("WORLD_SIZE", "1")
+    if world_size.strip() not in ("", "1"):
+        raise InvalidArgument(
+            f"WORLD_SIZE={world_size}: trainwire sessions run on one device in one process; "
+            "start the server without a distributed launcher"
+        )
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         raise InvalidArgument(
             "a distributed process group is initialized; trainwire sessions run on one device"

@@ -417,6 +417,10 @@ def test_bad_session_arguments_are_refused_before_allocating(
         TrainingSession(llama_config(), max_steps=0)
     with pytest.raises(ValueError, match="config must be a TrainingConfig"):
         TrainingSession(llama_config().to_dict())  # type: ignore[arg-type]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+        TrainingSession(llama_config())
+    monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(ValueError, match="distributed process group"):
         TrainingSession(llama_config())
