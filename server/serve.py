@@ -19,12 +19,14 @@ import types
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trainwire.client.files import write_text_atomic
+from trainwire.client.overrides import parse_config_overrides
 from trainwire.server.host import SessionHost
 from trainwire.server.servicer import TrainingSessionServicer, add_to_server
 from trainwire.v1 import session_pb2
@@ -222,8 +224,33 @@ def _bind(
 # -- the command line ------------------------------------------------------------------------------
 
 
+# The server tunables ``trainwire serve --set KEY=VALUE`` may change, with their types.
+SERVE_SETTINGS = {"max_message_bytes": int, "max_workers": int, "stop_grace_s": float}
+
+
+def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The tunables from the flags, then ``--set`` overrides (unknown keys are refused)."""
+    settings: dict[str, Any] = {
+        "max_message_bytes": args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+        "max_workers": DEFAULT_MAX_WORKERS,
+        "stop_grace_s": DEFAULT_STOP_GRACE_S if args.stop_grace_s is None else args.stop_grace_s,
+    }
+    valid, invalid = parse_config_overrides(args.set or [])
+    if invalid:
+        raise ValueError(f"--set takes key=value, got: {', '.join(invalid)}")
+    for key, value in valid.items():
+        kind = SERVE_SETTINGS.get(key)
+        if kind is None:
+            raise ValueError(f"--set {key}: unknown; serve takes {', '.join(SERVE_SETTINGS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"--set {key}: must be a positive number, got {value!r}")
+        settings[key] = kind(value)
+    return settings
+
+
 def run_serve_command(args: argparse.Namespace) -> int:
     """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0."""
+    settings = serve_settings(args)
     token = _read_token(args.token_file) if args.token_file else None
     # Signal handlers first: a SIGTERM that arrives while the server starts still stops it cleanly.
     stop_requested = threading.Event()
@@ -244,14 +271,15 @@ def run_serve_command(args: argparse.Namespace) -> int:
         tls_cert=args.tls_cert and Path(args.tls_cert),
         tls_key=args.tls_key and Path(args.tls_key),
         tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
-        max_message_bytes=args.max_message_bytes or DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes=settings["max_message_bytes"],
+        max_workers=settings["max_workers"],
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")
     while not stop_requested.wait(0.5):
         pass
     logger.info("%s received: finishing the operation in flight, then stopping", received[0])
-    handle.stop(grace=DEFAULT_STOP_GRACE_S if args.stop_grace_s is None else args.stop_grace_s)
+    handle.stop(grace=settings["stop_grace_s"])
     return 0
 
 

@@ -216,6 +216,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--max-message-bytes", type=int, help="largest request accepted (default 64 MiB)"
     )
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a server tunable: max_message_bytes, max_workers or stop_grace_s",
+    )
     serve.add_argument("--port-file", help="write the bound port here once listening")
     serve.add_argument(
         "--stop-grace-s", type=float, help="on SIGTERM, time the operation in flight may take"

@@ -1,0 +1,36 @@
+"""`trainwire serve --set`: server tunables from the command line, unknown ones refused."""
+
+import pytest
+
+from trainwire.cli import build_parser, main
+from trainwire.server.serve import DEFAULT_MAX_MESSAGE_BYTES, serve_settings
+
+
+def parse(*extra):
+    return build_parser().parse_args(
+        ["serve", "--listen", "127.0.0.1:0", "--state-dir", "unused", *extra]
+    )
+
+
+def test_set_overrides_the_flags_and_defaults():
+    settings = serve_settings(parse("--max-message-bytes", "4096", "--set", "max_workers=4"))
+    assert settings["max_message_bytes"] == 4096 and settings["max_workers"] == 4
+    settings = serve_settings(parse("--set", "max_message_bytes=2048", "--set", "stop_grace_s=5"))
+    assert settings["max_message_bytes"] == 2048 and settings["stop_grace_s"] == 5.0
+    assert serve_settings(parse())["max_message_bytes"] == DEFAULT_MAX_MESSAGE_BYTES
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("bogus=1", "--set bogus: unknown; serve takes max_message_bytes"),
+        ("max_workers=lots", "--set max_workers: must be a positive number"),
+        ("max_workers=0", "must be a positive number"),
+        ("max_workers", "--set takes key=value"),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line_before_serving(item, message, tmp_path, capsys):
+    code = main(["serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path), "--set", item])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "nothing was started or written"
