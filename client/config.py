@@ -289,7 +289,7 @@ def _config_problems(c: TrainingConfig) -> list[str]:
     for key in ("shuffle", "group_by_length", "gradient_checkpointing", "early_stopping"):
         need(isinstance(getattr(c, key), bool), key, "must be true or false")
     need(isinstance(c.truncation, bool), "truncation", "must be true or false")
-    need(_is_int(c.seed) and c.seed >= 0, "seed", "must be an integer >= 0")
+    need(_is_int(c.seed) and 0 <= c.seed < 2**63, "seed", "must be an integer in [0, 2**63)")
     if c.precision == "fp16":
         problems.append(
             "precision: fp16 is not supported (no loss scaling here); use fp32, or bf16 on a GPU"

@@ -70,6 +70,13 @@ class _RemoteBackend:
 
     def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
         outcome = self.c.client.forward(examples)
+        # Forward carries no position: make sure it ran on the state we expect, not on an older
+        # checkpoint a restarted server restored in between.
+        info = self.c.client.info()
+        if info.position != self.c.position:
+            raise PositionMoved(
+                f"evaluation met position {info.position}, expected {self.c.position}"
+            )
         return outcome.loss, [prediction.label for prediction in outcome.predictions]
 
     def save_best(self, index: int, state: RunState) -> None:
@@ -164,8 +171,12 @@ class Controller:
         )
         record = self.work.resume_point(info.position, RunState.start(self.plan))
         if record.position < info.position:
+            # The operations past the record must belong to the microbatch it resumes at (or,
+            # for a finished run, to the closing export), so replaying their keys is exact.
             last = microbatch_of_key(info.last_operation_key, self.run_id, self.plan.fingerprint)
-            if last is None or last > record.state.next_microbatch:
+            state = record.state
+            limit = self.plan.batch_count if state.finished else state.next_microbatch
+            if last is None or last > limit:
                 raise RuntimeError(
                     f"the server's session is at position {info.position} (last operation "
                     f"{info.last_operation_key!r}), beyond anything recorded in {self.work.path}; "
@@ -183,11 +194,13 @@ class Controller:
 
     def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
         """Replay to the end, export the result, write the summary; resumable at any point."""
-        deadline = None
+        outage_started: float | None = None
         attempt = 0
         while True:
             try:
                 self._synchronize()
+                # Reachable again: a later outage gets the whole recovery budget of its own.
+                outage_started, attempt = None, 0
                 self.state = replay(self.plan, _RemoteBackend(self), self.state, on_step=on_step)
                 return self._finish()
             except PositionMoved as moved:
@@ -196,11 +209,11 @@ class Controller:
                 if error.code() not in RECOVERABLE:
                     raise
                 now = time.monotonic()
-                deadline = deadline or now + self.recovery_timeout_s
-                if now > deadline:
+                outage_started = outage_started or now
+                if now - outage_started > self.recovery_timeout_s:
                     raise
                 attempt += 1
-                delay = min(5.0, 0.2 * 2**attempt) * (0.5 + random.random())
+                delay = min(5.0, 0.2 * 2 ** min(attempt, 5)) * (0.5 + random.random())
                 logger.warning(
                     "run %s: server unreachable (%s); retrying in %.1fs",
                     self.run_id,
@@ -208,24 +221,24 @@ class Controller:
                     delay,
                 )
                 time.sleep(delay)
-                continue
-            deadline, attempt = None, 0
 
     def _finish(self) -> TrainingResult:
         index = self.plan.batch_count  # past the last microbatch: the run's closing operations
         checkpoint = BEST_CHECKPOINT if self.state.best_checkpoint else None
         export_dir = self.work.path / EXPORT_DIR
-        self._keyed(
+        # The export's journaled digest is the final state's, even when this call is a replay
+        # (a separate Info could meet a server that restarted and restored an older state).
+        outcome = self._keyed(
             self.client.export_weights,
             index,
             "export",
             EXPORT_NAME,
             download_to=export_dir,
             checkpoint=checkpoint,
+            include_digest=True,
         )
-        info = self.client.info()
         result = training_result(
-            self.plan, self.state, state_digest=info.state_digest, last_checkpoint=None
+            self.plan, self.state, state_digest=outcome.state_digest, last_checkpoint=None
         )
         write_run_artifacts(
             self.work.path,

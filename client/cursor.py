@@ -41,19 +41,18 @@ class WorkDirectory:
         """Create the directory, or refuse one that belongs to another run or manifest."""
         self.path.mkdir(parents=True, exist_ok=True)
         cursor = self._read(self.path / CURSOR_FILE)
-        if cursor is None:
-            return
-        if cursor["manifest_fingerprint"] != self.manifest_fingerprint:
+        if cursor is not None and cursor["manifest_fingerprint"] != self.manifest_fingerprint:
             raise ValueError(
                 f"{self.path} holds run {cursor['run_id']!r} of manifest "
                 f"{cursor['manifest_fingerprint']}, not {self.manifest_fingerprint}; "
                 "use another work directory for another manifest"
             )
-        if cursor["run_id"] != self.run_id:
+        if cursor is not None and cursor["run_id"] != self.run_id:
             raise ValueError(
                 f"{self.path} holds run {cursor['run_id']!r}, not {self.run_id!r}; resume it "
                 "with its own run id or use another work directory"
             )
+        self.records()  # snapshots of another run, even one that never wrote a cursor
 
     def _read(self, path: Path) -> dict[str, Any] | None:
         if not path.is_file():
@@ -85,8 +84,17 @@ class WorkDirectory:
         out = []
         for path in paths:
             data = self._read(path)
-            if data is not None:
-                out.append(Record(data["position"], RunState.from_dict(data["state"])))
+            if data is None:
+                continue
+            if (data["run_id"], data["manifest_fingerprint"]) != (
+                self.run_id,
+                self.manifest_fingerprint,
+            ):
+                raise ValueError(
+                    f"{path} belongs to run {data['run_id']!r} of manifest "
+                    f"{data['manifest_fingerprint']}; use another work directory"
+                )
+            out.append(Record(data["position"], RunState.from_dict(data["state"])))
         return out
 
     def resume_point(self, server_position: int, start: RunState) -> Record:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from trainwire.client.manifest import load_plan
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
@@ -115,9 +117,14 @@ class Dispatcher:
                 job = self._waiting.get_nowait()
             except queue.Empty:
                 return
-            self._drive(server, job)
+            if not self._drive(server, job):
+                # The failed run's session may still be open there: this server takes no more
+                # runs, so one bad run does not fail the rest of the queue.
+                logger.error("server %s takes no more runs after %s failed", server, job.run_id)
+                return
 
-    def _drive(self, server: str, job: DispatchJob) -> None:
+    def _drive(self, server: str, job: DispatchJob) -> bool:
+        """Drive one run to its end on ``server``; False when it failed."""
         from trainwire.client.controller import Controller
 
         with self.lock:
@@ -133,15 +140,23 @@ class Dispatcher:
                 recovery_timeout_s=self.recovery_timeout_s,
             )
             result = controller.run(on_step=lambda progress: self._record(job, progress))
-            client.close()  # ends the session: the server is free for the next run
-            with self.lock:
-                job.status.state, job.status.result = "done", result
         except Exception as error:  # one failed run must not stop the others
             logger.exception("run %s on %s failed", job.run_id, server)
             with self.lock:
                 job.status.state, job.status.error = "failed", f"{type(error).__name__}: {error}"
+            client.close_channel()
+            return False
+        with self.lock:
+            job.status.state, job.status.result = "done", result
+        try:
+            client.close()  # ends the session: the server is free for the next run
+        except grpc.RpcError as error:
+            logger.error("run %s done, but closing its session on %s failed: %s",
+                         job.run_id, server, error.details())  # fmt: skip
+            return False
         finally:
             client.close_channel()
+        return True
 
     def _record(self, job: DispatchJob, progress: Progress) -> None:
         with self.lock:

@@ -288,11 +288,16 @@ class ManagedTrainingPlan:
         eval_examples = evals if evals else None
         _check_plan_inputs(examples, config, eval_examples)
         schedule = [_microbatch_from_dict(item, len(examples)) for item in body["microbatches"]]
-        _check_schedule(schedule, len(examples), config)
+        evaluates = config.eval_strategy != "no" and eval_examples is not None
+        _check_schedule(schedule, len(examples), config, evaluates)
         plan = cls.__new__(cls)
         plan._init(examples, config, eval_examples, schedule)
         if body.get("selection") != plan.selection_policy:
             raise ValueError("manifest: the selection policy does not match its config")
+        # The plan must write back exactly this manifest (no extra keys, no omitted defaults),
+        # so its fingerprint is the manifest's own.
+        if sha256_fingerprint(canonical_json(plan._manifest_body())) != actual:
+            raise ValueError("manifest: not in canonical form (extra, missing or null fields)")
         plan._fingerprint = actual
         return plan
 
@@ -328,21 +333,38 @@ def _microbatch_from_dict(item: Any, row_count: int) -> Microbatch:
     return Microbatch(tuple(rows), item["epoch"], *flags)
 
 
-def _check_schedule(schedule: list[Microbatch], row_count: int, config: TrainingConfig) -> None:
-    """A manifest's schedule must keep the plan's promises: every row once per epoch."""
+def _check_schedule(
+    schedule: list[Microbatch], row_count: int, config: TrainingConfig, evaluates: bool
+) -> None:
+    """A manifest's schedule must keep the plan's promises: epochs in order, every row once per
+    epoch, full batches but the last of an epoch, updates after every accumulation and at each
+    epoch end, evaluations only where there is something to evaluate."""
     if not schedule:
         raise ValueError("manifest: no microbatches")
-    by_epoch: dict[int, list[int]] = {}
+    epochs: list[list[Microbatch]] = []
     for microbatch in schedule:
-        by_epoch.setdefault(microbatch.epoch, []).extend(microbatch.rows)
-        if microbatch.epoch_end and not microbatch.update:
-            raise ValueError("manifest: every epoch end must be followed by an update")
-        if len(microbatch.rows) > config.batch_size:
-            raise ValueError("manifest: a microbatch is larger than the config's batch_size")
-    if sorted(by_epoch) != list(range(config.num_epochs)):
-        raise ValueError(f"manifest: epochs {sorted(by_epoch)} do not match num_epochs")
-    for epoch, rows in by_epoch.items():
+        if not epochs or epochs[-1][-1].epoch_end:
+            epochs.append([])
+        epochs[-1].append(microbatch)
+    if [group[0].epoch for group in epochs] != list(range(config.num_epochs)):
+        raise ValueError(f"manifest: epochs must run 0..{config.num_epochs - 1}, each once")
+    accumulation = config.gradient_accumulation_steps
+    for group in epochs:
+        epoch = group[0].epoch
+        if not group[-1].epoch_end:
+            raise ValueError("manifest: the last microbatch must end an epoch")
+        rows = [row for microbatch in group for row in microbatch.rows]
         if sorted(rows) != list(range(row_count)):
             raise ValueError(f"manifest: epoch {epoch} does not visit every row exactly once")
-    if not schedule[-1].epoch_end:
-        raise ValueError("manifest: the last microbatch must end an epoch")
+        for j, microbatch in enumerate(group):
+            last = j == len(group) - 1
+            if microbatch.epoch != epoch:
+                raise ValueError(f"manifest: epoch {epoch} is interleaved with another")
+            if len(microbatch.rows) > config.batch_size or (
+                not last and len(microbatch.rows) != config.batch_size
+            ):
+                raise ValueError("manifest: only an epoch's last microbatch may be partial")
+            if microbatch.update != ((j + 1) % accumulation == 0 or last):
+                raise ValueError("manifest: updates must close every accumulation and epoch")
+            if microbatch.evaluate and not evaluates:
+                raise ValueError("manifest: an evaluation point without evaluation settings")

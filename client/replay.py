@@ -29,6 +29,9 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
     best_checkpoint: str | None = None
     finished: bool = False
+    # A microbatch whose closing step (after_microbatch) had not run when this state was saved:
+    # the best's checkpoint is taken before it, so a run resumed from there runs it first.
+    after_pending: int | None = None
 
     @classmethod
     def start(cls, plan: ManagedTrainingPlan) -> RunState:
@@ -43,6 +46,7 @@ class RunState:
             "history": list(self.history),
             "best_checkpoint": self.best_checkpoint,
             "finished": self.finished,
+            "after_pending": self.after_pending,
         }
 
     @classmethod
@@ -55,6 +59,7 @@ class RunState:
             history=list(data["history"]),
             best_checkpoint=data["best_checkpoint"],
             finished=data["finished"],
+            after_pending=data.get("after_pending"),
         )
 
 
@@ -112,6 +117,9 @@ def replay(
     """Run the plan from ``state.next_microbatch`` to its end or to an early stop."""
     eval_examples = plan.eval_examples if eval_examples is None else eval_examples
     batch_size = plan.config.batch_size
+    if state.after_pending is not None:
+        pending, state.after_pending = state.after_pending, None
+        backend.after_microbatch(pending, state)
     for i in range(state.next_microbatch, plan.batch_count):
         if state.finished:
             break
@@ -139,10 +147,12 @@ def replay(
                 microbatch=i, epoch=epoch, step=step, metrics=metrics, is_best=is_best
             )
             state.history.append(evaluation)
-            if is_best:
-                backend.save_best(i, state)
         # Early stopping ends the run here: the last microbatch run is its last.
         state.finished = state.selection.stopped_early or i + 1 == plan.batch_count
+        if evaluation is not None and evaluation["is_best"]:
+            state.after_pending = i
+            backend.save_best(i, state)
+            state.after_pending = None
         backend.after_microbatch(i, state)
         if on_step is not None:
             on_step(

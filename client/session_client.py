@@ -96,7 +96,13 @@ class SessionClient:
         self.target = target
         self.timeout_s = timeout_s
         self.retry = retry or RetryPolicy(max_attempts=max_attempts)
-        options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+        options = [
+            ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
+            # Keepalive pings notice a dead server during a long export stream, which has no
+            # overall deadline (a large model takes as long as it takes).
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 20_000),
+        ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         if root_certificates is None and private_key is None and certificate_chain is None:
@@ -267,7 +273,7 @@ class SessionClient:
         )
 
         def attempt() -> wire.ExportOutcome:
-            stream = self._export_stream(request, timeout=self.timeout_s, metadata=self._metadata)
+            stream = self._export_stream(request, timeout=None, metadata=self._metadata)
             try:
                 return _receive_export(stream, download_to)
             finally:
@@ -279,8 +285,6 @@ class SessionClient:
         """Close the session on the server (idempotent); the connection stays usable."""
         response = self._call("Close", self._stub.Close, pb.CloseRequest())
         return wire.session_info_from_proto(response.info)
-
-    close_session = close
 
 
 def _operation(key: str, expected_position: int | None, include_digest: bool) -> pb.Operation:

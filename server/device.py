@@ -14,7 +14,10 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     """The requested device, or CUDA where there is one, else the CPU."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise InvalidArgument(f"device {device!r}: {error}; use cpu or cuda") from None
     if resolved.type not in ("cpu", "cuda"):
         raise InvalidArgument(f"device {resolved}: only cpu and cuda are supported")
     if resolved.type == "cuda" and not torch.cuda.is_available():

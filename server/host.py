@@ -353,7 +353,14 @@ class SessionHost:
                 opened.position,
             )
         position = opened.position + 1
-        outcome = apply(opened, op.key, position, digest, *args)
+        try:
+            outcome = apply(opened, op.key, position, digest, *args)
+        except BaseException:
+            if opened.session.broken is not None:
+                # Half applied: only a restart, which restores the latest checkpoint, makes the
+                # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
+                self._fail(f"{opened.session.broken}; restart the server to restore")
+            raise
         if op.include_digest and not outcome.state_digest:
             outcome = dataclasses.replace(outcome, state_digest=opened.session.state_digest())
         record = wire.outcome_record(outcome)
@@ -402,7 +409,8 @@ class SessionHost:
         if self.phase == wire.RESTORING:
             raise Unavailable("the server is restoring its session after a restart; retry shortly")
         if self.phase == wire.FAILED:
-            raise FailedPrecondition(f"the server cannot serve its session: {self._failure}")
+            # A restart restores the latest checkpoint: callers retry until it has happened.
+            raise Unavailable(f"the server cannot serve its session: {self._failure}")
         if self.phase == wire.CLOSED:
             raise FailedPrecondition("the session was closed; Open a new run id first")
         raise FailedPrecondition("no session is open; call Open first")

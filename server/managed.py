@@ -129,13 +129,17 @@ class ManagedTraining:
         saved = read_extra(Path(path)).get(MANAGED_KEY)
         if saved is None:
             raise InvalidArgument(f"{path} is a session checkpoint without a managed run state")
-        if saved["plan_fingerprint"] != self.plan.fingerprint:
+        try:
+            state = RunState.from_dict(saved)
+        except (KeyError, TypeError, ValueError) as error:
+            raise InvalidArgument(f"{path}: malformed managed run state ({error!r})") from None
+        if state.plan_fingerprint != self.plan.fingerprint:
             raise FailedPrecondition(
-                f"the checkpoint belongs to plan {saved['plan_fingerprint']}, this run's plan is "
+                f"the checkpoint belongs to plan {state.plan_fingerprint}, this run's plan is "
                 f"{self.plan.fingerprint}; resume it with its own manifest"
             )
         self.session.load_state(path)
-        self.state = RunState.from_dict(saved)
+        self.state = state
 
     def export_weights(self, path: str | Path) -> None:
         """Export the best weights (from a detached CPU copy) or, without evaluation, the last."""

@@ -37,22 +37,19 @@ def build_optimizer(model: torch.nn.Module, config: TrainingConfig) -> torch.opt
 def learning_rate_at(step: int, config: TrainingConfig, max_steps: int | None) -> float:
     """The learning rate of update ``step`` (0-based): linear warmup, then the configured decay.
 
-    Matches Hugging Face's ``get_{linear,cosine,constant}_schedule_with_warmup``.
+    Bit for bit Hugging Face's ``get_{linear,cosine,constant}_schedule_with_warmup`` (the base
+    rate times the factor, computed as they compute it). Without ``max_steps`` there is no
+    horizon to decay over: the rate holds at ``learning_rate`` after warmup (the session warns).
     """
     base = config.learning_rate
     warmup = config.warmup_steps
     if step < warmup:
-        return base * step / max(1, warmup)
-    if config.lr_scheduler == "constant":
-        return base
-    if max_steps is None:
-        raise ValueError(
-            f"lr_scheduler {config.lr_scheduler!r} decays over max_steps; open the session "
-            "with max_steps (the plan's max_steps), or use lr_scheduler 'constant'"
-        )
-    remaining = max(0, max_steps - step)
+        return base * (float(step) / float(max(1, warmup)))
+    if config.lr_scheduler == "constant" or max_steps is None:
+        return base * 1.0
+    remaining = max_steps - step
     span = max(1, max_steps - warmup)
     if config.lr_scheduler == "linear":
-        return base * remaining / span
-    progress = (step - warmup) / span
-    return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+        return base * max(0.0, float(remaining) / float(span))
+    progress = float(step - warmup) / float(span)
+    return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))

@@ -175,11 +175,20 @@ def serve(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainwire-rpc"),
         interceptors=chain,
-        # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
-        options=[("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            # No SO_REUSEPORT: a second server on a taken port must fail, not share it.
+            ("grpc.so_reuseport", 0),
+            # Clients ping every 30 s during long export streams to notice a dead server.
+            ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ],
     )
-    port = _bind(server, listen, _pem(tls_cert), _pem(tls_key), _pem(tls_client_ca))
-    host = SessionHost(state_dir, model_root=model_root, device=device, on_serving=on_serving)
+    try:
+        port = _bind(server, listen, _pem(tls_cert), _pem(tls_key), _pem(tls_client_ca))
+        host = SessionHost(state_dir, model_root=model_root, device=device, on_serving=on_serving)
+    except BaseException:
+        server.stop(None)  # release the port and the worker threads of a refused start
+        raise
     on_serving(host.phase not in ("restoring", "failed"))
     add_to_server(TrainingSessionServicer(host), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

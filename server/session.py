@@ -38,6 +38,9 @@ from trainwire.server.rng import RngState, preserved_global_rng
 
 logger = logging.getLogger(__name__)
 
+# The RNG generators are process-wide; sessions take turns with them (see _session_rng).
+_GLOBAL_RNG_LOCK = threading.RLock()
+
 
 @dataclass
 class Prediction:
@@ -118,6 +121,12 @@ class TrainingSession:
         refuse_unsupported_setups()
         self.config = config
         self.max_steps = max_steps
+        if max_steps is None and config.lr_scheduler != "constant":
+            logger.warning(
+                "lr_scheduler %r without max_steps: no horizon to decay over, so the rate holds "
+                "at learning_rate after warmup; pass max_steps (a plan's max_steps) to decay",
+                config.lr_scheduler,
+            )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(config, self.device)
         self.model_root = None if model_root is None else Path(model_root)
@@ -155,22 +164,25 @@ class TrainingSession:
     # -- helpers -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _session_rng(self) -> Iterator[None]:
-        """Run with the session's RNG installed; keep what it drew only if the block succeeds."""
-        with preserved_global_rng():
+    def _session_rng(self, *, keep: bool = True) -> Iterator[None]:
+        """Run with the session's RNG installed; keep what it drew only if the block succeeds
+        (and ``keep``). The generators are process-wide, so one lock serializes every session's
+        use of them: sessions on two threads never draw from each other's state."""
+        with _GLOBAL_RNG_LOCK, preserved_global_rng():
             self._rng.install()
             yield
-            self._rng = RngState.capture(cuda=self.device.type == "cuda")
+            if keep:
+                self._rng = RngState.capture(cuda=self.device.type == "cuda")
 
     @contextlib.contextmanager
-    def _operation(self) -> Iterator[None]:
+    def _operation(self, *, changes_state: bool = True) -> Iterator[None]:
         with self._lock:
             if self._broken is not None:
                 raise FailedPrecondition(
                     f"the session is unusable: {self._broken}. Restore it with load_state from "
                     "a checkpoint; it refuses other operations until then"
                 )
-            with self._session_rng():
+            with self._session_rng(keep=changes_state):
                 yield
 
     def _break(self, what: str, error: BaseException) -> None:
@@ -207,6 +219,11 @@ class TrainingSession:
         return "sha256:" + digest.hexdigest()
 
     @property
+    def broken(self) -> str | None:
+        """Why the session refuses operations (a failure midway), or None when it is usable."""
+        return self._broken
+
+    @property
     def is_fresh(self) -> bool:
         return self._version == 0
 
@@ -214,7 +231,7 @@ class TrainingSession:
 
     def forward(self, examples: Sequence[InputExample]) -> ForwardResult:
         """The batch loss (and predictions for classification); no gradients, no state change."""
-        with self._operation():
+        with self._operation(changes_state=False):
             batch = self.encoder.encode(examples)
             self._set_training(False)
             try:
@@ -248,6 +265,10 @@ class TrainingSession:
                 loss.backward()
             except BaseException as error:
                 self._break("forward_backward", error)
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise ResourceExhausted(
+                        f"forward_backward ran out of memory: {error}"
+                    ) from error
                 raise
             self.accumulated += 1
             self.last_token_count = batch.token_count
@@ -270,6 +291,8 @@ class TrainingSession:
                 grad_norm = self._apply_update(rate)
             except BaseException as error:
                 self._break("optim_step", error)
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise ResourceExhausted(f"optim_step ran out of memory: {error}") from error
                 raise
             self.step += 1
             self.accumulated = 0
@@ -359,14 +382,25 @@ class TrainingSession:
         with self._operation():
             source = Path(path)
             kind = weights.source_kind(source)
+            # Read and check everything first; then apply, and a failure midway (out of memory,
+            # say) marks the session unusable rather than leaving half the weights copied.
+            pairs, adapter = [], {}
             if kind == "checkpoint":
-                weights.copy_into(weights.plan_checkpoint_load(self.model, source))
+                weights.check_checkpoint_settings(source, self.config)
+                pairs = weights.plan_checkpoint_load(self.model, source)
             elif kind == "native":
                 tensors = weights.read_native_model_tensors(source)
-                weights.copy_into(weights.plan_native_load(self.model, tensors))
+                pairs = weights.plan_native_load(self.model, tensors)
             else:
-                tensors = weights.plan_adapter_load(self.model, source, self.base_fingerprint)
-                weights.load_adapter_tensors(self.model, tensors)
+                adapter = weights.plan_adapter_load(self.model, source, self.base_fingerprint)
+            try:
+                if adapter:
+                    weights.load_adapter_tensors(self.model, adapter)
+                else:
+                    weights.copy_into(pairs)
+            except BaseException as error:
+                self._break("load_weights", error)
+                raise
             self.base_fingerprint = self._base_model_fingerprint()
             self._changed()
 

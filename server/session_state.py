@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from trainwire.client.files import atomic_directory
 from trainwire.server import checkpoint as ckpt
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.server.rng import RngState
+from trainwire.server.rng import RngState, preserved_global_rng
 from trainwire.server.weights import copy_into, describe_mismatches
 
 if TYPE_CHECKING:
@@ -111,8 +111,10 @@ def read_checkpoint_into(session: TrainingSession, path: Path) -> dict[str, Any]
     try:
         rng_tensors = {n: t.clone() for n, t in ckpt.load_tensors(path / ckpt.RNG_FILE).items()}
         rng = RngState.from_parts(meta["rng"], rng_tensors)
+        with preserved_global_rng():
+            rng.install()  # a state the generators refuse is refused here, not at the next op
         step, accumulated = int(meta["step"]), int(meta["accumulated"])
-    except (KeyError, TypeError, ValueError) as error:
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise InvalidArgument(
             f"checkpoint {path.name}: malformed {ckpt.SESSION_FILE} or RNG state ({error!r})"
         ) from None
@@ -123,8 +125,7 @@ def read_checkpoint_into(session: TrainingSession, path: Path) -> dict[str, Any]
 
     # Everything is read and checked; now apply it (the trainer first: it may still refuse).
     session.trainer.load_session_state_dict(trainer_state)
-    copy_into([(live[name], model_tensors[name]) for name in live])
-    ckpt.load_optimizer_state(session.optimizer, optimizer_state)
+    apply_restored_tensors(session, live, model_tensors, optimizer_state)
     for name, parameter in live.items():
         parameter.grad = owned_gradients.get(name)
     session.step = step
@@ -132,6 +133,22 @@ def read_checkpoint_into(session: TrainingSession, path: Path) -> dict[str, Any]
     session.base_fingerprint = meta.get("base_model_fingerprint")
     session._rng = rng
     return dict(meta.get("extra") or {})
+
+
+def apply_restored_tensors(
+    session: TrainingSession,
+    live: dict[str, Any],
+    model_tensors: dict[str, Any],
+    optimizer_state: Any,
+) -> None:
+    """Copy the weights and optimizer state in; a failure midway (out of memory, say) marks the
+    session unusable, so it is never used half restored (a retried load_state still works)."""
+    try:
+        copy_into([(live[name], model_tensors[name]) for name in live])
+        ckpt.load_optimizer_state(session.optimizer, optimizer_state)
+    except BaseException as error:
+        session._break("load_state", error)
+        raise
 
 
 def read_extra(path: Path) -> dict[str, Any]:

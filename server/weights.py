@@ -18,6 +18,7 @@ from trainwire.server.checkpoint import (
     MODEL_FILE,
     is_session_checkpoint,
     load_tensors,
+    read_session_json,
     write_json,
 )
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -109,9 +110,29 @@ def plan_checkpoint_load(
 
 
 def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy each source into its live tensor; every source is moved to its device first, so an
+    allocation failure happens before any live tensor has changed."""
+    staged = [(live, source.to(live.device)) for live, source in pairs]
     with torch.no_grad():
-        for live, source in pairs:
-            live.copy_(source.to(live.device))
+        for live, source in staged:
+            live.copy_(source)
+
+
+def check_checkpoint_settings(checkpoint: Path, config: TrainingConfig) -> None:
+    """A checkpoint's weights fit only a session of the same task, labels and LoRA settings
+    (equal shapes are not enough: another alpha would rescale the adapter silently)."""
+    saved = read_session_json(checkpoint).get("config", {})
+    now = config.to_dict()
+    differences = [
+        f"{key}: saved {saved.get(key, 'absent')!r}, now {now[key]!r}"
+        for key in ("task", "labels", "lora")
+        if saved.get(key, "absent") != now[key]
+    ]
+    if differences:
+        raise InvalidArgument(
+            f"checkpoint {checkpoint.name} was trained with other settings: "
+            + "; ".join(differences)
+        )
 
 
 def adapter_settings_mismatches(model: torch.nn.Module, saved: dict[str, Any]) -> list[str]:

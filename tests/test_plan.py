@@ -190,3 +190,32 @@ def test_fingerprint_is_identical_across_processes_and_hash_seeds():
         )  # fmt: skip
         fingerprints.add(out.stdout.strip())
     assert len(fingerprints) == 1
+
+
+def refingerprint(manifest):
+    from trainwire.client.config import canonical_json, sha256_fingerprint
+
+    body = {key: value for key, value in manifest.items() if key != "fingerprint"}
+    return {**body, "fingerprint": sha256_fingerprint(canonical_json(body))}
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda m: m.update(extra=1), "not in canonical form"),
+        (lambda m: m["config"].pop("seed"), "not in canonical form"),
+        (lambda m: m["microbatches"][0].update(evaluate=True), "evaluation point"),
+        (lambda m: m["microbatches"].reverse(), "epochs must run"),
+        (lambda m: m["microbatches"][0].update(update=True), "updates must close"),
+        (
+            lambda m: m["microbatches"][0]["rows"].append(m["microbatches"][1]["rows"].pop()),
+            "partial",
+        ),
+    ],
+)
+def test_a_refingerprinted_manifest_must_still_keep_the_plans_promises(tamper, message):
+    config = TrainingConfig(model="m", batch_size=3, gradient_accumulation_steps=2, num_epochs=2)
+    manifest = ManagedTrainingPlan(make_examples(9), config).to_manifest()
+    tamper(manifest)
+    with pytest.raises(ValueError, match=message):
+        ManagedTrainingPlan.from_manifest(refingerprint(manifest))

@@ -369,13 +369,17 @@ def test_optim_step_without_forward_backward_is_refused(llama_config) -> None:
     assert session.state_digest() == digest
 
 
-def test_a_decaying_schedule_without_max_steps_is_refused_before_the_update(llama_config) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="cosine"))
-    session.forward_backward(TEXTS[:3])
-    digest = session.state_digest()
-    with pytest.raises(InvalidArgument, match="lr_scheduler 'cosine' decays over max_steps"):
-        session.optim_step()
-    assert session.state_digest() == digest
+def test_a_decaying_schedule_without_max_steps_holds_the_rate_and_says_so(
+    llama_config, caplog
+) -> None:
+    with caplog.at_level("WARNING"):
+        session = TrainingSession(llama_config(lr_scheduler="cosine", learning_rate=1e-3))
+    assert "no horizon to decay over" in caplog.text
+    rates = []
+    for _ in range(3):
+        session.forward_backward(TEXTS[:3])
+        rates.append(session.optim_step().learning_rate)
+    assert rates == [1e-3, 1e-3, 1e-3]
 
 
 def test_fp16_and_worker_processes_are_refused_by_the_config(llama_config) -> None:
@@ -450,3 +454,27 @@ def test_a_model_named_relative_to_the_model_root_loads(model_root, tiny_llama) 
     session = TrainingSession(TrainingConfig(model=name, max_length=64), model_root=model_root)
     assert session.model_dir == Path(tiny_llama).resolve()
     assert session.forward(TEXTS[:2]).loss > 0
+
+
+def test_sessions_on_two_threads_keep_their_own_bits(llama_config, small_lora) -> None:
+    import threading
+
+    def drive(session, steps=6):
+        for i in range(steps):
+            session.forward_backward(TEXTS[i % 4 : i % 4 + 3])
+            session.optim_step()
+        return session.state_digest()
+
+    configs = [llama_config(lora=small_lora, seed=seed, max_length=64) for seed in (1, 2)]
+    alone = [drive(TrainingSession(config, max_steps=6)) for config in configs]
+    sessions = [TrainingSession(config, max_steps=6) for config in configs]
+    digests: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: digests.update({i: drive(sessions[i])}))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [digests[0], digests[1]] == alone
