@@ -75,9 +75,11 @@ class RunRecord:
                 if ours.get(key) != theirs.get(key)
             )
             out.append(f"config ({changes})")
-        if self.max_steps != requested.max_steps:
+        # A request that names no max_steps or plan (a plain open(run_id, config)) accepts the
+        # open run's; one that names them must match.
+        if requested.max_steps is not None and self.max_steps != requested.max_steps:
             out.append(f"max_steps (open {self.max_steps}, requested {requested.max_steps})")
-        if self.plan_fingerprint != requested.plan_fingerprint:
+        if requested.plan_fingerprint and self.plan_fingerprint != requested.plan_fingerprint:
             out.append(
                 f"plan fingerprint (open {self.plan_fingerprint!r}, "
                 f"requested {requested.plan_fingerprint!r})"

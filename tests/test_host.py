@@ -65,6 +65,9 @@ def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config)
     assert (again.run_id, again.state, again.position) == ("run", wire.OPEN, 0)
     assert again.config_fingerprint == config.fingerprint()
     assert (again.max_steps, again.plan_fingerprint) == (10, "sha256:plan")
+    # A plain open(run_id, config), naming no steps or plan, accepts the open run's.
+    plain = host.open("run", json.dumps(config.to_dict()), 0, "")
+    assert plain.created is False and plain.max_steps == 10
 
 
 @pytest.mark.parametrize(
