@@ -77,6 +77,17 @@ def remote(plan: ManagedTrainingPlan, work: Path, client: SessionClient, run_id:
     return time.perf_counter() - started
 
 
+def run_until_stopped(
+    client: SessionClient, plan: ManagedTrainingPlan, work: Path, on_step
+) -> None:
+    """Drive run "r" until ``on_step`` raises Stop (the controller dying there)."""
+    controller = Controller(
+        client, plan, run_id="r", work_dir=work, checkpoint_every=CHECKPOINT_EVERY
+    )
+    with contextlib.suppress(Stop):
+        controller.run(on_step=on_step)
+
+
 def recovery(plan: ManagedTrainingPlan, tmp: Path, model_root: Path) -> tuple[float, float, float]:
     """(restart → SERVING, restart → first resumed microbatch, checkpoint load in-process)."""
     port = free_port()
@@ -90,11 +101,7 @@ def recovery(plan: ManagedTrainingPlan, tmp: Path, model_root: Path) -> tuple[fl
         if progress.microbatch == stop_after:
             raise Stop
 
-    controller = Controller(
-        client, plan, run_id="r", work_dir=work, checkpoint_every=CHECKPOINT_EVERY
-    )
-    with contextlib.suppress(Stop):
-        controller.run(on_step=stop)
+    run_until_stopped(client, plan, work, stop)
     server.send_signal(signal.SIGKILL)
     server.wait()
     restarted = time.perf_counter()
@@ -108,11 +115,7 @@ def recovery(plan: ManagedTrainingPlan, tmp: Path, model_root: Path) -> tuple[fl
             first.append(time.perf_counter())
             raise Stop
 
-    controller = Controller(
-        client, plan, run_id="r", work_dir=work, checkpoint_every=CHECKPOINT_EVERY
-    )
-    with contextlib.suppress(Stop):
-        controller.run(on_step=record_first)
+    run_until_stopped(client, plan, work, record_first)
     server.send_signal(signal.SIGKILL)
     server.wait()
     client.close_channel()
