@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,25 @@ METRICS = ("eval_loss", "eval_accuracy")
 def canonical_json(value: Any) -> bytes:
     """The one canonical encoding every fingerprint hashes: sorted keys, no spaces, UTF-8."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+ABSENT = "absent"
+
+
+def setting_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """``key: saved X, now Y`` for each differing key, in ``saved``'s order then ``now``'s.
+
+    A key one side lacks reads ``absent`` there. Every refusal to resume names what differs
+    with this one wording.
+    """
+    keys = list(saved) + [key for key in now if key not in saved]
+    out = []
+    for key in keys:
+        if (key in saved) != (key in now) or saved.get(key) != now.get(key):
+            before = repr(saved[key]) if key in saved else ABSENT
+            after = repr(now[key]) if key in now else ABSENT
+            out.append(f"{key}: saved {before}, now {after}")
+    return out
 
 
 def sha256_fingerprint(data: bytes) -> str:

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainwire.client.config import setting_differences
 from trainwire.client.files import atomic_directory
 from trainwire.server import checkpoint as ckpt
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
@@ -62,16 +63,6 @@ def _metadata(session: TrainingSession, digest: str, extra: dict[str, Any]) -> d
     }
 
 
-def config_differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    """Each differing config key, saved vs now (``absent`` where one side lacks it)."""
-    out = []
-    for key in sorted(set(saved) | set(now)):
-        a, b = saved.get(key, "absent"), now.get(key, "absent")
-        if a != b:
-            out.append(f"{key}: saved {a!r}, now {b!r}")
-    return out
-
-
 def check_compatible(session: TrainingSession, meta: dict[str, Any]) -> None:
     problems = []
     if meta.get("config_fingerprint") != session.config.fingerprint():
@@ -79,7 +70,7 @@ def check_compatible(session: TrainingSession, meta: dict[str, Any]) -> None:
             f"config fingerprint: saved {meta.get('config_fingerprint')}, now "
             f"{session.config.fingerprint()}"
         )
-        problems.extend(config_differences(meta.get("config", {}), session.config.to_dict()))
+        problems.extend(setting_differences(meta.get("config", {}), session.config.to_dict()))
     if meta.get("device_type") != session.device.type:
         problems.append(f"device type: saved {meta.get('device_type')}, now {session.device.type}")
     if meta.get("max_steps") != session.max_steps:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
 from trainwire.server.checkpoint import (
     MODEL_FILE,
@@ -121,13 +121,12 @@ def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def check_checkpoint_settings(checkpoint: Path, config: TrainingConfig) -> None:
     """A checkpoint's weights fit only a session of the same task, labels and LoRA settings
     (equal shapes are not enough: another alpha would rescale the adapter silently)."""
+    keys = ("task", "labels", "lora")
     saved = read_session_json(checkpoint).get("config", {})
     now = config.to_dict()
-    differences = [
-        f"{key}: saved {saved.get(key, 'absent')!r}, now {now[key]!r}"
-        for key in ("task", "labels", "lora")
-        if saved.get(key, "absent") != now[key]
-    ]
+    differences = setting_differences(
+        {k: saved[k] for k in keys if k in saved}, {k: now[k] for k in keys}
+    )
     if differences:
         raise InvalidArgument(
             f"checkpoint {checkpoint.name} was trained with other settings: "

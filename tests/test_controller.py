@@ -23,6 +23,22 @@ class Interrupt(Exception):
     """Stands for the controller dying between two microbatches."""
 
 
+def stop_at(index):
+    """An on_step callback that kills the controller once microbatch ``index`` is done."""
+
+    def on_step(progress):
+        if progress.microbatch == index:
+            raise Interrupt
+
+    return on_step
+
+
+def start_and_interrupt(client, plan, work_dir, run_id="r"):
+    """Leave a run behind after its first microbatch."""
+    with pytest.raises(Interrupt):
+        Controller(client, plan, run_id=run_id, work_dir=work_dir).run(on_step=stop_at(0))
+
+
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, dropout=0.1)], ids=["full", "lora"])
 def test_controller_equals_managed_training_in_process(
     bert_classifier_config, model_root, tmp_path, lora
@@ -61,13 +77,6 @@ def test_a_killed_controller_and_a_restarted_server_still_end_bit_identical(
     manifest = plan.to_manifest()
     state, work = tmp_path / "state", tmp_path / "work"
 
-    def stop_at(index):
-        def on_step(progress):
-            if progress.microbatch == index:
-                raise Interrupt
-
-        return on_step
-
     with running_server(state, model_root) as handle, connect(handle) as client:
         with pytest.raises(Interrupt):
             Controller(client, manifest, run_id="r", work_dir=work, checkpoint_every=2).run(
@@ -94,10 +103,7 @@ def test_a_work_directory_of_another_manifest_is_refused(
     plan = sentiment_plan(bert_classifier_config)
     other = sentiment_plan(bert_classifier_config, seed=7)
     with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
-        with pytest.raises(Interrupt):
-            Controller(client, plan, run_id="r", work_dir=tmp_path / "work").run(
-                on_step=lambda p: (_ for _ in ()).throw(Interrupt())
-            )
+        start_and_interrupt(client, plan, tmp_path / "work")
         with pytest.raises(ValueError, match="use another work directory"):
             Controller(client, other, run_id="r", work_dir=tmp_path / "work")
         with pytest.raises(ValueError, match="resume it with its own run id"):
@@ -110,10 +116,7 @@ def test_a_run_id_bound_to_another_manifest_on_the_server_is_refused(
     plan = sentiment_plan(bert_classifier_config)
     other = sentiment_plan(bert_classifier_config, seed=7)
     with running_server(tmp_path / "state", model_root) as handle, connect(handle) as client:
-        with pytest.raises(Interrupt):
-            Controller(client, plan, run_id="r", work_dir=tmp_path / "a").run(
-                on_step=lambda p: (_ for _ in ()).throw(Interrupt())
-            )
+        start_and_interrupt(client, plan, tmp_path / "a")
         with pytest.raises(grpc.RpcError) as caught:
             Controller(client, other, run_id="r", work_dir=tmp_path / "b").run()
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -139,17 +142,15 @@ def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
     first_evaluation = next(r["microbatch"] for r in expected.history if r["kind"] == "evaluation")
     state, work = tmp_path / "state", tmp_path / "work"
 
-    def stop(progress):
-        if progress.microbatch == first_evaluation:
-            raise Interrupt
-
     # No periodic checkpoints: the best, saved at the first evaluation, is the latest one.
     with (
         running_server(state, model_root) as handle,
         connect(handle) as client,
         pytest.raises(Interrupt),
     ):
-        Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run(on_step=stop)
+        Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run(
+            on_step=stop_at(first_evaluation)
+        )
     with running_server(state, model_root) as handle, connect(handle) as client:
         assert client.info().restored_checkpoint == "best"
         result = Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run()

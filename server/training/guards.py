@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainwire.client.config import setting_differences
 from trainwire.server.training.checkpoints import CKPT_SUFFIX, CheckpointInfo
-from trainwire.server.training.settings import setting_differences
 
 
 def refuse_a_fresh_start_into_a_used_directory(checkpoint_dir: str | Path) -> None:

@@ -6,12 +6,9 @@ resume compares them key by key, naming every difference.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from trainwire.client.config import TrainingConfig
-
-ABSENT = "absent"
 
 # The config keys a run may choose freely, in the order they are recorded and reported.
 # Accumulation, clipping and the epoch budget come first: they are what a resume most often
@@ -74,26 +71,6 @@ def constructor_settings(config: TrainingConfig) -> dict[str, Any]:
         settings["lora.target_modules"] = list(config.lora.target_modules)
         settings["lora.use_dora"] = config.lora.use_dora
     return settings
-
-
-def setting_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """``key: saved X, now Y`` for each differing key, in ``saved``'s order then ``now``'s.
-
-    A key one side lacks reads ``absent`` there.
-    """
-    keys = list(saved) + [key for key in now if key not in saved]
-    out = []
-    for key in keys:
-        before, after = saved.get(key, ABSENT), now.get(key, ABSENT)
-        if before != after or (key in saved) != (key in now):
-            out.append(
-                f"{key}: saved {_show(before, key in saved)}, now {_show(after, key in now)}"
-            )
-    return out
-
-
-def _show(value: Any, present: bool) -> str:
-    return repr(value) if present else ABSENT
 
 
 def _json_value(value: Any) -> Any:
