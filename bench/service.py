@@ -32,7 +32,7 @@ from pathlib import Path
 
 import grpc
 
-from trainwire.client import InputExample, SessionClient, TrainingConfig, wire
+from trainwire.client import InputExample, SessionClient, TrainingConfig, chunks
 from trainwire.server import TrainingSession, serve
 from trainwire.server.journal import Journal
 from trainwire.server.state_dir import CHUNK_BYTES
@@ -195,7 +195,7 @@ def compare_streams(config: TrainingConfig, model_root: Path, work: Path, rounds
     def stream(hashing: bool) -> None:
         digest = hashlib.sha256()
         for item in client._export_stream(request):
-            if hashing and isinstance(item, wire.RawChunk):
+            if hashing and isinstance(item, chunks.RawChunk):
                 digest.update(item.data)
 
     def raw_to_disk() -> None:

@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trainwire.client import wire
+from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
 from trainwire.client.files import atomic_directory
 from trainwire.client.retry import (  # noqa: F401 (position_from_error: re-exported)
@@ -53,16 +53,16 @@ def _pem(value: Pem | None) -> bytes | None:
     return Path(value).read_bytes()
 
 
-def parse_weights_source(source: str | wire.WeightsSource) -> wire.WeightsSource:
+def parse_weights_source(source: str | outcomes.WeightsSource) -> outcomes.WeightsSource:
     """``checkpoint:NAME``, ``export:NAME``, ``model:PATH`` or a bare model path (model root)."""
-    if isinstance(source, wire.WeightsSource):
+    if isinstance(source, outcomes.WeightsSource):
         return source
     kind, sep, value = source.partition(":")
     if sep and kind in ("checkpoint", "export"):
-        return wire.WeightsSource(kind, value)
+        return outcomes.WeightsSource(kind, value)
     if sep and kind == "model":
-        return wire.WeightsSource("model_path", value)
-    return wire.WeightsSource("model_path", source)
+        return outcomes.WeightsSource("model_path", value)
+    return outcomes.WeightsSource("model_path", source)
 
 
 class SessionClient:
@@ -113,11 +113,11 @@ class SessionClient:
             )
             self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.TrainingSessionServiceStub(self._channel)
-        # The stub's ExportWeights, decoding chunks without copying them (wire.RawChunk).
+        # The stub's ExportWeights, decoding chunks without copying them (chunks.RawChunk).
         self._export_stream = self._channel.unary_stream(
             EXPORT_METHOD,
             request_serializer=pb.ExportWeightsRequest.SerializeToString,
-            response_deserializer=wire.decode_export_item,
+            response_deserializer=chunks.decode_export_item,
         )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
@@ -166,7 +166,7 @@ class SessionClient:
         *,
         max_steps: int | None = None,
         plan_fingerprint: str = "",
-    ) -> wire.OpenOutcome:
+    ) -> outcomes.OpenOutcome:
         """Open the session for ``run_id`` (idempotent for the same run, config, steps, plan)."""
         data = config.to_dict() if isinstance(config, TrainingConfig) else config
         request = pb.OpenRequest(
@@ -177,11 +177,11 @@ class SessionClient:
         )
         return wire.open_outcome_from_proto(self._call("Open", self._stub.Open, request))
 
-    def info(self) -> wire.SessionInfo:
+    def info(self) -> outcomes.SessionInfo:
         response = self._call("Info", self._stub.Info, pb.InfoRequest())
         return wire.session_info_from_proto(response.info)
 
-    def forward(self, examples: Sequence[InputExample]) -> wire.ForwardOutcome:
+    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
         """The batch loss and (classification) predictions; changes nothing."""
         request = pb.ForwardRequest(examples=wire.examples_to_proto(examples))
         return wire.forward_from_proto(self._call("Forward", self._stub.Forward, request))
@@ -193,7 +193,7 @@ class SessionClient:
         operation_key: str,
         expected_position: int | None = None,
         include_digest: bool = False,
-    ) -> wire.ForwardBackwardOutcome:
+    ) -> outcomes.ForwardBackwardOutcome:
         request = pb.ForwardBackwardRequest(
             operation=_operation(operation_key, expected_position, include_digest),
             examples=wire.examples_to_proto(examples),
@@ -207,7 +207,7 @@ class SessionClient:
         operation_key: str,
         expected_position: int | None = None,
         include_digest: bool = False,
-    ) -> wire.OptimStepOutcome:
+    ) -> outcomes.OptimStepOutcome:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.OptimStepRequest(operation=operation)
         response = self._call("OptimStep", self._stub.OptimStep, request)
@@ -215,7 +215,7 @@ class SessionClient:
 
     def save_state(
         self, name: str, *, operation_key: str, expected_position: int | None = None
-    ) -> wire.CheckpointOutcome:
+    ) -> outcomes.CheckpointOutcome:
         """Write checkpoint ``name`` on the server; the outcome always carries the digest."""
         operation = _operation(operation_key, expected_position, False)
         request = pb.SaveStateRequest(operation=operation, name=name)
@@ -228,7 +228,7 @@ class SessionClient:
         operation_key: str,
         expected_position: int | None = None,
         include_digest: bool = False,
-    ) -> wire.CheckpointOutcome:
+    ) -> outcomes.CheckpointOutcome:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.LoadStateRequest(operation=operation, name=name)
         response = self._call("LoadState", self._stub.LoadState, request)
@@ -236,12 +236,12 @@ class SessionClient:
 
     def load_weights(
         self,
-        source: str | wire.WeightsSource,
+        source: str | outcomes.WeightsSource,
         *,
         operation_key: str,
         expected_position: int | None = None,
         include_digest: bool = False,
-    ) -> wire.OperationOutcome:
+    ) -> outcomes.OperationOutcome:
         """Copy weights from ``checkpoint:NAME``, ``export:NAME`` or a model path (model root)."""
         request = pb.LoadWeightsRequest(
             operation=_operation(operation_key, expected_position, include_digest),
@@ -259,7 +259,7 @@ class SessionClient:
         download_to: str | Path | None = None,
         checkpoint: str | None = None,
         include_digest: bool = False,
-    ) -> wire.ExportOutcome:
+    ) -> outcomes.ExportOutcome:
         """Write export ``name`` on the server (from ``checkpoint``'s weights when given).
 
         With ``download_to``, the files are streamed into that directory, which is replaced
@@ -272,7 +272,7 @@ class SessionClient:
             checkpoint=checkpoint or "",
         )
 
-        def attempt() -> wire.ExportOutcome:
+        def attempt() -> outcomes.ExportOutcome:
             stream = self._export_stream(request, timeout=None, metadata=self._metadata)
             try:
                 return _receive_export(stream, download_to)
@@ -281,24 +281,24 @@ class SessionClient:
 
         return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
 
-    def close(self) -> wire.SessionInfo:
+    def close(self) -> outcomes.SessionInfo:
         """Close the session on the server (idempotent); the connection stays usable."""
         response = self._call("Close", self._stub.Close, pb.CloseRequest())
         return wire.session_info_from_proto(response.info)
 
 
 def _operation(key: str, expected_position: int | None, include_digest: bool) -> pb.Operation:
-    return wire.operation_to_proto(wire.OperationSpec(key, expected_position, include_digest))
+    return wire.operation_to_proto(outcomes.OperationSpec(key, expected_position, include_digest))
 
 
-ExportItem = pb.ExportWeightsResponse | wire.RawChunk
+ExportItem = pb.ExportWeightsResponse | chunks.RawChunk
 
 
 def _receive_export(
     stream: Iterator[ExportItem], download_to: str | Path | None
-) -> wire.ExportOutcome:
+) -> outcomes.ExportOutcome:
     first = next(stream)
-    if isinstance(first, wire.RawChunk) or first.WhichOneof("item") != "result":
+    if isinstance(first, chunks.RawChunk) or first.WhichOneof("item") != "result":
         raise DownloadError("the export stream did not start with its result")
     outcome = wire.export_outcome_from_proto(first.result)
     if download_to is None:
@@ -325,7 +325,7 @@ class _IncomingFile:
         self.sha256.update(data)
         self.size += len(data)
 
-    def finish(self, end: pb.FileEnd, recorded: wire.ExportedFile) -> None:
+    def finish(self, end: pb.FileEnd, recorded: outcomes.ExportedFile) -> None:
         self.handle.flush()
         os.fsync(self.handle.fileno())
         self.handle.close()
@@ -338,13 +338,13 @@ class _IncomingFile:
                 )
 
 
-def _pieces(stream: Iterator[ExportItem]) -> Iterator[wire.RawChunk | pb.FileEnd]:
+def _pieces(stream: Iterator[ExportItem]) -> Iterator[chunks.RawChunk | pb.FileEnd]:
     """The stream's chunks (as ``RawChunk``) and file ends, after the result."""
     for item in stream:
-        if isinstance(item, wire.RawChunk):
+        if isinstance(item, chunks.RawChunk):
             yield item
         elif item.WhichOneof("item") == "chunk":  # not one of our pre-encoded chunks
-            yield wire.RawChunk(item.chunk.path, item.chunk.offset, memoryview(item.chunk.data))
+            yield chunks.RawChunk(item.chunk.path, item.chunk.offset, memoryview(item.chunk.data))
         elif item.WhichOneof("item") == "file_end":
             yield item.file_end
         else:
@@ -352,7 +352,7 @@ def _pieces(stream: Iterator[ExportItem]) -> Iterator[wire.RawChunk | pb.FileEnd
 
 
 def _receive_files(
-    stream: Iterator[ExportItem], staging: Path, files: Sequence[wire.ExportedFile]
+    stream: Iterator[ExportItem], staging: Path, files: Sequence[outcomes.ExportedFile]
 ) -> None:
     recorded = {file.path: file for file in files}
     received: list[str] = []
@@ -365,7 +365,7 @@ def _receive_files(
                 if current is not None:
                     raise DownloadError(f"{current.path}: the stream moved on before its end")
                 current = _IncomingFile(staging, piece.path)
-            if isinstance(piece, wire.RawChunk):
+            if isinstance(piece, chunks.RawChunk):
                 current.write(piece.offset, piece.data)
             else:
                 current.finish(piece, recorded[piece.path])

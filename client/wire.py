@@ -1,23 +1,38 @@
-"""The service's results as plain dataclasses, and their conversion to and from the wire.
-
-Both sides share these: the server's session host returns them (and journals them), the servicer
-encodes them, and ``SessionClient`` decodes them back into the same classes. torch-free: only the
-generated protobuf code is imported.
+"""The proto codec: the service's domain types (``trainwire.client.outcomes``) to and from the
+generated ``trainwire.v1`` messages. The servicer encodes with it and ``SessionClient`` decodes;
+nothing else touches protobuf.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from trainwire.client.config import InputExample
+from trainwire.client.outcomes import (
+    CLOSED,
+    FAILED,
+    FORMAT_ADAPTER,
+    FORMAT_FULL,
+    IDLE,
+    OPEN,
+    RESTORING,
+    CheckpointOutcome,
+    ExportedFile,
+    ExportOutcome,
+    ForwardBackwardOutcome,
+    ForwardOutcome,
+    OpenOutcome,
+    OperationOutcome,
+    OperationSpec,
+    OptimStepOutcome,
+    Prediction,
+    SessionInfo,
+    WeightsSource,
+)
 from trainwire.v1 import session_pb2 as pb
 
-# Lifecycle names, as SessionInfo.state spells them.
-IDLE, RESTORING, OPEN, CLOSED, FAILED = "idle", "restoring", "open", "closed", "failed"
 _STATE_TO_PROTO = {
     IDLE: pb.SESSION_STATE_IDLE,
     RESTORING: pb.SESSION_STATE_RESTORING,
@@ -27,7 +42,6 @@ _STATE_TO_PROTO = {
 }
 _STATE_FROM_PROTO = {value: name for name, value in _STATE_TO_PROTO.items()}
 
-FORMAT_FULL, FORMAT_ADAPTER = "full", "adapter"
 _FORMAT_TO_PROTO = {FORMAT_FULL: pb.EXPORT_FORMAT_FULL, FORMAT_ADAPTER: pb.EXPORT_FORMAT_ADAPTER}
 _FORMAT_FROM_PROTO = {value: name for name, value in _FORMAT_TO_PROTO.items()}
 
@@ -37,25 +51,6 @@ POSITION_METADATA_KEY = "trainwire-position"
 
 # -- requests --------------------------------------------------------------------------------
 
-
-@dataclass(frozen=True)
-class OperationSpec:
-    """What makes a state-changing request exactly-once and ordered (``Operation`` on the wire)."""
-
-    key: str
-    expected_position: int | None = None
-    include_digest: bool = False
-
-
-@dataclass(frozen=True)
-class WeightsSource:
-    """Where ``load_weights`` reads from: ``kind`` is checkpoint, export or model_path."""
-
-    kind: str
-    value: str
-
-
-WEIGHTS_SOURCE_KINDS = ("checkpoint", "export", "model_path")
 _SOURCE_FIELDS = {
     "checkpoint": "checkpoint_name",
     "export": "export_name",
@@ -106,110 +101,6 @@ def weights_source_from_proto(request: pb.LoadWeightsRequest) -> WeightsSource:
 
 
 # -- results ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """Where the server's session stands. Equal ``state_digest``s mean equal continuation state."""
-
-    run_id: str = ""
-    config_fingerprint: str = ""
-    step: int = 0
-    last_operation_key: str = ""
-    state_digest: str = ""
-    position: int = 0  # state-changing operations applied: the next expected_position
-    restored_checkpoint: str = ""
-    device: str = ""
-    state: str = IDLE
-    pending_microbatches: int = 0
-    max_steps: int = 0  # 0: none given
-    plan_fingerprint: str = ""
-
-
-@dataclass(frozen=True)
-class OpenOutcome(SessionInfo):
-    """The session after ``open``; ``created`` is True when this call created it."""
-
-    created: bool = False
-
-
-@dataclass(frozen=True)
-class Prediction:
-    label: str
-    scores: tuple[float, ...]
-
-
-@dataclass(frozen=True)
-class ForwardOutcome:
-    loss: float
-    predictions: tuple[Prediction, ...] = ()
-
-
-@dataclass(frozen=True)
-class OperationOutcome:
-    """An applied (or replayed) state-changing operation: where it left the session."""
-
-    operation_key: str
-    position: int
-    replayed: bool = False
-    state_digest: str = ""  # filled on request (include_digest), and always by save_state
-
-
-@dataclass(frozen=True)
-class ForwardBackwardOutcome(OperationOutcome):
-    loss: float = 0.0
-    token_count: int = 0  # non-padding tokens in the microbatch, for throughput
-
-
-@dataclass(frozen=True)
-class OptimStepOutcome(OperationOutcome):
-    step: int = 0
-    learning_rate: float = 0.0
-    grad_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class CheckpointOutcome(OperationOutcome):
-    """A checkpoint saved or loaded: its name and the optimizer updates it holds."""
-
-    name: str = ""
-    step: int = 0
-
-
-@dataclass(frozen=True)
-class ExportedFile:
-    path: str  # relative to the export directory, '/'-separated
-    size_bytes: int
-    sha256: str  # lower-case hex
-
-
-@dataclass(frozen=True)
-class ExportOutcome(OperationOutcome):
-    """An export written on the server. ``directory`` is where its files are on this side: the
-    download directory on a client (None without a download), the export itself on the server."""
-
-    name: str = ""
-    format: str = ""
-    files: tuple[ExportedFile, ...] = ()
-    directory: Path | None = field(default=None, compare=False)
-
-
-def outcome_record(outcome: OperationOutcome) -> dict[str, Any]:
-    """The JSON-able record the journal keeps (without ``replayed`` and ``directory``)."""
-    record = dataclasses.asdict(outcome)
-    record.pop("replayed")
-    record.pop("directory", None)
-    if "files" in record:
-        record["files"] = [dict(f) for f in record["files"]]
-    return record
-
-
-def outcome_from_record(cls: type[OperationOutcome], record: dict[str, Any], **changes: Any):
-    """Rebuild an outcome of class ``cls`` from ``outcome_record``'s dict."""
-    values = dict(record, **changes)
-    if "files" in values:
-        values["files"] = tuple(ExportedFile(**f) for f in values["files"])
-    return cls(**values)
 
 
 def _operation_result(outcome: OperationOutcome) -> pb.OperationResult:
@@ -347,88 +238,6 @@ def export_outcome_from_proto(result: pb.ExportResult) -> ExportOutcome:
 # Building, serializing and parsing a 1 MiB FileChunk through the protobuf runtime copies its bytes
 # four times, which halves the download throughput. Chunks are therefore encoded and decoded here,
 # to the very bytes ``ExportWeightsResponse(chunk=FileChunk(...)).SerializeToString()`` gives
-# (tests compare the two), with one copy to send and none to receive.
-
-_CHUNK_FIELD = b"\x12"  # ExportWeightsResponse.chunk: field 2, length-delimited
-_PATH_FIELD, _OFFSET_FIELD, _DATA_FIELD = 0x0A, 0x10, 0x1A  # FileChunk fields 1, 2 and 3
-
-
-@dataclass(frozen=True)
-class RawChunk:
-    """A decoded ``FileChunk`` whose ``data`` is a zero-copy view into the received message."""
-
-    path: str
-    offset: int
-    data: memoryview
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _read_varint(buffer: memoryview, at: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = buffer[at]
-        value |= (byte & 0x7F) << shift
-        at += 1
-        if not byte & 0x80:
-            return value, at
-        shift += 7
-
-
-def encode_chunk(path: str, offset: int, data: bytes | memoryview) -> bytes:
-    """The serialized ``ExportWeightsResponse`` carrying one chunk."""
-    name = path.encode()
-    inner = bytearray()
-    if name:
-        inner += bytes([_PATH_FIELD]) + _varint(len(name)) + name
-    if offset:
-        inner += bytes([_OFFSET_FIELD]) + _varint(offset)
-    if data:
-        inner += bytes([_DATA_FIELD]) + _varint(len(data))
-    header = _CHUNK_FIELD + _varint(len(inner) + len(data)) + inner
-    return b"".join((header, data))
-
-
-def decode_export_item(message: bytes) -> pb.ExportWeightsResponse | RawChunk:
-    """A serialized ``ExportWeightsResponse``: chunks as ``RawChunk``, other items parsed."""
-    view = memoryview(message)
-    if view[:1] == _CHUNK_FIELD:
-        length, at = _read_varint(view, 1)
-        if at + length == len(view):
-            chunk = _decode_chunk_fields(view, at)
-            if chunk is not None:
-                return chunk
-    return pb.ExportWeightsResponse.FromString(message)
-
-
-def _decode_chunk_fields(view: memoryview, at: int) -> RawChunk | None:
-    path, offset, data = "", 0, view[0:0]
-    while at < len(view):
-        tag = view[at]
-        if tag == _OFFSET_FIELD:
-            offset, at = _read_varint(view, at + 1)
-        elif tag in (_PATH_FIELD, _DATA_FIELD):
-            length, at = _read_varint(view, at + 1)
-            if tag == _PATH_FIELD:
-                path = bytes(view[at : at + length]).decode()
-            else:
-                data = view[at : at + length]
-            at += length
-        else:
-            return None  # anything unexpected goes through the protobuf runtime
-    return RawChunk(path, offset, data)
-
-
-def serialize_export_item(item: pb.ExportWeightsResponse | bytes) -> bytes:
-    """The ExportWeights response serializer: pre-encoded chunks pass through."""
-    return item if isinstance(item, bytes) else item.SerializeToString()
 
 
 def file_end_to_proto(file: ExportedFile) -> pb.ExportWeightsResponse:

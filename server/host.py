@@ -48,9 +48,10 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainwire.client import wire
+from trainwire.client import outcomes
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json, sha256_fingerprint
-from trainwire.client.wire import OperationOutcome, OperationSpec, SessionInfo
+from trainwire.client.outcomes import OperationOutcome, OperationSpec, SessionInfo
+from trainwire.server import journal as journal_records
 from trainwire.server.device import resolve_device
 from trainwire.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from trainwire.server.journal import Journal, JournalEntry
@@ -109,11 +110,11 @@ class SessionHost:
         self._closed_info: SessionInfo | None = None
         self._failure = ""
         self._shutting_down = False
-        self.phase = wire.IDLE
+        self.phase = outcomes.IDLE
         open_runs = self.state_dir.open_runs()
         self._pending = open_runs[0] if len(open_runs) == 1 else None
         if self._pending is not None:
-            self.phase = wire.RESTORING
+            self.phase = outcomes.RESTORING
         elif open_runs:
             self._fail(f"{len(open_runs)} runs are recorded open: {[r.run_id for r in open_runs]}")
 
@@ -126,7 +127,7 @@ class SessionHost:
     def _recover(self) -> None:
         record = self._pending
         if record is None:
-            self._set_serving(self.phase != wire.FAILED)
+            self._set_serving(self.phase != outcomes.FAILED)
             return
         self._set_serving(False)
         try:
@@ -138,12 +139,12 @@ class SessionHost:
             return
         finally:
             self._pending = None
-        self.phase = wire.OPEN
+        self.phase = outcomes.OPEN
         self._set_serving(True)
 
     def open(
         self, run_id: str, config_json: str, max_steps: int, plan_fingerprint: str = ""
-    ) -> wire.OpenOutcome:
+    ) -> outcomes.OpenOutcome:
         """Open the session for a run, or confirm the open one (see the proto's Open)."""
         check_name(run_id, "run id")
         config = _parse_config(config_json)
@@ -154,12 +155,12 @@ class SessionHost:
         )
         return self._serialized(self._open_run, record, config)
 
-    def _open_run(self, record: RunRecord, config: TrainingConfig) -> wire.OpenOutcome:
+    def _open_run(self, record: RunRecord, config: TrainingConfig) -> outcomes.OpenOutcome:
         run_id = record.run_id
-        if self.phase == wire.OPEN:
+        if self.phase == outcomes.OPEN:
             _refuse_another_session(self._require_open().record, record)
             return _opened(self._require_open().info(), created=False)
-        self._refuse_unless(wire.IDLE, wire.CLOSED)
+        self._refuse_unless(outcomes.IDLE, outcomes.CLOSED)
         run = self.state_dir.run(run_id)
         if run.exists():
             raise FailedPrecondition(
@@ -172,7 +173,7 @@ class SessionHost:
             self._set_serving(True)
         run.write_record(record)  # only once the session loaded: a refused config leaves none
         self._open = OpenRun(run, record, session, Journal(run.journal_path))
-        self.phase = wire.OPEN
+        self.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
         return _opened(self._open.info(), created=True)
 
@@ -181,19 +182,19 @@ class SessionHost:
         return self._serialized(self._close, refusable=False)
 
     def _close(self) -> SessionInfo:
-        if self.phase != wire.OPEN:
+        if self.phase != outcomes.OPEN:
             return self._idle_info()
         opened = self._require_open()
-        info = opened.info(state=wire.CLOSED)
+        info = opened.info(state=outcomes.CLOSED)
         opened.run.write_record(dataclasses.replace(opened.record, state=RUN_CLOSED))
         opened.journal.close()
-        self._open, self._closed_info, self.phase = None, info, wire.CLOSED
+        self._open, self._closed_info, self.phase = None, info, outcomes.CLOSED
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
 
     def info(self) -> SessionInfo:
         """Where the session stands; waits for an operation in flight, never for a restore."""
-        if self.phase != wire.OPEN:
+        if self.phase != outcomes.OPEN:
             return self._idle_info()
         return self._serialized(
             lambda: self._open.info() if self._open is not None else self._idle_info(),
@@ -239,34 +240,32 @@ class SessionHost:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def forward(self, examples: Sequence[InputExample]) -> wire.ForwardOutcome:
+    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
         return self._serialized(lambda: self._require_open().forward(examples))
 
     def forward_backward(
         self, examples: Sequence[InputExample], op: OperationSpec
-    ) -> wire.ForwardBackwardOutcome:
+    ) -> outcomes.ForwardBackwardOutcome:
         payload = {"examples": [example.to_dict() for example in examples]}
-        return self._keyed(
-            "ForwardBackward", op, payload, wire.ForwardBackwardOutcome, OpenRun.forward_backward,
-            examples,
-        )  # fmt: skip
+        cls = outcomes.ForwardBackwardOutcome
+        return self._keyed("ForwardBackward", op, payload, cls, OpenRun.forward_backward, examples)
 
-    def optim_step(self, op: OperationSpec) -> wire.OptimStepOutcome:
-        return self._keyed("OptimStep", op, {}, wire.OptimStepOutcome, OpenRun.optim_step)
+    def optim_step(self, op: OperationSpec) -> outcomes.OptimStepOutcome:
+        return self._keyed("OptimStep", op, {}, outcomes.OptimStepOutcome, OpenRun.optim_step)
 
-    def save_state(self, name: str, op: OperationSpec) -> wire.CheckpointOutcome:
+    def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
         return self._keyed(
-            "SaveState", op, {"name": name}, wire.CheckpointOutcome, OpenRun.save_state, name
+            "SaveState", op, {"name": name}, outcomes.CheckpointOutcome, OpenRun.save_state, name
         )
 
-    def load_state(self, name: str, op: OperationSpec) -> wire.CheckpointOutcome:
+    def load_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
         return self._keyed(
-            "LoadState", op, {"name": name}, wire.CheckpointOutcome, OpenRun.load_state, name
+            "LoadState", op, {"name": name}, outcomes.CheckpointOutcome, OpenRun.load_state, name
         )
 
-    def load_weights(self, source: wire.WeightsSource, op: OperationSpec) -> OperationOutcome:
+    def load_weights(self, source: outcomes.WeightsSource, op: OperationSpec) -> OperationOutcome:
         """From a checkpoint or export of this run, or a model path under the model root."""
         model_path = None
         if source.kind in ("checkpoint", "export"):
@@ -275,7 +274,7 @@ class SessionHost:
             model_path = resolve_under(self.model_root, source.value, "model path")
         else:
             raise InvalidArgument(
-                f"weights source {source.kind!r}: use {wire.WEIGHTS_SOURCE_KINDS}"
+                f"weights source {source.kind!r}: use {outcomes.WEIGHTS_SOURCE_KINDS}"
             )
         payload = {"kind": source.kind, "value": source.value}
         return self._keyed(
@@ -284,14 +283,14 @@ class SessionHost:
 
     def export_weights(
         self, name: str, op: OperationSpec, *, checkpoint: str = ""
-    ) -> wire.ExportOutcome:
+    ) -> outcomes.ExportOutcome:
         """Write export ``name`` (from ``checkpoint``'s weights when given); ``directory`` is it."""
         check_name(name, "export")
         if checkpoint:
             check_name(checkpoint, "checkpoint")
         payload = {"name": name, "checkpoint": checkpoint}
         outcome = self._keyed(
-            "ExportWeights", op, payload, wire.ExportOutcome, OpenRun.export_weights, name,
+            "ExportWeights", op, payload, outcomes.ExportOutcome, OpenRun.export_weights, name,
             checkpoint,
         )  # fmt: skip
         return dataclasses.replace(outcome, directory=self._require_open().run.export(name))
@@ -363,7 +362,7 @@ class SessionHost:
             raise
         if op.include_digest and not outcome.state_digest:
             outcome = dataclasses.replace(outcome, state_digest=opened.session.state_digest())
-        record = wire.outcome_record(outcome)
+        record = journal_records.outcome_record(outcome)
         try:
             opened.commit(JournalEntry(op.key, kind, digest, position, record))
         except Exception as error:
@@ -386,7 +385,7 @@ class SessionHost:
                 f"operation key {op.key!r} was already used for another {entry.kind} payload "
                 f"(applied as operation {entry.position}); send a new key for a new operation"
             )
-        outcome = wire.outcome_from_record(cls, entry.result, replayed=True)
+        outcome = journal_records.outcome_from_record(cls, entry.result, replayed=True)
         if op.include_digest and not outcome.state_digest and entry.position == opened.position:
             outcome = dataclasses.replace(outcome, state_digest=opened.session.state_digest())
         return outcome
@@ -399,47 +398,47 @@ class SessionHost:
         )
 
     def _require_open(self) -> OpenRun:
-        self._refuse_unless(wire.OPEN)
+        self._refuse_unless(outcomes.OPEN)
         assert self._open is not None
         return self._open
 
     def _refuse_unless(self, *phases: str) -> None:
         if self.phase in phases:
             return
-        if self.phase == wire.RESTORING:
+        if self.phase == outcomes.RESTORING:
             raise Unavailable("the server is restoring its session after a restart; retry shortly")
-        if self.phase == wire.FAILED:
+        if self.phase == outcomes.FAILED:
             # A restart restores the latest checkpoint: callers retry until it has happened.
             raise Unavailable(f"the server cannot serve its session: {self._failure}")
-        if self.phase == wire.CLOSED:
+        if self.phase == outcomes.CLOSED:
             raise FailedPrecondition("the session was closed; Open a new run id first")
         raise FailedPrecondition("no session is open; call Open first")
 
     def _refuse_if_unavailable(self) -> None:
         if self._shutting_down:
             raise Unavailable("the server is shutting down; retry against its replacement")
-        if self.phase == wire.RESTORING:
+        if self.phase == outcomes.RESTORING:
             raise Unavailable("the server is restoring its session after a restart; retry shortly")
 
     def _idle_info(self) -> SessionInfo:
-        if self.phase == wire.CLOSED and self._closed_info is not None:
+        if self.phase == outcomes.CLOSED and self._closed_info is not None:
             return self._closed_info
         run_id = self._pending.run_id if self._pending else ""
         return SessionInfo(run_id=run_id, device=str(self.device), state=self.phase)
 
     def _fail(self, message: str) -> None:
         self._failure = message
-        self.phase = wire.FAILED
+        self.phase = outcomes.FAILED
         self._set_serving(False)
         logger.error("session unusable: %s", message)
 
     def _set_serving(self, serving: bool) -> None:
         if self.on_serving is not None:
-            self.on_serving(serving and not self._shutting_down and self.phase != wire.FAILED)
+            self.on_serving(serving and not self._shutting_down and self.phase != outcomes.FAILED)
 
 
-def _opened(info: SessionInfo, *, created: bool) -> wire.OpenOutcome:
-    return wire.OpenOutcome(**dataclasses.asdict(info), created=created)
+def _opened(info: SessionInfo, *, created: bool) -> outcomes.OpenOutcome:
+    return outcomes.OpenOutcome(**dataclasses.asdict(info), created=created)
 
 
 def _check_key(key: str) -> None:

@@ -12,16 +12,20 @@ new run replaces the rolled-back row) while the log of what happened stays reada
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
+
+from trainwire.client.outcomes import ExportedFile, OperationOutcome
 
 JOURNAL_FILE = "journal.sqlite3"
 SCHEMA_VERSION = 1
+OutcomeT = TypeVar("OutcomeT", bound=OperationOutcome)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (
@@ -146,3 +150,21 @@ def _entry(row: tuple[Any, ...]) -> JournalEntry:
     return JournalEntry(
         key, kind, payload, position, json.loads(result), bool(rolled_back), recorded_at
     )
+
+
+def outcome_record(outcome: OperationOutcome) -> dict[str, Any]:
+    """The JSON-able result an entry keeps: the outcome without ``replayed`` and ``directory``."""
+    record = dataclasses.asdict(outcome)
+    record.pop("replayed")
+    record.pop("directory", None)
+    if "files" in record:
+        record["files"] = [dict(f) for f in record["files"]]
+    return record
+
+
+def outcome_from_record(cls: type[OutcomeT], record: dict[str, Any], **changes: Any) -> OutcomeT:
+    """Rebuild an outcome of class ``cls`` from ``outcome_record``'s dict."""
+    values = dict(record, **changes)
+    if "files" in values:
+        values["files"] = tuple(ExportedFile(**f) for f in values["files"])
+    return cls(**values)

@@ -12,8 +12,10 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from trainwire.client import wire
+from trainwire.client import outcomes
 from trainwire.client.config import InputExample
+from trainwire.client.outcomes import CheckpointOutcome
+from trainwire.server import journal as journal_records
 from trainwire.server.errors import NotFound
 from trainwire.server.journal import Journal, JournalEntry
 from trainwire.server.recovery import latest_checkpoint, restore_into
@@ -56,9 +58,9 @@ class OpenRun:
         )
         return opened
 
-    def info(self, state: str = wire.OPEN) -> wire.SessionInfo:
+    def info(self, state: str = outcomes.OPEN) -> outcomes.SessionInfo:
         session = self.session
-        return wire.SessionInfo(
+        return outcomes.SessionInfo(
             run_id=self.record.run_id,
             config_fingerprint=self.record.config_fingerprint,
             step=session.step,
@@ -78,30 +80,32 @@ class OpenRun:
         self.journal.record(entry)
         self.position, self.last_key = entry.position, entry.operation_key
 
-    def forward(self, examples: Sequence[InputExample]) -> wire.ForwardOutcome:
+    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
         result = self.session.forward(examples)
-        predictions = tuple(wire.Prediction(p.label, tuple(p.scores)) for p in result.predictions)
-        return wire.ForwardOutcome(result.loss, predictions)
+        predictions = tuple(
+            outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions
+        )
+        return outcomes.ForwardOutcome(result.loss, predictions)
 
     # -- state-changing operations -----------------------------------------------------------------
 
     def forward_backward(
         self, key: str, position: int, digest: str, examples: Sequence[InputExample]
-    ) -> wire.ForwardBackwardOutcome:
+    ) -> outcomes.ForwardBackwardOutcome:
         loss = self.session.forward_backward(examples)
         tokens = self.session.last_token_count
-        return wire.ForwardBackwardOutcome(key, position, loss=loss, token_count=tokens)
+        return outcomes.ForwardBackwardOutcome(key, position, loss=loss, token_count=tokens)
 
-    def optim_step(self, key: str, position: int, digest: str) -> wire.OptimStepOutcome:
+    def optim_step(self, key: str, position: int, digest: str) -> outcomes.OptimStepOutcome:
         r = self.session.optim_step()
-        return wire.OptimStepOutcome(
+        return outcomes.OptimStepOutcome(
             key, position, step=r.step, learning_rate=r.learning_rate, grad_norm=r.grad_norm
         )
 
-    def save_state(self, key: str, position: int, digest: str, name: str) -> wire.CheckpointOutcome:
+    def save_state(self, key: str, position: int, digest: str, name: str) -> CheckpointOutcome:
         """The checkpoint carries its own journal entry: recovery restores it and re-records it."""
         session = self.session
-        outcome = wire.CheckpointOutcome(
+        outcome = outcomes.CheckpointOutcome(
             key, position, state_digest=session.state_digest(), name=name, step=session.step
         )
         server = {
@@ -109,24 +113,24 @@ class OpenRun:
             "position": position,
             "operation_key": key,
             "payload_sha256": digest,
-            "result": wire.outcome_record(outcome),
+            "result": journal_records.outcome_record(outcome),
         }
         session.save_state(self.run.checkpoint(name), extra={SERVER_EXTRA_KEY: server})
         return outcome
 
-    def load_state(self, key: str, position: int, digest: str, name: str) -> wire.CheckpointOutcome:
+    def load_state(self, key: str, position: int, digest: str, name: str) -> CheckpointOutcome:
         self.session.load_state(self.run.checkpoint(name))
         self.restored_checkpoint = name
-        return wire.CheckpointOutcome(key, position, name=name, step=self.session.step)
+        return outcomes.CheckpointOutcome(key, position, name=name, step=self.session.step)
 
     def load_weights(
         self,
         key: str,
         position: int,
         digest: str,
-        source: wire.WeightsSource,
+        source: outcomes.WeightsSource,
         model_path: Path | None,
-    ) -> wire.OperationOutcome:
+    ) -> outcomes.OperationOutcome:
         """From this run's checkpoint or export, or ``model_path`` (already under the root)."""
         if source.kind == "checkpoint":
             path = self.run.checkpoint(source.value)
@@ -136,11 +140,11 @@ class OpenRun:
             assert model_path is not None
             path = model_path
         self.session.load_weights(path)
-        return wire.OperationOutcome(key, position)
+        return outcomes.OperationOutcome(key, position)
 
     def export_weights(
         self, key: str, position: int, digest: str, name: str, checkpoint: str
-    ) -> wire.ExportOutcome:
+    ) -> outcomes.ExportOutcome:
         target = self.run.export(name)
         if checkpoint:
             source = self.run.checkpoint(checkpoint)
@@ -150,10 +154,10 @@ class OpenRun:
         else:
             self.session.export_weights(target)
         adapter = self.record.config.get("lora") is not None
-        return wire.ExportOutcome(
+        return outcomes.ExportOutcome(
             key,
             position,
             name=name,
-            format=wire.FORMAT_ADAPTER if adapter else wire.FORMAT_FULL,
+            format=outcomes.FORMAT_ADAPTER if adapter else outcomes.FORMAT_FULL,
             files=list_export_files(target),
         )

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from trainwire.client import wire
+from trainwire.client import chunks, outcomes, wire
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -128,7 +128,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
         op = wire.operation_from_proto(request.operation)
 
-        def call() -> wire.OperationOutcome:
+        def call() -> outcomes.OperationOutcome:
             return self.host.load_weights(wire.weights_source_from_proto(request), op)
 
         return wire.load_weights_to_proto(self._run(context, "LoadWeights", op.key, call))
@@ -145,7 +145,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         try:
             for file, offset, data in read_export_files(outcome.directory, outcome.files):
                 yield (
-                    wire.encode_chunk(file.path, offset, data)
+                    chunks.encode_chunk(file.path, offset, data)
                     if data
                     else (wire.file_end_to_proto(file))
                 )
@@ -160,7 +160,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
 def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> None:
     """Register ``servicer`` as the generated ``add_..._to_server`` would, except that
-    ExportWeights sends its pre-encoded chunks as they are (``wire.serialize_export_item``)."""
+    ExportWeights sends its pre-encoded chunks as they are (``chunks.serialize_export_item``)."""
     service = pb.DESCRIPTOR.services_by_name["TrainingSessionService"]
     handlers = {}
     for method in service.methods:
@@ -173,7 +173,7 @@ def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> Non
         handlers[method.name] = make(
             getattr(servicer, method.name),
             request_deserializer=getattr(pb, method.input_type.name).FromString,
-            response_serializer=wire.serialize_export_item
+            response_serializer=chunks.serialize_export_item
             if method.name == "ExportWeights"
             else response.SerializeToString,
         )

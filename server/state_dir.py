@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainwire.client.files import write_text_atomic
-from trainwire.client.wire import ExportedFile
+from trainwire.client.outcomes import ExportedFile
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.journal import JOURNAL_FILE
 

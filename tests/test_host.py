@@ -11,8 +11,8 @@ import threading
 import pytest
 from service_fixtures import REVIEWS, TEXTS, microbatches
 
-from trainwire.client import wire
-from trainwire.client.wire import OperationSpec, WeightsSource
+from trainwire.client import outcomes
+from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -62,7 +62,7 @@ def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config)
     again = host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
 
     assert again.created is False
-    assert (again.run_id, again.state, again.position) == ("run", wire.OPEN, 0)
+    assert (again.run_id, again.state, again.position) == ("run", outcomes.OPEN, 0)
     assert again.config_fingerprint == config.fingerprint()
     assert (again.max_steps, again.plan_fingerprint) == (10, "sha256:plan")
     # A plain open(run_id, config), naming no steps or plan, accepts the open run's.
@@ -100,7 +100,7 @@ def test_open_refuses_bad_configs_as_invalid_arguments(make_host, config):
         host.open("run", "{", 10)
     with pytest.raises(InvalidArgument, match="run id name 'a/b' is not allowed"):
         host.open("a/b", json.dumps(config.to_dict()), 10)
-    assert host.info().state == wire.IDLE
+    assert host.info().state == outcomes.IDLE
     assert not (host.state_dir.root / "runs" / "run").exists()
 
 
@@ -231,7 +231,7 @@ def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_
     restarted = make_host()
 
     assert restarted.info().position == 3
-    assert restarted.save_state("c1", op("save", 2)) == wire.CheckpointOutcome(
+    assert restarted.save_state("c1", op("save", 2)) == outcomes.CheckpointOutcome(
         "save", 3, True, saved.state_digest, name="c1", step=1
     )
 
@@ -255,7 +255,7 @@ def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host,
     host.save_state("c1", op("save"))
     closed = host.close()
 
-    assert closed.state == wire.CLOSED and host.info() == closed
+    assert closed.state == outcomes.CLOSED and host.info() == closed
     assert host.close() == closed  # idempotent
     with pytest.raises(FailedPrecondition, match="was closed"):
         host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
@@ -313,7 +313,7 @@ def test_export_from_a_checkpoint_leaves_the_live_state_alone(host):
     exported = host.export_weights("best", op("export"), checkpoint="c1")
 
     assert host.info().state_digest == digest
-    assert exported.format == wire.FORMAT_FULL and exported.directory.is_dir()
+    assert exported.format == outcomes.FORMAT_FULL and exported.directory.is_dir()
     assert {f.path for f in exported.files} >= {"config.json", "model.safetensors"}
     with pytest.raises(NotFound, match="no checkpoint named 'nope'"):
         host.export_weights("other", op("export2"), checkpoint="nope")
@@ -400,13 +400,13 @@ def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
         tmp_path / "state", model_root=model_root, device="cpu", on_serving=serving.append
     )
     try:
-        assert restarted.info().state == wire.RESTORING and restarted.info().run_id == "run"
+        assert restarted.info().state == outcomes.RESTORING and restarted.info().run_id == "run"
         with pytest.raises(Unavailable, match="restoring"):
             restarted.optim_step(op("k"))
         restarted.recover()
 
         assert serving == [False, True]
-        assert (restarted.info().state, restarted.info().position) == (wire.OPEN, 3)
+        assert (restarted.info().state, restarted.info().position) == (outcomes.OPEN, 3)
     finally:
         restarted.release()
 

@@ -8,9 +8,10 @@ import sys
 import grpc
 import pytest
 
-from trainwire.client import wire
+from trainwire.client import chunks, outcomes, wire
 from trainwire.client.retry import RetryPolicy, call_with_retry, position_from_error
 from trainwire.client.session_client import parse_weights_source
+from trainwire.server import journal as journal_records
 from trainwire.v1 import session_pb2 as pb
 
 
@@ -29,22 +30,32 @@ class FakeRpcError(grpc.RpcError):
 
 
 def test_outcomes_round_trip_through_the_journal_record_and_the_wire():
-    files = (wire.ExportedFile("model.safetensors", 10, "ab" * 32),)
-    outcome = wire.ExportOutcome("k", 3, False, "sha256:x", name="e", format="adapter", files=files)
+    files = (outcomes.ExportedFile("model.safetensors", 10, "ab" * 32),)
+    outcome = outcomes.ExportOutcome(
+        "k", 3, False, "sha256:x", name="e", format="adapter", files=files
+    )
 
-    record = wire.outcome_record(outcome)
-    replayed = wire.outcome_from_record(wire.ExportOutcome, record, replayed=True)
+    record = journal_records.outcome_record(outcome)
+    replayed = journal_records.outcome_from_record(outcomes.ExportOutcome, record, replayed=True)
     decoded = wire.export_outcome_from_proto(wire.export_result_to_proto(replayed).result)
 
     assert "replayed" not in record and "directory" not in record
     assert decoded == replayed and decoded.replayed and decoded.files == files
-    step = wire.OptimStepOutcome("k", 2, True, "", step=1, learning_rate=0.1 + 0.2, grad_norm=3.5)
+    step = outcomes.OptimStepOutcome(
+        "k", 2, True, "", step=1, learning_rate=0.1 + 0.2, grad_norm=3.5
+    )
     assert wire.optim_step_from_proto(wire.optim_step_to_proto(step)) == step  # doubles exact
 
 
 def test_session_info_round_trips_every_state():
-    for state in (wire.IDLE, wire.RESTORING, wire.OPEN, wire.CLOSED, wire.FAILED):
-        info = wire.SessionInfo(run_id="r", position=4, state=state, max_steps=7)
+    for state in (
+        outcomes.IDLE,
+        outcomes.RESTORING,
+        outcomes.OPEN,
+        outcomes.CLOSED,
+        outcomes.FAILED,
+    ):
+        info = outcomes.SessionInfo(run_id="r", position=4, state=state, max_steps=7)
         assert wire.session_info_from_proto(wire.session_info_to_proto(info)) == info
 
 
@@ -60,11 +71,11 @@ def test_hand_encoded_chunks_are_the_bytes_protobuf_writes_and_decode_without_co
         chunk=pb.FileChunk(path=path, offset=offset, data=data)
     ).SerializeToString()
 
-    encoded = wire.encode_chunk(path, offset, data)
-    decoded = wire.decode_export_item(encoded)
+    encoded = chunks.encode_chunk(path, offset, data)
+    decoded = chunks.decode_export_item(encoded)
 
     assert encoded == expected
-    assert isinstance(decoded, wire.RawChunk)
+    assert isinstance(decoded, chunks.RawChunk)
     assert (decoded.path, decoded.offset, bytes(decoded.data)) == (path, offset, data)
     assert isinstance(decoded.data, memoryview)
 
@@ -73,8 +84,8 @@ def test_other_export_items_decode_through_protobuf():
     end = pb.ExportWeightsResponse(file_end=pb.FileEnd(path="a", size_bytes=3, sha256="ab"))
     chunk_with_unknown_field_5 = b"\x12\x05" + b"\x0a\x01a" + b"\x28\x01"
 
-    assert wire.decode_export_item(end.SerializeToString()) == end
-    parsed = wire.decode_export_item(chunk_with_unknown_field_5)
+    assert chunks.decode_export_item(end.SerializeToString()) == end
+    parsed = chunks.decode_export_item(chunk_with_unknown_field_5)
     assert isinstance(parsed, pb.ExportWeightsResponse) and parsed.chunk.path == "a"
 
 
@@ -88,7 +99,7 @@ def test_other_export_items_decode_through_protobuf():
     ],
 )
 def test_weights_sources_are_named_by_prefix(text, kind, value):
-    assert parse_weights_source(text) == wire.WeightsSource(kind, value)
+    assert parse_weights_source(text) == outcomes.WeightsSource(kind, value)
 
 
 def test_only_unavailable_and_deadline_exceeded_are_retried_with_growing_jittered_waits():

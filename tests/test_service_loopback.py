@@ -24,7 +24,7 @@ from service_fixtures import (
     wait_for,
 )
 
-from trainwire.client import wire
+from trainwire.client import outcomes, wire
 from trainwire.client.retry import position_from_error
 from trainwire.client.session_client import DownloadError
 from trainwire.server.journal import Journal
@@ -60,7 +60,7 @@ def test_remote_training_equals_in_process_training(
     expected = apply_local(local, ops)
     remote_eval, local_eval = client.forward(examples[:4]), local.forward(examples[:4])
 
-    assert [o.loss for o in remote if isinstance(o, wire.ForwardBackwardOutcome)] == [
+    assert [o.loss for o in remote if isinstance(o, outcomes.ForwardBackwardOutcome)] == [
         loss for loss in expected if isinstance(loss, float)
     ]
     assert [(o.step, o.learning_rate, o.grad_norm) for o in remote if hasattr(o, "grad_norm")] == [
@@ -178,7 +178,7 @@ def test_sixteen_threads_of_keyed_operations_apply_each_exactly_once_in_some_ser
     client.open("run", config, max_steps=4)
     batches = microbatches(TEXTS * 2)  # 16 microbatches of 3
     keyed = {f"t{t}/{j}": batches[(t + j) % 16] for t in range(16) for j in range(3)}
-    outcomes: dict[str, list[wire.ForwardBackwardOutcome]] = {key: [] for key in keyed}
+    outcomes: dict[str, list[outcomes.ForwardBackwardOutcome]] = {key: [] for key in keyed}
     errors: list[BaseException] = []
     start = threading.Barrier(16)
 
@@ -238,7 +238,7 @@ def test_an_unopened_session_refuses_operations_and_reports_idle(client):
 
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "call Open first" in refused.value.details()
-    assert client.info().state == wire.IDLE
+    assert client.info().state == outcomes.IDLE
 
 
 def test_health_is_serving_and_reflection_lists_the_service(client, server):

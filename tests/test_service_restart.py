@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from service_fixtures import TEXTS, apply_remote, connect, training_ops, wait_for
 
-from trainwire.client import wire
+from trainwire.client import outcomes
 from trainwire.server.journal import Journal
 
 TOKEN = "restart-token"
@@ -74,7 +74,7 @@ def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_sa
     processes.append(second)
     with connect(second.port, token=TOKEN) as client:  # waits through NOT_SERVING
         info = client.info()
-        assert (info.state, info.position, info.step) == (wire.OPEN, 4, 1)
+        assert (info.state, info.position, info.step) == (outcomes.OPEN, 4, 1)
         assert (info.restored_checkpoint, info.last_operation_key) == ("c1", "save")
         assert info.state_digest == saved.state_digest
         early = client.forward_backward(ops[0][1], operation_key="run/0", expected_position=0)

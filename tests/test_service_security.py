@@ -15,7 +15,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_fixtures import NO_RETRY, running_server
 
-from trainwire.client import SessionClient, wire
+from trainwire.client import SessionClient, outcomes
 from trainwire.server import serve
 
 TOKEN = "0123456789abcdef"
@@ -94,7 +94,7 @@ def test_a_token_is_required_on_every_call_but_health(tmp_path, model_root):
                     client.info()
                 assert refused.value.code().name == code
         with SessionClient(target(handle), token=TOKEN, retry=NO_RETRY) as client:
-            assert client.info().state == wire.IDLE
+            assert client.info().state == outcomes.IDLE
 
 
 def test_tls_serves_a_verifying_client_and_refuses_a_plaintext_one(tmp_path, model_root, pki):
@@ -105,14 +105,14 @@ def test_tls_serves_a_verifying_client_and_refuses_a_plaintext_one(tmp_path, mod
         with SessionClient(
             target(handle), token=TOKEN, root_certificates=pki["ca"].cert, retry=NO_RETRY
         ) as client:
-            assert client.info().state == wire.IDLE
+            assert client.info().state == outcomes.IDLE
         with SessionClient(
             f"127.0.0.1:{handle.port}",
             token=TOKEN,
             root_certificates=pki["ca"].cert,
             retry=NO_RETRY,
         ) as by_ip:  # the certificate names 127.0.0.1 too
-            assert by_ip.info().state == wire.IDLE
+            assert by_ip.info().state == outcomes.IDLE
         with SessionClient(target(handle), token=TOKEN, retry=NO_RETRY, timeout_s=5) as plain:
             with pytest.raises(grpc.RpcError) as refused:
                 plain.info()
@@ -142,7 +142,7 @@ def test_mutual_tls_needs_a_client_certificate_from_the_trusted_ca(tmp_path, mod
             )
 
         with client_with(pki["client"]) as trusted:
-            assert trusted.info().state == wire.IDLE
+            assert trusted.info().state == outcomes.IDLE
         for untrusted in (None, pki["rogue_client"]):
             with client_with(untrusted) as client, pytest.raises(grpc.RpcError) as refused:
                 client.info()

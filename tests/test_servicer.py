@@ -8,7 +8,7 @@ import grpc
 import grpc_testing
 import pytest
 
-from trainwire.client import InputExample, wire
+from trainwire.client import InputExample, outcomes, wire
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -51,7 +51,7 @@ def invoke(host, method: str, request, metadata=()):
 
 
 def test_forward_backward_decodes_examples_and_the_operation():
-    outcome = wire.ForwardBackwardOutcome("k", 3, False, "sha256:x", loss=0.25)
+    outcome = outcomes.ForwardBackwardOutcome("k", 3, False, "sha256:x", loss=0.25)
     host = FakeHost(outcome)
     request = pb.ForwardBackwardRequest(
         operation=pb.Operation(operation_key="k", expected_position=2, include_digest=True),
@@ -65,15 +65,15 @@ def test_forward_backward_decodes_examples_and_the_operation():
     ((name, (examples, operation), _),) = host.calls
     assert name == "forward_backward"
     assert examples == [InputExample("a"), InputExample("b", completion=" c")]
-    assert operation == wire.OperationSpec("k", 2, True)
+    assert operation == outcomes.OperationSpec("k", 2, True)
 
 
 def test_an_absent_expected_position_stays_absent():
-    host = FakeHost(wire.OptimStepOutcome("k", 1, step=1))
+    host = FakeHost(outcomes.OptimStepOutcome("k", 1, step=1))
 
     invoke(host, "OptimStep", pb.OptimStepRequest(operation=pb.Operation(operation_key="k")))
 
-    assert host.calls[0][1][0] == wire.OperationSpec("k", None, False)
+    assert host.calls[0][1][0] == outcomes.OperationSpec("k", None, False)
 
 
 @pytest.mark.parametrize(
@@ -109,18 +109,18 @@ def test_a_position_mismatch_is_failed_precondition_naming_the_real_position():
 
 
 def test_load_weights_needs_exactly_one_source():
-    host = FakeHost(wire.OperationOutcome("k", 1))
+    host = FakeHost(outcomes.OperationOutcome("k", 1))
     bare = pb.LoadWeightsRequest(operation=pb.Operation(operation_key="k"))
 
     _, _, code, details = invoke(host, "LoadWeights", bare)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "set one source" in details
 
     invoke(host, "LoadWeights", pb.LoadWeightsRequest(export_name="e"))
-    assert host.calls[-1][1][0] == wire.WeightsSource("export", "e")
+    assert host.calls[-1][1][0] == outcomes.WeightsSource("export", "e")
 
 
 def test_info_before_open_reports_idle():
-    host = FakeHost(wire.SessionInfo(device="cpu"))
+    host = FakeHost(outcomes.SessionInfo(device="cpu"))
 
     response, _, code, _ = invoke(host, "Info", pb.InfoRequest())
 
@@ -135,7 +135,7 @@ def test_export_streams_the_result_then_each_file_in_chunks_of_at_most_one_mib(t
     (export / "model.safetensors").write_bytes(big)
     (export / "sub" / "empty.txt").write_bytes(b"")
     files = list_export_files(export)
-    outcome = wire.ExportOutcome("k", 4, name="e", format="full", files=files, directory=export)
+    outcome = outcomes.ExportOutcome("k", 4, name="e", format="full", files=files, directory=export)
     server = grpc_testing.server_from_dictionary(
         {SERVICE: TrainingSessionServicer(FakeHost(outcome))}, grpc_testing.strict_real_time()
     )

@@ -1,0 +1,128 @@
+"""The service's domain types: requests' operation specs and every result, as plain dataclasses.
+
+Both sides share these: the session host returns them, the journal records them, the servicer
+encodes them (``trainwire.client.wire``) and ``SessionClient`` decodes them back into the same
+classes. Neither protobuf nor grpc is imported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Lifecycle names, as SessionInfo.state spells them.
+IDLE, RESTORING, OPEN, CLOSED, FAILED = "idle", "restoring", "open", "closed", "failed"
+
+FORMAT_FULL, FORMAT_ADAPTER = "full", "adapter"
+
+
+# -- requests --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OperationSpec:
+    """What makes a state-changing request exactly-once and ordered (``Operation`` on the wire)."""
+
+    key: str
+    expected_position: int | None = None
+    include_digest: bool = False
+
+
+@dataclass(frozen=True)
+class WeightsSource:
+    """Where ``load_weights`` reads from: ``kind`` is checkpoint, export or model_path."""
+
+    kind: str
+    value: str
+
+
+WEIGHTS_SOURCE_KINDS = ("checkpoint", "export", "model_path")
+
+
+# -- results ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Where the server's session stands. Equal ``state_digest``s mean equal continuation state."""
+
+    run_id: str = ""
+    config_fingerprint: str = ""
+    step: int = 0
+    last_operation_key: str = ""
+    state_digest: str = ""
+    position: int = 0  # state-changing operations applied: the next expected_position
+    restored_checkpoint: str = ""
+    device: str = ""
+    state: str = IDLE
+    pending_microbatches: int = 0
+    max_steps: int = 0  # 0: none given
+    plan_fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class OpenOutcome(SessionInfo):
+    """The session after ``open``; ``created`` is True when this call created it."""
+
+    created: bool = False
+
+
+@dataclass(frozen=True)
+class Prediction:
+    label: str
+    scores: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class ForwardOutcome:
+    loss: float
+    predictions: tuple[Prediction, ...] = ()
+
+
+@dataclass(frozen=True)
+class OperationOutcome:
+    """An applied (or replayed) state-changing operation: where it left the session."""
+
+    operation_key: str
+    position: int
+    replayed: bool = False
+    state_digest: str = ""  # filled on request (include_digest), and always by save_state
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutcome(OperationOutcome):
+    loss: float = 0.0
+    token_count: int = 0  # non-padding tokens in the microbatch, for throughput
+
+
+@dataclass(frozen=True)
+class OptimStepOutcome(OperationOutcome):
+    step: int = 0
+    learning_rate: float = 0.0
+    grad_norm: float = 0.0
+
+
+@dataclass(frozen=True)
+class CheckpointOutcome(OperationOutcome):
+    """A checkpoint saved or loaded: its name and the optimizer updates it holds."""
+
+    name: str = ""
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class ExportedFile:
+    path: str  # relative to the export directory, '/'-separated
+    size_bytes: int
+    sha256: str  # lower-case hex
+
+
+@dataclass(frozen=True)
+class ExportOutcome(OperationOutcome):
+    """An export written on the server. ``directory`` is where its files are on this side: the
+    download directory on a client (None without a download), the export itself on the server."""
+
+    name: str = ""
+    format: str = ""
+    files: tuple[ExportedFile, ...] = ()
+    directory: Path | None = field(default=None, compare=False)
