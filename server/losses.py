@@ -1,0 +1,163 @@
+"""The token-level losses: plain functions over the current model's logprobs and their inputs.
+
+Each takes ``logp`` (the model's log-probability of every target token of the batch, flattened
+to one vector), the matching per-token ``TokenInputs`` and its resolved config, and returns the
+loss summed over every token with its metrics. The engine never branches on a loss name: it
+looks the function up in ``LOSSES`` and calls it. With r = exp(logp - q):
+
+- ``cross_entropy``        -sum(w * logp)
+- ``importance_sampling``  -sum(r * A)
+- ``ppo``                  -sum(min(r * A, clip(r, lo, hi) * A))
+- ``cispo``                -sum(detach(clip(r, lo, hi)) * logp * A)
+- ``dro``                  -sum(logp * A - beta / 2 * (logp - q) ** 2)
+
+Metric keys read ``name:reduction`` (``loss:sum``, ``ratio:mean``, ...), as Tinker writes them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from trainwire.server.errors import InvalidArgument
+
+CLIP_DEFAULTS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+DRO_DEFAULTS = {"beta": 0.05}
+
+
+@dataclass(frozen=True)
+class TokenInputs:
+    """Per-token loss inputs of a whole batch, flattened like ``logp``; None when not sent."""
+
+    weights: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None  # q: the sampling policy's logprobs
+    advantages: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LossOutput:
+    loss: torch.Tensor  # a scalar; backward runs on it
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+LossFn = Callable[[torch.Tensor, TokenInputs, Mapping[str, float]], LossOutput]
+
+
+def cross_entropy(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    weights = torch.ones_like(logp) if inputs.weights is None else inputs.weights
+    loss = -(weights * logp).sum()
+    return LossOutput(loss, {"loss:sum": float(loss.detach())})
+
+
+def importance_sampling(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    ratio = torch.exp(logp - inputs.logprobs)
+    loss = -(ratio * inputs.advantages).sum()
+    return LossOutput(loss, {"loss:sum": float(loss.detach()), **_ratio_metrics(ratio)})
+
+
+def ppo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio = torch.exp(logp - inputs.logprobs)
+    advantages = inputs.advantages
+    objective = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    loss = -objective.sum()
+    metrics = _ratio_metrics(ratio, low, high)
+    return LossOutput(loss, {"loss:sum": float(loss.detach()), **metrics})
+
+
+def cispo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    ratio = torch.exp(logp - inputs.logprobs)
+    loss = -(torch.clamp(ratio, low, high).detach() * logp * inputs.advantages).sum()
+    metrics = _ratio_metrics(ratio, low, high)
+    return LossOutput(loss, {"loss:sum": float(loss.detach()), **metrics})
+
+
+def dro(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    beta = config["beta"]
+    deviation = logp - inputs.logprobs
+    loss = -(logp * inputs.advantages - beta / 2 * deviation**2).sum()
+    metrics = {"loss:sum": float(loss.detach()), **_ratio_metrics(torch.exp(deviation))}
+    return LossOutput(loss, metrics)
+
+
+def _ratio_metrics(
+    ratio: torch.Tensor, low: float | None = None, high: float | None = None
+) -> dict[str, float]:
+    ratio = ratio.detach()
+    metrics = {"ratio:mean": float(ratio.mean()), "ratio:max": float(ratio.max())}
+    if low is not None and high is not None:
+        clipped = (ratio < low) | (ratio > high)
+        metrics["clip_fraction:mean"] = float(clipped.float().mean())
+    return metrics
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A loss function, the per-token inputs it needs and the config keys it takes."""
+
+    fn: LossFn
+    needs: tuple[str, ...] = ()
+    defaults: Mapping[str, float] = field(default_factory=dict)
+
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy),
+    "importance_sampling": LossSpec(importance_sampling, ("logprobs", "advantages")),
+    "ppo": LossSpec(ppo, ("logprobs", "advantages"), CLIP_DEFAULTS),
+    "cispo": LossSpec(cispo, ("logprobs", "advantages"), CLIP_DEFAULTS),
+    "dro": LossSpec(dro, ("logprobs", "advantages"), DRO_DEFAULTS),
+}
+
+
+def resolve_loss(
+    name: str, config: Mapping[str, float] | None
+) -> tuple[LossSpec, dict[str, float]]:
+    """The loss ``name`` and its full config (defaults filled in), validated before any work.
+
+    Raises ``InvalidArgument`` for an unknown loss, a key the loss does not take, a value that
+    is not a finite number, or clip thresholds out of order.
+    """
+    spec = LOSSES.get(name)
+    if spec is None:
+        raise InvalidArgument(f"unknown loss_fn {name!r}: use one of {', '.join(LOSSES)}")
+    given = dict(config or {})
+    unknown = sorted(set(given) - set(spec.defaults))
+    if unknown:
+        takes = ", ".join(spec.defaults) or "no keys"
+        raise InvalidArgument(
+            f"loss_fn_config for {name}: unknown key(s) {', '.join(unknown)}; {name} takes {takes}"
+        )
+    for key, value in given.items():
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+        ):
+            raise InvalidArgument(f"loss_fn_config {key} must be a finite number, got {value!r}")
+    resolved = {**spec.defaults, **{key: float(value) for key, value in given.items()}}
+    if "clip_low_threshold" in resolved and not (
+        0 <= resolved["clip_low_threshold"] <= resolved["clip_high_threshold"]
+    ):
+        raise InvalidArgument(
+            "loss_fn_config: need 0 <= clip_low_threshold <= clip_high_threshold, got "
+            f"{resolved['clip_low_threshold']} and {resolved['clip_high_threshold']}"
+        )
+    return spec, resolved
+
+
+def require_inputs(name: str, spec: LossSpec, examples: Sequence[object]) -> None:
+    """InvalidArgument naming the first example that lacks an input ``name`` needs.
+
+    Inputs a loss does not use (advantages under cross_entropy, say) are allowed and unused: a
+    forward for a custom loss carries whatever that loss will need later.
+    """
+    for index, example in enumerate(examples):
+        for needed in spec.needs:
+            if getattr(example, needed) is None:
+                raise InvalidArgument(
+                    f"loss_fn {name} needs {needed} on every example; example {index} has none"
+                )
