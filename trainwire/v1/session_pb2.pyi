@@ -41,6 +41,41 @@ class Example(_message.Message):
     completion: str
     def __init__(self, text: _Optional[str] = ..., label: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...
 
+class TokenExample(_message.Message):
+    __slots__ = ("tokens", "target_tokens", "weights", "logprobs", "advantages")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    target_tokens: _containers.RepeatedScalarFieldContainer[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    advantages: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class LossSpec(_message.Message):
+    __slots__ = ("loss_fn", "loss_fn_config")
+    class LossFnConfigEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    LOSS_FN_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FN_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    loss_fn: str
+    loss_fn_config: _containers.ScalarMap[str, float]
+    def __init__(self, loss_fn: _Optional[str] = ..., loss_fn_config: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
 class Operation(_message.Message):
     __slots__ = ("operation_key", "expected_position", "include_digest")
     OPERATION_KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,10 +157,14 @@ class InfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("examples",)
+    __slots__ = ("examples", "token_examples", "loss")
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     examples: _containers.RepeatedCompositeFieldContainer[Example]
-    def __init__(self, examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ...) -> None: ...
+    token_examples: _containers.RepeatedCompositeFieldContainer[TokenExample]
+    loss: LossSpec
+    def __init__(self, examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("label", "scores")
@@ -136,36 +175,64 @@ class Prediction(_message.Message):
     def __init__(self, label: _Optional[str] = ..., scores: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ForwardResponse(_message.Message):
-    __slots__ = ("loss", "predictions")
+    __slots__ = ("loss", "predictions", "logprobs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LOSS_FIELD_NUMBER: _ClassVar[int]
     PREDICTIONS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     predictions: _containers.RepeatedCompositeFieldContainer[Prediction]
-    def __init__(self, loss: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, loss: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("operation", "examples")
+    __slots__ = ("operation", "examples", "token_examples", "loss")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     examples: _containers.RepeatedCompositeFieldContainer[Example]
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ...) -> None: ...
+    token_examples: _containers.RepeatedCompositeFieldContainer[TokenExample]
+    loss: LossSpec
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
-    __slots__ = ("loss", "result", "token_count")
+    __slots__ = ("loss", "result", "token_count", "logprobs", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     LOSS_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
     loss: float
     result: OperationResult
     token_count: int
-    def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., token_count: _Optional[int] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprobs]
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., token_count: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("operation",)
+    __slots__ = ("operation", "learning_rate")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ...) -> None: ...
+    learning_rate: float
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "learning_rate", "grad_norm", "result")
@@ -304,3 +371,71 @@ class CloseResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: SessionInfo
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
+
+class SampleRequest(_message.Message):
+    __slots__ = ("prompt_tokens", "max_tokens", "num_samples", "temperature", "top_p", "top_k", "stop_tokens", "seed")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    num_samples: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_tokens: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SampledSequence(_message.Message):
+    __slots__ = ("tokens", "logprobs", "stop_reason")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    stop_reason: str
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., stop_reason: _Optional[str] = ...) -> None: ...
+
+class SampleResponse(_message.Message):
+    __slots__ = ("samples",)
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    samples: _containers.RepeatedCompositeFieldContainer[SampledSequence]
+    def __init__(self, samples: _Optional[_Iterable[_Union[SampledSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenizeRequest(_message.Message):
+    __slots__ = ("texts", "add_special_tokens")
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    add_special_tokens: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class TokenizeResponse(_message.Message):
+    __slots__ = ("token_lists",)
+    TOKEN_LISTS_FIELD_NUMBER: _ClassVar[int]
+    token_lists: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, token_lists: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class DetokenizeRequest(_message.Message):
+    __slots__ = ("token_lists",)
+    TOKEN_LISTS_FIELD_NUMBER: _ClassVar[int]
+    token_lists: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, token_lists: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+
+class DetokenizeResponse(_message.Message):
+    __slots__ = ("texts",)
+    TEXTS_FIELD_NUMBER: _ClassVar[int]
+    texts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, texts: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -85,6 +85,21 @@ class TrainingSessionServiceStub:
                 request_serializer=trainwire_dot_v1_dot_session__pb2.CloseRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_session__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Sample = channel.unary_unary(
+                '/trainwire.v1.TrainingSessionService/Sample',
+                request_serializer=trainwire_dot_v1_dot_session__pb2.SampleRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_session__pb2.SampleResponse.FromString,
+                _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/trainwire.v1.TrainingSessionService/Tokenize',
+                request_serializer=trainwire_dot_v1_dot_session__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_session__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/trainwire.v1.TrainingSessionService/Detokenize',
+                request_serializer=trainwire_dot_v1_dot_session__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_session__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class TrainingSessionServiceServicer:
@@ -165,6 +180,28 @@ class TrainingSessionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sample(self, request, context):
+        """Samples continuations of a prompt from the live weights. Read-only (no operation key):
+        serialized with the operations, so it never reads weights mid-update.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Tokenize(self, request, context):
+        """Turns texts into token ids with the session's tokenizer. Read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into texts with the session's tokenizer. Read-only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainingSessionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -217,6 +254,21 @@ def add_TrainingSessionServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=trainwire_dot_v1_dot_session__pb2.CloseRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_session__pb2.CloseResponse.SerializeToString,
+            ),
+            'Sample': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sample,
+                    request_deserializer=trainwire_dot_v1_dot_session__pb2.SampleRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_session__pb2.SampleResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=trainwire_dot_v1_dot_session__pb2.TokenizeRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_session__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=trainwire_dot_v1_dot_session__pb2.DetokenizeRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_session__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -490,6 +542,87 @@ class TrainingSessionService:
             '/trainwire.v1.TrainingSessionService/Close',
             trainwire_dot_v1_dot_session__pb2.CloseRequest.SerializeToString,
             trainwire_dot_v1_dot_session__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainingSessionService/Sample',
+            trainwire_dot_v1_dot_session__pb2.SampleRequest.SerializeToString,
+            trainwire_dot_v1_dot_session__pb2.SampleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainingSessionService/Tokenize',
+            trainwire_dot_v1_dot_session__pb2.TokenizeRequest.SerializeToString,
+            trainwire_dot_v1_dot_session__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainingSessionService/Detokenize',
+            trainwire_dot_v1_dot_session__pb2.DetokenizeRequest.SerializeToString,
+            trainwire_dot_v1_dot_session__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
