@@ -1,0 +1,181 @@
+"""Sampling from the live weights, with logprobs that are the trainer's own.
+
+Two passes. Generation decodes incrementally with a KV cache, all samples of a prompt as one
+batch, drawing from its own ``torch.Generator`` seeded by the request (never the session's
+training RNG). Then each sample's logprobs are recomputed by ``target_logprobs`` on that sample
+alone, the very code ``forward`` runs, because logprobs read off an incremental decode (or a
+padded batch) differ from a full forward in the last bits, and an on-policy importance ratio
+must be exactly 1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+from trainwire.client.tokens import TokenExample
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.token_batches import encode_token_batch, target_logprobs
+
+STOP, LENGTH = "stop", "length"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One continuation: its new tokens (the stop token kept), their logprobs at temperature 1,
+    and why it ended (``"stop"``: a stop token or EOS; ``"length"``: ``max_tokens``)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class SamplingLimits:
+    """What one Sample request may ask for; over a limit is INVALID_ARGUMENT before any work."""
+
+    max_tokens: int = 4096
+    max_samples: int = 64
+    max_prompt_tokens: int = 32768
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """A validated sampling request (see ``TrainingSession.sample``)."""
+
+    max_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_tokens: tuple[int, ...] = ()
+    seed: int = 0
+
+    def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
+        """InvalidArgument naming every bad argument at once."""
+        problems = []
+        if not prompt:
+            problems.append("prompt_tokens is empty: give at least one token")
+        elif len(prompt) > limits.max_prompt_tokens:
+            problems.append(f"the prompt has {len(prompt)} tokens; the limit is "
+                            f"{limits.max_prompt_tokens}")  # fmt: skip
+        if _bad_ids(prompt, vocab_size):
+            problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
+        if _bad_ids(self.stop_tokens, vocab_size):
+            problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
+            problems.append(f"max_tokens must be in [1, {limits.max_tokens}], "
+                            f"got {self.max_tokens!r}")  # fmt: skip
+        if not _is_int(self.num_samples) or not 1 <= self.num_samples <= limits.max_samples:
+            problems.append(f"num_samples must be in [1, {limits.max_samples}], "
+                            f"got {self.num_samples!r}")  # fmt: skip
+        if not _is_number(self.temperature) or self.temperature < 0:
+            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0 keeps every token), got {self.top_k!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+            problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
+        if problems:
+            raise InvalidArgument("sample: " + "; ".join(problems))
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_ids: Sequence[int],
+    device: torch.device,
+) -> list[tuple[list[int], str]]:
+    """Decode ``params.num_samples`` continuations of ``prompt``: (new tokens, stop reason).
+
+    Runs under ``torch.no_grad`` with the model in eval mode (the caller's job).
+    """
+    stops = set(params.stop_tokens) | set(eos_ids)
+    generator = torch.Generator(device=device).manual_seed(params.seed)
+    rows = params.num_samples
+    input_ids = torch.tensor([list(prompt)] * rows, dtype=torch.long, device=device)
+    attention = torch.ones_like(input_ids)
+    cache = DynamicCache()  # filled in place by every forward below
+    cache_kwarg = {_cache_keyword(model): cache}
+    sampled: list[list[int]] = [[] for _ in range(rows)]
+    reasons: list[str | None] = [None] * rows
+    for _ in range(params.max_tokens):
+        output = model(input_ids=input_ids, attention_mask=attention, use_cache=True, **cache_kwarg)
+        chosen = _choose(output.logits[:, -1, :].float(), params, generator)
+        for row, token in enumerate(chosen.tolist()):
+            if reasons[row] is None:
+                sampled[row].append(token)
+                if token in stops:
+                    reasons[row] = STOP
+        if all(reason is not None for reason in reasons):
+            break
+        input_ids = chosen.unsqueeze(-1)
+        attention = torch.cat([attention, torch.ones_like(input_ids)], dim=-1)
+    return [(tokens, reason or LENGTH) for tokens, reason in zip(sampled, reasons, strict=True)]
+
+
+def sample_logprobs(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    tokens: Sequence[int],
+    *,
+    vocab_size: int,
+    pad_id: int,
+    device: torch.device,
+) -> tuple[float, ...]:
+    """The logprobs of ``tokens`` after ``prompt``, exactly as ``forward`` computes them for the
+    one token example ``prompt + tokens`` shifted by one."""
+    full = [*prompt, *tokens]
+    example = TokenExample(tuple(full[:-1]), tuple(full[1:]))
+    batch = encode_token_batch(
+        [example], vocab_size=vocab_size, max_length=len(example), pad_id=pad_id, device=device
+    )
+    values = batch.split(target_logprobs(model, batch)[batch.mask])[0]
+    return tuple(values[len(values) - len(tokens) :])
+
+
+def _choose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> torch.Tensor:
+    """One token per row: greedy at temperature 0, else temperature → top-k → top-p → draw."""
+    if params.temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if params.top_p < 1:
+        ordered, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        # Drop a token once the ones before it already reach top_p; the first always stays.
+        drop = (cumulative - torch.softmax(ordered, dim=-1)) >= params.top_p
+        logits = logits.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
+    probabilities = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """``cache``, the keyword of transformers' current cache API, where the model takes it;
+    ``past_key_values`` on the older releases the package still supports."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def _bad_ids(ids: Sequence[int], vocab_size: int) -> bool:
+    return any(not _is_int(i) or not 0 <= i < vocab_size for i in ids)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))

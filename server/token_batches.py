@@ -1,0 +1,126 @@
+"""Token examples to tensors, and the one function that turns a model's logits into logprobs.
+
+Every path that reports or trains on token logprobs (forward, forward_backward, the sampler's
+recomputation) goes through ``target_logprobs`` on a batch built by ``encode_token_batch``, so a
+sample's logprobs and a later forward of that sample alone are the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainwire.client.tokens import FLOAT_FIELDS, TokenExample
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.losses import TokenInputs
+
+
+@dataclass
+class TokenBatch:
+    """A right-padded token batch on the session's device.
+
+    ``mask`` marks the real positions; ``inputs`` holds the per-token loss inputs of those
+    positions only, flattened in example order, like ``target_logprobs(...)[mask]``.
+    """
+
+    input_ids: torch.Tensor  # (B, W) long
+    attention_mask: torch.Tensor  # (B, W) long
+    targets: torch.Tensor  # (B, W) long, 0 on padding
+    mask: torch.Tensor  # (B, W) bool
+    lengths: list[int]
+    inputs: TokenInputs
+
+    @property
+    def token_count(self) -> int:
+        return sum(self.lengths)
+
+    def split(self, flat: torch.Tensor) -> list[list[float]]:
+        """A flat per-token tensor back into one list per example."""
+        values = flat.detach().float().cpu().tolist()
+        out, start = [], 0
+        for length in self.lengths:
+            out.append(values[start : start + length])
+            start += length
+        return out
+
+
+def encode_token_batch(
+    examples: Sequence[TokenExample],
+    *,
+    vocab_size: int,
+    max_length: int,
+    pad_id: int,
+    device: torch.device,
+) -> TokenBatch:
+    """Validate token examples against the model and pad them into one batch.
+
+    Raises ``InvalidArgument`` naming the example and the position: an id outside the
+    vocabulary, or a sequence longer than ``max_length`` (never cut: a cut sequence would train
+    on other targets than the caller sent).
+    """
+    if not examples:
+        raise InvalidArgument("empty batch: send at least one example")
+    for index, example in enumerate(examples):
+        if not isinstance(example, TokenExample):
+            raise InvalidArgument(f"example {index} is not a TokenExample")
+        if len(example) > max_length:
+            raise InvalidArgument(
+                f"example {index}: {len(example)} tokens is over max_length {max_length}; "
+                "shorten it or raise max_length"
+            )
+        for name in ("tokens", "target_tokens"):
+            ids = getattr(example, name)
+            top = max(ids)
+            if top >= vocab_size:
+                raise InvalidArgument(
+                    f"example {index}: {name}[{ids.index(top)}] = {top} is outside the model's "
+                    f"vocabulary of {vocab_size} ids"
+                )
+    lengths = [len(example) for example in examples]
+    width = max(lengths)
+    input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    targets = torch.zeros((len(examples), width), dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for row, example in enumerate(examples):
+        input_ids[row, : len(example)] = torch.tensor(example.tokens)
+        targets[row, : len(example)] = torch.tensor(example.target_tokens)
+        mask[row, : len(example)] = True
+    inputs = TokenInputs(**{name: _flat(examples, name, device) for name in FLOAT_FIELDS})
+    return TokenBatch(
+        input_ids=input_ids.to(device),
+        attention_mask=mask.long().to(device),
+        targets=targets.to(device),
+        mask=mask.to(device),
+        lengths=lengths,
+        inputs=inputs,
+    )
+
+
+def target_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """log p(target) at every position, (B, W) in fp32; padding positions hold junk.
+
+    ``gather - logsumexp`` instead of a full ``log_softmax``: the same value without a second
+    (B, W, vocab) tensor, which for a 150k vocabulary is most of the memory of a step.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = logits.float()
+    picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _flat(examples: Sequence[TokenExample], name: str, device: torch.device):
+    """One field of every example, concatenated. Weights an example leaves out are 1.0; the
+    other fields are None unless every example sets them (the loss checked what it needs)."""
+    values = [getattr(example, name) for example in examples]
+    if all(value is None for value in values):
+        return None
+    if any(value is None for value in values):
+        if name != "weights":
+            return None
+        values = [
+            (1.0,) * len(e) if v is None else v for e, v in zip(examples, values, strict=True)
+        ]
+    flat = [x for value in values for x in value]
+    return torch.tensor(flat, dtype=torch.float32, device=device)
