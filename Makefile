@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint format protos bench clean
+.PHONY: venv test test-all demo lint format protos bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The fast suite: everything but the tests marked slow (SIGKILL chaos, crash restarts, dispatch).
 test: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# The whole suite, slow tests included: what CI runs.
+test-all: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
