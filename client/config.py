@@ -131,17 +131,18 @@ class LoraSettings:
         return cls(**data)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
+    """An int and not a bool: ``True`` is an ``int`` to Python, but never a count or a seed."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 def _lora_problems(lora: LoraSettings) -> list[str]:
     problems = []
-    if not _is_int(lora.r) or lora.r < 1:
+    if not is_int(lora.r) or lora.r < 1:
         problems.append(f"lora.r: must be a positive integer, got {lora.r!r}")
     if not _is_number(lora.alpha) or lora.alpha <= 0:
         problems.append(f"lora.alpha: must be a positive number, got {lora.alpha!r}")
@@ -300,16 +301,16 @@ def _config_problems(c: TrainingConfig) -> list[str]:
         need(_is_number(value) and 0 <= value < 1, key, "must be in [0, 1)")
     need(_is_number(c.adam_epsilon) and c.adam_epsilon > 0, "adam_epsilon", "must be > 0")
     need(c.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", f"must be one of {LR_SCHEDULERS}")
-    need(_is_int(c.warmup_steps) and c.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
+    need(is_int(c.warmup_steps) and c.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
     clip_ok = c.max_grad_norm is None or (_is_number(c.max_grad_norm) and c.max_grad_norm > 0)
     need(clip_ok, "max_grad_norm", "must be > 0 or null (no clipping)")
     for key in ("batch_size", "gradient_accumulation_steps", "num_epochs", "max_length"):
         value = getattr(c, key)
-        need(_is_int(value) and value >= 1, key, "must be a positive integer")
+        need(is_int(value) and value >= 1, key, "must be a positive integer")
     for key in ("shuffle", "group_by_length", "gradient_checkpointing", "early_stopping"):
         need(isinstance(getattr(c, key), bool), key, "must be true or false")
     need(isinstance(c.truncation, bool), "truncation", "must be true or false")
-    need(_is_int(c.seed) and 0 <= c.seed < 2**63, "seed", "must be an integer in [0, 2**63)")
+    need(is_int(c.seed) and 0 <= c.seed < 2**63, "seed", "must be an integer in [0, 2**63)")
     if c.precision == "fp16":
         problems.append(
             "precision: fp16 is not supported (no loss scaling here); use fp32, or bf16 on a GPU"
@@ -318,7 +319,7 @@ def _config_problems(c: TrainingConfig) -> list[str]:
         need(c.precision in PRECISIONS, "precision", f"must be one of {', '.join(PRECISIONS)}")
     need(c.eval_strategy in EVAL_STRATEGIES, "eval_strategy", f"must be one of {EVAL_STRATEGIES}")
     if c.eval_strategy == "steps":
-        steps_ok = _is_int(c.eval_steps) and c.eval_steps >= 1
+        steps_ok = is_int(c.eval_steps) and c.eval_steps >= 1
         need(steps_ok, "eval_steps", "eval_strategy 'steps' needs a positive integer")
     else:
         need(c.eval_steps is None, "eval_steps", "is only used with eval_strategy 'steps'")
@@ -331,12 +332,12 @@ def _config_problems(c: TrainingConfig) -> list[str]:
         )
     gib_ok = c.greater_is_better is None or isinstance(c.greater_is_better, bool)
     need(gib_ok, "greater_is_better", "must be true, false or null")
-    patience_ok = _is_int(c.early_stopping_patience) and c.early_stopping_patience >= 1
+    patience_ok = is_int(c.early_stopping_patience) and c.early_stopping_patience >= 1
     need(patience_ok, "early_stopping_patience", "must be a positive integer")
     if c.early_stopping is True:
         need(c.eval_strategy != "no", "early_stopping", "needs an eval_strategy other than 'no'")
     need(
-        c.num_workers == 0 and _is_int(c.num_workers),
+        c.num_workers == 0 and is_int(c.num_workers),
         "num_workers",
         "must be 0 (data is prepared in the session's own thread, so the bits never depend on "
         "worker scheduling)",
