@@ -10,7 +10,6 @@ cursor is persisted only after the operations it covers have committed.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +24,7 @@ from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
 from trainwire.client.replay import RunState, StepOutcome, replay, training_result
 from trainwire.client.results import TrainingResult
-from trainwire.client.retry import position_from_error
+from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, position_from_error
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +32,9 @@ BEST_CHECKPOINT = "best"
 LATEST_CHECKPOINT = "latest"
 EXPORT_NAME = "final"
 EXPORT_DIR = "export"
-# Lost connections and a server restarting: wait and resume.
-RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# The waits between tries to reach a lost server (a restart, a lost connection); how long to keep
+# trying is the controller's recovery_timeout_s, so the policy's max_attempts plays no part.
+OUTAGE_BACKOFF = RetryPolicy()
 
 
 class PositionMoved(Exception):
@@ -54,40 +54,87 @@ def microbatch_of_key(key: str, run_id: str, fingerprint: str) -> int | None:
     return int(index) if index.isdigit() else None
 
 
-class _RemoteBackend:
-    """The replay's operations as keyed, position-checked calls on the client."""
+class KeyedSession:
+    """The run's state-changing calls on the client, each keyed and position-checked.
 
-    def __init__(self, controller: Controller) -> None:
-        self.c = controller
+    It holds the position the controller believes the session is at and moves it with every
+    outcome. A server that is elsewhere (a restart restored an older checkpoint) refuses the call
+    before running anything, and that refusal is raised as ``PositionMoved``.
+    """
+
+    def __init__(self, client: Any, *, run_id: str, fingerprint: str) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.fingerprint = fingerprint
+        self.position = 0
+
+    def call(
+        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        """``method(*args, **kwargs)`` under the key of ``operation`` at microbatch ``index``."""
+        try:
+            outcome = method(
+                *args,
+                operation_key=operation_key(self.run_id, self.fingerprint, index, operation),
+                expected_position=self.position,
+                **kwargs,
+            )
+        except grpc.RpcError as error:
+            if position_from_error(error) is not None:
+                raise PositionMoved(error.details()) from error
+            raise
+        self.position = outcome.position
+        return outcome
+
+
+class _RemoteBackend:
+    """The replay's operations (``ReplayBackend``) as keyed calls on the remote session."""
+
+    def __init__(
+        self, session: KeyedSession, plan: ManagedTrainingPlan, work: WorkDirectory, every: int
+    ) -> None:
+        self.session = session
+        self.client = session.client
+        self.plan = plan
+        self.work = work
+        self.checkpoint_every = every
 
     def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
-        outcome = self.c._keyed(self.c.client.forward_backward, index, "forward_backward", examples)
+        outcome = self.session.call(
+            self.client.forward_backward, index, "forward_backward", examples
+        )
         return outcome.loss, outcome.token_count
 
     def optim_step(self, index: int) -> StepOutcome:
-        outcome = self.c._keyed(self.c.client.optim_step, index, "optim_step")
+        outcome = self.session.call(self.client.optim_step, index, "optim_step")
         return StepOutcome(outcome.step, outcome.learning_rate, outcome.grad_norm)
 
     def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
-        outcome = self.c.client.forward(examples)
+        outcome = self.client.forward(examples)
         # Forward carries no position: make sure it ran on the state we expect, not on an older
         # checkpoint a restarted server restored in between.
-        info = self.c.client.info()
-        if info.position != self.c.position:
+        info = self.client.info()
+        if info.position != self.session.position:
             raise PositionMoved(
-                f"evaluation met position {info.position}, expected {self.c.position}"
+                f"evaluation met position {info.position}, expected {self.session.position}"
             )
         return outcome.loss, [prediction.label for prediction in outcome.predictions]
 
     def save_best(self, index: int, state: RunState) -> None:
         state.best_checkpoint = BEST_CHECKPOINT
-        self.c._checkpoint(index, "save_best", BEST_CHECKPOINT, state)
+        self._checkpoint(index, "save_best", BEST_CHECKPOINT, state)
 
     def after_microbatch(self, index: int, state: RunState) -> None:
-        plan, every = self.c.plan, self.c.checkpoint_every
+        plan, every = self.plan, self.checkpoint_every
         if every and plan.is_update(index) and plan.steps_after(index) % every == 0:
-            self.c._checkpoint(index, "checkpoint", LATEST_CHECKPOINT, state)
-        self.c.work.write_cursor(Record(self.c.position, state))
+            self._checkpoint(index, "checkpoint", LATEST_CHECKPOINT, state)
+        self.work.write_cursor(Record(self.session.position, state))
+
+    def _checkpoint(self, index: int, operation: str, name: str, state: RunState) -> None:
+        # The snapshot goes first: once the checkpoint exists, a server restarting from it must
+        # find the controller's state for its position.
+        self.work.write_snapshot(Record(self.session.position + 1, state))
+        self.session.call(self.client.save_state, index, operation, name)
 
 
 class Controller:
@@ -128,36 +175,8 @@ class Controller:
             work_dir, run_id=run_id, manifest_fingerprint=self.plan.fingerprint
         )
         self.work.bind()
-        self.position = 0
+        self.session = KeyedSession(client, run_id=run_id, fingerprint=self.plan.fingerprint)
         self.state = RunState.start(self.plan)
-
-    def key(self, index: int, operation: str) -> str:
-        return operation_key(self.run_id, self.plan.fingerprint, index, operation)
-
-    # -- keyed calls ---------------------------------------------------------------------------
-
-    def _keyed(
-        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
-    ) -> Any:
-        try:
-            outcome = method(
-                *args,
-                operation_key=self.key(index, operation),
-                expected_position=self.position,
-                **kwargs,
-            )
-        except grpc.RpcError as error:
-            if position_from_error(error) is not None:
-                raise PositionMoved(error.details()) from error
-            raise
-        self.position = outcome.position
-        return outcome
-
-    def _checkpoint(self, index: int, operation: str, name: str, state: RunState) -> None:
-        # The snapshot goes first: once the checkpoint exists, a server restarting from it must
-        # find the controller's state for its position.
-        self.work.write_snapshot(Record(self.position + 1, state))
-        self._keyed(self.client.save_state, index, operation, name)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -182,13 +201,13 @@ class Controller:
                     f"{info.last_operation_key!r}), beyond anything recorded in {self.work.path}; "
                     "resume with the work directory that started this run"
                 )
-        self.position = record.position
+        self.session.position = record.position
         self.state = record.state
         logger.info(
             "run %s: resuming at microbatch %d, position %d (server at %d)",
             self.run_id,
             self.state.next_microbatch,
-            self.position,
+            self.session.position,
             info.position,
         )
 
@@ -201,19 +220,20 @@ class Controller:
                 self._synchronize()
                 # Reachable again: a later outage gets the whole recovery budget of its own.
                 outage_started, attempt = None, 0
-                self.state = replay(self.plan, _RemoteBackend(self), self.state, on_step=on_step)
+                backend = _RemoteBackend(self.session, self.plan, self.work, self.checkpoint_every)
+                self.state = replay(self.plan, backend, self.state, on_step=on_step)
                 return self._finish()
             except PositionMoved as moved:
                 logger.warning("run %s: %s; resynchronizing", self.run_id, moved)
             except grpc.RpcError as error:
-                if error.code() not in RECOVERABLE:
+                if error.code() not in RETRYABLE_CODES:
                     raise
                 now = time.monotonic()
                 outage_started = outage_started or now
                 if now - outage_started > self.recovery_timeout_s:
                     raise
+                delay = OUTAGE_BACKOFF.delay_s(attempt)
                 attempt += 1
-                delay = min(5.0, 0.2 * 2 ** min(attempt, 5)) * (0.5 + random.random())
                 logger.warning(
                     "run %s: server unreachable (%s); retrying in %.1fs",
                     self.run_id,
@@ -228,7 +248,7 @@ class Controller:
         export_dir = self.work.path / EXPORT_DIR
         # The export's journaled digest is the final state's, even when this call is a replay
         # (a separate Info could meet a server that restarted and restored an older state).
-        outcome = self._keyed(
+        outcome = self.session.call(
             self.client.export_weights,
             index,
             "export",
@@ -238,7 +258,7 @@ class Controller:
             include_digest=True,
         )
         result = training_result(
-            self.plan, self.state, state_digest=outcome.state_digest, last_checkpoint=None
+            self.plan, self.state, state_digest=outcome.state_digest, last_checkpoint_path=None
         )
         write_run_artifacts(
             self.work.path,

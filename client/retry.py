@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,13 +93,12 @@ def call_with_retry(
     raise AssertionError("unreachable: the last attempt returns or raises")
 
 
-_POSITION_IN_DETAILS = re.compile(r"session is at position (\d+)")
-
-
 def position_from_error(error: grpc.RpcError) -> int | None:
     """The server's real position from a FAILED_PRECONDITION position mismatch, else None.
 
-    Read from the ``trainwire-position`` trailing metadata, or from the details text.
+    The server sends it once, as the ``trainwire-position`` trailing metadata; the details text
+    is for people and is never parsed. Another FAILED_PRECONDITION (no session open, another
+    config) carries no position and gives None.
     """
     if error.code() != grpc.StatusCode.FAILED_PRECONDITION:
         return None
@@ -108,5 +106,4 @@ def position_from_error(error: grpc.RpcError) -> int | None:
     for key, value in trailing:
         if key == POSITION_METADATA_KEY:
             return int(value)
-    match = _POSITION_IN_DETAILS.search(error.details() or "")
-    return int(match.group(1)) if match else None
+    return None

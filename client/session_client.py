@@ -25,12 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
 from trainwire.client.files import atomic_directory
-from trainwire.client.retry import (  # noqa: F401 (position_from_error: re-exported)
-    RETRYABLE_CODES,
-    RetryPolicy,
-    call_with_retry,
-    position_from_error,
-)
+from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 

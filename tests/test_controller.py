@@ -1,6 +1,7 @@
 """The Controller through a real loopback server: equal to the in-process run, resumable, strict."""
 
 import json
+import logging
 
 import grpc
 import pytest
@@ -9,8 +10,10 @@ from service_fixtures import connect, running_server
 
 from trainwire.client import LoraSettings
 from trainwire.client.controller import Controller
+from trainwire.server import serve
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
+from trainwire.testing import free_port
 
 
 def in_process(plan, tmp_path):
@@ -97,6 +100,42 @@ def test_a_killed_controller_and_a_restarted_server_still_end_bit_identical(
     assert result.history == expected.history
 
 
+def test_a_server_restarted_under_a_running_controller_is_caught_by_the_position_check(
+    bert_classifier_config, model_root, tmp_path, caplog
+):
+    plan = sentiment_plan(bert_classifier_config)
+    expected = in_process(plan, tmp_path)
+    listen = f"127.0.0.1:{free_port()}"
+    options = {"state_dir": tmp_path / "state", "model_root": model_root, "device": "cpu"}
+    servers = [serve(listen=listen, **options)]
+    client = connect(servers[0])
+
+    def restart_once(progress):
+        # Between two microbatches, with nothing in flight: the new server restores its latest
+        # checkpoint, behind the controller, and is SERVING before the next operation is sent.
+        if progress.microbatch == 5 and len(servers) == 1:
+            servers[0].stop(grace=10)
+            servers.append(serve(listen=listen, **options))
+            client.wait_until_serving(timeout_s=60)
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="trainwire.client.controller"):
+            result = Controller(
+                client, plan, run_id="r", work_dir=tmp_path / "work", checkpoint_every=2
+            ).run(on_step=restart_once)
+    finally:
+        client.close_channel()
+        servers[-1].stop(grace=10)
+
+    assert len(servers) == 2, "the restart happened"
+    # The next keyed call met the restored position (FAILED_PRECONDITION with the server's
+    # trainwire-position metadata) and nothing ran; the controller resynchronized from there.
+    resynchronized = [r.getMessage() for r in caplog.records if "resynchronizing" in r.message]
+    assert len(resynchronized) == 1 and "the session is at position" in resynchronized[0]
+    assert result.state_digest == expected.state_digest
+    assert result.history == expected.history
+
+
 def test_a_work_directory_of_another_manifest_is_refused(
     bert_classifier_config, model_root, tmp_path
 ):
@@ -122,15 +161,6 @@ def test_a_run_id_bound_to_another_manifest_on_the_server_is_refused(
         assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_the_demo_runs_end_to_end_and_learns(tmp_path):
-    from trainwire.demo import DemoSettings, run_demo, summary_shows_learning
-
-    result = run_demo(tmp_path, settings=DemoSettings.fast(), quiet=True)
-    assert summary_shows_learning(tmp_path / "run")
-    accuracies = [r["eval_accuracy"] for r in result.history if r["kind"] == "evaluation"]
-    assert accuracies[0] <= 0.6 < 0.9 <= max(accuracies)
-
-
 def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
     bert_classifier_config, model_root, tmp_path
 ):
@@ -154,7 +184,7 @@ def test_a_server_restored_from_the_best_checkpoint_still_exports_the_best(
     with running_server(state, model_root) as handle, connect(handle) as client:
         assert client.info().restored_checkpoint == "best"
         result = Controller(client, plan, run_id="r", work_dir=work, checkpoint_every=1000).run()
-    assert result.best_checkpoint == "best"
+    assert result.best_checkpoint_path == "best"
     assert result.state_digest == expected.state_digest
     exported = (work / "export" / "model.safetensors").read_bytes()
     assert exported == (tmp_path / "expected-export" / "model.safetensors").read_bytes()

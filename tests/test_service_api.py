@@ -137,13 +137,16 @@ def test_the_last_retryable_error_is_raised_as_received():
     assert raised.value is error and len(calls) == 3
 
 
-def test_position_from_error_reads_the_metadata_then_the_details():
+def test_position_from_error_reads_the_trailing_metadata_only():
     code = grpc.StatusCode.FAILED_PRECONDITION
-    metadata = ((wire.POSITION_METADATA_KEY, "12"),)
+    metadata = (("other", "3"), (wire.POSITION_METADATA_KEY, "12"))
     assert position_from_error(FakeRpcError(code, "", metadata)) == 12
-    assert position_from_error(FakeRpcError(code, "but the session is at position 5 (")) == 5
+    # The details are for people: a position written there alone is not one.
+    details = "expected_position 0, but the session is at position 5 (last operation k)"
+    assert position_from_error(FakeRpcError(code, details)) is None
     assert position_from_error(FakeRpcError(code, "no session is open")) is None
-    assert position_from_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "position 5")) is None
+    unavailable = FakeRpcError(grpc.StatusCode.UNAVAILABLE, "", metadata)
+    assert position_from_error(unavailable) is None
 
 
 def test_the_client_package_and_session_client_import_without_torch():
