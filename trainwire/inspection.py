@@ -1,5 +1,9 @@
 """``trainwire inspect PATH``: a human description of a manifest, a session checkpoint or an
 export. A manifest is described without torch; its fingerprint is verified on the way.
+
+Checkpoints and exports are the server's files, so their names come from the server's modules
+(defined once there). Those modules import torch, so they are imported only once ``PATH`` is a
+directory: inspecting a manifest stays torch-free.
 """
 
 from __future__ import annotations
@@ -11,11 +15,6 @@ from typing import Any
 from trainwire.client.manifest import read_manifest
 from trainwire.client.plan import ManagedTrainingPlan
 
-# Kept equal to trainwire.server.checkpoint.SESSION_FILE and trainwire.server.weights.EXPORT_FILE
-# (a test checks it), so inspecting never has to import torch.
-SESSION_FILE = "session.json"
-EXPORT_FILE = "trainwire_export.json"
-
 
 def describe_path(path: Path) -> str:
     """Describe whatever ``path`` is; ValueError when it is none of the three."""
@@ -23,6 +22,9 @@ def describe_path(path: Path) -> str:
         raise ValueError(f"{path}: no such file or directory")
     if path.is_file():
         return describe_manifest(path)
+    from trainwire.server.checkpoint import SESSION_FILE
+    from trainwire.server.weights import EXPORT_FILE
+
     if (path / SESSION_FILE).is_file():
         return describe_checkpoint(path)
     if (path / EXPORT_FILE).is_file():
@@ -87,6 +89,9 @@ def _files(directory: Path) -> str:
 
 
 def describe_checkpoint(path: Path) -> str:
+    """A session checkpoint's step, digest, config and files, from its ``session.json``."""
+    from trainwire.server.checkpoint import SESSION_FILE
+
     meta = _read_json(path / SESSION_FILE)
     config = meta.get("config", {})
     extra = meta.get("extra") or {}
@@ -118,6 +123,9 @@ def describe_checkpoint(path: Path) -> str:
 
 
 def describe_export(path: Path) -> str:
+    """An export's kind, step, digest and files, from the record the server wrote beside it."""
+    from trainwire.server.weights import EXPORT_FILE
+
     record = _read_json(path / EXPORT_FILE)
     config = record.get("config", {})
     lines = [
