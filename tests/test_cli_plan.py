@@ -109,27 +109,3 @@ def test_the_console_script_runs_as_a_module(inputs):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "3 microbatches" in done.stdout
-
-
-NO_HEAVY_IMPORTS = """
-import sys
-sys.argv = ["trainwire"] + sys.argv[1:]
-from trainwire.cli import main
-import trainwire.client
-code = main(sys.argv[1:])
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "numpy", "transformers"))
-print("HEAVY", heavy)
-raise SystemExit(code)
-"""
-
-
-def test_planning_never_imports_torch_numpy_or_transformers(inputs):
-    tmp_path, examples, config = inputs
-    output = tmp_path / "m.json"
-    done = subprocess.run(
-        [sys.executable, "-c", NO_HEAVY_IMPORTS, "plan", "--examples", str(examples),
-         "--config", str(config), "--output", str(output)],
-        capture_output=True, text=True,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert "HEAVY []" in done.stdout

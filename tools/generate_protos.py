@@ -162,8 +162,14 @@ def stale_reasons(proto_root: Path = PROTO_ROOT) -> list[str]:
             for service in file.service
             for method in service.method
         }
-        if stub_methods(importlib.import_module(f"{module}_pb2_grpc")) != expected:
-            reasons.append(f"{module}_pb2_grpc does not match the services of {file.name}")
+        grpc_module = importlib.import_module(f"{module}_pb2_grpc")
+        if stub_methods(grpc_module) != expected:
+            reasons.append(f"{module}_pb2_grpc's stubs do not match the services of {file.name}")
+        for service in file.service:
+            servicer = getattr(grpc_module, f"{service.name}Servicer", None)
+            methods = {name for name in vars(servicer or object) if not name.startswith("_")}
+            if methods != {method.name for method in service.method}:
+                reasons.append(f"{module}_pb2_grpc's {service.name}Servicer does not match")
     return reasons
 
 
