@@ -17,9 +17,8 @@ Fixtures:
         ``lr_scheduler="constant"``.
     small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
         take part in every training step, so RNG bugs show up in digests.
-    drive_plan: ``drive_plan(session, plan, start=0, stop=None, *, after_op=None)`` runs
-        microbatches op by op as the controller does (forward_backward, then optim_step iff the
-        plan updates there) and returns their losses.
+    drive_plan: :func:`plans.drive_plan`, the one op-by-op reference run (a module can also
+        import it: ``from plans import drive_plan``).
 
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 """
@@ -31,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from plans import drive_plan
 
-from trainwire.client import LoraSettings, ManagedTrainingPlan, TrainingConfig
+from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
 
 SMALL_SETTINGS: dict[str, Any] = {
@@ -127,32 +127,7 @@ def small_lora() -> LoraSettings:
     return SMALL_LORA
 
 
-def drive_plan(
-    session: Any,
-    plan: ManagedTrainingPlan,
-    start: int = 0,
-    stop: int | None = None,
-    *,
-    after_op: Callable[[int, str], None] | None = None,
-) -> list[float]:
-    """Run microbatches ``start..stop-1`` as the controller does; returns their losses.
-
-    ``forward_backward`` on each microbatch, then ``optim_step`` iff the plan updates there.
-    ``after_op(i, "forward_backward" | "optim_step")`` is called after each operation.
-    """
-    losses = []
-    for i in range(start, plan.batch_count if stop is None else stop):
-        losses.append(session.forward_backward(plan.batch(i)))
-        if after_op is not None:
-            after_op(i, "forward_backward")
-        if plan.is_update(i):
-            session.optim_step()
-            if after_op is not None:
-                after_op(i, "optim_step")
-    return losses
-
-
 @pytest.fixture(name="drive_plan", scope="session")
 def drive_plan_fixture() -> Callable[..., list[float]]:
-    """:func:`drive_plan`, for tests in other modules."""
+    """:func:`plans.drive_plan`, for the tests that take it as a fixture."""
     return drive_plan
