@@ -1,4 +1,8 @@
-"""``key=value`` overrides from the command line, parsed into JSON-like values."""
+"""``key=value`` overrides from the command line, parsed into JSON-like values.
+
+``checked_config_overrides`` is the one place a ``--set`` list is checked; every command that
+takes one (plan, train, serve) calls it, so all refuse a bad item with the same words.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import ast
 import json
 from collections.abc import Iterable
 from typing import Any
+
+from trainwire.client.config import TrainingConfig
 
 
 def parse_override_value(text: str) -> Any:
@@ -30,11 +36,22 @@ def parse_override_value(text: str) -> Any:
         return text
 
 
-def parse_config_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], list[str]]:
-    """Split each ``key=value`` on its first ``=``; items without one come back as invalid."""
+def parse_config_overrides(
+    overrides: Iterable[str] | None,
+) -> tuple[dict[str, Any], list[str]]:
+    """Parse ``key=value`` strings into ``(valid_overrides, invalid_strings)``.
+
+    Each item splits on its first ``=`` (so a value may hold ``=``); its value is parsed by
+    ``parse_override_value``. Items without ``=`` or without a key come back in the invalid
+    list, for the caller to report. None (no overrides given) gives ``({}, [])``.
+
+    Example:
+        >>> parse_config_overrides(["learning_rate=1e-4", "invalid", "batch_size=32"])
+        ({'learning_rate': 0.0001, 'batch_size': 32}, ['invalid'])
+    """
     valid: dict[str, Any] = {}
     invalid: list[str] = []
-    for item in overrides:
+    for item in overrides or ():
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
@@ -42,6 +59,30 @@ def parse_config_overrides(overrides: Iterable[str]) -> tuple[dict[str, Any], li
             continue
         valid[key] = parse_override_value(value)
     return valid, invalid
+
+
+def checked_config_overrides(
+    overrides: Iterable[str] | None, *, option: str = "--set"
+) -> dict[str, Any]:
+    """The valid overrides; any item that is not ``key=value`` raises one ``ValueError``
+    naming them all (``--set takes key=value, got: a, b``). The one check every command that
+    takes ``--set`` uses."""
+    valid, invalid = parse_config_overrides(overrides)
+    if invalid:
+        raise ValueError(f"{option} takes key=value, got: {', '.join(invalid)}")
+    return valid
+
+
+def config_with_overrides(
+    config_dict: dict[str, Any], overrides: Iterable[str] | None, *, option: str = "--set"
+) -> TrainingConfig:
+    """``config_dict`` with the ``key=value`` overrides applied, as a validated config.
+
+    Raises ``ValueError`` for an item that is not ``key=value`` and (``TrainingConfig.from_dict``)
+    for an unknown key or a bad value.
+    """
+    valid = checked_config_overrides(overrides, option=option)
+    return TrainingConfig.from_dict(apply_overrides(config_dict, valid))
 
 
 def apply_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,11 @@
 """The one loop that replays a plan: microbatches, updates, evaluations, best selection, early
-stopping. In-process runs (ManagedTraining) and remote runs (Controller) both drive it, each
-through a small backend, so they take the same decisions in the same order and end with the
-same bits.
+stopping.
+
+``run_microbatch`` runs one microbatch of the plan and takes every decision that follows it;
+``replay`` calls it until the run ends. In-process runs (ManagedTraining), remote runs (the
+Controller) and local Lightning runs (``trainwire train``: its module calls ``run_microbatch``
+from ``training_step``) each supply a small ``ReplayBackend``, so they take the same decisions
+in the same order and end with the same bits.
 """
 
 from __future__ import annotations
@@ -12,8 +16,9 @@ from typing import Any, Protocol
 
 from trainwire.client.config import InputExample
 from trainwire.client.evaluation import EvaluationTally, evaluation_batches
+from trainwire.client.history import UPDATE, evaluation_record, update_record
 from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import Progress, evaluation_record, update_record
+from trainwire.client.progress import Progress
 from trainwire.client.results import TrainingResult
 from trainwire.client.selection import SelectionState
 
@@ -65,6 +70,8 @@ class RunState:
 
 @dataclass
 class StepOutcome:
+    """What an update reports: the updates applied so far, the rate used, the gradient norm."""
+
     step: int
     learning_rate: float
     grad_norm: float
@@ -99,11 +106,83 @@ class ReplayBackend(Protocol):
 def evaluate(
     backend: ReplayBackend, examples: Sequence[InputExample], batch_size: int
 ) -> dict[str, float]:
+    """The metrics of the current weights on ``examples``, in the training batch size."""
     tally = EvaluationTally()
     for batch in evaluation_batches(examples, batch_size):
         loss, labels = backend.forward(batch)
         tally.add(batch, loss, labels)
     return tally.metrics()
+
+
+def checkpoint_due(plan: ManagedTrainingPlan, index: int, every: int | None) -> bool:
+    """Whether a periodic checkpoint follows microbatch ``index``: after every ``every``-th
+    update (None or 0: never)."""
+    return bool(every) and plan.is_update(index) and plan.steps_after(index) % every == 0
+
+
+def run_microbatch(
+    plan: ManagedTrainingPlan,
+    backend: ReplayBackend,
+    state: RunState,
+    *,
+    eval_examples: Sequence[InputExample] | None = None,
+) -> Progress:
+    """Run the plan's next microbatch (``state.next_microbatch``) and everything it decides.
+
+    In order: forward_backward; the update iff the plan updates there; evaluation and best
+    selection where it evaluates; whether the run is finished (plan spent or early stop); the
+    best's checkpoint; then ``backend.after_microbatch`` (persist, checkpoint, report). Every
+    runner calls this one function, so all take the same decisions in the same order.
+    """
+    i = state.next_microbatch
+    if state.finished or not 0 <= i < plan.batch_count:
+        raise RuntimeError(
+            f"no microbatch to run: the run is at {i} of {plan.batch_count}"
+            + (" and finished" if state.finished else "")
+        )
+    eval_examples = plan.eval_examples if eval_examples is None else eval_examples
+    epoch, step = plan.epoch(i), plan.steps_after(i)
+    loss, tokens = backend.forward_backward(i, plan.batch(i))
+    state.pending_losses.append(loss)
+    update = evaluation = None
+    if plan.is_update(i):
+        outcome = backend.optim_step(i)
+        update = update_record(
+            microbatch=i,
+            epoch=epoch,
+            step=outcome.step,
+            losses=state.pending_losses,
+            learning_rate=outcome.learning_rate,
+            grad_norm=outcome.grad_norm,
+        )
+        state.history.append(update)
+        state.pending_losses = []
+    state.next_microbatch = i + 1
+    if plan.evaluates_after(i):
+        metrics = evaluate(backend, eval_examples or (), plan.config.batch_size)
+        is_best = state.selection.observe(metrics, step=step, epoch=epoch)
+        evaluation = evaluation_record(
+            microbatch=i, epoch=epoch, step=step, metrics=metrics, is_best=is_best
+        )
+        state.history.append(evaluation)
+    # Early stopping ends the run here: the last microbatch run is its last.
+    state.finished = state.selection.stopped_early or i + 1 == plan.batch_count
+    if evaluation is not None and evaluation["is_best"]:
+        state.after_pending = i
+        backend.save_best(i, state)
+        state.after_pending = None
+    backend.after_microbatch(i, state)
+    return Progress(
+        microbatch=i,
+        batch_count=plan.batch_count,
+        epoch=epoch,
+        step=step,
+        max_steps=plan.max_steps,
+        loss=loss,
+        update=update,
+        evaluation=evaluation,
+        tokens=tokens,
+    )
 
 
 def replay(
@@ -115,59 +194,14 @@ def replay(
     on_step: Callable[[Progress], None] | None = None,
 ) -> RunState:
     """Run the plan from ``state.next_microbatch`` to its end or to an early stop."""
-    eval_examples = plan.eval_examples if eval_examples is None else eval_examples
-    batch_size = plan.config.batch_size
     if state.after_pending is not None:
+        # Saved while the best's checkpoint was taken: that microbatch's closing step first.
         pending, state.after_pending = state.after_pending, None
         backend.after_microbatch(pending, state)
-    for i in range(state.next_microbatch, plan.batch_count):
-        if state.finished:
-            break
-        epoch, step = plan.epoch(i), plan.steps_after(i)
-        loss, tokens = backend.forward_backward(i, plan.batch(i))
-        state.pending_losses.append(loss)
-        update = evaluation = None
-        if plan.is_update(i):
-            outcome = backend.optim_step(i)
-            update = update_record(
-                microbatch=i,
-                epoch=epoch,
-                step=outcome.step,
-                losses=state.pending_losses,
-                learning_rate=outcome.learning_rate,
-                grad_norm=outcome.grad_norm,
-            )
-            state.history.append(update)
-            state.pending_losses = []
-        state.next_microbatch = i + 1
-        if plan.evaluates_after(i):
-            metrics = evaluate(backend, eval_examples or (), batch_size)
-            is_best = state.selection.observe(metrics, step=step, epoch=epoch)
-            evaluation = evaluation_record(
-                microbatch=i, epoch=epoch, step=step, metrics=metrics, is_best=is_best
-            )
-            state.history.append(evaluation)
-        # Early stopping ends the run here: the last microbatch run is its last.
-        state.finished = state.selection.stopped_early or i + 1 == plan.batch_count
-        if evaluation is not None and evaluation["is_best"]:
-            state.after_pending = i
-            backend.save_best(i, state)
-            state.after_pending = None
-        backend.after_microbatch(i, state)
+    while not state.finished and state.next_microbatch < plan.batch_count:
+        progress = run_microbatch(plan, backend, state, eval_examples=eval_examples)
         if on_step is not None:
-            on_step(
-                Progress(
-                    microbatch=i,
-                    batch_count=plan.batch_count,
-                    epoch=epoch,
-                    step=step,
-                    max_steps=plan.max_steps,
-                    loss=loss,
-                    update=update,
-                    evaluation=evaluation,
-                    tokens=tokens,
-                )
-            )
+            on_step(progress)
     return state
 
 
@@ -176,27 +210,29 @@ def training_result(
     state: RunState,
     *,
     state_digest: str,
-    last_checkpoint: str | None,
+    last_checkpoint_path: str | None,
+    config_path: str | None = None,
 ) -> TrainingResult:
     """The result of a finished replay, the same for every runner."""
     last = max(state.next_microbatch - 1, 0)
     selection = state.selection
     metrics: dict[str, float] = {}
     for record in state.history:
-        if record["kind"] == "update":
+        if record["kind"] == UPDATE:
             metrics["train_loss"] = record["loss"]
         else:
             metrics.update({k: v for k, v in record.items() if k.startswith("eval_")})
     return TrainingResult(
+        best_checkpoint_path=state.best_checkpoint,
+        last_checkpoint_path=last_checkpoint_path,
+        config_path=config_path,
         best_score=selection.best_value,
-        best_step=selection.best_step,
-        best_epoch=selection.best_epoch,
-        best_checkpoint=state.best_checkpoint,
-        last_checkpoint=last_checkpoint,
-        stopped_step=plan.steps_after(last) if state.next_microbatch else 0,
         stopped_epoch=plan.epoch(last),
         early_stopped=selection.stopped_early,
-        history=list(state.history),
         metrics=metrics,
+        best_step=selection.best_step,
+        best_epoch=selection.best_epoch,
+        stopped_step=plan.steps_after(last) if state.next_microbatch else 0,
+        history=list(state.history),
         state_digest=state_digest,
     )

@@ -16,7 +16,13 @@ from pathlib import Path
 from trainwire.client.config import InputExample
 from trainwire.client.plan import ManagedTrainingPlan, check_examples
 from trainwire.client.progress import Progress
-from trainwire.client.replay import RunState, StepOutcome, replay, training_result
+from trainwire.client.replay import (
+    RunState,
+    StepOutcome,
+    checkpoint_due,
+    replay,
+    training_result,
+)
 from trainwire.client.results import TrainingResult
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.session import TrainingSession
@@ -26,12 +32,29 @@ BEST_CHECKPOINT = "best"
 LAST_CHECKPOINT = "last"
 
 
-class _SessionBackend:
-    """The replay's operations, applied directly to a local session."""
+def save_managed_checkpoint(session: TrainingSession, path: str | Path, state: RunState) -> None:
+    """A managed checkpoint: the session's complete state, with ``state`` in its extra."""
+    session.save_state(Path(path), extra={MANAGED_KEY: state.to_dict()})
 
-    def __init__(self, training: ManagedTraining) -> None:
-        self.training = training
-        self.session = training.session
+
+class SessionBackend:
+    """The replay's operations, applied directly to a local session.
+
+    It checkpoints into ``checkpoint_dir``: the best at every new best, ``last`` every
+    ``checkpoint_every`` updates (never when None).
+    """
+
+    def __init__(
+        self,
+        session: TrainingSession,
+        plan: ManagedTrainingPlan,
+        checkpoint_dir: Path,
+        checkpoint_every: int | None,
+    ) -> None:
+        self.session = session
+        self.plan = plan
+        self.checkpoint_dir = checkpoint_dir
+        self.checkpoint_every = checkpoint_every
 
     def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
         loss = self.session.forward_backward(examples)
@@ -46,15 +69,13 @@ class _SessionBackend:
         return result.loss, [prediction.label for prediction in result.predictions]
 
     def save_best(self, index: int, state: RunState) -> None:
-        path = self.training.checkpoint_dir / BEST_CHECKPOINT
+        path = self.checkpoint_dir / BEST_CHECKPOINT
         state.best_checkpoint = str(path)
-        self.training._save(path, state)
+        save_managed_checkpoint(self.session, path, state)
 
     def after_microbatch(self, index: int, state: RunState) -> None:
-        every = self.training.checkpoint_every
-        plan = self.training.plan
-        if every and plan.is_update(index) and plan.steps_after(index) % every == 0:
-            self.training._save(self.training.checkpoint_dir / LAST_CHECKPOINT, state)
+        if checkpoint_due(self.plan, index, self.checkpoint_every):
+            save_managed_checkpoint(self.session, self.checkpoint_dir / LAST_CHECKPOINT, state)
 
 
 class ManagedTraining:
@@ -102,29 +123,28 @@ class ManagedTraining:
 
     def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
         """Run to the end of the plan (or an early stop) from wherever the run stands."""
-        backend = _SessionBackend(self)
+        backend = SessionBackend(
+            self.session, self.plan, self.checkpoint_dir, self.checkpoint_every
+        )
         self.state = replay(
             self.plan, backend, self.state, eval_examples=self.eval_examples, on_step=on_step
         )
         last = self.checkpoint_dir / LAST_CHECKPOINT
-        self._save(last, self.state)
+        save_managed_checkpoint(self.session, last, self.state)
         return training_result(
             self.plan,
             self.state,
             state_digest=self.session.state_digest(),
-            last_checkpoint=str(last),
+            last_checkpoint_path=str(last),
         )
-
-    def _save(self, path: Path, state: RunState) -> None:
-        self.session.save_state(path, extra={MANAGED_KEY: state.to_dict()})
 
     def save_state(self, path: str | Path) -> None:
         """A managed checkpoint: the session's complete state plus the run's cursor."""
-        self._save(Path(path), self.state)
+        save_managed_checkpoint(self.session, path, self.state)
 
     def load_state(self, path: str | Path) -> None:
         """Resume from a managed checkpoint into this run's fresh session."""
-        from trainwire.server.session_state import read_extra
+        from trainwire.server.session_checkpoint import read_extra
 
         saved = read_extra(Path(path)).get(MANAGED_KEY)
         if saved is None:

@@ -22,7 +22,7 @@ from training_runs import (
 )
 
 from trainwire.cli import main
-from trainwire.server.training import CheckpointInfo, read_checkpoint
+from trainwire.server.training import TrainCheckpointRecord, read_checkpoint
 from trainwire.server.training.callbacks import StopOnInterrupt
 from trainwire.server.training.run import train
 
@@ -37,12 +37,12 @@ def plans(bert_classifier_config, llama_config, small_lora):
 
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory, plans):
-    return shared_run("bert", tmp_path_factory, plans["full"])
+    return shared_run(tmp_path_factory, plans["full"])
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, bert_classifier_config):
-    return shared_run("stopped", tmp_path_factory, stopping_plan(bert_classifier_config))
+    return shared_run(tmp_path_factory, stopping_plan(bert_classifier_config))
 
 
 def run_cli(*args):
@@ -67,6 +67,12 @@ def test_train_ends_with_the_digest_of_the_plan_driven_op_by_op(kind, plans, tmp
     assert summary["result"]["best_step"] == reference.best_step
     assert (output / "export" / "trainwire_export.json").is_file()
     assert (output / "logs" / "version_0" / "metrics.csv").is_file()
+    # One summary schema for every runner; a local run adds the hardware it trained on.
+    assert summary["format"] == "trainwire.summary/v1" and summary["runner"] == "lightning"
+    assert summary["manifest_fingerprint"] == plan.fingerprint
+    assert summary["hardware"]["accelerator"] == "cpu"
+    assert summary["result"]["config_path"] == str(manifest.resolve())
+    assert (output / "metrics.jsonl").is_file() and (output / "loss_curve.png").is_file()
 
 
 @pytest.mark.parametrize(("kind", "stop_after"), [("full", 3), ("lora", 4)])
@@ -78,7 +84,7 @@ def test_resume_from_last_mid_accumulation_equals_the_uninterrupted_run(
     output = tmp_path / "out"
     interrupted = train(manifest, output, device="cpu", callbacks=[StopAfter(stop_after)])
     assert not (output / "training_summary.json").exists()
-    info = CheckpointInfo.read(output / "checkpoints" / "last.ckpt")
+    info = TrainCheckpointRecord.read(output / "checkpoints" / "last.ckpt")
     assert info.cursor == stop_after and not plan.is_update(stop_after - 1)
     assert len(info.record["run_state"]["pending_losses"]) == 1  # gradients pending
     assert info.state_digest == interrupted.state_digest
@@ -111,7 +117,7 @@ def test_ctrl_c_stops_after_the_microbatch_in_flight_and_the_run_resumes_exactly
     interrupt = StopOnInterrupt()
     train(manifest, output, device="cpu", callbacks=[interrupt, InterruptAfter(3)])
     assert interrupt.requested and signal.getsignal(signal.SIGINT) is handler
-    assert CheckpointInfo.read(output / "checkpoints" / "last.ckpt").cursor == 4
+    assert TrainCheckpointRecord.read(output / "checkpoints" / "last.ckpt").cursor == 4
 
     result = train(manifest, output, device="cpu", ckpt_path="last")
     assert result.state_digest == references(plan)[0]
@@ -170,7 +176,8 @@ def test_a_resume_into_another_directory_is_refused_but_a_symlink_to_it_passes(
     other = tmp_path / "other"
     assert run_cli("--manifest", bert_run.manifest, "--output", other, "--ckpt-path", last) == 2
     error = capsys.readouterr().err
-    assert f"belongs to the run in {bert_run.output}" in error and "--output" in error
+    assert f"belongs to the run in {bert_run.output / 'checkpoints'}" in error
+    assert f"--output {bert_run.output}" in error
     assert not other.exists()
 
     link = tmp_path / "link"
@@ -207,4 +214,4 @@ def test_evaluation_every_few_steps_and_early_stopping_mid_epoch_match_the_repla
     assert result.state_digest == expected
     assert result.history == reference.history
     assert result.best_step == reference.best_step
-    assert result.best_checkpoint.endswith(f"best-epoch=0-step={reference.best_step}.ckpt")
+    assert result.best_checkpoint_path.endswith(f"best-epoch=0-step={reference.best_step}.ckpt")

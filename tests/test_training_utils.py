@@ -1,9 +1,10 @@
 """The run-management utilities of trainwire.server.training, each guard's refusal included, on
-real Lightning checkpoints written by real short runs."""
+the dicts ``read_checkpoint`` returns for real checkpoints of real ``trainwire train`` runs."""
 
 import json
 import logging
 import pickle
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -11,12 +12,13 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
-from training_runs import classifier_plan, shared_run, stopping_plan
+from training_runs import classifier_plan, lora_plan, shared_run, stopping_plan
 
 from trainwire.client import overrides
 from trainwire.server.training import (
     CheckpointInfo,
     HardwareInfo,
+    TrainCheckpointRecord,
     TrainingResult,
     constructor_settings,
     create_trainer,
@@ -27,11 +29,6 @@ from trainwire.server.training import (
     outcome_early_stopping,
     parse_config_overrides,
     read_checkpoint,
-    refuse_a_fresh_start_into_a_used_directory,
-    refuse_a_resume_from_another_directory,
-    refuse_a_resume_of_a_stopped_run,
-    refuse_a_resume_under_other_settings,
-    refuse_other_constructor_settings,
     resolve_checkpoint,
     run_settings,
     save_training_summary,
@@ -43,17 +40,31 @@ GIB = 1024**3
 
 @pytest.fixture(scope="module")
 def bert_run(tmp_path_factory, bert_classifier_config):
-    return shared_run("bert", tmp_path_factory, classifier_plan(bert_classifier_config))
+    return shared_run(tmp_path_factory, classifier_plan(bert_classifier_config))
 
 
 @pytest.fixture(scope="module")
 def stopped_run(tmp_path_factory, bert_classifier_config):
-    return shared_run("stopped", tmp_path_factory, stopping_plan(bert_classifier_config))
+    return shared_run(tmp_path_factory, stopping_plan(bert_classifier_config))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, llama_config, small_lora):
+    return shared_run(tmp_path_factory, lora_plan(llama_config, small_lora))
+
+
+def last_of(run):
+    return run.output / "checkpoints" / "last.ckpt"
 
 
 @pytest.fixture(scope="module")
 def last(bert_run):
-    return CheckpointInfo.read(bert_run.output / "checkpoints" / "last.ckpt")
+    """The bert run's last checkpoint, as the guards take it: ``read_checkpoint``'s dict."""
+    return read_checkpoint(last_of(bert_run))
+
+
+def settings_of(run):
+    return run_settings(run.plan.config, accelerator="cpu", precision="32-true")
 
 
 def fake_gpu(monkeypatch, *, bf16=True):
@@ -73,14 +84,20 @@ def test_detect_hardware_prefers_cuda_then_mps_then_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     cpu = detect_hardware(cuda_precision="bf16-true")
-    assert (cpu.accelerator, cpu.precision, cpu.memory) == ("cpu", "32-true", None)
+    assert (cpu.accelerator, cpu.precision, cpu.num_devices, cpu.gpu_memory) == (
+        "cpu",
+        "32-true",
+        1,
+        None,
+    )
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    assert (detect_hardware(cuda_precision="bf16-true").accelerator, "mps") == ("mps", "mps")
+    assert detect_hardware(cuda_precision="bf16-true").accelerator == "mps"
     assert detect_hardware(cuda_precision="bf16-true").precision == "32-true"
     fake_gpu(monkeypatch)
     gpu = detect_hardware(cuda_precision="bf16-true")
     assert (gpu.accelerator, gpu.precision, gpu.device_name) == ("cuda", "bf16-true", "Fake GPU")
-    assert gpu.device_count == 2 and gpu.memory["total_gb"] == 8.0
+    assert gpu.num_devices == 2 and gpu.gpu_memory["total_gb"] == 8.0
+    assert detect_hardware().precision == "bf16-mixed"  # the seed's default on CUDA
 
 
 def test_detect_hardware_logs_what_it_found_when_asked(caplog):
@@ -109,6 +126,7 @@ def test_effective_precision_is_fp32_everywhere_and_bf16_only_on_native_cuda(
 ):
     fp32, bf16 = bert_classifier_config(), bert_classifier_config(precision="bf16")
     assert effective_precision(fp32, "cpu") == effective_precision(fp32, "cuda") == "32-true"
+    # Refused off CUDA, never downgraded: the one deliberate difference from the seed.
     with pytest.raises(ValueError, match=r"bf16 needs a CUDA device; this run trains on cpu.*fp32"):
         effective_precision(bf16, "cpu")
     fake_gpu(monkeypatch)
@@ -137,6 +155,10 @@ def test_parse_config_overrides_is_the_one_client_parser():
         "h": "text",
     }
     assert invalid == ["bad"]
+    assert parse_config_overrides(None) == ({}, [])
+    assert overrides.checked_config_overrides(["a=1"]) == {"a": 1}
+    with pytest.raises(ValueError, match="--set takes key=value, got: bad, also"):
+        overrides.checked_config_overrides(["a=1", "bad", "also"])
 
 
 def test_run_settings_come_in_a_fixed_order_of_json_types(bert_classifier_config):
@@ -172,29 +194,36 @@ def test_constructor_settings_describe_the_model(bert_classifier_config, small_l
 
 
 def test_resolve_checkpoint_none_last_and_an_explicit_path(tmp_path):
-    assert resolve_checkpoint(None, tmp_path) is None
-    with pytest.raises(FileNotFoundError, match=r"no last.ckpt in .*start a fresh run"):
-        resolve_checkpoint("last", tmp_path)
+    assert resolve_checkpoint(None, tmp_path, "exp") == CheckpointInfo(None, False, False)
+    assert resolve_checkpoint("last", tmp_path, "exp") == CheckpointInfo(None, False, False)
     (tmp_path / "exp").mkdir()
     last = tmp_path / "exp" / "last.ckpt"
     last.write_bytes(b"")
-    assert resolve_checkpoint("last", tmp_path, "exp") == last
-    assert resolve_checkpoint("last.ckpt", tmp_path, "exp") == last
-    assert resolve_checkpoint(str(last), tmp_path / "elsewhere") == last
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        resolve_checkpoint(tmp_path / "missing.ckpt", tmp_path)
+    assert resolve_checkpoint("last", tmp_path, "exp") == CheckpointInfo(str(last), True, True)
+    assert resolve_checkpoint("last.ckpt", tmp_path, "exp") == CheckpointInfo(str(last), True, True)
+    elsewhere = resolve_checkpoint(str(last), tmp_path, "other")
+    assert elsewhere == CheckpointInfo(str(last), False, True)
+    # Stricter than the seed: a mistyped path is an error, never a silent fresh start.
+    with pytest.raises(FileNotFoundError, match=r"missing\.ckpt does not exist"):
+        resolve_checkpoint(tmp_path / "missing.ckpt", tmp_path, "exp")
+    with pytest.raises(FileNotFoundError, match="is not a file"):
+        resolve_checkpoint(tmp_path / "exp", tmp_path, "exp")
 
 
 def test_read_checkpoint_loads_a_real_checkpoint_on_the_cpu(bert_run, last):
-    checkpoint = read_checkpoint(last.path)
-    scores = [v["best_model_score"] for v in checkpoint["callbacks"].values() if "dirpath" in v]
+    scores = [v["best_model_score"] for v in last["callbacks"].values() if "dirpath" in v]
     assert scores and all(score.device.type == "cpu" for score in scores)
-    assert last.cursor == last.batch_count == bert_run.plan.batch_count
-    assert last.global_step == bert_run.plan.max_steps and not last.early_stopped
-    assert last.state_digest == bert_run.result.state_digest
-    assert last.session_checkpoint.is_dir() and last.session_checkpoint.parent == last.path.parent
-    assert last.seed == 0 and last.output_dir == str(bert_run.output.resolve())
-    assert json.loads(json.dumps(last.to_dict())) == last.to_dict()
+    record = TrainCheckpointRecord.from_checkpoint(last_of(bert_run), last)
+    assert record == TrainCheckpointRecord.read(last_of(bert_run))
+    assert record.cursor == record.batch_count == bert_run.plan.batch_count
+    assert record.global_step == bert_run.plan.max_steps and not record.early_stopped
+    assert record.state_digest == bert_run.result.state_digest
+    assert record.session_checkpoint.is_dir()
+    assert record.session_checkpoint.parent == record.path.parent
+    assert record.seed == 0 and record.output_dir == str(bert_run.output.resolve())
+    assert record.settings == settings_of(bert_run)
+    assert record.plan_fingerprint == bert_run.plan.fingerprint
+    assert json.loads(json.dumps(record.to_dict())) == record.to_dict()
 
 
 class Payload:
@@ -217,73 +246,6 @@ def test_read_checkpoint_refuses_a_planted_pickle_payload(tmp_path):
     with pytest.raises(ValueError, match="refused: not a weights-only checkpoint"):
         read_checkpoint(planted)
     assert not marker.exists()
-
-
-# -- guards ----------------------------------------------------------------------------------
-
-
-def test_a_fresh_start_into_a_used_directory_is_refused(bert_run, tmp_path):
-    with pytest.raises(ValueError, match=r"already holds a run's checkpoints \(best-.*last.ckpt"):
-        refuse_a_fresh_start_into_a_used_directory(bert_run.output / "checkpoints")
-    refuse_a_fresh_start_into_a_used_directory(tmp_path / "new")
-    refuse_a_fresh_start_into_a_used_directory(tmp_path)
-
-
-def test_a_resume_from_another_directory_is_refused_and_a_symlink_passes(bert_run, last, tmp_path):
-    with pytest.raises(ValueError) as refused:
-        refuse_a_resume_from_another_directory(last, tmp_path / "other")
-    message = str(refused.value)
-    assert f"belongs to the run in {bert_run.output.resolve()}, not to {tmp_path / 'other'}" in (
-        message
-    )
-    assert f"resume it with --output {bert_run.output.resolve()}" in message
-    link = tmp_path / "link"
-    link.symlink_to(bert_run.output, target_is_directory=True)
-    refuse_a_resume_from_another_directory(last, link)
-    refuse_a_resume_from_another_directory(last, bert_run.output)
-
-
-def test_a_resume_under_other_settings_names_each_setting_and_the_seed(last):
-    refuse_a_resume_under_other_settings(last, last.settings, seed=last.seed)
-    now = dict(last.settings, gradient_accumulation_steps=1, max_grad_norm=None, newcomer=True)
-    del now["num_epochs"]
-    with pytest.raises(ValueError) as refused:
-        refuse_a_resume_under_other_settings(last, now, seed=5)
-    message = str(refused.value)
-    for difference in (
-        "gradient_accumulation_steps: saved 2, now 1",
-        "max_grad_norm: saved 1.0, now None",
-        "num_epochs: saved 2, now absent",
-        "newcomer: saved absent, now True",
-        "seed: saved 0, now 5",
-    ):
-        assert difference in message
-    assert "Resume with the settings it was saved with" in message
-    with pytest.raises(ValueError, match="seed: saved 0, now absent"):
-        refuse_a_resume_under_other_settings(last, last.settings, seed=None)
-
-
-def test_a_resume_of_a_run_early_stopping_ended_is_refused(stopped_run, last):
-    refuse_a_resume_of_a_stopped_run(last)
-    stopped = CheckpointInfo.read(stopped_run.output / "checkpoints" / "last.ckpt")
-    assert stopped.early_stopped and stopped.cursor < stopped.batch_count
-    with pytest.raises(ValueError) as refused:
-        refuse_a_resume_of_a_stopped_run(stopped)
-    message = str(refused.value)
-    assert "early stopping ended that run at update 4 after 1 evaluation(s) without gain" in message
-    assert "nothing to resume" in message and "new --output directory" in message
-
-
-def test_other_constructor_settings_are_refused(last, bert_classifier_config, small_lora):
-    same = bert_classifier_config(model=last.constructor_settings["model"])
-    refuse_other_constructor_settings(last.constructor_settings, constructor_settings(same))
-    lora = constructor_settings(same.replace(lora=small_lora, labels=("bad", "good")))
-    with pytest.raises(ValueError) as refused:
-        refuse_other_constructor_settings(last.constructor_settings, lora, what="last.ckpt")
-    message = str(refused.value)
-    assert message.startswith("last.ckpt was trained in another model: ")
-    assert "labels: saved ['negative', 'positive'], now ['bad', 'good']" in message
-    assert "lora: saved False, now True" in message and "lora.r: saved absent, now 4" in message
 
 
 # -- callbacks, trainer, summary -------------------------------------------------------------
@@ -345,22 +307,29 @@ def test_outcome_early_stopping_counts_a_tie_against_patience(tmp_path):
     assert patient.stopped_epoch == 5 and trainer.current_epoch == 6
 
 
-def test_create_trainer_uses_one_device_the_detected_precision_and_the_outcome_callbacks(
-    tmp_path,
-):
+def test_create_trainer_follows_the_config_on_one_device(tmp_path, bert_classifier_config):
     hardware = detect_hardware()
-    trainer = create_trainer(tmp_path, hardware=hardware, monitor="eval_accuracy", mode="max")
+    cfg = bert_classifier_config(eval_strategy="epoch", metric_for_best="eval_accuracy")
+    trainer, checkpoint, stopping = create_trainer(cfg, hardware, tmp_path / "checkpoints")
     assert trainer.num_devices == 1 and trainer.precision == hardware.precision
-    (checkpoint,) = [c for c in trainer.callbacks if isinstance(c, OutcomeCheckpoint)]
+    assert isinstance(checkpoint, OutcomeCheckpoint) and checkpoint in trainer.callbacks
     assert checkpoint.monitor == "eval_accuracy" and checkpoint.mode == "max"
     assert checkpoint.dirpath == str(tmp_path / "checkpoints")
-    assert not any(isinstance(c, EarlyStopping) for c in trainer.callbacks)
+    assert stopping is None and not any(isinstance(c, EarlyStopping) for c in trainer.callbacks)
     assert isinstance(trainer.logger, CSVLogger) and trainer.logger.save_dir == str(tmp_path)
-    stopping = create_trainer(tmp_path, hardware=hardware, patience=3)
-    (early,) = [c for c in stopping.callbacks if isinstance(c, EarlyStopping)]
-    assert early.patience == 3 and early.monitor == "eval_loss"
+
+    stopping_cfg = bert_classifier_config(
+        eval_strategy="epoch", early_stopping=True, early_stopping_patience=3
+    )
+    trainer, _, stopping = create_trainer(stopping_cfg, hardware, tmp_path / "c", callbacks=[])
+    assert stopping in trainer.callbacks
+    assert stopping.patience == 3 and stopping.monitor == "eval_loss"
+    _, last_only, _ = create_trainer(bert_classifier_config(), hardware, tmp_path / "n")
+    assert last_only.monitor is None and last_only.save_top_k == 0
     with pytest.raises(ValueError, match="logger must be one of csv, tensorboard"):
-        create_trainer(tmp_path, hardware=hardware, logger="wandb")
+        create_trainer(cfg, hardware, tmp_path, logger_kind="wandb")
+    with pytest.raises(ValueError, match="bf16 needs a CUDA device"):
+        create_trainer(cfg.replace(precision="bf16"), HardwareInfo("cpu", "32-true", 1), tmp_path)
 
 
 def test_save_training_summary_writes_json_and_yaml_with_the_final_digest(
@@ -368,15 +337,48 @@ def test_save_training_summary_writes_json_and_yaml_with_the_final_digest(
 ):
     result = TrainingResult(best_score=0.5, best_step=3, state_digest="sha256:" + "0" * 64)
     config = bert_classifier_config()
-    hardware = HardwareInfo("cpu", "32-true", "cpu", 1, "2.x")
+    hardware = HardwareInfo("cpu", "32-true", 1, device_name="cpu")
     written = save_training_summary(result, config, hardware, tmp_path, extra={"runner": "test"})
-    assert [p.name for p in written] == ["training_summary.json", "training_summary.yaml"]
-    summary = json.loads(written[0].read_text())
-    assert yaml.safe_load(written[1].read_text()) == summary
+    assert written == {
+        "json": str(tmp_path / "training_summary.json"),
+        "yaml": str(tmp_path / "training_summary.yaml"),
+    }
+    summary = json.loads(Path(written["json"]).read_text())
+    assert yaml.safe_load(Path(written["yaml"]).read_text()) == summary
     assert summary["state_digest"] == result.state_digest and summary["runner"] == "test"
     assert summary["result"] == result.to_dict() and summary["config"] == config.to_dict()
-    assert summary["hardware"]["accelerator"] == "cpu"
+    assert summary["hardware"] == hardware.to_dict()
     only_yaml = save_training_summary(result, config, None, tmp_path / "y", format="yaml")
-    assert [p.name for p in only_yaml] == ["training_summary.yaml"]
+    assert list(only_yaml) == ["yaml"]
+    assert yaml.safe_load(Path(only_yaml["yaml"]).read_text())["hardware"] is None
     with pytest.raises(ValueError, match="summary format must be one of json, yaml, both"):
         save_training_summary(result, config, None, tmp_path, format="xml")
+
+
+def test_the_controller_and_trainwire_train_write_one_summary_schema(tmp_path, bert_run):
+    from trainwire.client.artifacts import run_summary, write_run_artifacts
+
+    result = bert_run.result
+    paths = write_run_artifacts(tmp_path, result, bert_run.plan, run_id="r")
+    remote = json.loads(paths["json"].read_text())
+    local = json.loads((bert_run.output / "training_summary.json").read_text())
+    schema = [
+        "format",
+        "state_digest",
+        "config_fingerprint",
+        "manifest_fingerprint",
+        "batch_count",
+        "max_steps",
+        "hardware",
+        "config",
+        "result",
+    ]
+    assert [k for k in remote if k in schema] == [k for k in local if k in schema] == schema
+    assert set(remote) - set(schema) == {"run_id"}
+    assert remote["state_digest"] == local["state_digest"] == result.state_digest
+    assert remote["hardware"] is None and local["hardware"]["accelerator"] == "cpu"
+    assert list(run_summary(result, bert_run.plan.config))[:3] == [
+        "format",
+        "state_digest",
+        "config_fingerprint",
+    ]

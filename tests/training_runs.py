@@ -149,13 +149,15 @@ class Run:
 _RUNS: dict[str, Run] = {}
 
 
-def shared_run(
-    name: str, tmp_path_factory: pytest.TempPathFactory, plan: ManagedTrainingPlan
-) -> Run:
-    """A finished ``trainwire train`` run of ``plan``, built once per test session."""
-    if name not in _RUNS:
-        directory = tmp_path_factory.mktemp(f"run-{name}")
+def shared_run(tmp_path_factory: pytest.TempPathFactory, plan: ManagedTrainingPlan) -> Run:
+    """A finished ``trainwire train`` run of ``plan``, built once per test session.
+
+    Keyed by the plan's fingerprint, so two modules asking for the same plan share one run and
+    two different plans never meet under one key.
+    """
+    if plan.fingerprint not in _RUNS:
+        directory = tmp_path_factory.mktemp("run")
         manifest = write_manifest(directory, plan)
         output = directory / "out"
-        _RUNS[name] = Run(manifest, output, plan, train(manifest, output, device="cpu"))
-    return _RUNS[name]
+        _RUNS[plan.fingerprint] = Run(manifest, output, plan, train(manifest, output, device="cpu"))
+    return _RUNS[plan.fingerprint]

@@ -3,6 +3,11 @@
 ``trainwire train`` runs a manifest on this machine: a LightningModule drives the one engine
 (``TrainingSession``) through the plan's microbatches, so a local run ends with the same bits as
 the remote replay. Importing this package imports torch and Lightning; the CLI imports it lazily.
+
+The run-management utilities keep the seed's API (docs/DESIGN.md, "Local runs"):
+its signatures, parameter names, dataclass fields and return shapes, so code written against
+the seed runs unchanged; only the domain is this project's (``TrainingConfig``, LoRA settings).
+Where this is deliberately stricter than the seed, the function's docstring says so.
 """
 
 from trainwire.client.overrides import parse_config_overrides
@@ -10,6 +15,7 @@ from trainwire.client.results import TrainingResult
 from trainwire.server.training.callbacks import outcome_checkpoint, outcome_early_stopping
 from trainwire.server.training.checkpoints import (
     CheckpointInfo,
+    TrainCheckpointRecord,
     read_checkpoint,
     resolve_checkpoint,
 )
@@ -26,6 +32,7 @@ from trainwire.server.training.hardware import (
     effective_precision,
     get_gpu_memory_info,
 )
+from trainwire.server.training.module import ManifestModule
 from trainwire.server.training.settings import constructor_settings, run_settings
 from trainwire.server.training.summary import save_training_summary
 from trainwire.server.training.trainer import create_trainer
@@ -33,6 +40,8 @@ from trainwire.server.training.trainer import create_trainer
 __all__ = [
     "CheckpointInfo",
     "HardwareInfo",
+    "ManifestModule",
+    "TrainCheckpointRecord",
     "TrainingResult",
     "constructor_settings",
     "create_trainer",

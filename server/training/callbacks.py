@@ -45,12 +45,18 @@ class OutcomeCheckpoint(ModelCheckpoint):
 
 
 def outcome_checkpoint(
-    dirpath: str | Path, *, monitor: str | None = "eval_loss", mode: str = "min"
+    checkpoint_dir: str | Path, *, monitor: str | None = "eval_loss", mode: str = "min"
 ) -> OutcomeCheckpoint:
-    """Best by ``monitor`` (``min`` or ``max``; a later equal value does not replace the
-    earliest), plus ``last.ckpt``. With ``monitor=None`` only ``last.ckpt`` is kept."""
+    """The ModelCheckpoint the selection metric drives, writing into ``checkpoint_dir``.
+
+    It keeps one best checkpoint, ``best-epoch=E-step=S.ckpt``: the earliest evaluation with
+    the best ``monitor`` (``min`` or ``max``; a later equal value does not replace it), and
+    ``last.ckpt`` for exact resume. With ``monitor=None`` (a run without evaluation) only
+    ``last.ckpt`` is kept. ``refuse_a_resume_from_another_directory`` reads this callback's
+    saved state.
+    """
     return OutcomeCheckpoint(
-        dirpath=str(dirpath),
+        dirpath=str(checkpoint_dir),
         filename=BEST_FILENAME,
         monitor=monitor,
         mode=mode,
@@ -64,8 +70,14 @@ def outcome_checkpoint(
 def outcome_early_stopping(
     patience: int, *, monitor: str = "eval_loss", mode: str = "min"
 ) -> EarlyStopping:
-    """Stop after ``patience`` evaluations without gain; ``min_delta`` is 0, so a tie is no
-    gain and counts against the patience. An epoch without the metric is not judged."""
+    """The EarlyStopping the selection metric drives.
+
+    It stops after ``patience`` evaluations without gain, judged at a Lightning epoch's end
+    before the checkpoint callback saves (Lightning runs checkpoint callbacks last), so a
+    stopped run's ``last.ckpt`` records the stop. ``min_delta`` is 0: a tie is no gain and
+    counts against the patience. An epoch without the metric is not judged.
+    ``refuse_a_resume_of_a_stopped_run`` reads this callback's saved state.
+    """
     return EarlyStopping(
         monitor=monitor,
         mode=mode,

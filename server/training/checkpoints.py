@@ -17,8 +17,10 @@ Layout of a run's checkpoint directory:
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import shutil
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,7 +44,72 @@ RECORD_FORMAT = "trainwire.lightning/v1"
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What a ``trainwire train`` checkpoint says about its run.
+    """Where a run resumes from, as ``resolve_checkpoint`` found it (the seed's record).
+
+    Attributes:
+        path: the checkpoint file (absolute), or None: a fresh start, or ``last`` not found.
+        is_same_stage: the checkpoint lies in this experiment's own directory
+            (``checkpoint_dir/experiment_name``), as ``last`` always does.
+        exists: the checkpoint file exists.
+    """
+
+    path: str | None
+    is_same_stage: bool
+    exists: bool
+
+
+def resolve_checkpoint(
+    ckpt_path: str | Path | None, checkpoint_dir: str | Path, experiment_name: str
+) -> CheckpointInfo:
+    """Resolve the checkpoint a run resumes from.
+
+    Three cases, as in the seed:
+
+    1. None (or ""): no checkpoint, a fresh start: ``CheckpointInfo(None, False, False)``.
+    2. ``last`` or ``last.ckpt``: ``checkpoint_dir/experiment_name/last.ckpt``; when it is
+       missing, ``path`` is None and ``exists`` False, for the caller to decide.
+    3. Any other path: validated: a missing file raises ``FileNotFoundError`` (stricter than
+       the seed: a mistyped path never silently becomes a fresh start).
+
+    Example:
+        >>> info = resolve_checkpoint("last", Path("checkpoints"), "reference")
+        >>> if info.exists:
+        ...     print(f"Resuming from {info.path}")
+    """
+    if ckpt_path is None or str(ckpt_path) == "":
+        return CheckpointInfo(path=None, is_same_stage=False, exists=False)
+    stage = Path(checkpoint_dir) / experiment_name
+    if str(ckpt_path) in (LAST_NAME, LAST_CHECKPOINT):
+        last = stage / LAST_CHECKPOINT
+        if not last.is_file():
+            return CheckpointInfo(path=None, is_same_stage=False, exists=False)
+        return CheckpointInfo(path=str(last.absolute()), is_same_stage=True, exists=True)
+    path = Path(ckpt_path).expanduser()
+    if not path.is_file():
+        what = "is not a file" if path.exists() else "does not exist"
+        raise FileNotFoundError(f"checkpoint {path} {what}")
+    same = os.path.realpath(path.parent) == os.path.realpath(stage)
+    return CheckpointInfo(path=str(path.absolute()), is_same_stage=same, exists=True)
+
+
+def train_record(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``trainwire train`` record a Lightning checkpoint's dict carries (``RECORD_KEY``).
+
+    Raises ``ValueError`` for a checkpoint that another program wrote.
+    """
+    record = checkpoint.get(RECORD_KEY)
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        raise ValueError(
+            f"the checkpoint is not one that `trainwire train` wrote (no {RECORD_FORMAT} "
+            "record); resume from last.ckpt of a trainwire train output directory"
+        )
+    return record
+
+
+@dataclass(frozen=True)
+class TrainCheckpointRecord:
+    """What a ``trainwire train`` checkpoint says about its run (richer than ``CheckpointInfo``,
+    which only says where a checkpoint is).
 
     Attributes:
         path: the ``.ckpt`` file.
@@ -52,8 +119,9 @@ class CheckpointInfo:
         early_stopped: early stopping ended the run.
         output_dir: the real path of the directory the run wrote to.
         seed: the config's seed.
-        settings: the run's free settings (``run_settings``) and its plan fingerprint.
+        settings: the run's free settings (``run_settings``).
         constructor_settings: what shaped the model (``constructor_settings``).
+        plan_fingerprint: the fingerprint of the manifest's plan it trains.
         session_checkpoint: the session checkpoint directory beside the ``.ckpt``.
         state_digest: the session's ``state_digest()`` when the checkpoint was written.
         record: the whole record; ``record["run_state"]`` is the replay's ``RunState``.
@@ -69,19 +137,20 @@ class CheckpointInfo:
     seed: int | None
     settings: dict[str, Any]
     constructor_settings: dict[str, Any]
+    plan_fingerprint: str | None
     session_checkpoint: Path | None
     state_digest: str | None
     record: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, checkpoint: dict[str, Any]) -> CheckpointInfo:
+    def from_checkpoint(
+        cls, path: str | Path, checkpoint: Mapping[str, Any]
+    ) -> TrainCheckpointRecord:
         path = Path(path)
-        record = checkpoint.get(RECORD_KEY)
-        if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
-            raise ValueError(
-                f"{path} is not a checkpoint that `trainwire train` wrote (no {RECORD_FORMAT} "
-                "record); resume from last.ckpt of a trainwire train output directory"
-            )
+        try:
+            record = train_record(checkpoint)
+        except ValueError as error:
+            raise ValueError(f"{path}: {error}") from None
         session = record.get("session_checkpoint")
         run_state = record["run_state"]
         return cls(
@@ -95,13 +164,14 @@ class CheckpointInfo:
             seed=record.get("seed"),
             settings=dict(record.get("settings") or {}),
             constructor_settings=dict(record.get("constructor_settings") or {}),
+            plan_fingerprint=record.get("plan_fingerprint"),
             session_checkpoint=None if session is None else path.parent / session,
             state_digest=record.get("state_digest"),
             record=record,
         )
 
     @classmethod
-    def read(cls, path: str | Path) -> CheckpointInfo:
+    def read(cls, path: str | Path) -> TrainCheckpointRecord:
         """Read a checkpoint (weights only, on the CPU) and describe it."""
         return cls.from_checkpoint(path, read_checkpoint(path))
 
@@ -115,38 +185,13 @@ class CheckpointInfo:
         return out
 
 
-def resolve_checkpoint(
-    ckpt_path: str | Path | None, checkpoint_dir: str | Path, experiment_name: str | None = None
-) -> Path | None:
-    """The checkpoint a run resumes from: None (a fresh start), ``last``/``last.ckpt`` (the
-    latest in ``checkpoint_dir``, under ``experiment_name`` when given), or an explicit path.
-
-    Raises ``FileNotFoundError`` naming where it looked when there is nothing there.
-    """
-    if ckpt_path is None or str(ckpt_path) == "":
-        return None
-    if str(ckpt_path) in (LAST_NAME, LAST_CHECKPOINT):
-        base = Path(checkpoint_dir)
-        if experiment_name:
-            base = base / experiment_name
-        last = base / LAST_CHECKPOINT
-        if not last.is_file():
-            raise FileNotFoundError(
-                f"no {LAST_CHECKPOINT} in {base}: nothing to resume there; start a fresh run "
-                "without --ckpt-path, or pass the checkpoint file itself"
-            )
-        return last.absolute()
-    path = Path(ckpt_path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist")
-    return path.absolute()
-
-
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
-    """A Lightning checkpoint's dict, loaded on the CPU with ``weights_only=True``.
+    """A Lightning checkpoint's contents, on the CPU: the dict the guards take.
 
-    Anything but tensors and primitives (a pickled object, a planted payload) is refused with
-    ``ValueError``; it is never unpickled.
+    Safer than the seed, which loads with ``weights_only=False`` and so trusts the file: this
+    loads with ``weights_only=True``. A ``trainwire train`` checkpoint holds tensors and
+    primitives only (the run's record is JSON-safe), so it loads whole; anything else (a pickled
+    object, a planted payload) is refused with ``ValueError`` and never unpickled.
     """
     try:
         checkpoint = torch.load(Path(path), map_location="cpu", weights_only=True)

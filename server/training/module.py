@@ -1,9 +1,10 @@
 """The LightningModule that drives the one engine through a manifest's microbatches.
 
-The engine does the math (``TrainingSession``: forward_backward, optim_step, forward), exactly as
-every other runner calls it; Lightning provides the loop, the callbacks, checkpoints and
-logging. One ``training_step`` is one microbatch of the plan, offered by a DataLoader over
-microbatch indices, so the loop, the plan and the logs share one index.
+The engine does the math (``TrainingSession``: forward_backward, optim_step, forward) and the
+replay's ``run_microbatch`` takes the decisions, exactly as for every other runner; Lightning
+provides the loop, the callbacks, checkpoints and logging. One ``training_step`` is one
+microbatch of the plan, offered by a DataLoader over microbatch indices, so the loop, the plan
+and the logs share one index.
 
 A Lightning epoch here is a *segment* of the plan: it ends after every evaluation and every plan
 epoch end. Callbacks judge at Lightning epoch ends, so each evaluation is judged once, and every
@@ -25,14 +26,18 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from trainwire.client.config import METRICS
-from trainwire.client.evaluation import EvaluationTally, evaluation_batches
+from trainwire.client.config import METRICS, InputExample
 from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import evaluation_record, update_record
-from trainwire.client.replay import RunState, training_result
+from trainwire.client.progress import Progress
+from trainwire.client.replay import RunState, StepOutcome, run_microbatch, training_result
 from trainwire.client.results import TrainingResult
 from trainwire.server.session import StepResult, TrainingSession
-from trainwire.server.training.checkpoints import RECORD_FORMAT, RECORD_KEY, CheckpointInfo
+from trainwire.server.training.checkpoints import (
+    RECORD_FORMAT,
+    RECORD_KEY,
+    SessionCheckpointIO,
+    TrainCheckpointRecord,
+)
 
 
 @contextlib.contextmanager
@@ -95,22 +100,29 @@ class EngineOptimizer:
 class ManifestModule(pl.LightningModule):
     """Runs ``plan`` on ``session``; ``run_record`` (JSON) rides in every checkpoint it writes.
 
-    Each microbatch takes the steps of the shared replay loop (``trainwire.client.replay``) in
-    the same order, with the same ``RunState``, history records and result, so a local run
-    decides and ends exactly as an in-process or remote one.
+    ``training_step`` runs one microbatch through the replay's own step
+    (``trainwire.client.replay.run_microbatch``), with this module as its ``ReplayBackend``:
+    the same operations, decisions, ``RunState``, history records and result as an in-process
+    or remote run. The backend methods add what Lightning needs: the update goes through
+    ``self.optimizers().step()`` so Lightning counts ``global_step``, the engine runs under
+    float32 defaults (``engine_defaults``), and the figures go to Lightning's loggers.
 
     The session's model is deliberately not a submodule: the engine owns its parameters, device
     and dtype, and the session checkpoint, not Lightning's ``state_dict``, persists them.
     """
 
     def __init__(
-        self, plan: ManagedTrainingPlan, session: TrainingSession, *, run_record: dict[str, Any]
+        self,
+        plan: ManagedTrainingPlan,
+        session: TrainingSession,
+        *,
+        run_record: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.automatic_optimization = False
         self.plan = plan
         self.session = session
-        self.run_record = dict(run_record)
+        self.run_record = dict(run_record or {})
         self.run_state = RunState.start(plan)
 
     @property
@@ -119,6 +131,13 @@ class ManifestModule(pl.LightningModule):
         return self.run_state.finished
 
     # -- the loop ---------------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # Every checkpoint needs its session checkpoint beside it; install the writer unless
+        # the trainer was given one, so any Trainer (create_trainer's or not) resumes exactly.
+        strategy = self.trainer.strategy
+        if not isinstance(strategy.checkpoint_io, SessionCheckpointIO):
+            strategy.checkpoint_io = SessionCheckpointIO(self.session)
 
     def train_dataloader(self) -> DataLoader:
         # Reloaded at every Lightning epoch (create_trainer), from wherever the cursor stands.
@@ -136,71 +155,66 @@ class ManifestModule(pl.LightningModule):
             self.trainer.callback_metrics.pop(name, None)
 
     def training_step(self, index: int, batch_idx: int) -> None:
-        state, plan = self.run_state, self.plan
-        if index != state.next_microbatch:
+        if index != self.run_state.next_microbatch:
             raise RuntimeError(
-                f"the loop offered microbatch {index}; the plan is at {state.next_microbatch}"
+                f"the loop offered microbatch {index}; the plan is at "
+                f"{self.run_state.next_microbatch}"
             )
-        epoch, step = plan.epoch(index), plan.steps_after(index)
-        with engine_defaults():
-            loss = self.session.forward_backward(plan.batch(index))
-        state.pending_losses.append(loss)
-        self.log_dict(
-            {"microbatch_loss": loss, "epoch": float(epoch)}, on_step=True, on_epoch=False
-        )
-        if plan.is_update(index):
-            self._update(index, epoch)
-        state.next_microbatch = index + 1
-        if plan.evaluates_after(index):
-            self._evaluate(index, epoch, step)
-        state.finished = state.selection.stopped_early or index + 1 == plan.batch_count
-        if state.finished:
+        progress = run_microbatch(self.plan, self, self.run_state)
+        self._log_progress(progress)
+        if self.run_state.finished:
             self.trainer.should_stop = True
 
-    def _update(self, index: int, epoch: int) -> None:
-        with engine_defaults():
-            outcome: StepResult = self.optimizers().step()
-        record = update_record(
-            microbatch=index,
-            epoch=epoch,
-            step=outcome.step,
-            losses=self.run_state.pending_losses,
-            learning_rate=outcome.learning_rate,
-            grad_norm=outcome.grad_norm,
+    def _log_progress(self, progress: Progress) -> None:
+        self.log_dict(
+            {"microbatch_loss": progress.loss, "epoch": float(progress.epoch)},
+            on_step=True,
+            on_epoch=False,
         )
-        self.run_state.history.append(record)
-        self.run_state.pending_losses = []
-        # Straight to the loggers, at the microbatch's index: Lightning would repeat a value
-        # logged at an update in every later row of its epoch.
-        figures = {
-            "train_loss": record["loss"],
-            "learning_rate": outcome.learning_rate,
-            "grad_norm": outcome.grad_norm,
-            "update": outcome.step,
-            "epoch": epoch,
-        }
-        for run_logger in self.loggers:
-            run_logger.log_metrics(figures, step=index)
+        if progress.update is not None:
+            # Straight to the loggers, at the microbatch's index: Lightning would repeat a
+            # value logged at an update in every later row of its epoch.
+            update = progress.update
+            figures = {
+                "train_loss": update["loss"],
+                "learning_rate": update["learning_rate"],
+                "grad_norm": update["grad_norm"],
+                "update": update["step"],
+                "epoch": progress.epoch,
+            }
+            for run_logger in self.loggers:
+                run_logger.log_metrics(figures, step=progress.microbatch)
+        if progress.evaluation is not None:
+            for name in METRICS:
+                if name in progress.evaluation:
+                    # float64: the callbacks compare exactly the values SelectionState compared.
+                    value = torch.tensor(progress.evaluation[name], dtype=torch.float64)
+                    self.log(name, value, on_step=True, on_epoch=False, prog_bar=True)
 
-    def _evaluate(self, index: int, epoch: int, step: int) -> None:
-        tally = EvaluationTally()
+    # -- the replay's backend (trainwire.client.replay.ReplayBackend) -----------------------
+
+    def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
         with engine_defaults():
-            for batch in evaluation_batches(
-                self.plan.eval_examples or (), self.plan.config.batch_size
-            ):
-                result = self.session.forward(batch)
-                tally.add(batch, result.loss, [p.label for p in result.predictions])
-        metrics = tally.metrics()
-        is_best = self.run_state.selection.observe(metrics, step=step, epoch=epoch)
-        self.run_state.history.append(
-            evaluation_record(
-                microbatch=index, epoch=epoch, step=step, metrics=metrics, is_best=is_best
-            )
-        )
-        for name, value in metrics.items():
-            # float64, so the callbacks compare exactly the values SelectionState compares.
-            value64 = torch.tensor(value, dtype=torch.float64)
-            self.log(name, value64, on_step=True, on_epoch=False, prog_bar=True)
+            loss = self.session.forward_backward(examples)
+        return loss, self.session.last_token_count
+
+    def optim_step(self, index: int) -> StepOutcome:
+        with engine_defaults():
+            result: StepResult = self.optimizers().step()
+        return StepOutcome(result.step, result.learning_rate, result.grad_norm)
+
+    def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
+        """The evaluation forward: the batch loss and, for classification, the labels."""
+        with engine_defaults():
+            result = self.session.forward(examples)
+        return result.loss, [prediction.label for prediction in result.predictions]
+
+    def save_best(self, index: int, state: RunState) -> None:
+        """Nothing here: the outcome checkpoint writes the best at this segment's end, and
+        ``on_save_checkpoint`` names it in the state before anything is persisted."""
+
+    def after_microbatch(self, index: int, state: RunState) -> None:
+        """Nothing here: Lightning checkpoints at the segment's end (see the module docstring)."""
 
     # -- checkpoints ------------------------------------------------------------------------
 
@@ -227,7 +241,7 @@ class ManifestModule(pl.LightningModule):
         checkpoint[RECORD_KEY] = self.record()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        info = CheckpointInfo.from_checkpoint(Path(self.trainer.ckpt_path), checkpoint)
+        info = TrainCheckpointRecord.from_checkpoint(Path(self.trainer.ckpt_path), checkpoint)
         record = info.record
         if record["plan_fingerprint"] != self.plan.fingerprint:
             raise ValueError(
@@ -244,13 +258,17 @@ class ManifestModule(pl.LightningModule):
             )
         self.run_state = RunState.from_dict(record["run_state"])
 
-    def result(self, *, last_checkpoint: str | None) -> TrainingResult:
+    def result(
+        self, *, last_checkpoint_path: str | None, config_path: str | None = None
+    ) -> TrainingResult:
+        """The run's result, as every runner reports it (``training_result``)."""
         self._sync_best_checkpoint()
         return training_result(
             self.plan,
             self.run_state,
             state_digest=self.session.state_digest(),
-            last_checkpoint=last_checkpoint,
+            last_checkpoint_path=last_checkpoint_path,
+            config_path=config_path,
         )
 
 

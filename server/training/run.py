@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from trainwire.client.artifacts import write_run_artifacts
 from trainwire.client.config import TrainingConfig
 from trainwire.client.manifest import load_plan
-from trainwire.client.overrides import apply_overrides, parse_config_overrides
+from trainwire.client.overrides import checked_config_overrides, config_with_overrides
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.replay import RunState, training_result
 from trainwire.client.results import TrainingResult
@@ -29,9 +30,11 @@ from trainwire.server.session import TrainingSession
 from trainwire.server.training.callbacks import StopOnInterrupt
 from trainwire.server.training.checkpoints import (
     CHECKPOINT_DIR,
+    CKPT_SUFFIX,
     LAST_NAME,
-    CheckpointInfo,
     SessionCheckpointIO,
+    TrainCheckpointRecord,
+    read_checkpoint,
     resolve_checkpoint,
 )
 from trainwire.server.training.guards import (
@@ -49,7 +52,6 @@ from trainwire.server.training.hardware import (
 )
 from trainwire.server.training.module import ManifestModule, PlanProgressBar
 from trainwire.server.training.settings import constructor_settings, run_settings
-from trainwire.server.training.summary import save_training_summary
 from trainwire.server.training.trainer import create_trainer
 
 logger = logging.getLogger(__name__)
@@ -71,49 +73,49 @@ def train(
     """Run (or resume, with ``ckpt_path``) a manifest into ``output_dir``; returns the result.
 
     A run that finishes (plan spent or stopped early) exports its final weights to
-    ``output_dir/export`` and writes ``training_summary.json``/``.yaml``; a run stopped before
-    (a callback asked the trainer to stop) resumes from ``last.ckpt``. Resuming a run whose plan
-    is spent trains nothing and writes nothing.
+    ``output_dir/export`` and writes its artifacts (``training_summary.json``/``.yaml`` with
+    the final ``state_digest``, ``metrics.jsonl``, ``loss_curve.png``); a run stopped before
+    (a callback asked the trainer to stop) resumes from ``last.ckpt``. Resuming a run whose
+    plan is spent trains nothing and writes nothing.
     """
+    manifest_path = os.path.realpath(manifest)
     plan = load_run_plan(manifest, overrides)
     # Real paths throughout: a run reached through a symlink keeps its checkpoints' identity.
     output = Path(os.path.realpath(output_dir))
     hardware = run_hardware(plan.config, device)
-    settings = resume_settings(plan, hardware)
-    resume = check_start(plan, output, settings, ckpt_path)
+    resume = check_start(plan, output, hardware, ckpt_path)
     if resume is not None and resume.cursor >= plan.batch_count:
         logger.info("%s: the plan is spent; nothing to train", resume.path)
-        state = RunState.from_dict(resume.record["run_state"])
-        digest = resume.state_digest or ""
-        return training_result(plan, state, state_digest=digest, last_checkpoint=str(resume.path))
+        return training_result(
+            plan,
+            RunState.from_dict(resume.record["run_state"]),
+            state_digest=resume.state_digest or "",
+            last_checkpoint_path=str(resume.path),
+            config_path=manifest_path,
+        )
 
     output.mkdir(parents=True, exist_ok=True)
     session = TrainingSession(plan.config, device=hardware.accelerator, max_steps=plan.max_steps)
-    module = ManifestModule(plan, session, run_record=run_record(plan, output, settings))
-    trainer = create_trainer(
-        output,
-        hardware=hardware,
-        monitor=None if plan.config.eval_strategy == "no" else plan.config.metric_for_best,
-        mode=plan.config.selection_mode,
-        patience=plan.config.early_stopping_patience if plan.config.early_stopping else None,
-        callbacks=[*callbacks, PlanProgressBar()] if enable_progress_bar else callbacks,
+    module = ManifestModule(plan, session, run_record=run_record(plan, output, hardware))
+    trainer, checkpoint, _ = create_trainer(
+        plan.config,
+        hardware,
+        output / CHECKPOINT_DIR,
+        [*callbacks, PlanProgressBar()] if enable_progress_bar else list(callbacks),
         plugins=[SessionCheckpointIO(session)],
         enable_progress_bar=enable_progress_bar,
     )
     # With a checkpoint, Lightning restores its loops and callbacks, and the module its session.
     trainer.fit(module, ckpt_path=None if resume is None else resume.path)
-    return finish(module, trainer.checkpoint_callback, hardware, output)
+    return finish(module, checkpoint, hardware, output, config_path=manifest_path)
 
 
 def load_run_plan(manifest: str | Path, overrides: Sequence[str]) -> ManagedTrainingPlan:
     """The manifest's plan (fingerprint verified), re-planned when ``--set`` changes its config."""
     plan = load_plan(manifest)
-    valid, invalid = parse_config_overrides(overrides)
-    if invalid:
-        raise ValueError(f"--set takes key=value, got: {', '.join(invalid)}")
-    if not valid:
+    if not checked_config_overrides(overrides):
         return plan
-    config = TrainingConfig.from_dict(apply_overrides(plan.config.to_dict(), valid))
+    config = config_with_overrides(plan.config.to_dict(), overrides)
     return ManagedTrainingPlan(plan.examples, config, eval_examples=plan.eval_examples)
 
 
@@ -134,40 +136,42 @@ def run_hardware(config: TrainingConfig, device: str | None) -> HardwareInfo:
     return HardwareInfo(
         accelerator=accelerator,
         precision=precision,
+        num_devices=1,
         device_name=accelerator,
-        device_count=1,
         torch_version=str(torch.__version__),
     )
-
-
-def resume_settings(plan: ManagedTrainingPlan, hardware: HardwareInfo) -> dict[str, Any]:
-    """What a resume must match: the free settings, and the plan they were planned into."""
-    settings = run_settings(
-        plan.config, accelerator=hardware.accelerator, precision=hardware.precision
-    )
-    return {**settings, "manifest_fingerprint": plan.fingerprint}
 
 
 def check_start(
     plan: ManagedTrainingPlan,
     output: Path,
-    settings: dict[str, Any],
+    hardware: HardwareInfo,
     ckpt_path: str | Path | None,
-) -> CheckpointInfo | None:
+) -> TrainCheckpointRecord | None:
     """The guards of a fresh start or a resume; returns the checkpoint to resume from."""
     checkpoint_dir = output / CHECKPOINT_DIR
-    path = resolve_checkpoint(ckpt_path, checkpoint_dir, None)
-    if path is None:
+    found = resolve_checkpoint(ckpt_path, output, CHECKPOINT_DIR)
+    if ckpt_path is None or str(ckpt_path) == "":
         refuse_a_fresh_start_into_a_used_directory(checkpoint_dir)
         return None
-    info = CheckpointInfo.read(path)
-    logger.info("resuming from %s at microbatch %d of %d", path, info.cursor, info.batch_count)
-    refuse_a_resume_from_another_directory(info, output)
-    refuse_other_constructor_settings(
-        info.constructor_settings, constructor_settings(plan.config), what=str(info.path)
+    if found.path is None:
+        raise FileNotFoundError(
+            f"no {LAST_NAME}{CKPT_SUFFIX} in {checkpoint_dir}: nothing to resume there; start "
+            "a fresh run without --ckpt-path, or pass the checkpoint file itself"
+        )
+    checkpoint = read_checkpoint(found.path)
+    info = TrainCheckpointRecord.from_checkpoint(found.path, checkpoint)
+    logger.info("resuming from %s at microbatch %d of %d", info.path, info.cursor, info.batch_count)
+    config = plan.config
+    settings = run_settings(config, accelerator=hardware.accelerator, precision=hardware.precision)
+    refuse_a_resume_from_another_directory(checkpoint, checkpoint_dir)
+    refuse_other_constructor_settings(checkpoint, config, what=str(info.path))
+    refuse_a_resume_under_other_settings(
+        checkpoint, settings, seed=config.seed, manifest_fingerprint=plan.fingerprint
     )
-    refuse_a_resume_under_other_settings(info, settings, seed=plan.config.seed)
-    refuse_a_resume_of_a_stopped_run(info)
+    refuse_a_resume_of_a_stopped_run(
+        checkpoint, config.early_stopping_patience if config.early_stopping else None
+    )
     if info.session_checkpoint is None or not info.session_checkpoint.is_dir():
         raise ValueError(
             f"{info.path}: its session checkpoint {info.session_checkpoint} is missing; "
@@ -176,22 +180,30 @@ def check_start(
     return info
 
 
-def run_record(plan: ManagedTrainingPlan, output: Path, settings: dict[str, Any]) -> dict[str, Any]:
+def run_record(plan: ManagedTrainingPlan, output: Path, hardware: HardwareInfo) -> dict[str, Any]:
     """The run's identity, recorded in every checkpoint and checked on every resume."""
+    config = plan.config
     return {
         "output_dir": str(output),
-        "settings": settings,
-        "constructor_settings": constructor_settings(plan.config),
-        "seed": plan.config.seed,
+        "settings": run_settings(
+            config, accelerator=hardware.accelerator, precision=hardware.precision
+        ),
+        "constructor_settings": constructor_settings(config),
+        "seed": config.seed,
     }
 
 
 def finish(
-    module: ManifestModule, checkpoint: Any, hardware: HardwareInfo, output: Path
+    module: ManifestModule,
+    checkpoint: Any,
+    hardware: HardwareInfo,
+    output: Path,
+    *,
+    config_path: str | None = None,
 ) -> TrainingResult:
-    """The result; a finished run also exports its weights and writes its summary."""
+    """The result; a finished run also exports its weights and writes its artifacts."""
     last = getattr(checkpoint, "last_model_path", "") or None
-    result = module.result(last_checkpoint=last)
+    result = module.result(last_checkpoint_path=last, config_path=config_path)
     if not module.finished:
         logger.warning(
             "stopped at microbatch %d of %d; resume with --ckpt-path %s",
@@ -200,19 +212,27 @@ def finish(
             LAST_NAME,
         )
         return result
-    export_weights(module.session, result, output / EXPORT_DIR)
-    extra = {"runner": "lightning", "manifest_fingerprint": module.plan.fingerprint}
-    save_training_summary(result, module.plan.config, hardware, output, extra=extra)
+    export_dir = output / EXPORT_DIR
+    export_weights(module.session, result, export_dir)
+    write_run_artifacts(
+        output,
+        result,
+        module.plan,
+        hardware=hardware.to_dict(),
+        runner="lightning",
+        export_dir=str(export_dir),
+        exported_from="best" if result.best_checkpoint_path else "live",
+    )
     return result
 
 
 def export_weights(session: TrainingSession, result: TrainingResult, path: Path) -> None:
     """The best weights (from a detached CPU copy of the best checkpoint) or, without
     evaluation, the last: what ManagedTraining exports too."""
-    if result.best_checkpoint is None:
+    if result.best_checkpoint_path is None:
         session.export_weights(path)
         return
-    best = CheckpointInfo.read(result.best_checkpoint)
+    best = TrainCheckpointRecord.read(result.best_checkpoint_path)
     session.export_checkpoint_weights(best.session_checkpoint, path)
 
 

@@ -40,36 +40,40 @@ FREE_CONFIG_KEYS = (
 )
 
 
-def run_settings(config: TrainingConfig, *, accelerator: str, precision: str) -> dict[str, Any]:
+def run_settings(cfg: TrainingConfig, *, accelerator: str, precision: str) -> dict[str, Any]:
     """The run's free settings, in a fixed order, JSON types only.
 
-    Where it trains (``accelerator``, one device) and at what Lightning ``precision`` come first,
-    then the config's free keys (``FREE_CONFIG_KEYS``). A JSON round trip returns an equal dict.
+    Where it trains (``accelerator``, one device) and at what Lightning ``precision``
+    (``effective_precision``) come first, then the config's free keys (``FREE_CONFIG_KEYS``).
+    A checkpoint records them, so a resume under other settings is refused
+    (``refuse_a_resume_under_other_settings``); a JSON round trip returns an equal dict.
     """
     settings: dict[str, Any] = {"accelerator": accelerator, "devices": 1, "precision": precision}
     for key in FREE_CONFIG_KEYS:
-        settings[key] = _json_value(getattr(config, key))
+        settings[key] = _json_value(getattr(cfg, key))
     return settings
 
 
-def constructor_settings(config: TrainingConfig) -> dict[str, Any]:
-    """What shapes the model: the base model, task, labels and the LoRA adapter, if any.
+def constructor_settings(cfg: TrainingConfig) -> dict[str, Any]:
+    """What shapes the model, beside ``run_settings``: the base model, task, labels and the
+    LoRA adapter (rank, alpha, dropout, targets, DoRA), if any.
 
-    A full-weights run has no ``lora.*`` keys, so comparing it with a LoRA run reports them
+    A checkpoint's weights fit only this model (``refuse_other_constructor_settings``). A
+    full-weights run has no ``lora.*`` keys, so comparing it with a LoRA run reports them
     ``absent`` on one side.
     """
     settings: dict[str, Any] = {
-        "model": config.model,
-        "task": config.task,
-        "labels": list(config.labels),
-        "lora": config.lora is not None,
+        "model": cfg.model,
+        "task": cfg.task,
+        "labels": list(cfg.labels),
+        "lora": cfg.lora is not None,
     }
-    if config.lora is not None:
-        settings["lora.r"] = config.lora.r
-        settings["lora.alpha"] = config.lora.alpha
-        settings["lora.dropout"] = config.lora.dropout
-        settings["lora.target_modules"] = list(config.lora.target_modules)
-        settings["lora.use_dora"] = config.lora.use_dora
+    if cfg.lora is not None:
+        settings["lora.r"] = cfg.lora.r
+        settings["lora.alpha"] = cfg.lora.alpha
+        settings["lora.dropout"] = cfg.lora.dropout
+        settings["lora.target_modules"] = list(cfg.lora.target_modules)
+        settings["lora.use_dora"] = cfg.lora.use_dora
     return settings
 
 

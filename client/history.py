@@ -1,0 +1,48 @@
+"""A run's history: one record per update and per evaluation, built by these functions only.
+
+Every runner (in-process, remote, Lightning) goes through ``trainwire.client.replay``, which
+builds its records here, so equal runs have equal histories, key for key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+UPDATE = "update"
+EVALUATION = "evaluation"
+
+
+def update_record(
+    *,
+    microbatch: int,
+    epoch: int,
+    step: int,
+    losses: Sequence[float],
+    learning_rate: float,
+    grad_norm: float,
+) -> dict[str, Any]:
+    """The history record of one update; its loss is the mean of its microbatches' losses."""
+    return {
+        "kind": UPDATE,
+        "microbatch": microbatch,
+        "epoch": epoch,
+        "step": step,
+        "loss": sum(losses) / len(losses),
+        "learning_rate": learning_rate,
+        "grad_norm": grad_norm,
+    }
+
+
+def evaluation_record(
+    *, microbatch: int, epoch: int, step: int, metrics: dict[str, float], is_best: bool
+) -> dict[str, Any]:
+    """The history record of one evaluation: its metrics and whether it became the best."""
+    return {
+        "kind": EVALUATION,
+        "microbatch": microbatch,
+        "epoch": epoch,
+        "step": step,
+        **metrics,
+        "is_best": is_best,
+    }
