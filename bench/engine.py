@@ -21,7 +21,8 @@
 
 (2) Checkpoints: ``save_state`` / ``load_state`` against safetensors ``save_file`` /
     ``load_file`` of the same tensors (parameters, AdamW moments, pending gradients, RNG) in as
-    many files. ``save_state`` also fsyncs and renames atomically, and records the state digest:
+    many files (the files ``save_state`` writes, from ``TrainingSession.checkpoint_contents``).
+    ``save_state`` also fsyncs and renames atomically, and records the state digest:
     computed during the save (its cache cleared first, as after an operation) or already cached.
     The raw save is shown without and with an fsync per file. The raw load is the least a restore
     does: ``load_file``, parameters copied into the live ones, owned copies of the rest
@@ -53,7 +54,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
-from trainwire.server import checkpoint as ckpt
+from trainwire.server import session_checkpoint as ckpt
 from trainwire.server.optimization import parameter_groups
 from trainwire.server.session import TrainingSession
 from trainwire.testing import make_tiny_model
@@ -268,13 +269,8 @@ def print_steps(model: Path, setup: Setup) -> None:
 
 
 def state_tensors(session: TrainingSession) -> dict[str, dict[str, torch.Tensor]]:
-    """The tensors a checkpoint holds, grouped by the file they go to."""
-    return {
-        ckpt.MODEL_FILE: dict(session.model.named_parameters()),
-        ckpt.OPTIMIZER_FILE: ckpt.optimizer_state_tensors(session.optimizer),
-        ckpt.GRADIENTS_FILE: session.pending_gradients(),
-        ckpt.RNG_FILE: session._rng.tensors(),
-    }
+    """The tensors a checkpoint holds, grouped by the file they go to (the real writer's)."""
+    return session.checkpoint_contents().tensor_files()
 
 
 def raw_save(groups: dict[str, dict[str, torch.Tensor]], directory: Path, sync: bool) -> None:
@@ -299,7 +295,7 @@ def raw_load(directory: Path, target: TrainingSession) -> None:
 
 def engine_save(session: TrainingSession, directory: Path, cached: bool) -> None:
     if not cached:
-        session._digest_cache = None  # as after an operation: the digest is computed on save
+        session.drop_digest_cache()  # as after an operation: the digest is computed on save
     session.save_state(directory)
 
 

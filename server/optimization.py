@@ -53,3 +53,31 @@ def learning_rate_at(step: int, config: TrainingConfig, max_steps: int | None) -
         return base * max(0.0, float(remaining) / float(span))
     progress = float(step - warmup) / float(span)
     return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+def apply_update(
+    optimizer: torch.optim.Optimizer,
+    parameters: list[torch.Tensor],
+    *,
+    accumulated: int,
+    max_grad_norm: float | None,
+    rate: float,
+) -> float:
+    """One AdamW update at ``rate`` from the pending gradients; returns their norm before clipping.
+
+    The gradients of ``accumulated`` microbatches are averaged first, so a partial accumulation
+    is normalized by the microbatches it really holds.
+    """
+    with_grads = [p for p in parameters if p.grad is not None]
+    if accumulated > 1:
+        for parameter in with_grads:
+            parameter.grad.div_(accumulated)
+    if max_grad_norm is None:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(with_grads, max_grad_norm)
+    for group in optimizer.param_groups:
+        group["lr"] = rate
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)

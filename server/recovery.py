@@ -16,7 +16,7 @@ from typing import Any
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.journal import Journal, JournalEntry
 from trainwire.server.session import TrainingSession
-from trainwire.server.session_state import read_extra
+from trainwire.server.session_checkpoint import read_extra
 from trainwire.server.state_dir import RunDirectory
 
 logger = logging.getLogger(__name__)

@@ -3,29 +3,31 @@
 Lifecycle: set up (load the model, wrap it in LoRA, build the optimizer) → operate (forward,
 forward_backward, optim_step) → save / export → close. Every path that trains (in-process, gRPC,
 controller, Lightning) drives this one class, so they all produce the same bits.
+
+What it returns lives in ``session_results``, the per-batch loss in ``loss_hook`` and the checkpoint
+format in ``session_checkpoint``; the results and ``LossHook`` import from here too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
+import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainwire.client.config import InputExample, TrainingConfig
-from trainwire.server import checkpoint as ckpt
+from trainwire.server import session_checkpoint as ckpt
 from trainwire.server import weights
-from trainwire.server.batching import Batch, BatchEncoder
+from trainwire.server.batching import BatchEncoder
 from trainwire.server.device import refuse_unsupported_setups, resolve_device, resolve_dtype
-from trainwire.server.digest import update_with_tensors
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from trainwire.server.loss_hook import LossHook, LossHookFactory
 from trainwire.server.model_loading import (
     apply_lora,
     enable_gradient_checkpointing,
@@ -33,66 +35,15 @@ from trainwire.server.model_loading import (
     load_tokenizer,
     resolve_model_dir,
 )
-from trainwire.server.optimization import build_optimizer, learning_rate_at
+from trainwire.server.optimization import apply_update, build_optimizer, learning_rate_at
 from trainwire.server.rng import RngState, preserved_global_rng
+from trainwire.server.session_results import ForwardResult, Prediction, StepResult
+from trainwire.server.tensor_files import copy_into
 
 logger = logging.getLogger(__name__)
 
 # The RNG generators are process-wide; sessions take turns with them (see _session_rng).
 _GLOBAL_RNG_LOCK = threading.RLock()
-
-
-@dataclass
-class Prediction:
-    """A classifier's answer for one example: the top label and the scores in label order."""
-
-    label: str
-    scores: list[float]
-
-
-@dataclass
-class ForwardResult:
-    loss: float
-    predictions: list[Prediction] = field(default_factory=list)
-
-
-@dataclass
-class StepResult:
-    step: int  # updates applied, this one included
-    learning_rate: float  # the rate this update used
-    grad_norm: float  # the global gradient norm before clipping
-
-
-class SessionTrainer:
-    """The per-batch math of a session; subclass it for a custom loss or extra state.
-
-    A subclass's ``session_state_dict()`` rides in the session checkpoint and the state digest,
-    so state it keeps (a recovery buffer, say) resumes exactly. There is still one optimizer loop:
-    the session's.
-    """
-
-    def __init__(self, config: TrainingConfig) -> None:
-        self.config = config
-
-    def compute_loss(self, model: torch.nn.Module, batch: Batch, *, training: bool) -> Any:
-        """The model's output for ``batch``; its ``.loss`` is what backward runs on.
-
-        ``training`` is False under ``forward``, which must leave the trainer's state alone.
-        """
-        return model(**batch.inputs)
-
-    def session_state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
-
-    def load_session_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        if state:
-            raise InvalidArgument(
-                f"the checkpoint holds trainer state ({', '.join(sorted(state))}) that "
-                f"{type(self).__name__} does not keep"
-            )
-
-
-TrainerFactory = Callable[[TrainingConfig], SessionTrainer]
 
 
 class TrainingSession:
@@ -109,7 +60,7 @@ class TrainingSession:
         device: str | torch.device | None = None,
         max_steps: int | None = None,
         model_root: str | Path | None = None,
-        trainer_factory: TrainerFactory = SessionTrainer,
+        loss_hook: LossHookFactory = LossHook,
     ) -> None:
         # Validate everything first: a refused session allocates nothing.
         if not isinstance(config, TrainingConfig):
@@ -152,14 +103,14 @@ class TrainingSession:
         # for them costs milliseconds a step.
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._training_mode: bool | None = None  # the mode this session last set; see below
-        self.trainer = trainer_factory(config)
+        self.loss_hook = loss_hook(config)
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
         self._version = 0  # state-changing operations applied; keys the digest cache
         self._broken: str | None = None
         self._digest_cache: tuple[int, str] | None = None
-        self.base_fingerprint = self._base_model_fingerprint()
+        self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -203,21 +154,6 @@ class TrainingSession:
             self.model.train(training)
             self._training_mode = training
 
-    def _base_model_fingerprint(self) -> str | None:
-        """For LoRA: sha256 of the frozen base weights an adapter is trained on."""
-        if self.config.lora is None:
-            return None
-        digest = hashlib.sha256()
-        base = {
-            weights.native_name(name): p
-            for name, p in self.model.named_parameters()
-            if weights.native_name(name) is not None
-            and ".modules_to_save." not in name
-            and ".original_module." not in name
-        }
-        update_with_tensors(digest, base)
-        return "sha256:" + digest.hexdigest()
-
     @property
     def broken(self) -> str | None:
         """Why the session refuses operations (a failure midway), or None when it is usable."""
@@ -236,7 +172,7 @@ class TrainingSession:
             self._set_training(False)
             try:
                 with torch.no_grad():
-                    output = self.trainer.compute_loss(self.model, batch, training=False)
+                    output = self.loss_hook.compute_loss(self.model, batch, training=False)
             except torch.OutOfMemoryError as error:
                 raise ResourceExhausted(f"forward ran out of memory: {error}") from None
             predictions = []
@@ -257,7 +193,7 @@ class TrainingSession:
             batch = self.encoder.encode(examples)
             self._set_training(True)
             try:
-                loss = self.trainer.compute_loss(self.model, batch, training=True).loss
+                loss = self.loss_hook.compute_loss(self.model, batch, training=True).loss
             except torch.OutOfMemoryError as error:
                 # Nothing was applied yet: the session's state (RNG included) is unchanged.
                 raise ResourceExhausted(f"forward_backward ran out of memory: {error}") from None
@@ -288,7 +224,13 @@ class TrainingSession:
             except ValueError as error:
                 raise InvalidArgument(str(error)) from None
             try:
-                grad_norm = self._apply_update(rate)
+                grad_norm = apply_update(
+                    self.optimizer,
+                    self._trainable,
+                    accumulated=self.accumulated,
+                    max_grad_norm=self.config.max_grad_norm,
+                    rate=rate,
+                )
             except BaseException as error:
                 self._break("optim_step", error)
                 if isinstance(error, torch.OutOfMemoryError):
@@ -299,79 +241,109 @@ class TrainingSession:
             self._changed()
             return StepResult(self.step, rate, grad_norm)
 
-    def _apply_update(self, rate: float) -> float:
-        parameters = [p for p in self.trainable_parameters() if p.grad is not None]
-        if self.accumulated > 1:
-            for parameter in parameters:
-                parameter.grad.div_(self.accumulated)
-        max_norm = self.config.max_grad_norm
-        if max_norm is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = rate
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
-
     # -- state -----------------------------------------------------------------------------
 
     def pending_gradients(self) -> dict[str, torch.Tensor]:
         return {name: p.grad for name, p in self.model.named_parameters() if p.grad is not None}
 
+    @property
+    def rng_state(self) -> RngState:
+        """The session's own RNG snapshot (installed around each operation)."""
+        return self._rng
+
     def state_digest(self) -> str:
         """sha256 over the whole continuation state: parameters, optimizer moments, schedule
-        position, pending gradients, accumulation counter, RNG and trainer state.
+        position, pending gradients, accumulation counter, RNG and loss-hook state.
 
         Equal digests mean equal continuations. Cached per state version.
         """
         with self._lock:
             return self._state_digest_held()
 
-    def _state_digest_held(self) -> str:
+    def drop_digest_cache(self) -> None:
+        """Forget the cached digest, as an operation does (benchmarks time its computation)."""
+        with self._lock:
+            self._digest_cache = None
+
+    def _state_digest_held(self, contents: ckpt.CheckpointContents | None = None) -> str:
         """``state_digest`` for a caller that holds the lock, or a helper thread working for it
-        (a checkpoint hashes while it writes)."""
+        (a checkpoint hashes its ``contents`` while it writes them)."""
         if self._digest_cache is not None and self._digest_cache[0] == self._version:
             return self._digest_cache[1]
-        digest = hashlib.sha256(b"trainwire.state/v1|")
-        digest.update(f"step={self.step}|accumulated={self.accumulated}|".encode())
-        digest.update(f"max_steps={self.max_steps}|".encode())
-        update_with_tensors(digest, dict(self.model.named_parameters()))
-        update_with_tensors(digest, ckpt.optimizer_state_tensors(self.optimizer))
-        update_with_tensors(digest, self.pending_gradients())
-        update_with_tensors(digest, self.trainer.session_state_dict())
-        self._rng.update_digest(digest)
-        value = "sha256:" + digest.hexdigest()
+        value = (contents or self._contents()).state_digest()
         self._digest_cache = (self._version, value)
         return value
+
+    def checkpoint_contents(self) -> ckpt.CheckpointContents:
+        """Everything ``save_state`` writes, as live tensors (call it between operations)."""
+        with self._lock:
+            return self._contents()
+
+    def _contents(self) -> ckpt.CheckpointContents:
+        return ckpt.CheckpointContents(
+            config=self.config,
+            device_type=self.device.type,
+            step=self.step,
+            accumulated=self.accumulated,
+            max_steps=self.max_steps,
+            base_model_fingerprint=self.base_fingerprint,
+            loss_hook=type(self.loss_hook).__name__,
+            rng=self._rng,
+            parameters=dict(self.model.named_parameters()),
+            optimizer=ckpt.optimizer_state_tensors(self.optimizer),
+            gradients=self.pending_gradients(),
+            loss_hook_state=self.loss_hook.session_state_dict(),
+        )
 
     def save_state(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write the complete continuation state to a checkpoint directory, atomically.
 
         ``extra`` (JSON) rides along; managed runs keep their cursor and history there.
         """
-        from trainwire.server.session_state import write_checkpoint
-
         with self._lock:
             if self._broken is not None:
                 raise FailedPrecondition(f"cannot save an unusable session: {self._broken}")
-            write_checkpoint(self, Path(path), extra or {})
+            contents = self._contents()
+            digest = functools.partial(self._state_digest_held, contents)
+            ckpt.write_checkpoint(Path(path), contents, digest, extra or {})
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore everything from a checkpoint into this fresh session; returns its ``extra``."""
-        from trainwire.server.session_state import read_checkpoint_into
-
         with self._lock:
             if not self.is_fresh and self._broken is None:
                 raise FailedPrecondition(
                     f"load_state needs a fresh session; this one has applied {self._version} "
                     f"operation(s) (step {self.step}). Open a new session to restore"
                 )
-            extra = read_checkpoint_into(self, Path(path))
+            live = dict(self.model.named_parameters())
+            restored = ckpt.read_checkpoint(
+                Path(path),
+                config=self.config,
+                device_type=self.device.type,
+                max_steps=self.max_steps,
+                live=live,
+                optimizer=self.optimizer,
+            )
+            self._apply_restored(restored, live)
             self._broken = None
             self._changed()
-            return extra
+            return restored.extra
+
+    def _apply_restored(self, restored: ckpt.RestoredState, live: dict[str, Any]) -> None:
+        # Everything is read and checked; now apply it (the hook first: it may still refuse).
+        self.loss_hook.load_session_state_dict(restored.loss_hook_state)
+        try:
+            restored.apply_tensors(live, self.optimizer)
+        except BaseException as error:
+            # Half restored: refuse everything until a load_state succeeds (a retry still works).
+            self._break("load_state", error)
+            raise
+        for name, parameter in live.items():
+            parameter.grad = restored.gradients.get(name)
+        self.step = restored.step
+        self.accumulated = restored.accumulated
+        self.base_fingerprint = restored.base_model_fingerprint
+        self._rng = restored.rng
 
     def load_weights(self, path: str | Path) -> None:
         """Copy weights only, from a session checkpoint, a native model or a PEFT adapter.
@@ -380,28 +352,17 @@ class TrainingSession:
         weights (the adapters stay fresh).
         """
         with self._operation():
-            source = Path(path)
-            kind = weights.source_kind(source)
             # Read and check everything first; then apply, and a failure midway (out of memory,
             # say) marks the session unusable rather than leaving half the weights copied.
-            pairs, adapter = [], {}
-            if kind == "checkpoint":
-                weights.check_checkpoint_settings(source, self.config)
-                pairs = weights.plan_checkpoint_load(self.model, source)
-            elif kind == "native":
-                tensors = weights.read_native_model_tensors(source)
-                pairs = weights.plan_native_load(self.model, tensors)
-            else:
-                adapter = weights.plan_adapter_load(self.model, source, self.base_fingerprint)
+            load = weights.plan_weights_load(
+                self.model, Path(path), self.config, self.base_fingerprint
+            )
             try:
-                if adapter:
-                    weights.load_adapter_tensors(self.model, adapter)
-                else:
-                    weights.copy_into(pairs)
+                load.apply(self.model)
             except BaseException as error:
                 self._break("load_weights", error)
                 raise
-            self.base_fingerprint = self._base_model_fingerprint()
+            self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
             self._changed()
 
     def export_weights(self, path: str | Path) -> None:
@@ -412,26 +373,21 @@ class TrainingSession:
             self._export_model(self.model, Path(path))
 
     def _export_model(self, model: torch.nn.Module, path: Path) -> None:
-        record = {
+        provenance = {
             "base_model_fingerprint": self.base_fingerprint,
             "step": self.step,
             "state_digest": self.state_digest(),
         }
-        weights.write_export(path, model, self.tokenizer, self.config, record)
+        weights.write_export(path, model, self.tokenizer, self.config, provenance)
 
     def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
         """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
         with self._lock:
-            meta = ckpt.read_session_json(Path(checkpoint))
+            # The checkpoint's own provenance: a load_weights since may have changed the live base.
+            provenance = ckpt.read_provenance(Path(checkpoint))
             detached = copy.deepcopy(self.model).to("cpu")
             pairs = weights.plan_checkpoint_load(detached, Path(checkpoint))
-            weights.copy_into(pairs)
-            # The checkpoint's own record: a load_weights since may have changed the live base.
-            record = {
-                "base_model_fingerprint": meta.get("base_model_fingerprint"),
-                "step": meta.get("step"),
-                "state_digest": meta.get("state_digest"),
-                # The name, not the path: the same weights give the same export files anywhere.
-                "checkpoint": Path(checkpoint).name,
-            }
-            weights.write_export(Path(path), detached, self.tokenizer, self.config, record)
+            copy_into(pairs)
+            # The name, not the path: the same weights give the same export files anywhere.
+            provenance["checkpoint"] = Path(checkpoint).name
+            weights.write_export(Path(path), detached, self.tokenizer, self.config, provenance)

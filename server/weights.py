@@ -6,7 +6,9 @@ model) before a single live tensor is touched, so a refused load changes nothing
 
 from __future__ import annotations
 
+import hashlib
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +16,11 @@ import torch
 
 from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
-from trainwire.server.checkpoint import (
-    MODEL_FILE,
-    is_session_checkpoint,
-    load_tensors,
-    read_session_json,
-    write_json,
-)
+from trainwire.server.digest import update_with_tensors
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.model_loading import MODEL_CONFIG_FILE
+from trainwire.server.session_checkpoint import MODEL_FILE, is_session_checkpoint, read_session_json
+from trainwire.server.tensor_files import copy_into, describe_mismatches, load_tensors, write_json
 
 EXPORT_FORMAT = "trainwire.export/v1"
 EXPORT_FILE = "trainwire_export.json"
@@ -40,24 +38,6 @@ def native_name(live_name: str) -> str | None:
     for wrapper in (".base_layer.", ".original_module.", ".modules_to_save.default."):
         name = name.replace(wrapper, ".")
     return name
-
-
-def describe_mismatches(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str:
-    """Every name, shape and dtype difference between two tensor sets, saved vs now."""
-    problems = []
-    missing = sorted(set(expected) - set(found))
-    unexpected = sorted(set(found) - set(expected))
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:5])}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:5])}")
-    for name in sorted(set(expected) & set(found)):
-        want, got = expected[name], found[name]
-        if want.shape != got.shape:
-            problems.append(f"{name}: shape {tuple(got.shape)}, model has {tuple(want.shape)}")
-        elif want.dtype != got.dtype:
-            problems.append(f"{name}: dtype {got.dtype}, model has {want.dtype}")
-    return "; ".join(problems[:10])
 
 
 def read_native_model_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -107,15 +87,6 @@ def plan_checkpoint_load(
     if problems:
         raise InvalidArgument(f"checkpoint {checkpoint.name} does not fit this model: {problems}")
     return [(live[name], source[name]) for name in live]
-
-
-def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy each source into its live tensor; every source is moved to its device first, so an
-    allocation failure happens before any live tensor has changed."""
-    staged = [(live, source.to(live.device)) for live, source in pairs]
-    with torch.no_grad():
-        for live, source in staged:
-            live.copy_(source)
 
 
 def check_checkpoint_settings(checkpoint: Path, config: TrainingConfig) -> None:
@@ -196,6 +167,49 @@ def load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor
         set_peft_model_state_dict(model, tensors)
 
 
+@dataclass(frozen=True)
+class WeightsLoad:
+    """A ``load_weights`` source, read completely and checked, not yet applied."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # live, source
+    adapter: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def apply(self, model: torch.nn.Module) -> None:
+        if self.adapter:
+            load_adapter_tensors(model, self.adapter)
+        else:
+            copy_into(self.pairs)
+
+
+def plan_weights_load(
+    model: torch.nn.Module, source: Path, config: TrainingConfig, base_fingerprint: str | None
+) -> WeightsLoad:
+    """Read and check a session checkpoint, a native model or a PEFT adapter at ``source``."""
+    kind = source_kind(source)
+    if kind == "checkpoint":
+        check_checkpoint_settings(source, config)
+        return WeightsLoad(pairs=plan_checkpoint_load(model, source))
+    if kind == "native":
+        return WeightsLoad(pairs=plan_native_load(model, read_native_model_tensors(source)))
+    return WeightsLoad(adapter=plan_adapter_load(model, source, base_fingerprint))
+
+
+def base_model_fingerprint(model: torch.nn.Module, config: TrainingConfig) -> str | None:
+    """For LoRA: sha256 of the frozen base weights an adapter is trained on (None in full)."""
+    if config.lora is None:
+        return None
+    digest = hashlib.sha256()
+    base = {
+        native_name(name): p
+        for name, p in model.named_parameters()
+        if native_name(name) is not None
+        and ".modules_to_save." not in name
+        and ".original_module." not in name
+    }
+    update_with_tensors(digest, base)
+    return "sha256:" + digest.hexdigest()
+
+
 def source_kind(directory: Path) -> str:
     """``checkpoint``, ``adapter`` or ``native`` by the files a directory holds."""
     if not directory.is_dir():
@@ -242,9 +256,10 @@ def write_export(
     model: torch.nn.Module,
     tokenizer: Any,
     config: TrainingConfig,
-    record: dict[str, Any],
+    provenance: dict[str, Any],
 ) -> None:
-    """A directory ``transformers`` (full) or ``peft`` (adapter) loads for inference."""
+    """A directory ``transformers`` (full) or ``peft`` (adapter) loads for inference;
+    ``provenance`` (base model, step, state digest, source checkpoint) goes in its record."""
     with atomic_directory(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         if config.lora is None:
@@ -257,6 +272,6 @@ def write_export(
                 "kind": "adapter" if config.lora is not None else "full",
                 "config": config.to_dict(),
                 "config_fingerprint": config.fingerprint(),
-                **record,
+                **provenance,
             },
         )

@@ -22,7 +22,7 @@ from trainwire.server.errors import (
 )
 from trainwire.server.host import PositionMismatch, SessionHost
 from trainwire.server.session import TrainingSession
-from trainwire.server.session_state import read_extra
+from trainwire.server.session_checkpoint import read_extra
 
 BATCHES = microbatches(TEXTS)
 

@@ -1,15 +1,8 @@
 """`trainwire inspect` on a session checkpoint and on an export."""
 
-from trainwire import inspection
 from trainwire.cli import main
-from trainwire.server import checkpoint, weights
 from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_text_examples
-
-
-def test_inspect_names_the_same_files_the_server_writes():
-    assert inspection.SESSION_FILE == checkpoint.SESSION_FILE
-    assert inspection.EXPORT_FILE == weights.EXPORT_FILE
 
 
 def test_inspect_describes_a_checkpoint_and_an_export(llama_config, tmp_path, capsys):

@@ -157,7 +157,7 @@ def test_a_cuda_checkpoint_is_refused_by_a_cpu_session(make_plan, tmp_path, prec
     session.forward_backward(plan.batch(0))
     session.save_state(tmp_path / "checkpoint")
     cpu = TrainingSession(plan.config, device="cpu", max_steps=plan.max_steps)
-    assert cpu._rng.cuda == [], "a CPU session's state must not depend on the CUDA generators"
+    assert cpu.rng_state.cuda == [], "a CPU session's state must not depend on the CUDA generators"
     with pytest.raises(FailedPrecondition, match="device type: saved cuda, now cpu"):
         cpu.load_state(tmp_path / "checkpoint")
     assert cpu.is_fresh

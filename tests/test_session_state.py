@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
-from trainwire.server import checkpoint as ckpt
+from trainwire.server import session_checkpoint as ckpt
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from trainwire.server.session import SessionTrainer, TrainingSession
+from trainwire.server.session import LossHook, TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 # 11 examples in batches of 3 give 4 microbatches an epoch (the last holds 2); with accumulation 3
@@ -103,7 +103,7 @@ def test_checkpoint_holds_the_complete_state_as_safetensors_and_json(
             ckpt.OPTIMIZER_FILE,
             ckpt.GRADIENTS_FILE,
             ckpt.RNG_FILE,
-            ckpt.TRAINER_FILE,
+            ckpt.LOSS_HOOK_FILE,
         ]
     )
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint"], "a temporary was left behind"
@@ -248,7 +248,7 @@ def test_a_restored_session_owns_its_state(llama_config, tmp_path) -> None:
     digest = restored.state_digest()
     for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.GRADIENTS_FILE, ckpt.RNG_FILE):
         _rewrite_in_place(tmp_path / "checkpoint" / name, torch.zeros_like)
-    restored._digest_cache = None
+    restored.drop_digest_cache()
     assert restored.state_digest() == digest
 
 
@@ -297,7 +297,7 @@ class _FailInBackward(torch.autograd.Function):
         raise InjectedFault("injected failure in backward")
 
 
-class FaultyTrainer(SessionTrainer):
+class FaultyTrainer(LossHook):
     """Fails once, in the backward of the first decoder layer, when armed.
 
     Backward reaches layer 0 last, so by then the later layers' gradients have accumulated:
@@ -332,12 +332,12 @@ def test_a_failure_in_backward_refuses_everything_until_load_state(
     reference = TrainingSession(config, max_steps=plan.max_steps)
     drive_plan(reference, plan)
 
-    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=FaultyTrainer)
+    session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=FaultyTrainer)
     drive_plan(session, plan, 0, 1)  # mid-accumulation
     session.save_state(tmp_path / "checkpoint")
     digest = session.state_digest()
     gradients = {name: g.clone() for name, g in session.pending_gradients().items()}
-    session.trainer.armed = True
+    session.loss_hook.armed = True
     with pytest.raises(InjectedFault):
         session.forward_backward(plan.batch(1))
     pending = session.pending_gradients()
@@ -369,7 +369,7 @@ def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora, driv
     reference = TrainingSession(config, max_steps=plan.max_steps)
     drive_plan(reference, plan)
 
-    class OutOfMemoryOnce(SessionTrainer):
+    class OutOfMemoryOnce(LossHook):
         fail = False
 
         def compute_loss(self, model, batch, *, training):
@@ -379,10 +379,10 @@ def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora, driv
                 raise torch.OutOfMemoryError("pretend the device is full")
             return output
 
-    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=OutOfMemoryOnce)
+    session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=OutOfMemoryOnce)
     drive_plan(session, plan, 0, 1)
     digest = session.state_digest()
-    session.trainer.fail = True
+    session.loss_hook.fail = True
     with pytest.raises(ResourceExhausted, match="forward_backward ran out of memory"):
         session.forward_backward(plan.batch(1))
     assert session.state_digest() == digest
@@ -393,7 +393,7 @@ def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora, driv
 # -- the extension point: a trainer's own state rides in the checkpoint -----------------------
 
 
-class LossSumTrainer(SessionTrainer):
+class LossSumTrainer(LossHook):
     """Keeps a running sum of training losses: state the session must save and digest."""
 
     def __init__(self, config: TrainingConfig) -> None:
@@ -420,25 +420,25 @@ def test_a_custom_trainer_state_rides_in_the_checkpoint_and_the_digest(
 ) -> None:
     config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
     plan = ManagedTrainingPlan(tiny_text_examples(9), config)
-    reference = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    reference = TrainingSession(config, max_steps=plan.max_steps, loss_hook=LossSumTrainer)
     losses = drive_plan(reference, plan)
-    assert reference.trainer.loss_sum.item() == sum(torch.tensor(losses).double().tolist())
+    assert reference.loss_hook.loss_sum.item() == sum(torch.tensor(losses).double().tolist())
     plain = TrainingSession(config, max_steps=plan.max_steps)
     drive_plan(plain, plan)
     assert plain.state_digest() != reference.state_digest(), "the trainer state is not digested"
 
-    session = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=LossSumTrainer)
     drive_plan(session, plan, 0, 1)
     session.save_state(tmp_path / "checkpoint")
-    resumed = TrainingSession(config, max_steps=plan.max_steps, trainer_factory=LossSumTrainer)
+    resumed = TrainingSession(config, max_steps=plan.max_steps, loss_hook=LossSumTrainer)
     resumed.load_state(tmp_path / "checkpoint")
-    assert torch.equal(resumed.trainer.loss_sum, session.trainer.loss_sum)
+    assert torch.equal(resumed.loss_hook.loss_sum, session.loss_hook.loss_sum)
     drive_plan(resumed, plan, 1)
     assert resumed.state_digest() == reference.state_digest()
-    assert torch.equal(resumed.trainer.loss_sum, reference.trainer.loss_sum)
+    assert torch.equal(resumed.loss_hook.loss_sum, reference.loss_hook.loss_sum)
 
     stranger = TrainingSession(config, max_steps=plan.max_steps)
-    with pytest.raises(InvalidArgument, match=r"trainer state \(loss_sum\).*SessionTrainer"):
+    with pytest.raises(InvalidArgument, match=r"trainer state \(loss_sum\).*LossHook"):
         stranger.load_state(tmp_path / "checkpoint")
     assert stranger.is_fresh
     fresh = TrainingSession(config, max_steps=plan.max_steps)

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainwire.client import LoraSettings
-from trainwire.server import checkpoint as ckpt
+from trainwire.server import session_checkpoint as ckpt
 from trainwire.server import weights
 from trainwire.server.digest import update_with_tensors
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
@@ -78,14 +78,14 @@ def test_load_weights_from_a_checkpoint_keeps_the_optimizer_step_and_rng(
     session = trained(llama_config(lora=small_lora, learning_rate=5e-4), examples[::-1], steps=1)
     session.forward_backward(examples[:2])
     before = (session.step, session.accumulated, optimizer_digest(session))
-    rng, own_weights = session._rng.fingerprint(), params(session)
+    rng, own_weights = session.rng_state.fingerprint(), params(session)
     pending = {name: g.clone() for name, g in session.pending_gradients().items()}
     digest = session.state_digest()
     session.load_weights(tmp_path / "checkpoint")
 
     assert parameter_digest(params(session)) == parameter_digest(params(source))
     assert (session.step, session.accumulated, optimizer_digest(session)) == before
-    assert session._rng.fingerprint() == rng
+    assert session.rng_state.fingerprint() == rng
     assert parameter_digest(session.pending_gradients()) == parameter_digest(pending)
     assert parameter_digest(params(session)) != parameter_digest(own_weights)
     assert session.state_digest() != digest

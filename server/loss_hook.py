@@ -1,0 +1,48 @@
+"""The loss hook: the per-batch math a session runs, the one place to customize the loss.
+
+Not a trainer: the session keeps the one optimizer loop (and Lightning's ``Trainer`` drives the
+session in local runs). A hook only turns a batch into the output whose ``.loss`` backward runs
+on, and may keep state that must resume exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainwire.client.config import TrainingConfig
+from trainwire.server.batching import Batch
+from trainwire.server.errors import InvalidArgument
+
+
+class LossHook:
+    """The per-batch math of a session; subclass it for a custom loss or extra state.
+
+    A subclass's ``session_state_dict()`` rides in the session checkpoint and the state digest,
+    so state it keeps (a recovery buffer, say) resumes exactly.
+    """
+
+    def __init__(self, config: TrainingConfig) -> None:
+        self.config = config
+
+    def compute_loss(self, model: torch.nn.Module, batch: Batch, *, training: bool) -> Any:
+        """The model's output for ``batch``; its ``.loss`` is what backward runs on.
+
+        ``training`` is False under ``forward``, which must leave the hook's state alone.
+        """
+        return model(**batch.inputs)
+
+    def session_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_session_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise InvalidArgument(
+                f"the checkpoint holds trainer state ({', '.join(sorted(state))}) that "
+                f"{type(self).__name__} does not keep"
+            )
+
+
+LossHookFactory = Callable[[TrainingConfig], LossHook]

@@ -1,0 +1,323 @@
+"""The session checkpoint format: what a checkpoint holds, how it is written and read back.
+
+One directory, written atomically (``client.files.atomic_directory``), holding no pickle::
+
+    session.json            format, config and fingerprint, step, accumulation counter, device
+                            type, base-model fingerprint, loss hook, RNG (Python, NumPy), state
+                            digest, extra state
+    model.safetensors       every parameter, by its live name
+    optimizer.safetensors   AdamW moments and step counts, as ``<param index>.<name>``
+    gradients.safetensors   pending (accumulated, not yet applied) gradients
+    rng.safetensors         torch CPU and CUDA generator states
+    trainer.safetensors     the loss hook's own state (a custom hook's buffers)
+
+The engine hands ``write_checkpoint`` its ``CheckpointContents`` and applies what
+``read_checkpoint`` returns; this module never touches a session. ``read_checkpoint`` checks
+everything (format, config, device type, tensor names, shapes, dtypes) before anything is
+applied, so a refused restore changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainwire.client.config import TrainingConfig, setting_differences
+from trainwire.client.files import atomic_directory
+from trainwire.server.digest import update_with_tensors
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from trainwire.server.rng import RngState, preserved_global_rng
+from trainwire.server.tensor_files import (
+    copy_into,
+    describe_mismatches,
+    load_tensors,
+    save_tensors,
+    write_json,
+)
+
+CHECKPOINT_FORMAT = "trainwire.checkpoint/v1"
+SESSION_FILE = "session.json"
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+GRADIENTS_FILE = "gradients.safetensors"
+RNG_FILE = "rng.safetensors"
+LOSS_HOOK_FILE = "trainer.safetensors"  # named in format v1, before the hook was renamed
+EXTRA_KEY = "extra"
+
+Tensors = dict[str, torch.Tensor]
+OptimizerState = dict[int, dict[str, torch.Tensor]]
+
+
+# -- metadata ------------------------------------------------------------------------------------
+
+
+def read_session_json(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's metadata; NotFound when there is no checkpoint there."""
+    meta_path = checkpoint / SESSION_FILE
+    if not checkpoint.is_dir():
+        raise NotFound(f"no checkpoint at {checkpoint}")
+    if not meta_path.is_file():
+        raise InvalidArgument(f"{checkpoint} is not a session checkpoint (no {SESSION_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as error:
+        raise InvalidArgument(f"{meta_path}: not valid JSON ({error})") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise InvalidArgument(f"{checkpoint}: not a {CHECKPOINT_FORMAT} checkpoint")
+    return meta
+
+
+def is_session_checkpoint(path: Path) -> bool:
+    return (path / SESSION_FILE).is_file()
+
+
+def read_extra(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``extra`` state without loading its tensors."""
+    return dict(read_session_json(path).get(EXTRA_KEY) or {})
+
+
+def read_provenance(path: Path) -> dict[str, Any]:
+    """What an export of this checkpoint's weights records about where they come from."""
+    meta = read_session_json(path)
+    return {key: meta.get(key) for key in ("base_model_fingerprint", "step", "state_digest")}
+
+
+# -- optimizer state as flat tensors -----------------------------------------------------------
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> Tensors:
+    """AdamW's per-parameter state as flat ``<index>.<name>`` tensors."""
+    tensors = {}
+    for index, state in optimizer.state_dict()["state"].items():
+        for name, value in state.items():
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(value)
+            tensors[f"{index}.{name}"] = value
+    return tensors
+
+
+def optimizer_state_from_tensors(
+    optimizer: torch.optim.Optimizer, tensors: Tensors
+) -> OptimizerState:
+    """Check flat ``<index>.<name>`` tensors against the optimizer's parameters and return
+    per-parameter state the optimizer may own, on each parameter's device.
+
+    Owned copies, because a CPU tensor from ``load_file`` maps the checkpoint file, and a file
+    rewritten in place after the load must never reach a live session.
+    """
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    state: OptimizerState = {}
+    for key, value in sorted(tensors.items()):
+        index, _, name = key.partition(".")
+        if not index.isdigit() or int(index) >= len(parameters) or not name:
+            raise InvalidArgument(
+                f"the checkpoint's optimizer state {key!r} names a parameter this model lacks"
+            )
+        parameter = parameters[int(index)]
+        if name == "step":  # AdamW keeps its step counts on the CPU and moves them itself
+            state.setdefault(int(index), {})[name] = value.clone()
+            continue
+        if value.shape != parameter.shape or value.dtype != parameter.dtype:
+            raise InvalidArgument(
+                f"the checkpoint's optimizer state {key!r} is {value.dtype} "
+                f"{tuple(value.shape)}; its parameter is {parameter.dtype} "
+                f"{tuple(parameter.shape)}"
+            )
+        state.setdefault(int(index), {})[name] = value.to(parameter.device, copy=True)
+    return state
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
+    """Install checked per-parameter state; the groups' settings come from the (identical)
+    config."""
+    current = optimizer.state_dict()
+    optimizer.load_state_dict({"state": state, "param_groups": current["param_groups"]})
+
+
+# -- writing -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointContents:
+    """A session's complete continuation state, as its checkpoint holds it (live tensors)."""
+
+    config: TrainingConfig
+    device_type: str
+    step: int
+    accumulated: int
+    max_steps: int | None
+    base_model_fingerprint: str | None
+    loss_hook: str  # the hook's class name
+    rng: RngState
+    parameters: Tensors
+    optimizer: Tensors
+    gradients: Tensors
+    loss_hook_state: Tensors
+
+    def tensor_files(self) -> dict[str, Tensors]:
+        """The tensors, grouped by the file they go to."""
+        return {
+            MODEL_FILE: self.parameters,
+            OPTIMIZER_FILE: self.optimizer,
+            GRADIENTS_FILE: self.gradients,
+            RNG_FILE: self.rng.tensors(),
+            LOSS_HOOK_FILE: self.loss_hook_state,
+        }
+
+    def state_digest(self) -> str:
+        """sha256 over the whole continuation state (what ``TrainingSession.state_digest``
+        reports): equal digests mean equal continuations."""
+        digest = hashlib.sha256(b"trainwire.state/v1|")
+        digest.update(f"step={self.step}|accumulated={self.accumulated}|".encode())
+        digest.update(f"max_steps={self.max_steps}|".encode())
+        update_with_tensors(digest, self.parameters)
+        update_with_tensors(digest, self.optimizer)
+        update_with_tensors(digest, self.gradients)
+        update_with_tensors(digest, self.loss_hook_state)
+        self.rng.update_digest(digest)
+        return "sha256:" + digest.hexdigest()
+
+    def metadata(self, state_digest: str, extra: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "config": self.config.to_dict(),
+            "config_fingerprint": self.config.fingerprint(),
+            "device_type": self.device_type,
+            "step": self.step,
+            "accumulated": self.accumulated,
+            "max_steps": self.max_steps,
+            "base_model_fingerprint": self.base_model_fingerprint,
+            "trainer": self.loss_hook,
+            "rng": self.rng.to_json(),
+            "state_digest": state_digest,
+            EXTRA_KEY: extra,
+        }
+
+
+def write_checkpoint(
+    path: Path,
+    contents: CheckpointContents,
+    state_digest: Callable[[], str],
+    extra: dict[str, Any],
+) -> None:
+    """Write ``contents`` to the checkpoint directory ``path``, atomically.
+
+    ``state_digest`` is called on a helper thread while the files are written: the caller holds
+    the session's lock, so nothing changes the state meanwhile.
+    """
+    # Serializing, syncing and hashing all release the GIL, so two helper threads write and sync
+    # the files while a third computes the state digest from the same tensors. Two writers, not
+    # five, bound the host memory a CUDA session's files take while in flight.
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix="trainwire-checkpoint") as pool:
+        digest = pool.submit(state_digest)
+        with atomic_directory(path) as tmp:
+            writes = [
+                pool.submit(save_tensors, tmp / name, tensors, sync=True)
+                for name, tensors in contents.tensor_files().items()
+            ]
+            wait(writes)  # all of them, before a failure removes the directory they write into
+            for write in writes:
+                write.result()
+            write_json(tmp / SESSION_FILE, contents.metadata(digest.result(), extra))
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RestoredState:
+    """A checkpoint's state, read and checked against the live session, not yet applied."""
+
+    step: int
+    accumulated: int
+    base_model_fingerprint: str | None
+    rng: RngState
+    parameters: Tensors  # the checkpoint's, names and shapes equal to the live ones
+    optimizer_state: OptimizerState
+    gradients: Tensors  # owned copies, on the live parameters' devices
+    loss_hook_state: Tensors
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def apply_tensors(self, live: Tensors, optimizer: torch.optim.Optimizer) -> None:
+        """Copy the weights and optimizer state in (the caller marks a failure midway)."""
+        copy_into([(live[name], self.parameters[name]) for name in live])
+        load_optimizer_state(optimizer, self.optimizer_state)
+
+
+def check_compatible(
+    meta: dict[str, Any], config: TrainingConfig, device_type: str, max_steps: int | None
+) -> None:
+    """FailedPrecondition naming every way the checkpoint's session differs from this one."""
+    problems = []
+    if meta.get("config_fingerprint") != config.fingerprint():
+        problems.append(
+            f"config fingerprint: saved {meta.get('config_fingerprint')}, now "
+            f"{config.fingerprint()}"
+        )
+        problems.extend(setting_differences(meta.get("config", {}), config.to_dict()))
+    if meta.get("device_type") != device_type:
+        problems.append(f"device type: saved {meta.get('device_type')}, now {device_type}")
+    if meta.get("max_steps") != max_steps:
+        problems.append(f"max_steps: saved {meta.get('max_steps')}, now {max_steps}")
+    if problems:
+        raise FailedPrecondition(
+            "the checkpoint belongs to another session: " + "; ".join(problems)
+        )
+
+
+def read_checkpoint(
+    path: Path,
+    *,
+    config: TrainingConfig,
+    device_type: str,
+    max_steps: int | None,
+    live: Tensors,
+    optimizer: torch.optim.Optimizer,
+) -> RestoredState:
+    """Read and check everything in checkpoint ``path`` against the live session's."""
+    meta = read_session_json(path)
+    check_compatible(meta, config, device_type, max_steps)
+    model_tensors = load_tensors(path / MODEL_FILE)
+    problems = describe_mismatches(live, model_tensors)
+    if problems:
+        raise InvalidArgument(f"checkpoint {path.name} does not fit this model: {problems}")
+    gradients = load_tensors(path / GRADIENTS_FILE)
+    problems = describe_mismatches({n: live[n] for n in gradients if n in live}, gradients)
+    unknown = sorted(set(gradients) - set(live))
+    if problems or unknown:
+        raise InvalidArgument(
+            f"checkpoint {path.name}: gradients do not fit this model: {problems or unknown[:5]}"
+        )
+    optimizer_state = optimizer_state_from_tensors(optimizer, load_tensors(path / OPTIMIZER_FILE))
+    try:
+        rng_tensors = {n: t.clone() for n, t in load_tensors(path / RNG_FILE).items()}
+        rng = RngState.from_parts(meta["rng"], rng_tensors)
+        with preserved_global_rng():
+            rng.install()  # a state the generators refuse is refused here, not at the next op
+        step, accumulated = int(meta["step"]), int(meta["accumulated"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise InvalidArgument(
+            f"checkpoint {path.name}: malformed {SESSION_FILE} or RNG state ({error!r})"
+        ) from None
+    loss_hook_state = load_tensors(path / LOSS_HOOK_FILE)
+    # Owned copies on the session's device, made before anything is applied (a CUDA session
+    # may run out of memory here, and must not be left half restored).
+    owned_gradients = {n: g.to(live[n].device, copy=True) for n, g in gradients.items()}
+    return RestoredState(
+        step=step,
+        accumulated=accumulated,
+        base_model_fingerprint=meta.get("base_model_fingerprint"),
+        rng=rng,
+        parameters=model_tensors,
+        optimizer_state=optimizer_state,
+        gradients=owned_gradients,
+        loss_hook_state=loss_hook_state,
+        extra=dict(meta.get(EXTRA_KEY) or {}),
+    )
