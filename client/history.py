@@ -23,26 +23,20 @@ def update_record(
     grad_norm: float,
 ) -> dict[str, Any]:
     """The history record of one update; its loss is the mean of its microbatches' losses."""
-    return {
-        "kind": UPDATE,
-        "microbatch": microbatch,
-        "epoch": epoch,
-        "step": step,
-        "loss": sum(losses) / len(losses),
-        "learning_rate": learning_rate,
-        "grad_norm": grad_norm,
-    }
+    loss = sum(losses) / len(losses)
+    figures = {"loss": loss, "learning_rate": learning_rate, "grad_norm": grad_norm}
+    return _record(UPDATE, microbatch, epoch, step, figures)
 
 
 def evaluation_record(
     *, microbatch: int, epoch: int, step: int, metrics: dict[str, float], is_best: bool
 ) -> dict[str, Any]:
     """The history record of one evaluation: its metrics and whether it became the best."""
-    return {
-        "kind": EVALUATION,
-        "microbatch": microbatch,
-        "epoch": epoch,
-        "step": step,
-        **metrics,
-        "is_best": is_best,
-    }
+    return _record(EVALUATION, microbatch, epoch, step, {**metrics, "is_best": is_best})
+
+
+def _record(
+    kind: str, microbatch: int, epoch: int, step: int, fields: dict[str, Any]
+) -> dict[str, Any]:
+    # Where the record falls comes first, in the same keys for both kinds.
+    return {"kind": kind, "microbatch": microbatch, "epoch": epoch, "step": step, **fields}

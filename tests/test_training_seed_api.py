@@ -10,7 +10,14 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
-from training_runs import classifier_plan, lora_plan, references, shared_run, stopping_plan
+from training_runs import (
+    classifier_plan,
+    last_checkpoint,
+    lora_plan,
+    references,
+    shared_run,
+    stopping_plan,
+)
 
 import trainwire.server.training as training
 from trainwire.server.training import (
@@ -131,7 +138,7 @@ def lora_run(tmp_path_factory, llama_config, small_lora):
 
 
 def checkpoint_of(run):
-    return read_checkpoint(run.output / "checkpoints" / "last.ckpt")
+    return read_checkpoint(last_checkpoint(run))
 
 
 def settings_of(cfg):

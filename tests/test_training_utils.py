@@ -12,7 +12,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
-from training_runs import classifier_plan, lora_plan, shared_run, stopping_plan
+from training_runs import classifier_plan, last_checkpoint, shared_run
 
 from trainwire.client import overrides
 from trainwire.server.training import (
@@ -44,23 +44,9 @@ def bert_run(tmp_path_factory, bert_classifier_config):
 
 
 @pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory, bert_classifier_config):
-    return shared_run(tmp_path_factory, stopping_plan(bert_classifier_config))
-
-
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory, llama_config, small_lora):
-    return shared_run(tmp_path_factory, lora_plan(llama_config, small_lora))
-
-
-def last_of(run):
-    return run.output / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(scope="module")
 def last(bert_run):
     """The bert run's last checkpoint, as the guards take it: ``read_checkpoint``'s dict."""
-    return read_checkpoint(last_of(bert_run))
+    return read_checkpoint(last_checkpoint(bert_run))
 
 
 def settings_of(run):
@@ -213,8 +199,8 @@ def test_resolve_checkpoint_none_last_and_an_explicit_path(tmp_path):
 def test_read_checkpoint_loads_a_real_checkpoint_on_the_cpu(bert_run, last):
     scores = [v["best_model_score"] for v in last["callbacks"].values() if "dirpath" in v]
     assert scores and all(score.device.type == "cpu" for score in scores)
-    record = TrainCheckpointRecord.from_checkpoint(last_of(bert_run), last)
-    assert record == TrainCheckpointRecord.read(last_of(bert_run))
+    record = TrainCheckpointRecord.from_checkpoint(last_checkpoint(bert_run), last)
+    assert record == TrainCheckpointRecord.read(last_checkpoint(bert_run))
     assert record.cursor == record.batch_count == bert_run.plan.batch_count
     assert record.global_step == bert_run.plan.max_steps and not record.early_stopped
     assert record.state_digest == bert_run.result.state_digest

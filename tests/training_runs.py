@@ -146,6 +146,11 @@ class Run:
     result: TrainingResult
 
 
+def last_checkpoint(run: Run) -> Path:
+    """The run's ``last.ckpt``."""
+    return run.output / "checkpoints" / "last.ckpt"
+
+
 _RUNS: dict[str, Run] = {}
 
 
