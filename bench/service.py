@@ -102,7 +102,7 @@ def compare_steps(config: TrainingConfig, examples, model_root: Path, state_dir:
     client = SessionClient(f"127.0.0.1:{handle.port}")
     client.wait_until_serving()
     client.open("bench", config, max_steps=max_steps)
-    commits = timed_commits(handle.host.journal)
+    commits = timed_commits(handle.session_host.journal)
     batches = [examples[(i * batch) % len(examples) :][:batch] for i in range(len(examples))]
 
     def local_step(i: int) -> None:
@@ -145,14 +145,14 @@ def compare_steps(config: TrainingConfig, examples, model_root: Path, state_dir:
 def timed_commits(journal: Journal) -> list[float]:
     """Times every durable commit ``journal`` makes from now on (the server's own journal)."""
     commits: list[float] = []
-    record = journal.record
+    commit = journal.commit
 
-    def timed_record(entry) -> None:
+    def timed_commit(entry) -> None:
         started = time.perf_counter()
-        record(entry)
+        commit(entry)
         commits.append(time.perf_counter() - started)
 
-    journal.record = timed_record  # an instance attribute: this journal only
+    journal.commit = timed_commit  # an instance attribute: this journal only
     return commits
 
 
@@ -183,7 +183,7 @@ def compare_streams(config: TrainingConfig, model_root: Path, work: Path, rounds
     client.wait_until_serving()
     client.open("export", config, max_steps=1)
     exported = client.export_weights("final", operation_key="export")
-    directory = handle.host.state_dir.run("export").export("final")
+    directory = handle.session_host.state_dir.run("export").export("final")
     size = sum(f.size_bytes for f in exported.files)
     raw, port = raw_stream_server([directory / f.path for f in exported.files])
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

@@ -1,4 +1,5 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of either."""
+"""Atomic file writes (a reader sees the old file or the new one, never half of either), and
+reading PEM material given as bytes or as a path."""
 
 from __future__ import annotations
 
@@ -73,3 +74,16 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+Pem = bytes | str | os.PathLike[str]  # PEM bytes, or a path to a PEM file
+
+
+def read_pem(value: Pem | None) -> bytes | None:
+    """PEM bytes as given, or read from the file a path names (None stays None).
+
+    TLS options on both sides take either, so a certificate can come from memory or disk.
+    """
+    if value is None or isinstance(value, bytes):
+        return value
+    return Path(value).read_bytes()

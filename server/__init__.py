@@ -1,18 +1,20 @@
 """trainwire's server side: the training engine, its checkpoints, the journal and the servicer.
 
 Importing the package stays light (no torch, no gRPC): ``TrainingSession``, ``ManagedTraining``
-and ``SessionHost`` load on first use, and ``serve(...)`` imports the server when called.
+and ``SessionHost`` load on first use, and ``serve(...)`` imports the gRPC server
+(``trainwire.server.grpc_server``) when called.
 """
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainwire.server.grpc_server import ServerHandle
     from trainwire.server.host import SessionHost
     from trainwire.server.managed import ManagedTraining
-    from trainwire.server.serve import ServerHandle
     from trainwire.server.session import TrainingSession
 
 _LAZY = {
@@ -24,11 +26,21 @@ _LAZY = {
 __all__ = ["ManagedTraining", "SessionHost", "TrainingSession", "serve"]
 
 
-def serve(*args: Any, **kwargs: Any) -> ServerHandle:
-    """Start a trainwire server; see ``trainwire.server.serve.serve`` for the arguments."""
-    from trainwire.server.serve import serve as start
+def serve(
+    listen: str,
+    state_dir: str | Path,
+    model_root: str | Path | None = None,
+    device: str | None = None,
+    token: str | None = None,
+    **options: Any,
+) -> ServerHandle:
+    """Start a trainwire server and return its handle (``.port``, ``.stop()``).
 
-    return start(*args, **kwargs)
+    ``options`` (TLS, limits, interceptors) are ``trainwire.server.grpc_server.serve``'s.
+    """
+    from trainwire.server.grpc_server import serve as start
+
+    return start(listen, state_dir, model_root, device, token, **options)
 
 
 def __getattr__(name: str) -> Any:

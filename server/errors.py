@@ -20,6 +20,15 @@ class FailedPrecondition(TrainwireError, RuntimeError):
     """The session is in the wrong state for this call (FAILED_PRECONDITION)."""
 
 
+class PositionMismatch(FailedPrecondition):
+    """``expected_position`` is not where the session is; ``position`` is where it is (the
+    servicer sends it in the trailing metadata too)."""
+
+    def __init__(self, message: str, position: int) -> None:
+        super().__init__(message)
+        self.position = position
+
+
 class NotFound(TrainwireError, FileNotFoundError):
     """A named checkpoint, export or model does not exist (NOT_FOUND)."""
 

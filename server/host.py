@@ -1,47 +1,24 @@
 """The session host: one TrainingSession behind a durable journal, one operation at a time.
 
-Plain Python, no gRPC: the servicer decodes a request, calls one method here and encodes what it
-returns; tests drive this class directly.
+Plain Python, no gRPC: the servicer decodes a request into typed values, calls one method here
+and encodes what it returns; tests drive this class directly.
 
 Lifecycle: idle → (Open) open → (Close) closed → (Open of a new run id) open ... A server started
 on a state directory that holds an open run is ``restoring`` until ``recover()`` has reopened it
-from its latest checkpoint (``failed`` if that goes wrong).
-
-The state directory (names are constants in ``trainwire.server.state_dir``)::
-
-    <state dir>/
-      server.lock              held (flock) by the one server using the directory
-      runs/<run_id>/
-        run.json               run id, config and fingerprints, max_steps, plan, open | closed
-        journal.sqlite3        the operation journal (WAL: also -wal and -shm beside it)
-        checkpoints/<name>/    session checkpoints written by SaveState
-        exports/<name>/        inference exports written by ExportWeights
-
-Each run's files stay apart, so a closed run's checkpoints and journal survive the next run; at
-most one run is open. Run ids, checkpoint and export names match
-``[A-Za-z0-9][A-Za-z0-9._-]{0,127}`` and must resolve inside their folder (no symlink escapes);
-model paths resolve under the model root.
+from its latest checkpoint (``failed`` if that goes wrong). The state directory's layout is drawn
+in ``trainwire.server.state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
-ExportWeights) runs under the one executor lock, in this order, and moves the session's
-*position* (operations applied) by one:
-
-1. the journal: the key seen with the same payload digest → the recorded result, nothing runs;
-   the same key with another payload → ALREADY_EXISTS;
-2. ``expected_position`` differs from the position → FAILED_PRECONDITION (``PositionMismatch``);
-3. the engine runs it (an engine error changes nothing and is not journaled);
-4. the journal commits it durably with its position; only then does the caller hear of it.
-
-Recovery: a SaveState checkpoint carries ``{"server": {run_id, position, operation_key, ...}}``
-in its ``extra``. On restart the checkpoint with the highest position is restored, the journal
-entries after it are rolled back (their keys run again when replayed), and the checkpoint's own
-entry is re-inserted if a crash lost it. No checkpoint: a fresh session at position 0.
+ExportWeights) runs on the one executor thread and takes ``ActiveRun.apply_keyed``'s path
+(journal, position, engine, commit), moving the session's *position* (operations applied) by one.
+The host checks names and keys first, and owns what an operation's failure means for the
+lifecycle: a session broken midway, or a journal that could not commit, fails the server (a
+restart restores the latest checkpoint; see ``trainwire.server.recovery``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Callable, Sequence
 from concurrent import futures
@@ -49,34 +26,22 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainwire.client import outcomes
-from trainwire.client.config import InputExample, TrainingConfig, canonical_json, sha256_fingerprint
+from trainwire.client.config import InputExample, TrainingConfig
 from trainwire.client.outcomes import OperationOutcome, OperationSpec, SessionInfo
-from trainwire.server import journal as journal_records
+from trainwire.server import journal as kinds
+from trainwire.server.active_run import ActiveRun, Applying, Fields, JournalCommitFailed
 from trainwire.server.device import resolve_device
-from trainwire.server.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
-from trainwire.server.journal import Journal, JournalEntry
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from trainwire.server.journal import Journal, payload_digest
 from trainwire.server.model_loading import resolve_under
-from trainwire.server.open_run import OpenRun
 from trainwire.server.session import TrainingSession
-from trainwire.server.state_dir import RUN_CLOSED, RunRecord, StateDirectory, check_name
+from trainwire.server.state_dir import RUN_CLOSED, RunSpec, StateDirectory, check_name
 
 logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 1024
 T = TypeVar("T")
-
-
-class PositionMismatch(FailedPrecondition):
-    """``expected_position`` is not where the session is; ``position`` is where it is."""
-
-    def __init__(self, message: str, position: int) -> None:
-        super().__init__(message)
-        self.position = position
-
-
-def payload_digest(kind: str, payload: dict[str, Any]) -> str:
-    """What a reused key is compared by: the operation kind and its payload, never its Operation."""
-    return sha256_fingerprint(canonical_json({"kind": kind, "payload": payload}))
+RunCall = Callable[[ActiveRun, Applying], Fields]  # a keyed operation's engine call
 
 
 class SessionHost:
@@ -106,7 +71,7 @@ class SessionHost:
         # nothing interleaves inside the engine and torch always runs on the same thread.
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
         self._released = False
-        self._open: OpenRun | None = None
+        self._active: ActiveRun | None = None
         self._closed_info: SessionInfo | None = None
         self._failure = ""
         self._shutting_down = False
@@ -125,17 +90,17 @@ class SessionHost:
         self._serialized(self._recover, refusable=False)
 
     def _recover(self) -> None:
-        record = self._pending
-        if record is None:
+        spec = self._pending
+        if spec is None:
             self._set_serving(self.phase != outcomes.FAILED)
             return
         self._set_serving(False)
         try:
-            session = self._new_session(TrainingConfig.from_dict(record.config), record.max_steps)
-            self._open = OpenRun.restore(self.state_dir.run(record.run_id), record, session)
+            session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
+            self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
         except Exception as error:
-            logger.exception("restoring run %s failed", record.run_id)
-            self._fail(f"restoring run {record.run_id!r} failed: {error}")
+            logger.exception("restoring run %s failed", spec.run_id)
+            self._fail(f"restoring run {spec.run_id!r} failed: {error}")
             return
         finally:
             self._pending = None
@@ -143,23 +108,27 @@ class SessionHost:
         self._set_serving(True)
 
     def open(
-        self, run_id: str, config_json: str, max_steps: int, plan_fingerprint: str = ""
+        self,
+        run_id: str,
+        config: TrainingConfig,
+        max_steps: int | None = None,
+        plan_fingerprint: str = "",
     ) -> outcomes.OpenOutcome:
-        """Open the session for a run, or confirm the open one (see the proto's Open)."""
-        check_name(run_id, "run id")
-        config = _parse_config(config_json)
-        if max_steps < 0:
-            raise InvalidArgument(f"max_steps must be positive (or 0: none), got {max_steps}")
-        record = RunRecord(
-            run_id, config.to_dict(), config.fingerprint(), max_steps or None, plan_fingerprint
-        )
-        return self._serialized(self._open_run, record, config)
+        """Open the session for a run, or confirm the open one (see the proto's Open).
 
-    def _open_run(self, record: RunRecord, config: TrainingConfig) -> outcomes.OpenOutcome:
-        run_id = record.run_id
+        ``max_steps`` None (and an empty ``plan_fingerprint``) accept an open run's.
+        """
+        check_name(run_id, "run id")
+        if max_steps is not None and max_steps < 1:
+            raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps}")
+        spec = RunSpec(run_id, config.to_dict(), config.fingerprint(), max_steps, plan_fingerprint)
+        return self._serialized(self._open_run, spec, config)
+
+    def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
+        run_id = spec.run_id
         if self.phase == outcomes.OPEN:
-            _refuse_another_session(self._require_open().record, record)
-            return _opened(self._require_open().info(), created=False)
+            _refuse_another_session(self._require_active().spec, spec)
+            return _open_outcome(self._require_active().info(), created=False)
         self._refuse_unless(outcomes.IDLE, outcomes.CLOSED)
         run = self.state_dir.run(run_id)
         if run.exists():
@@ -168,14 +137,14 @@ class SessionHost:
             )
         self._set_serving(False)
         try:
-            session = self._new_session(config, record.max_steps)
+            session = self._new_session(config, spec.max_steps)
         finally:
             self._set_serving(True)
-        run.write_record(record)  # only once the session loaded: a refused config leaves none
-        self._open = OpenRun(run, record, session, Journal(run.journal_path))
+        run.write_spec(spec)  # only once the session loaded: a refused config leaves none
+        self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
         self.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
-        return _opened(self._open.info(), created=True)
+        return _open_outcome(self._active.info(), created=True)
 
     def close(self) -> SessionInfo:
         """Close the open run (a no-op unless one is open); its files stay in the state dir."""
@@ -184,11 +153,11 @@ class SessionHost:
     def _close(self) -> SessionInfo:
         if self.phase != outcomes.OPEN:
             return self._idle_info()
-        opened = self._require_open()
-        info = opened.info(state=outcomes.CLOSED)
-        opened.run.write_record(dataclasses.replace(opened.record, state=RUN_CLOSED))
-        opened.journal.close()
-        self._open, self._closed_info, self.phase = None, info, outcomes.CLOSED
+        active = self._require_active()
+        info = active.info(state=outcomes.CLOSED)
+        active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
+        active.journal.close()
+        self._active, self._closed_info, self.phase = None, info, outcomes.CLOSED
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
 
@@ -197,7 +166,7 @@ class SessionHost:
         if self.phase != outcomes.OPEN:
             return self._idle_info()
         return self._serialized(
-            lambda: self._open.info() if self._open is not None else self._idle_info(),
+            lambda: self._active.info() if self._active is not None else self._idle_info(),
             refusable=False,
         )
 
@@ -221,8 +190,8 @@ class SessionHost:
         self._released = True
 
         def release() -> None:
-            if self._open is not None:
-                self._open.journal.close()
+            if self._active is not None:
+                self._active.journal.close()
             self.state_dir.release()
 
         self._worker.submit(release).result()
@@ -231,38 +200,40 @@ class SessionHost:
     @property
     def journal(self) -> Journal | None:
         """The open run's journal (None when no run is open)."""
-        return None if self._open is None else self._open.journal
+        return None if self._active is None else self._active.journal
 
     @property
     def session(self) -> TrainingSession | None:
         """The open run's engine (None when no run is open)."""
-        return None if self._open is None else self._open.session
+        return None if self._active is None else self._active.session
 
     # -- operations ------------------------------------------------------------------------------
 
     def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
-        return self._serialized(lambda: self._require_open().forward(examples))
+        return self._serialized(lambda: self._require_active().forward(examples))
 
     def forward_backward(
         self, examples: Sequence[InputExample], op: OperationSpec
     ) -> outcomes.ForwardBackwardOutcome:
         payload = {"examples": [example.to_dict() for example in examples]}
-        cls = outcomes.ForwardBackwardOutcome
-        return self._keyed("ForwardBackward", op, payload, cls, OpenRun.forward_backward, examples)
+        return self._keyed(
+            kinds.FORWARD_BACKWARD, op, payload, lambda run, _: run.forward_backward(examples)
+        )
 
     def optim_step(self, op: OperationSpec) -> outcomes.OptimStepOutcome:
-        return self._keyed("OptimStep", op, {}, outcomes.OptimStepOutcome, OpenRun.optim_step)
+        return self._keyed(kinds.OPTIM_STEP, op, {}, lambda run, _: run.optim_step())
 
     def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
+        payload = {"name": name}
         return self._keyed(
-            "SaveState", op, {"name": name}, outcomes.CheckpointOutcome, OpenRun.save_state, name
+            kinds.SAVE_STATE, op, payload, lambda run, applying: run.save_state(name, applying)
         )
 
     def load_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
         return self._keyed(
-            "LoadState", op, {"name": name}, outcomes.CheckpointOutcome, OpenRun.load_state, name
+            kinds.LOAD_STATE, op, {"name": name}, lambda run, _: run.load_state(name)
         )
 
     def load_weights(self, source: outcomes.WeightsSource, op: OperationSpec) -> OperationOutcome:
@@ -278,7 +249,7 @@ class SessionHost:
             )
         payload = {"kind": source.kind, "value": source.value}
         return self._keyed(
-            "LoadWeights", op, payload, OperationOutcome, OpenRun.load_weights, source, model_path
+            kinds.LOAD_WEIGHTS, op, payload, lambda run, _: run.load_weights(source, model_path)
         )
 
     def export_weights(
@@ -290,10 +261,9 @@ class SessionHost:
             check_name(checkpoint, "checkpoint")
         payload = {"name": name, "checkpoint": checkpoint}
         outcome = self._keyed(
-            "ExportWeights", op, payload, outcomes.ExportOutcome, OpenRun.export_weights, name,
-            checkpoint,
-        )  # fmt: skip
-        return dataclasses.replace(outcome, directory=self._require_open().run.export(name))
+            kinds.EXPORT_WEIGHTS, op, payload, lambda run, _: run.export_weights(name, checkpoint)
+        )
+        return dataclasses.replace(outcome, directory=self._require_active().run.export(name))
 
     # -- the executor ------------------------------------------------------------------------------
 
@@ -316,79 +286,28 @@ class SessionHost:
             raise Unavailable("the server has stopped")
         return self._worker.submit(job).result()
 
-    def _keyed(
-        self,
-        kind: str,
-        op: OperationSpec,
-        payload: dict[str, Any],
-        cls: type[OperationOutcome],
-        apply: Callable[..., OperationOutcome],
-        *args: Any,
-    ) -> Any:
-        """Journal lookup, position check, ``apply(open run, key, position, digest, *args)``,
-        durable commit: in that order, under the executor lock."""
+    def _keyed(self, kind: str, op: OperationSpec, payload: dict[str, Any], call: RunCall) -> Any:
+        """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
         _check_key(op.key)
         digest = payload_digest(kind, payload)
-        return self._serialized(self._apply_keyed, kind, op, digest, cls, apply, args)
+        return self._serialized(self._apply_keyed, kind, op, digest, call)
 
     def _apply_keyed(
-        self,
-        kind: str,
-        op: OperationSpec,
-        digest: str,
-        cls: type[OperationOutcome],
-        apply: Callable[..., OperationOutcome],
-        args: tuple[Any, ...],
-    ) -> Any:
-        opened = self._require_open()
-        entry = opened.journal.lookup(op.key)
-        if entry is not None:
-            return self._replay(opened, entry, kind, digest, op, cls)
-        if op.expected_position is not None and op.expected_position != opened.position:
-            raise PositionMismatch(
-                f"expected_position {op.expected_position}, but the session is at position "
-                f"{opened.position} (last operation {opened.last_key!r}); resume from "
-                f"position {opened.position}",
-                opened.position,
-            )
-        position = opened.position + 1
+        self, kind: str, op: OperationSpec, digest: str, call: RunCall
+    ) -> OperationOutcome:
+        active = self._require_active()
         try:
-            outcome = apply(opened, op.key, position, digest, *args)
+            return active.apply_keyed(kind, op, digest, lambda applying: call(active, applying))
+        except JournalCommitFailed as error:
+            # The engine moved on but the journal did not: only a restart makes them agree.
+            self._fail(str(error))
+            raise FailedPrecondition(f"{self._failure}; restart the server") from None
         except BaseException:
-            if opened.session.broken is not None:
+            if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the
                 # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
-                self._fail(f"{opened.session.broken}; restart the server to restore")
+                self._fail(f"{active.session.broken}; restart the server to restore")
             raise
-        if op.include_digest and not outcome.state_digest:
-            outcome = dataclasses.replace(outcome, state_digest=opened.session.state_digest())
-        record = journal_records.outcome_record(outcome)
-        try:
-            opened.commit(JournalEntry(op.key, kind, digest, position, record))
-        except Exception as error:
-            # The engine moved on but the journal did not: only a restart makes them agree.
-            self._fail(f"the journal could not record {op.key!r}: {error}")
-            raise FailedPrecondition(f"{self._failure}; restart the server") from None
-        return outcome
-
-    def _replay(
-        self,
-        opened: OpenRun,
-        entry: JournalEntry,
-        kind: str,
-        digest: str,
-        op: OperationSpec,
-        cls: type[OperationOutcome],
-    ) -> OperationOutcome:
-        if entry.kind != kind or entry.payload_sha256 != digest:
-            raise AlreadyExists(
-                f"operation key {op.key!r} was already used for another {entry.kind} payload "
-                f"(applied as operation {entry.position}); send a new key for a new operation"
-            )
-        outcome = journal_records.outcome_from_record(cls, entry.result, replayed=True)
-        if op.include_digest and not outcome.state_digest and entry.position == opened.position:
-            outcome = dataclasses.replace(outcome, state_digest=opened.session.state_digest())
-        return outcome
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -397,10 +316,10 @@ class SessionHost:
             config, device=self.device, max_steps=max_steps, model_root=self.model_root
         )
 
-    def _require_open(self) -> OpenRun:
+    def _require_active(self) -> ActiveRun:
         self._refuse_unless(outcomes.OPEN)
-        assert self._open is not None
-        return self._open
+        assert self._active is not None
+        return self._active
 
     def _refuse_unless(self, *phases: str) -> None:
         if self.phase in phases:
@@ -437,7 +356,7 @@ class SessionHost:
             self.on_serving(serving and not self._shutting_down and self.phase != outcomes.FAILED)
 
 
-def _opened(info: SessionInfo, *, created: bool) -> outcomes.OpenOutcome:
+def _open_outcome(info: SessionInfo, *, created: bool) -> outcomes.OpenOutcome:
     return outcomes.OpenOutcome(**dataclasses.asdict(info), created=created)
 
 
@@ -450,18 +369,7 @@ def _check_key(key: str) -> None:
         )
 
 
-def _parse_config(config_json: str) -> TrainingConfig:
-    try:
-        data = json.loads(config_json)
-    except ValueError as error:
-        raise InvalidArgument(f"config_json is not valid JSON: {error}") from None
-    try:
-        return TrainingConfig.from_dict(data)
-    except ValueError as error:
-        raise InvalidArgument(str(error)) from None
-
-
-def _refuse_another_session(current: RunRecord, requested: RunRecord) -> None:
+def _refuse_another_session(current: RunSpec, requested: RunSpec) -> None:
     """FAILED_PRECONDITION naming every way ``requested`` differs from the open session."""
     if current.run_id != requested.run_id:
         raise FailedPrecondition(

@@ -1,9 +1,10 @@
 """The durable operation journal: which operation keys a run has applied, and what they returned.
 
 One SQLite database per run, in WAL mode with ``synchronous=FULL``: a committed entry survives a
-power cut, and ``record`` returns only after the commit. The session host looks a key up before
-running anything (same payload → the recorded result; other payload → ALREADY_EXISTS) and records
-each applied operation with its position.
+power cut, and ``commit`` returns only after the commit. The active run looks a key up before
+running anything (same payload → the journaled result; other payload → ALREADY_EXISTS) and commits
+each applied operation with its position. An entry's ``result`` is the operation's outcome in the
+JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back.
 
 A restart rolls the session back to its latest checkpoint; the entries after it are marked
 ``rolled_back`` rather than deleted, so their keys run again when the controller replays them (the
@@ -21,11 +22,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainwire.client import outcomes
+from trainwire.client.config import canonical_json, sha256_fingerprint
 from trainwire.client.outcomes import ExportedFile, OperationOutcome
 
 JOURNAL_FILE = "journal.sqlite3"
 SCHEMA_VERSION = 1
 OutcomeT = TypeVar("OutcomeT", bound=OperationOutcome)
+
+# The state-changing operation kinds, spelled as their RPCs: an entry's ``kind``.
+FORWARD_BACKWARD = "ForwardBackward"
+OPTIM_STEP = "OptimStep"
+SAVE_STATE = "SaveState"
+LOAD_STATE = "LoadState"
+LOAD_WEIGHTS = "LoadWeights"
+EXPORT_WEIGHTS = "ExportWeights"
+# What each kind's journaled result is read back as.
+OUTCOME_TYPES: dict[str, type[OperationOutcome]] = {
+    FORWARD_BACKWARD: outcomes.ForwardBackwardOutcome,
+    OPTIM_STEP: outcomes.OptimStepOutcome,
+    SAVE_STATE: outcomes.CheckpointOutcome,
+    LOAD_STATE: outcomes.CheckpointOutcome,
+    LOAD_WEIGHTS: OperationOutcome,
+    EXPORT_WEIGHTS: outcomes.ExportOutcome,
+}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (
@@ -90,7 +110,7 @@ class Journal:
             ).fetchone()
         return None if row is None else _entry(row)
 
-    def record(self, entry: JournalEntry) -> None:
+    def commit(self, entry: JournalEntry) -> None:
         """Commit ``entry`` durably; it replaces a rolled-back entry of the same key.
 
         Raises ``sqlite3.IntegrityError`` if a live entry holds the key (the host never asks).
@@ -150,6 +170,11 @@ def _entry(row: tuple[Any, ...]) -> JournalEntry:
     return JournalEntry(
         key, kind, payload, position, json.loads(result), bool(rolled_back), recorded_at
     )
+
+
+def payload_digest(kind: str, payload: dict[str, Any]) -> str:
+    """What a reused key is compared by: the operation kind and its payload, never its Operation."""
+    return sha256_fingerprint(canonical_json({"kind": kind, "payload": payload}))
 
 
 def outcome_record(outcome: OperationOutcome) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import torch
 
 from trainwire.client.config import LoraSettings, TrainingConfig
 from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.paths import resolve_inside
 
 MODEL_CONFIG_FILE = "config.json"
 
@@ -19,16 +20,16 @@ MODEL_CONFIG_FILE = "config.json"
 def resolve_under(root: Path | None, name: str, what: str) -> Path:
     """``name`` as a path inside ``root`` (any local path when there is no root).
 
-    Symlinks are resolved first, so a link cannot lead outside the root either.
+    Symlinks are resolved first (``paths.resolve_inside``), so a link cannot lead outside the
+    root either.
     """
     if not name:
         raise InvalidArgument(f"{what}: empty path")
     if root is None:
         return Path(name).expanduser().resolve()
-    base = root.resolve()
-    candidate = (base / name).resolve()
-    if candidate != base and base not in candidate.parents:
-        raise InvalidArgument(f"{what} {name!r} resolves outside the model root {base}")
+    candidate = resolve_inside(root, name)
+    if candidate is None:
+        raise InvalidArgument(f"{what} {name!r} resolves outside the model root {root.resolve()}")
     return candidate
 
 

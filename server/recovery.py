@@ -1,9 +1,10 @@
 """Restart recovery: find a run's latest checkpoint and bring the session and journal back to it.
 
-A SaveState checkpoint records in its ``extra`` where it stands: the run, its position, the key
-and payload digest of the SaveState that wrote it, and that operation's result. That is enough to
-restore the session, roll the journal back to the same position, and re-record the SaveState if
-the server died between writing the checkpoint and committing its journal entry.
+A SaveState checkpoint carries its own journal entry in its ``extra`` (``checkpoint_extra``):
+the run, its position, the key and payload digest of the SaveState that wrote it, and that
+operation's result. That is enough to restore the session, roll the journal back to the same
+position, and re-commit the SaveState if the server died between writing the checkpoint and
+committing its journal entry.
 """
 
 from __future__ import annotations
@@ -14,14 +15,27 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.errors import InvalidArgument, NotFound
-from trainwire.server.journal import Journal, JournalEntry
+from trainwire.server.journal import SAVE_STATE, Journal, JournalEntry
 from trainwire.server.session import TrainingSession
 from trainwire.server.session_checkpoint import read_extra
 from trainwire.server.state_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
 
-SAVE_KIND = "SaveState"
+SERVER_EXTRA_KEY = "server"  # the checkpoint extra's key the server owns; others stay untouched
+
+
+def checkpoint_extra(run_id: str, entry: JournalEntry) -> dict[str, Any]:
+    """The ``extra`` a SaveState checkpoint is written with: ``entry``, the SaveState's own."""
+    return {
+        SERVER_EXTRA_KEY: {
+            "run_id": run_id,
+            "position": entry.position,
+            "operation_key": entry.operation_key,
+            "payload_sha256": entry.payload_sha256,
+            "result": entry.result,
+        }
+    }
 
 
 @dataclass(frozen=True)
@@ -36,13 +50,25 @@ class RestorePoint:
     def position(self) -> int:
         return int(self.server["position"])
 
+    @property
+    def entry(self) -> JournalEntry:
+        """The journal entry of the SaveState that wrote this checkpoint."""
+        server = self.server
+        return JournalEntry(
+            server["operation_key"],
+            SAVE_STATE,
+            server["payload_sha256"],
+            self.position,
+            server["result"],
+        )
 
-def latest_checkpoint(run: RunDirectory, run_id: str, extra_key: str) -> RestorePoint | None:
+
+def latest_checkpoint(run: RunDirectory, run_id: str) -> RestorePoint | None:
     """The run's checkpoint with the highest position; checkpoints of other runs are skipped."""
     best: RestorePoint | None = None
     for path in run.checkpoint_paths():
         try:
-            server = read_extra(path).get(extra_key)
+            server = read_extra(path).get(SERVER_EXTRA_KEY)
         except (NotFound, InvalidArgument) as error:
             logger.warning("ignoring %s: %s", path, error)
             continue
@@ -71,14 +97,6 @@ def restore_into(
         logger.info("%d journal entries after position %d rolled back", rolled, point.position)
     if journal.lookup(key) is None:
         # The server died after the checkpoint was renamed into place, before the commit.
-        journal.record(
-            JournalEntry(
-                key,
-                SAVE_KIND,
-                point.server["payload_sha256"],
-                point.position,
-                point.server["result"],
-            )
-        )
-        logger.warning("re-recorded %s %r at position %d", SAVE_KIND, key, point.position)
+        journal.commit(point.entry)
+        logger.warning("re-committed %s %r at position %d", SAVE_STATE, key, point.position)
     return point.position, key

@@ -1,7 +1,9 @@
 """The gRPC servicer: decode the request, call the session host, encode what it returns.
 
-Errors become status codes here and nowhere else (``STATUS_CODES``), and every call is logged as
-one JSON line: kind, operation key, result (applied, replayed or the status), position, duration.
+Decoding ends here: the host takes typed values (a ``TrainingConfig``, ``max_steps`` as
+``int | None``), never JSON or proto3 defaults. Errors become status codes here and nowhere else
+(``STATUS_CODES``), and every call is logged as one JSON line: kind, operation key, result
+(applied, replayed or the status), position, duration.
 """
 
 from __future__ import annotations
@@ -16,16 +18,19 @@ from typing import Any, TypeVar
 import grpc
 
 from trainwire.client import chunks, outcomes, wire
+from trainwire.client.config import TrainingConfig
+from trainwire.server import journal as kinds
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PositionMismatch,
     ResourceExhausted,
     Unavailable,
 )
-from trainwire.server.host import PositionMismatch, SessionHost
-from trainwire.server.state_dir import read_export_files
+from trainwire.server.host import SessionHost
+from trainwire.server.state_dir import check_name, read_export_files
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 
@@ -55,17 +60,36 @@ def status_code(error: BaseException) -> grpc.StatusCode:
 
 
 def log_operation(kind: str, key: str, started: float, result: str, **fields: Any) -> None:
-    record = {"kind": kind, "key": key, "result": result, **fields}
-    record["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
+    line = {"kind": kind, "key": key, "result": result, **fields}
+    line["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
     level = logging.DEBUG if kind == "Info" and result == "ok" else logging.INFO
-    logger.log(level, "operation %s", json.dumps(record, sort_keys=True))
+    logger.log(level, "operation %s", json.dumps(line, sort_keys=True))
+
+
+def config_from_json(config_json: str) -> TrainingConfig:
+    """An Open request's ``config_json``; INVALID_ARGUMENT naming what is wrong with it."""
+    try:
+        data = json.loads(config_json)
+    except ValueError as error:
+        raise InvalidArgument(f"config_json is not valid JSON: {error}") from None
+    try:
+        return TrainingConfig.from_dict(data)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+
+
+def max_steps_from_proto(max_steps: int) -> int | None:
+    """proto3 sends 0 for "not given": None, which accepts an open run's."""
+    if max_steps < 0:
+        raise InvalidArgument(f"max_steps must be positive (or 0: none), got {max_steps}")
+    return max_steps or None
 
 
 class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``."""
 
-    def __init__(self, host: SessionHost) -> None:
-        self.host = host
+    def __init__(self, session_host: SessionHost) -> None:
+        self.session_host = session_host
 
     def _run(self, context: grpc.ServicerContext, kind: str, key: str, call: Callable[[], T]) -> T:
         started = time.perf_counter()
@@ -85,60 +109,67 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return outcome
 
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
-        call = partial(
-            self.host.open,
-            request.run_id,
-            request.config_json,
-            request.max_steps,
-            request.plan_fingerprint,
-        )
+        def call() -> outcomes.OpenOutcome:
+            check_name(request.run_id, "run id")  # refused before the config, as it always was
+            config = config_from_json(request.config_json)
+            max_steps = max_steps_from_proto(request.max_steps)
+            return self.session_host.open(
+                request.run_id, config, max_steps, request.plan_fingerprint
+            )
+
         outcome = self._run(context, "Open", "", call)
         return wire.open_response_to_proto(outcome)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        info = self._run(context, "Info", "", self.host.info)
+        info = self._run(context, "Info", "", self.session_host.info)
         return pb.InfoResponse(info=wire.session_info_to_proto(info))
 
     def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         examples = wire.examples_from_proto(request.examples)
-        outcome = self._run(context, "Forward", "", partial(self.host.forward, examples))
+        outcome = self._run(context, "Forward", "", partial(self.session_host.forward, examples))
         return wire.forward_to_proto(outcome)
 
     def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
         op = wire.operation_from_proto(request.operation)
         examples = wire.examples_from_proto(request.examples)
-        call = partial(self.host.forward_backward, examples, op)
-        return wire.forward_backward_to_proto(self._run(context, "ForwardBackward", op.key, call))
+        call = partial(self.session_host.forward_backward, examples, op)
+        return wire.forward_backward_to_proto(
+            self._run(context, kinds.FORWARD_BACKWARD, op.key, call)
+        )
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         op = wire.operation_from_proto(request.operation)
-        outcome = self._run(context, "OptimStep", op.key, partial(self.host.optim_step, op))
+        outcome = self._run(
+            context, kinds.OPTIM_STEP, op.key, partial(self.session_host.optim_step, op)
+        )
         return wire.optim_step_to_proto(outcome)
 
     def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
         op = wire.operation_from_proto(request.operation)
-        call = partial(self.host.save_state, request.name, op)
-        return wire.save_state_to_proto(self._run(context, "SaveState", op.key, call))
+        call = partial(self.session_host.save_state, request.name, op)
+        return wire.save_state_to_proto(self._run(context, kinds.SAVE_STATE, op.key, call))
 
     def LoadState(self, request: pb.LoadStateRequest, context) -> pb.LoadStateResponse:
         op = wire.operation_from_proto(request.operation)
-        call = partial(self.host.load_state, request.name, op)
-        return wire.load_state_to_proto(self._run(context, "LoadState", op.key, call))
+        call = partial(self.session_host.load_state, request.name, op)
+        return wire.load_state_to_proto(self._run(context, kinds.LOAD_STATE, op.key, call))
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
         op = wire.operation_from_proto(request.operation)
 
         def call() -> outcomes.OperationOutcome:
-            return self.host.load_weights(wire.weights_source_from_proto(request), op)
+            return self.session_host.load_weights(wire.weights_source_from_proto(request), op)
 
-        return wire.load_weights_to_proto(self._run(context, "LoadWeights", op.key, call))
+        return wire.load_weights_to_proto(self._run(context, kinds.LOAD_WEIGHTS, op.key, call))
 
     def ExportWeights(
         self, request: pb.ExportWeightsRequest, context
     ) -> Iterator[pb.ExportWeightsResponse]:
         op = wire.operation_from_proto(request.operation)
-        call = partial(self.host.export_weights, request.name, op, checkpoint=request.checkpoint)
-        outcome = self._run(context, "ExportWeights", op.key, call)
+        call = partial(
+            self.session_host.export_weights, request.name, op, checkpoint=request.checkpoint
+        )
+        outcome = self._run(context, kinds.EXPORT_WEIGHTS, op.key, call)
         yield wire.export_result_to_proto(outcome)
         if not request.download:
             return
@@ -154,7 +185,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             context.abort(status_code(error), message)
 
     def Close(self, request: pb.CloseRequest, context) -> pb.CloseResponse:
-        info = self._run(context, "Close", "", self.host.close)
+        info = self._run(context, "Close", "", self.session_host.close)
         return pb.CloseResponse(info=wire.session_info_to_proto(info))
 
 
@@ -174,7 +205,7 @@ def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> Non
             getattr(servicer, method.name),
             request_deserializer=getattr(pb, method.input_type.name).FromString,
             response_serializer=chunks.serialize_export_item
-            if method.name == "ExportWeights"
+            if method.name == kinds.EXPORT_WEIGHTS
             else response.SerializeToString,
         )
     server.add_generic_rpc_handlers(

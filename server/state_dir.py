@@ -1,8 +1,21 @@
-"""The server's state directory: where each run keeps its record, journal, checkpoints and exports.
+"""The server's state directory: where each run keeps its spec, journal, checkpoints and exports.
 
-The layout is drawn in ``trainwire.server.host``; its names are the constants below. Names are
-checked here, and a resolved path must stay inside its folder, so neither ``..`` nor a planted
-symlink leads out of the state directory.
+The layout (names are the constants below)::
+
+    <state dir>/
+      server.lock              held (flock) by the one server using the directory
+      runs/<run_id>/
+        run.json               the RunSpec: run id, config and fingerprints, max_steps, plan,
+                               open | closed
+        journal.sqlite3        the operation journal (WAL: also -wal and -shm beside it)
+        checkpoints/<name>/    session checkpoints written by SaveState
+        exports/<name>/        inference exports written by ExportWeights
+
+Each run's files stay apart, so a closed run's checkpoints and journal survive the next run; at
+most one run is open. Run ids, checkpoint and export names match
+``[A-Za-z0-9][A-Za-z0-9._-]{0,127}`` and must resolve inside their folder
+(``trainwire.server.paths``), so neither ``..`` nor a planted symlink leads out of the state
+directory.
 """
 
 from __future__ import annotations
@@ -21,6 +34,7 @@ from trainwire.client.files import write_text_atomic
 from trainwire.client.outcomes import ExportedFile
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.journal import JOURNAL_FILE
+from trainwire.server.paths import resolve_inside
 
 RUNS_DIR = "runs"
 LOCK_FILE = "server.lock"
@@ -43,16 +57,15 @@ def check_name(name: str, what: str) -> str:
 def confined(folder: Path, name: str, what: str) -> Path:
     """``folder/name`` after checking the name and that it resolves inside ``folder``."""
     check_name(name, what)
-    path = folder / name
     base = folder.resolve()
-    if path.resolve().parent != base:
+    if resolve_inside(base, name) in (None, base):
         raise InvalidArgument(f"{what} {name!r} resolves outside {base} (a symlink?); refused")
-    return path
+    return folder / name
 
 
 @dataclass(frozen=True)
-class RunRecord:
-    """What identifies a run's session, persisted so a restarted server can reopen it."""
+class RunSpec:
+    """What identifies a run's session (``run.json``), kept so a restarted server can reopen it."""
 
     run_id: str
     config: dict[str, Any]
@@ -64,7 +77,7 @@ class RunRecord:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
-    def differences(self, requested: RunRecord) -> list[str]:
+    def differences(self, requested: RunSpec) -> list[str]:
         """How ``requested`` differs from this run in config, max_steps and plan, in words."""
         out = []
         if self.config_fingerprint != requested.config_fingerprint:
@@ -87,7 +100,7 @@ class RunRecord:
         return out
 
     @classmethod
-    def from_json(cls, text: str) -> RunRecord:
+    def from_json(cls, text: str) -> RunSpec:
         return cls(**json.loads(text))
 
 
@@ -103,13 +116,13 @@ class RunDirectory:
     def exists(self) -> bool:
         return (self.path / RUN_FILE).is_file()
 
-    def read_record(self) -> RunRecord:
-        return RunRecord.from_json((self.path / RUN_FILE).read_text())
+    def read_spec(self) -> RunSpec:
+        return RunSpec.from_json((self.path / RUN_FILE).read_text())
 
-    def write_record(self, record: RunRecord) -> None:
+    def write_spec(self, spec: RunSpec) -> None:
         for folder in (self.path, self.checkpoints, self.exports):
             folder.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(self.path / RUN_FILE, record.to_json())
+        write_text_atomic(self.path / RUN_FILE, spec.to_json())
 
     def checkpoint(self, name: str) -> Path:
         return confined(self.checkpoints, name, "checkpoint")
@@ -155,16 +168,16 @@ class StateDirectory:
     def run(self, run_id: str) -> RunDirectory:
         return RunDirectory(confined(self.root / RUNS_DIR, run_id, "run id"))
 
-    def open_runs(self) -> list[RunRecord]:
+    def open_runs(self) -> list[RunSpec]:
         """The runs recorded as open (at most one, unless the directory was tampered with)."""
-        records = []
+        specs = []
         for path in sorted((self.root / RUNS_DIR).iterdir()):
             run = RunDirectory(path)
             if NAME_PATTERN.fullmatch(path.name) and run.exists():
-                record = run.read_record()
-                if record.state == RUN_OPEN:
-                    records.append(record)
-        return records
+                spec = run.read_spec()
+                if spec.state == RUN_OPEN:
+                    specs.append(spec)
+        return specs
 
 
 CHUNK_BYTES = 1 << 20  # the most a streamed chunk carries
@@ -209,7 +222,7 @@ def read_export_files(
 def confined_file(directory: Path, relative: str) -> Path:
     """``directory/relative`` for a recorded export path, refusing anything that leaves it."""
     base = directory.resolve()
-    path = (base / relative).resolve()
-    if PurePosixPath(relative).is_absolute() or base not in path.parents:
+    path = None if PurePosixPath(relative).is_absolute() else resolve_inside(base, relative)
+    if path is None or path == base:
         raise InvalidArgument(f"export file {relative!r} lies outside {base}")
     return path

@@ -14,7 +14,7 @@ from typing import Any
 
 from trainwire.client import InputExample, SessionClient
 from trainwire.client.retry import RetryPolicy
-from trainwire.server.serve import ServerHandle, serve
+from trainwire.server.grpc_server import ServerHandle, serve
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 FAST_RETRY = RetryPolicy(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.1)

@@ -18,9 +18,11 @@ from trainwire.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PositionMismatch,
     Unavailable,
 )
-from trainwire.server.host import PositionMismatch, SessionHost
+from trainwire.server.host import SessionHost
+from trainwire.server.servicer import config_from_json
 from trainwire.server.session import TrainingSession
 from trainwire.server.session_checkpoint import read_extra
 
@@ -54,19 +56,19 @@ def config(llama_config):
 @pytest.fixture
 def host(make_host, config):
     host = make_host()
-    host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
+    host.open("run", config, 10, "sha256:plan")
     return host
 
 
 def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config):
-    again = host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
+    again = host.open("run", config, 10, "sha256:plan")
 
     assert again.created is False
     assert (again.run_id, again.state, again.position) == ("run", outcomes.OPEN, 0)
     assert again.config_fingerprint == config.fingerprint()
     assert (again.max_steps, again.plan_fingerprint) == (10, "sha256:plan")
     # A plain open(run_id, config), naming no steps or plan, accepts the open run's.
-    plain = host.open("run", json.dumps(config.to_dict()), 0, "")
+    plain = host.open("run", config, None, "")
     assert plain.created is False and plain.max_steps == 10
 
 
@@ -82,7 +84,7 @@ def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config)
 def test_open_refuses_another_run_config_steps_or_plan_naming_the_difference(
     host, config, run_id, changes, max_steps, plan, match
 ):
-    requested = json.dumps(config.replace(**changes).to_dict())
+    requested = config.replace(**changes)
 
     with pytest.raises(FailedPrecondition, match=match):
         host.open(run_id, requested, max_steps, plan)
@@ -93,13 +95,13 @@ def test_open_refuses_bad_configs_as_invalid_arguments(make_host, config):
     fp16 = dict(config.to_dict(), precision="fp16")
 
     with pytest.raises(InvalidArgument, match="fp16 is not supported"):
-        host.open("run", json.dumps(fp16), 10)
+        host.open("run", config_from_json(json.dumps(fp16)), 10)
     with pytest.raises(InvalidArgument, match="unknown config key"):
-        host.open("run", json.dumps(dict(config.to_dict(), learning_rat=1)), 10)
+        host.open("run", config_from_json(json.dumps(dict(config.to_dict(), learning_rat=1))), 10)
     with pytest.raises(InvalidArgument, match="not valid JSON"):
-        host.open("run", "{", 10)
+        host.open("run", config_from_json("{"), 10)
     with pytest.raises(InvalidArgument, match="run id name 'a/b' is not allowed"):
-        host.open("a/b", json.dumps(config.to_dict()), 10)
+        host.open("a/b", config, 10)
     assert host.info().state == outcomes.IDLE
     assert not (host.state_dir.root / "runs" / "run").exists()
 
@@ -258,8 +260,8 @@ def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host,
     assert closed.state == outcomes.CLOSED and host.info() == closed
     assert host.close() == closed  # idempotent
     with pytest.raises(FailedPrecondition, match="was closed"):
-        host.open("run", json.dumps(config.to_dict()), 10, "sha256:plan")
-    opened = host.open("run2", json.dumps(config.to_dict()), 10)
+        host.open("run", config, 10, "sha256:plan")
+    opened = host.open("run2", config, 10)
     assert (opened.created, opened.position, opened.run_id) == (True, 0, "run2")
     assert host.state_dir.run("run").checkpoint("c1").is_dir()
     with pytest.raises(NotFound):  # the other run's checkpoint is not this run's
@@ -376,7 +378,7 @@ def test_classification_forward_reports_predictions_in_label_order(
 ):
     host = make_host()
     config = llama_classifier_config()
-    host.open("cls", json.dumps(config.to_dict()), 4)
+    host.open("cls", config, 4)
     local = TrainingSession(config, device="cpu", max_steps=4)
 
     remote = host.forward(REVIEWS[:4])

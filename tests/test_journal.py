@@ -20,7 +20,7 @@ def journal(tmp_path):
 
 
 def test_a_recorded_entry_is_found_by_its_key_with_its_exact_result(journal):
-    journal.record(entry("a", 1, loss=0.1 + 0.2, nested={"x": [1, 2]}))
+    journal.commit(entry("a", 1, loss=0.1 + 0.2, nested={"x": [1, 2]}))
 
     found = journal.lookup("a")
 
@@ -42,8 +42,8 @@ def test_the_journal_runs_in_wal_mode_with_full_sync(journal):
 def test_committed_entries_survive_reopening(tmp_path):
     path = tmp_path / "journal.sqlite3"
     with Journal(path) as first:
-        first.record(entry("a", 1))
-        first.record(entry("b", 2))
+        first.commit(entry("a", 1))
+        first.commit(entry("b", 2))
 
     with Journal(path) as again:
         assert [e.operation_key for e in again.entries()] == ["a", "b"]
@@ -51,10 +51,10 @@ def test_committed_entries_survive_reopening(tmp_path):
 
 
 def test_a_live_key_cannot_be_recorded_twice(journal):
-    journal.record(entry("a", 1, loss=1.0))
+    journal.commit(entry("a", 1, loss=1.0))
 
     with pytest.raises(sqlite3.IntegrityError):
-        journal.record(entry("a", 2, loss=2.0))
+        journal.commit(entry("a", 2, loss=2.0))
 
     assert journal.lookup("a").result == {"loss": 1.0}
     assert len(journal.entries(include_rolled_back=True)) == 1
@@ -62,7 +62,7 @@ def test_a_live_key_cannot_be_recorded_twice(journal):
 
 def test_rolling_back_hides_later_entries_and_lets_their_keys_run_again(journal):
     for position, key in enumerate("abcd", start=1):
-        journal.record(entry(key, position, loss=float(position)))
+        journal.commit(entry(key, position, loss=float(position)))
 
     assert journal.roll_back_after(2) == 2
 
@@ -72,7 +72,7 @@ def test_rolling_back_hides_later_entries_and_lets_their_keys_run_again(journal)
     rolled = [e for e in journal.entries(include_rolled_back=True) if e.rolled_back]
     assert [e.operation_key for e in rolled] == ["c", "d"]
 
-    journal.record(entry("c", 3, loss=30.0))  # replayed after the restart: replaces the old row
+    journal.commit(entry("c", 3, loss=30.0))  # replayed after the restart: replaces the old row
 
     assert journal.lookup("c").result == {"loss": 30.0}
     assert [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from trainwire.cli import build_parser, main
-from trainwire.server.serve import DEFAULT_MAX_MESSAGE_BYTES, serve_settings
+from trainwire.cli import build_parser, main, serve_settings
+from trainwire.server.grpc_server import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse(*extra):
@@ -12,8 +12,8 @@ def parse(*extra):
     )
 
 
-def test_set_overrides_the_flags_and_defaults():
-    settings = serve_settings(parse("--max-message-bytes", "4096", "--set", "max_workers=4"))
+def test_set_overrides_the_defaults():
+    settings = serve_settings(parse("--set", "max_message_bytes=4096", "--set", "max_workers=4"))
     assert settings["max_message_bytes"] == 4096 and settings["max_workers"] == 4
     settings = serve_settings(parse("--set", "max_message_bytes=2048", "--set", "stop_grace_s=5"))
     assert settings["max_message_bytes"] == 2048 and settings["stop_grace_s"] == 5.0

@@ -27,8 +27,8 @@ from service_fixtures import (
 from trainwire.client import outcomes, wire
 from trainwire.client.retry import position_from_error
 from trainwire.client.session_client import DownloadError
+from trainwire.server.grpc_server import SERVICE_NAME
 from trainwire.server.journal import Journal
-from trainwire.server.serve import SERVICE_NAME
 from trainwire.server.session import TrainingSession
 
 
@@ -157,7 +157,7 @@ def test_lost_responses_are_retried_by_the_client_and_applied_exactly_once(
         exported = client.export_weights(
             "final", operation_key="export", download_to=tmp_path / "download"
         )
-        entries = handle.host.journal.entries(include_rolled_back=True)
+        entries = handle.session_host.journal.entries(include_rolled_back=True)
     local = TrainingSession(config, device="cpu", max_steps=4)
     apply_local(local, ops)
 
@@ -202,7 +202,7 @@ def test_sixteen_threads_of_keyed_operations_apply_each_exactly_once_in_some_ser
     assert not errors and not any(thread.is_alive() for thread in threads)
     assert all(sorted(o.replayed for o in got)[0] is False for got in outcomes.values())
     assert sum(not o.replayed for got in outcomes.values() for o in got) == 48
-    entries = server.host.journal.entries()
+    entries = server.session_host.journal.entries()
     assert sorted(e.position for e in entries) == list(range(1, 49))
     # Replaying the journal's order in-process gives the same losses and the same bits: nothing
     # interleaved inside the session.
@@ -221,7 +221,7 @@ def test_export_downloads_verified_files_atomically_and_refuses_changed_ones(
 
     exported = client.export_weights("final", operation_key="export", download_to=target)
 
-    on_server = server.host.state_dir.run("run").export("final")
+    on_server = server.session_host.state_dir.run("run").export("final")
     assert exported.directory == target
     for file in exported.files:
         assert (target / file.path).read_bytes() == (on_server / file.path).read_bytes()
@@ -263,7 +263,7 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
         handle_box["handle"] = handle
         client = connect(handle, retry=NO_RETRY)
         client.open("run", llama_config(), max_steps=4)
-        session = handle.host.session
+        session = handle.session_host.session
         started, release = threading.Event(), threading.Event()
         original = session.forward_backward
 
@@ -281,7 +281,7 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
         assert started.wait(30)
         stopper = threading.Thread(target=handle.stop, kwargs={"grace": 30})
         stopper.start()
-        wait_for(lambda: handle.host._shutting_down)
+        wait_for(lambda: handle.session_host._shutting_down)
 
         with pytest.raises(grpc.RpcError) as refused:
             client.optim_step(operation_key="k2")

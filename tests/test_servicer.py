@@ -14,10 +14,10 @@ from trainwire.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PositionMismatch,
     ResourceExhausted,
     Unavailable,
 )
-from trainwire.server.host import PositionMismatch
 from trainwire.server.servicer import TrainingSessionServicer
 from trainwire.server.state_dir import list_export_files
 from trainwire.v1 import session_pb2 as pb

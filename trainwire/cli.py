@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 import time
+import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from trainwire.client.overrides import apply_overrides, parse_config_overrides
 from trainwire.client.plan import ManagedTrainingPlan
 
 USAGE_ERROR = 2
+logger = logging.getLogger(__name__)
 
 
 class UsageError(Exception):
@@ -137,10 +141,80 @@ def command_train(args: argparse.Namespace) -> int:
     return run_train_command(args)
 
 
-def command_serve(args: argparse.Namespace) -> int:
-    from trainwire.server.serve import run_serve_command
+# The server tunables ``trainwire serve --set KEY=VALUE`` may change, with their types: the one
+# way to set them (their defaults live beside the server, in trainwire.server.grpc_server).
+SERVE_SETTINGS = {"max_message_bytes": int, "max_workers": int, "stop_grace_s": float}
 
-    return run_serve_command(args)
+
+def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The server tunables: the defaults, then ``--set`` overrides (unknown keys are refused)."""
+    from trainwire.server.grpc_server import (
+        DEFAULT_MAX_MESSAGE_BYTES,
+        DEFAULT_MAX_WORKERS,
+        DEFAULT_STOP_GRACE_S,
+    )
+
+    settings: dict[str, Any] = {
+        "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
+        "max_workers": DEFAULT_MAX_WORKERS,
+        "stop_grace_s": DEFAULT_STOP_GRACE_S,
+    }
+    valid, invalid = parse_config_overrides(args.set or [])
+    if invalid:
+        raise ValueError(f"--set takes key=value, got: {', '.join(invalid)}")
+    for key, value in valid.items():
+        kind = SERVE_SETTINGS.get(key)
+        if kind is None:
+            raise ValueError(f"--set {key}: unknown; serve takes {', '.join(SERVE_SETTINGS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"--set {key}: must be a positive number, got {value!r}")
+        settings[key] = kind(value)
+    return settings
+
+
+def command_serve(args: argparse.Namespace) -> int:
+    """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0."""
+    from trainwire.client.files import write_text_atomic
+    from trainwire.server.grpc_server import serve
+
+    settings = serve_settings(args)
+    token = _read_token(args.token_file) if args.token_file else None
+    # Signal handlers first: a SIGTERM that arrives while the server starts still stops it cleanly.
+    stop_requested = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, frame: types.FrameType | None) -> None:
+        received.append(signal.Signals(signum).name)
+        stop_requested.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    handle = serve(
+        listen=args.listen,
+        state_dir=args.state_dir,
+        model_root=args.model_root,
+        device=args.device,
+        token=token,
+        tls_cert=args.tls_cert and Path(args.tls_cert),
+        tls_key=args.tls_key and Path(args.tls_key),
+        tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
+        max_message_bytes=settings["max_message_bytes"],
+        max_workers=settings["max_workers"],
+    )
+    if args.port_file:
+        write_text_atomic(args.port_file, f"{handle.port}\n")
+    while not stop_requested.wait(0.5):
+        pass
+    logger.info("%s received: finishing the operation in flight, then stopping", received[0])
+    handle.stop(grace=settings["stop_grace_s"])
+    return 0
+
+
+def _read_token(path: str) -> str:
+    token = Path(path).read_text().strip()
+    if not token:
+        raise ValueError(f"--token-file {path} is empty")
+    return token
 
 
 def command_demo(args: argparse.Namespace) -> int:
@@ -214,19 +288,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve.add_argument("--tls-client-ca", help="PEM CA that must sign client certificates (mTLS)")
     serve.add_argument(
-        "--max-message-bytes", type=int, help="largest request accepted (default 64 MiB)"
-    )
-    serve.add_argument(
         "--set",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a server tunable: max_message_bytes, max_workers or stop_grace_s",
+        help="a server tunable: max_message_bytes (largest request accepted, default 64 MiB), "
+        "max_workers (RPC threads) or stop_grace_s (on SIGTERM, time the operation in flight "
+        "may take)",
     )
     serve.add_argument("--port-file", help="write the bound port here once listening")
-    serve.add_argument(
-        "--stop-grace-s", type=float, help="on SIGTERM, time the operation in flight may take"
-    )
     serve.set_defaults(handler=command_serve)
 
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")

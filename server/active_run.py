@@ -1,0 +1,226 @@
+"""The active run: its folder, spec, engine and journal, and the one path every keyed operation
+takes through them.
+
+The session host decides *whether* a run may take operations (lifecycle) and runs them on its
+executor; ``ActiveRun.apply_keyed`` decides what a keyed operation does, in this order:
+
+1. the journal: the key seen with the same payload digest → the journaled result, nothing runs;
+   the same key with another payload → ALREADY_EXISTS;
+2. ``expected_position`` differs from the position → FAILED_PRECONDITION (``PositionMismatch``);
+3. the engine runs it (an engine error changes nothing and is not journaled);
+4. the journal commits it durably with its position; only then does the caller hear of it.
+
+The operations themselves (``forward_backward``, ``save_state``, ...) only call the engine and
+return the outcome's fields; ``Applying`` tells the one that needs it (SaveState, which embeds its
+own journal entry in the checkpoint) where it will land.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainwire.client import outcomes
+from trainwire.client.config import InputExample
+from trainwire.client.outcomes import OperationOutcome, OperationSpec
+from trainwire.server.errors import AlreadyExists, NotFound, PositionMismatch
+from trainwire.server.journal import (
+    OUTCOME_TYPES,
+    Journal,
+    JournalEntry,
+    outcome_from_record,
+    outcome_record,
+)
+from trainwire.server.recovery import checkpoint_extra, latest_checkpoint, restore_into
+from trainwire.server.session import TrainingSession
+from trainwire.server.state_dir import RunDirectory, RunSpec, list_export_files
+
+logger = logging.getLogger(__name__)
+
+Fields = dict[str, Any]  # an outcome's fields beyond its key and position
+
+
+class JournalCommitFailed(RuntimeError):
+    """The engine applied an operation but the journal could not commit it."""
+
+
+@dataclass(frozen=True)
+class Applying:
+    """The keyed operation being applied: its kind, key, the position it will have and the
+    digest of its payload."""
+
+    kind: str
+    key: str
+    position: int
+    payload_digest: str
+
+    def outcome(self, fields: Fields) -> OperationOutcome:
+        return OUTCOME_TYPES[self.kind](self.key, self.position, **fields)
+
+    def entry(self, outcome: OperationOutcome) -> JournalEntry:
+        """The journal entry that commits ``outcome``."""
+        return JournalEntry(
+            self.key, self.kind, self.payload_digest, self.position, outcome_record(outcome)
+        )
+
+
+EngineCall = Callable[[Applying], Fields]
+
+
+class ActiveRun:
+    """The run a server has open; ``position`` counts the state-changing operations applied."""
+
+    def __init__(
+        self, run: RunDirectory, spec: RunSpec, session: TrainingSession, journal: Journal
+    ) -> None:
+        self.run = run
+        self.spec = spec
+        self.session = session
+        self.journal = journal
+        self.position = 0
+        self.last_key = ""
+        self.restored_checkpoint = ""
+
+    @classmethod
+    def restore(cls, run: RunDirectory, spec: RunSpec, session: TrainingSession) -> ActiveRun:
+        """Reopen ``run`` on a fresh ``session`` at its latest checkpoint (see recovery)."""
+        active = cls(run, spec, session, Journal(run.journal_path))
+        latest = latest_checkpoint(run, spec.run_id)
+        active.position, active.last_key = restore_into(session, active.journal, latest)
+        active.restored_checkpoint = latest.path.name if latest else ""
+        logger.info(
+            "run %s restored at position %d (checkpoint %s, step %d, %s)",
+            spec.run_id,
+            active.position,
+            active.restored_checkpoint or "none",
+            session.step,
+            session.state_digest(),
+        )
+        return active
+
+    def info(self, state: str = outcomes.OPEN) -> outcomes.SessionInfo:
+        session = self.session
+        return outcomes.SessionInfo(
+            run_id=self.spec.run_id,
+            config_fingerprint=self.spec.config_fingerprint,
+            step=session.step,
+            last_operation_key=self.last_key,
+            state_digest=session.state_digest(),
+            position=self.position,
+            restored_checkpoint=self.restored_checkpoint,
+            device=str(session.device),
+            state=state,
+            pending_microbatches=session.accumulated,
+            max_steps=session.max_steps or 0,
+            plan_fingerprint=self.spec.plan_fingerprint,
+        )
+
+    # -- the keyed path ----------------------------------------------------------------------------
+
+    def apply_keyed(
+        self, kind: str, op: OperationSpec, payload_digest: str, call: EngineCall
+    ) -> OperationOutcome:
+        """Journal lookup, position check, ``call``, durable commit: in that order.
+
+        Raises ``JournalCommitFailed`` when the engine applied the operation but the journal
+        could not commit it (only a restart makes them agree again).
+        """
+        entry = self.journal.lookup(op.key)
+        if entry is not None:
+            return self._replay(entry, kind, payload_digest, op)
+        if op.expected_position is not None and op.expected_position != self.position:
+            raise PositionMismatch(
+                f"expected_position {op.expected_position}, but the session is at position "
+                f"{self.position} (last operation {self.last_key!r}); resume from "
+                f"position {self.position}",
+                self.position,
+            )
+        applying = Applying(kind, op.key, self.position + 1, payload_digest)
+        outcome = applying.outcome(call(applying))
+        if op.include_digest and not outcome.state_digest:
+            outcome = dataclasses.replace(outcome, state_digest=self.session.state_digest())
+        try:
+            self.journal.commit(applying.entry(outcome))
+        except Exception as error:
+            raise JournalCommitFailed(
+                f"the journal could not record {op.key!r}: {error}"
+            ) from error
+        self.position, self.last_key = applying.position, applying.key
+        return outcome
+
+    def _replay(
+        self, entry: JournalEntry, kind: str, payload_digest: str, op: OperationSpec
+    ) -> OperationOutcome:
+        if entry.kind != kind or entry.payload_sha256 != payload_digest:
+            raise AlreadyExists(
+                f"operation key {op.key!r} was already used for another {entry.kind} payload "
+                f"(applied as operation {entry.position}); send a new key for a new operation"
+            )
+        outcome = outcome_from_record(OUTCOME_TYPES[kind], entry.result, replayed=True)
+        if op.include_digest and not outcome.state_digest and entry.position == self.position:
+            outcome = dataclasses.replace(outcome, state_digest=self.session.state_digest())
+        return outcome
+
+    # -- what each operation does to the engine --------------------------------------------------
+
+    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
+        result = self.session.forward(examples)
+        predictions = tuple(
+            outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions
+        )
+        return outcomes.ForwardOutcome(result.loss, predictions)
+
+    def forward_backward(self, examples: Sequence[InputExample]) -> Fields:
+        loss = self.session.forward_backward(examples)
+        return {"loss": loss, "token_count": self.session.last_token_count}
+
+    def optim_step(self) -> Fields:
+        r = self.session.optim_step()
+        return {"step": r.step, "learning_rate": r.learning_rate, "grad_norm": r.grad_norm}
+
+    def save_state(self, name: str, applying: Applying) -> Fields:
+        """The checkpoint carries its own journal entry: recovery restores it and re-commits it."""
+        session = self.session
+        fields = {"state_digest": session.state_digest(), "name": name, "step": session.step}
+        entry = applying.entry(applying.outcome(fields))
+        session.save_state(
+            self.run.checkpoint(name), extra=checkpoint_extra(self.spec.run_id, entry)
+        )
+        return fields
+
+    def load_state(self, name: str) -> Fields:
+        self.session.load_state(self.run.checkpoint(name))
+        self.restored_checkpoint = name
+        return {"name": name, "step": self.session.step}
+
+    def load_weights(self, source: outcomes.WeightsSource, model_path: Path | None) -> Fields:
+        """From this run's checkpoint or export, or ``model_path`` (already under the root)."""
+        if source.kind == "checkpoint":
+            path = self.run.checkpoint(source.value)
+        elif source.kind == "export":
+            path = self.run.export(source.value)
+        else:
+            assert model_path is not None
+            path = model_path
+        self.session.load_weights(path)
+        return {}
+
+    def export_weights(self, name: str, checkpoint: str) -> Fields:
+        target = self.run.export(name)
+        if checkpoint:
+            source = self.run.checkpoint(checkpoint)
+            if not source.is_dir():
+                raise NotFound(f"no checkpoint named {checkpoint!r}; save_state it first")
+            self.session.export_checkpoint_weights(source, target)
+        else:
+            self.session.export_weights(target)
+        adapter = self.spec.config.get("lora") is not None
+        return {
+            "name": name,
+            "format": outcomes.FORMAT_ADAPTER if adapter else outcomes.FORMAT_FULL,
+            "files": list_export_files(target),
+        }
