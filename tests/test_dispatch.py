@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +17,7 @@ from trainwire.client import ManagedTrainingPlan, SessionClient, write_manifest
 from trainwire.client.dispatch import Dispatcher, run_id_for
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
-from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from trainwire.testing import free_port, tiny_sentiment_examples, tiny_text_examples
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +63,7 @@ def summary_digest(work_dir, path, plan):
     return json.loads(summary.read_text())["state_digest"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_dispatch_over_three_servers_survives_a_killed_server(
     plans, reference_digests, model_root, tmp_path
