@@ -1,9 +1,11 @@
-"""Chaos: real `trainwire serve` and `trainwire run` processes, SIGKILLed at random moments.
+"""Chaos: real `trainwire serve` and `trainwire run` processes, SIGKILLed at chosen moments.
 
-Each seed kills the server and the controller several times each: at random times, while a
-checkpoint is being written, and between an operation's commit and the cursor write. Both are
-restarted every time. The run must still end with the uninterrupted run's digest and export
-files, and the journal's final lineage must hold each operation exactly once.
+Each seed kills the server and the controller several times each, in a seeded order: while a
+checkpoint is being written, between an operation's commit and the cursor write, and once the
+journal or the cursor reaches a seeded position. Both are restarted every time. Every kill is
+checked to have landed where it was aimed (on the dead process's files, which no longer move),
+and the run must still end with the uninterrupted run's digest and export files, with the
+journal's final lineage holding each operation exactly once.
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import hashlib
 import json
 import random
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -26,15 +27,12 @@ from plans import sentiment_plan
 from trainwire.client import ManagedTrainingPlan, write_manifest
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
+from trainwire.testing import free_port
 
 RUN_ID = "chaos"
 RUN_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+AIM_TIMEOUT_S = 60  # the longest wait for the moment a kill aims at
+KILL_ATTEMPTS = 5  # what a kill aims at can pass between being seen and the kill
 
 
 def file_hashes(directory: Path) -> dict[str, str]:
@@ -101,9 +99,13 @@ class Cluster:
         except (OSError, ValueError, KeyError):
             return 0
 
-    def checkpoint_in_flight(self) -> bool:
+    def checkpoints_in_flight(self) -> set[str]:
+        """The hidden directories of checkpoints being written (or left by a killed writer)."""
         folder = self.state / "runs" / RUN_ID / "checkpoints"
-        return folder.is_dir() and any(p.name.startswith(".") for p in folder.iterdir())
+        try:
+            return {p.name for p in folder.iterdir() if p.name.startswith(".")}
+        except FileNotFoundError:
+            return set()
 
     def journal_lineage(self) -> list[tuple[int, str]]:
         path = self.state / "runs" / RUN_ID / "journal.sqlite3"
@@ -120,13 +122,64 @@ class Cluster:
         )
 
 
-def wait_until(condition, timeout_s: float) -> bool:
+def wait_until(condition, timeout_s: float = AIM_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if condition():
             return True
         time.sleep(0.001)
     return False
+
+
+def kill_server_during_checkpoint(cluster: Cluster) -> str:
+    """Kill the server while it writes a new checkpoint; the dead server's half-written
+    directory shows that it did (a checkpoint that finished first is tried again)."""
+    left_before = cluster.checkpoints_in_flight()  # by earlier kills: not this checkpoint
+    for attempt in range(1, KILL_ATTEMPTS + 1):
+        # A checkpoint that finished leaves nothing behind, so left_before stays what it was.
+        started = wait_until(lambda: cluster.checkpoints_in_flight() - left_before)
+        assert started, f"no checkpoint began within {AIM_TIMEOUT_S}s\n{cluster.logs_text()}"
+        cluster.kill(cluster.server)
+        half_written = cluster.checkpoints_in_flight() - left_before
+        cluster.start_server()
+        if half_written:
+            return f"server during checkpoint {sorted(half_written)} (attempt {attempt})"
+    pytest.fail(f"{KILL_ATTEMPTS} checkpoints finished before the kill reached them")
+
+
+def kill_controller_after_commit(cluster: Cluster) -> str:
+    """Kill the controller after an operation committed and before its cursor covers it; the
+    dead controller's cursor shows that it did (a cursor that caught up first is tried again)."""
+    for attempt in range(1, KILL_ATTEMPTS + 1):
+        start = cluster.journal_position()
+
+        def uncovered(start: int = start) -> bool:
+            return cluster.journal_position() > max(start, cluster.cursor_position())
+
+        assert wait_until(uncovered), f"no commit within {AIM_TIMEOUT_S}s\n{cluster.logs_text()}"
+        cluster.kill(cluster.controller)
+        journal, cursor = cluster.journal_position(), cluster.cursor_position()
+        cluster.start_controller()
+        if journal > cursor:
+            return f"controller after commit {journal}, cursor at {cursor} (attempt {attempt})"
+    pytest.fail(f"{KILL_ATTEMPTS} times the cursor caught up before the kill reached it")
+
+
+def kill_at_position(cluster: Cluster, which: str, ahead: int) -> str:
+    """Kill the server once its journal, or the controller once its cursor, is ``ahead``
+    operations further than now."""
+    if which == "server":
+        position, process, restart = cluster.journal_position, "server", cluster.start_server
+    else:
+        position, process, restart = cluster.cursor_position, "controller", cluster.start_controller
+    aim = position() + ahead
+    reached = wait_until(lambda: position() >= aim)
+    assert reached, f"{which} never reached position {aim}\n{cluster.logs_text()}"
+    cluster.kill(getattr(cluster, process))
+    landed = position()  # the dead process's files: where the kill really fell
+    restart()
+    assert landed >= aim
+    return f"{which} at position {landed} (aimed at {aim})"
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +205,7 @@ def expected_operation_count(plan: ManagedTrainingPlan, result) -> int:
     return plan.batch_count + len(updates) + len(bests) + len(checkpoints) + 1  # + the export
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_sigkilled_server_and_controller_end_bit_identical(
@@ -162,42 +216,28 @@ def test_sigkilled_server_and_controller_end_bit_identical(
     write_manifest(manifest, chaos_plan.to_manifest())
     cluster = Cluster(tmp_path, model_root, manifest)
     rng = random.Random(seed)
-    # Two of each targeted kill first, then random ones while the run lasts; each in seeded order.
+    # Two of each targeted kill first, then two of each positioned one; each in seeded order,
+    # each positioned one aimed 1-3 operations ahead.
     targeted = rng.sample(["server-during-checkpoint", "controller-after-commit"] * 2, 4)
-    kills = targeted + rng.sample(["server-random", "controller-random"] * 2, 4)
+    positioned = [
+        (which, rng.randint(1, 3)) for which in rng.sample(["server", "controller"] * 2, 4)
+    ]
     cluster.start_server()
     cluster.start_controller()
     started = time.monotonic()
-    done = []
+    landed = []
     try:
-        for kill in kills:
-            if cluster.controller.poll() is not None:
-                break
-            done.append(kill)
+        for kill in targeted:
             if kill == "server-during-checkpoint":
-                wait_until(cluster.checkpoint_in_flight, timeout_s=rng.uniform(3, 8))
-                cluster.kill(cluster.server)
-                cluster.start_server()
-            elif kill == "controller-after-commit":
-                wait_until(
-                    lambda: cluster.journal_position() > cluster.cursor_position(),
-                    timeout_s=rng.uniform(3, 8),
-                )
-                cluster.kill(cluster.controller)
-                cluster.start_controller()
+                landed.append(kill_server_during_checkpoint(cluster))
             else:
-                time.sleep(rng.uniform(0.5, 4.0))
-                if kill == "server-random":
-                    cluster.kill(cluster.server)
-                    cluster.start_server()
-                else:
-                    cluster.kill(cluster.controller)
-                    cluster.start_controller()
+                landed.append(kill_controller_after_commit(cluster))
+        for which, ahead in positioned:
+            landed.append(kill_at_position(cluster, which, ahead))
         while cluster.controller.poll() is None:
             assert time.monotonic() - started < RUN_TIMEOUT_S, cluster.logs_text()
             time.sleep(0.1)
-        assert cluster.controller.returncode == 0, cluster.logs_text()
-        assert done[:4] == targeted, f"the run ended before the targeted kills: only {done}"
+        assert cluster.controller.returncode == 0, f"{landed}\n{cluster.logs_text()}"
     finally:
         cluster.kill(cluster.controller)
         cluster.kill(cluster.server)
@@ -205,7 +245,7 @@ def test_sigkilled_server_and_controller_end_bit_identical(
     summary = json.loads((cluster.work / "training_summary.json").read_text())
     assert summary["state_digest"] == expected.state_digest
     assert summary["result"]["history"] == expected.history
-    assert summary["result"]["best_checkpoint"] == "best"
+    assert summary["result"]["best_checkpoint_path"] == "best"
     assert file_hashes(cluster.work / "export") == expected_export
 
     lineage = cluster.journal_lineage()
