@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
-from trainwire.client.files import atomic_directory
+from trainwire.client.files import Pem, atomic_directory, read_pem
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
@@ -35,17 +35,9 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 EXPORT_METHOD = "/trainwire.v1.TrainingSessionService/ExportWeights"
 
-Pem = bytes | str | Path  # PEM bytes, or a path to a PEM file
-
 
 class DownloadError(RuntimeError):
     """Downloaded export files do not match what the server recorded; nothing was kept."""
-
-
-def _pem(value: Pem | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    return Path(value).read_bytes()
 
 
 def parse_weights_source(source: str | outcomes.WeightsSource) -> outcomes.WeightsSource:
@@ -104,7 +96,7 @@ class SessionClient:
             self._channel = grpc.insecure_channel(target, options=options)
         else:
             credentials = grpc.ssl_channel_credentials(
-                _pem(root_certificates), _pem(private_key), _pem(certificate_chain)
+                read_pem(root_certificates), read_pem(private_key), read_pem(certificate_chain)
             )
             self._channel = grpc.secure_channel(target, credentials, options=options)
         self._stub = pb_grpc.TrainingSessionServiceStub(self._channel)
