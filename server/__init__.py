@@ -8,7 +8,6 @@ and ``SessionHost`` load on first use, and ``serve(...)`` imports the gRPC serve
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -26,21 +25,13 @@ _LAZY = {
 __all__ = ["ManagedTraining", "SessionHost", "TrainingSession", "serve"]
 
 
-def serve(
-    listen: str,
-    state_dir: str | Path,
-    model_root: str | Path | None = None,
-    device: str | None = None,
-    token: str | None = None,
-    **options: Any,
-) -> ServerHandle:
-    """Start a trainwire server and return its handle (``.port``, ``.stop()``).
-
-    ``options`` (TLS, limits, interceptors) are ``trainwire.server.grpc_server.serve``'s.
-    """
+def serve(*args: Any, **kwargs: Any) -> ServerHandle:
+    """Start a trainwire server and return its handle (``.port``, ``.stop()``); the arguments are
+    ``trainwire.server.grpc_server.serve``'s (``listen, state_dir, model_root=None, device=None,
+    token=None``, then TLS, limits and interceptors by keyword)."""
     from trainwire.server.grpc_server import serve as start
 
-    return start(listen, state_dir, model_root, device, token, **options)
+    return start(*args, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
