@@ -47,10 +47,10 @@ class BatchEncoder:
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
         # One tokenizer call per batch, not per example: the same ids, a fraction of the time.
-        texts = self._token_ids([e.text for e in examples], special=True)
+        texts = self.token_ids([e.text for e in examples], special=True)
         if self.config.task == "causal-lm":
             # check_examples refused empty completions: "" here stands for "no completion".
-            completions = self._token_ids([e.completion or "" for e in examples], special=False)
+            completions = self.token_ids([e.completion or "" for e in examples], special=False)
             rows = [
                 self._causal_lm_row(i, prompt, completion if e.completion is not None else None)
                 for i, (e, prompt, completion) in enumerate(
@@ -64,7 +64,8 @@ class BatchEncoder:
             ]
         return self._pad(rows)
 
-    def _token_ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
+    def token_ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
+        """One tokenizer call for all ``texts`` (special tokens added when ``special``)."""
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def _fit(self, index: int, ids: list[int]) -> list[int]:

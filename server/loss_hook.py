@@ -7,7 +7,7 @@ on, and may keep state that must resume exactly.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,6 +15,8 @@ import torch
 from trainwire.client.config import TrainingConfig
 from trainwire.server.batching import Batch
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.losses import LossOutput, LossSpec
+from trainwire.server.token_batches import TokenBatch, target_logprobs
 
 
 class LossHook:
@@ -33,6 +35,23 @@ class LossHook:
         ``training`` is False under ``forward``, which must leave the hook's state alone.
         """
         return model(**batch.inputs)
+
+    def compute_token_loss(
+        self,
+        model: torch.nn.Module,
+        batch: TokenBatch,
+        loss: LossSpec,
+        config: Mapping[str, float],
+        *,
+        training: bool,
+    ) -> tuple[LossOutput, torch.Tensor]:
+        """A token batch's loss and the flat logprobs of its targets (``batch.mask`` order).
+
+        The default runs the named loss function (``trainwire.server.losses``) on the model's
+        logprobs; a subclass may add terms or state, as ``compute_loss`` may for text.
+        """
+        logp = target_logprobs(model, batch)[batch.mask]
+        return loss.fn(logp, batch.inputs, config), logp
 
     def session_state_dict(self) -> dict[str, torch.Tensor]:
         return {}

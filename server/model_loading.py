@@ -107,3 +107,16 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def load_session_model(
+    config: TrainingConfig, model_dir: Path, dtype: torch.dtype, tokenizer, device: torch.device
+) -> torch.nn.Module:
+    """The model a session trains: loaded, wrapped in LoRA and checkpointed as the config asks,
+    on ``device``. Run it under the session's RNG: LoRA initialization draws from it."""
+    model = load_model(config, model_dir, dtype, tokenizer)
+    if config.lora is not None:
+        model = apply_lora(model, config)
+    if config.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model.to(device)

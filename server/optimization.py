@@ -11,6 +11,7 @@ import math
 import torch
 
 from trainwire.client.config import TrainingConfig
+from trainwire.server.errors import InvalidArgument
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, object]]:
@@ -53,6 +54,16 @@ def learning_rate_at(step: int, config: TrainingConfig, max_steps: int | None) -
         return base * max(0.0, float(remaining) / float(span))
     progress = float(step - warmup) / float(span)
     return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+
+
+def check_learning_rate(rate: float | None) -> None:
+    """InvalidArgument unless ``rate`` is None (the schedule's) or a finite number >= 0."""
+    if rate is None:
+        return
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
+        raise InvalidArgument(f"learning_rate must be a finite number, got {rate!r}")
+    if rate < 0:
+        raise InvalidArgument(f"learning_rate must be >= 0, got {rate}")
 
 
 def apply_update(

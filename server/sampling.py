@@ -14,10 +14,12 @@ import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
+from trainwire.client.config import is_int
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.token_batches import encode_token_batch, target_logprobs
@@ -68,22 +70,71 @@ class SamplingParams:
             problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
         if _bad_ids(self.stop_tokens, vocab_size):
             problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
-        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
+        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
             problems.append(f"max_tokens must be in [1, {limits.max_tokens}], "
                             f"got {self.max_tokens!r}")  # fmt: skip
-        if not _is_int(self.num_samples) or not 1 <= self.num_samples <= limits.max_samples:
+        if not is_int(self.num_samples) or not 1 <= self.num_samples <= limits.max_samples:
             problems.append(f"num_samples must be in [1, {limits.max_samples}], "
                             f"got {self.num_samples!r}")  # fmt: skip
         if not _is_number(self.temperature) or self.temperature < 0:
             problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             problems.append(f"top_k must be >= 0 (0 keeps every token), got {self.top_k!r}")
-        if not _is_int(self.seed) or not 0 <= self.seed < 2**63:
+        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if problems:
             raise InvalidArgument("sample: " + "; ".join(problems))
+
+
+class Sampler:
+    """Samples for one session: its tokenizer's EOS, its vocabulary and its limits."""
+
+    def __init__(
+        self, *, vocab_size: int, eos_ids: Sequence[int], pad_id: int, limits: SamplingLimits
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(eos_ids)
+        self.pad_id = pad_id
+        self.limits = limits
+
+    def sample(
+        self, model: torch.nn.Module, prompt: Sequence[int], params: SamplingParams
+    ) -> list[Sample]:
+        """Draw and score ``params.num_samples`` continuations of ``prompt``.
+
+        The caller holds the session's lock, has put the model in eval mode and disabled
+        gradients; nothing here touches the session's RNG.
+        """
+        params.check(prompt, self.vocab_size, self.limits)
+        device = next(model.parameters()).device
+        drawn = generate(model, prompt, params, eos_ids=self.eos_ids, device=device)
+        return [
+            Sample(tuple(tokens), self.logprobs(model, prompt, tokens, device), reason)
+            for tokens, reason in drawn
+        ]
+
+    def logprobs(
+        self,
+        model: torch.nn.Module,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        device: torch.device,
+    ) -> tuple[float, ...]:
+        """The logprobs of ``tokens`` after ``prompt``, exactly as ``forward`` computes them for
+        the one token example ``prompt + tokens`` shifted by one."""
+        full = [*prompt, *tokens]
+        example = TokenExample(tuple(full[:-1]), tuple(full[1:]))
+        batch = encode_token_batch(
+            [example],
+            vocab_size=self.vocab_size,
+            max_length=len(example),
+            pad_id=self.pad_id,
+            device=device,
+        )
+        values = batch.split(target_logprobs(model, batch)[batch.mask])[0]
+        return tuple(values[len(values) - len(tokens) :])
 
 
 def generate(
@@ -104,11 +155,11 @@ def generate(
     input_ids = torch.tensor([list(prompt)] * rows, dtype=torch.long, device=device)
     attention = torch.ones_like(input_ids)
     cache = DynamicCache()  # filled in place by every forward below
-    cache_kwarg = {_cache_keyword(model): cache}
+    model_kwargs = _decode_keywords(model, cache)
     sampled: list[list[int]] = [[] for _ in range(rows)]
     reasons: list[str | None] = [None] * rows
     for _ in range(params.max_tokens):
-        output = model(input_ids=input_ids, attention_mask=attention, use_cache=True, **cache_kwarg)
+        output = model(input_ids=input_ids, attention_mask=attention, **model_kwargs)
         chosen = _choose(output.logits[:, -1, :].float(), params, generator)
         for row, token in enumerate(chosen.tolist()):
             if reasons[row] is None:
@@ -120,26 +171,6 @@ def generate(
         input_ids = chosen.unsqueeze(-1)
         attention = torch.cat([attention, torch.ones_like(input_ids)], dim=-1)
     return [(tokens, reason or LENGTH) for tokens, reason in zip(sampled, reasons, strict=True)]
-
-
-def sample_logprobs(
-    model: torch.nn.Module,
-    prompt: Sequence[int],
-    tokens: Sequence[int],
-    *,
-    vocab_size: int,
-    pad_id: int,
-    device: torch.device,
-) -> tuple[float, ...]:
-    """The logprobs of ``tokens`` after ``prompt``, exactly as ``forward`` computes them for the
-    one token example ``prompt + tokens`` shifted by one."""
-    full = [*prompt, *tokens]
-    example = TokenExample(tuple(full[:-1]), tuple(full[1:]))
-    batch = encode_token_batch(
-        [example], vocab_size=vocab_size, max_length=len(example), pad_id=pad_id, device=device
-    )
-    values = batch.split(target_logprobs(model, batch)[batch.mask])[0]
-    return tuple(values[len(values) - len(tokens) :])
 
 
 def _choose(
@@ -162,20 +193,22 @@ def _choose(
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
 
 
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """``cache``, the keyword of transformers' current cache API, where the model takes it;
-    ``past_key_values`` on the older releases the package still supports."""
+def _decode_keywords(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
+    """The keywords of an incremental decode step: the cache under ``cache``, the keyword of
+    transformers' current cache API, where the model takes it (``past_key_values`` on the older
+    releases the package supports), and logits for the last position only where it can."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+    accepted = inspect.signature(base.forward).parameters
+    keywords: dict[str, Any] = {"use_cache": True}
+    keywords["cache" if "cache" in accepted else "past_key_values"] = cache
+    if "logits_to_keep" in accepted:
+        keywords["logits_to_keep"] = 1
+    return keywords
 
 
 def _bad_ids(ids: Sequence[int], vocab_size: int) -> bool:
-    return any(not _is_int(i) or not 0 <= i < vocab_size for i in ids)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return any(not is_int(i) or not 0 <= i < vocab_size for i in ids)
 
 
 def _is_number(value: object) -> bool:
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    return is_int(value) or (isinstance(value, float) and math.isfinite(value))

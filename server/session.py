@@ -10,40 +10,37 @@ format in ``session_checkpoint``; the results and ``LossHook`` import from here 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import logging
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainwire.client.config import InputExample, TrainingConfig
+from trainwire.client.config import InputExample, TrainingConfig, is_int
+from trainwire.client.tokens import TokenExample
 from trainwire.server import session_checkpoint as ckpt
 from trainwire.server import weights
 from trainwire.server.batching import BatchEncoder
 from trainwire.server.device import refuse_unsupported_setups, resolve_device, resolve_dtype
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.loss_hook import LossHook, LossHookFactory
-from trainwire.server.model_loading import (
-    apply_lora,
-    enable_gradient_checkpointing,
-    load_model,
-    load_tokenizer,
-    resolve_model_dir,
+from trainwire.server.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
+from trainwire.server.model_loading import load_session_model, load_tokenizer, resolve_model_dir
+from trainwire.server.operation_guard import OperationGuard, refuse_out_of_memory
+from trainwire.server.optimization import (
+    apply_update,
+    build_optimizer,
+    check_learning_rate,
+    learning_rate_at,
 )
-from trainwire.server.optimization import apply_update, build_optimizer, learning_rate_at
-from trainwire.server.rng import RngState, preserved_global_rng
-from trainwire.server.session_results import ForwardResult, Prediction, StepResult
-from trainwire.server.tensor_files import copy_into
+from trainwire.server.rng import RngState
+from trainwire.server.sampling import Sample, Sampler, SamplingLimits, SamplingParams
+from trainwire.server.session_results import ForwardResult, StepResult, TokenOutput
 
 logger = logging.getLogger(__name__)
-
-# The RNG generators are process-wide; sessions take turns with them (see _session_rng).
-_GLOBAL_RNG_LOCK = threading.RLock()
 
 
 class TrainingSession:
@@ -83,21 +80,24 @@ class TrainingSession:
         self.model_root = None if model_root is None else Path(model_root)
         self.model_dir = resolve_model_dir(config, self.model_root)
 
-        self._lock = threading.RLock()
         if self.device.type == "cuda":
             # Initialize CUDA before seeding, so the session's RNG snapshot holds the CUDA
             # generators too; lazily initialized, they would take whatever seed came last.
             torch.cuda.init()
-        self._rng = RngState.seeded(config.seed, cuda=self.device.type == "cuda")
-        with self._session_rng():
+        cuda = self.device.type == "cuda"
+        self._guard = OperationGuard(RngState.seeded(config.seed, cuda=cuda), cuda=cuda)
+        with self._guard.session_rng():  # LoRA initialization draws from it
             self.tokenizer = load_tokenizer(self.model_dir)
-            model = load_model(config, self.model_dir, self.dtype, self.tokenizer)
-            if config.lora is not None:
-                model = apply_lora(model, config)
-            if config.gradient_checkpointing:
-                enable_gradient_checkpointing(model)
-            self.model = model.to(self.device)
+            self.model = load_session_model(
+                config, self.model_dir, self.dtype, self.tokenizer, self.device
+            )
         self.encoder = BatchEncoder(self.tokenizer, config, self.device)
+        self.sampler = Sampler(
+            vocab_size=self.model.get_input_embeddings().num_embeddings,
+            eos_ids=() if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,),
+            pad_id=self.tokenizer.pad_token_id,
+            limits=SamplingLimits(),
+        )
         self.optimizer = build_optimizer(self.model, config)
         # Which parameters train never changes after set up; walking a LoRA model's modules
         # for them costs milliseconds a step.
@@ -107,41 +107,10 @@ class TrainingSession:
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
-        self._version = 0  # state-changing operations applied; keys the digest cache
-        self._broken: str | None = None
         self._digest_cache: tuple[int, str] | None = None
         self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
 
     # -- helpers -------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _session_rng(self, *, keep: bool = True) -> Iterator[None]:
-        """Run with the session's RNG installed; keep what it drew only if the block succeeds
-        (and ``keep``). The generators are process-wide, so one lock serializes every session's
-        use of them: sessions on two threads never draw from each other's state."""
-        with _GLOBAL_RNG_LOCK, preserved_global_rng():
-            self._rng.install()
-            yield
-            if keep:
-                self._rng = RngState.capture(cuda=self.device.type == "cuda")
-
-    @contextlib.contextmanager
-    def _operation(self, *, changes_state: bool = True) -> Iterator[None]:
-        with self._lock:
-            if self._broken is not None:
-                raise FailedPrecondition(
-                    f"the session is unusable: {self._broken}. Restore it with load_state from "
-                    "a checkpoint; it refuses other operations until then"
-                )
-            with self._session_rng(keep=changes_state):
-                yield
-
-    def _break(self, what: str, error: BaseException) -> None:
-        self._broken = f"{what} failed midway ({type(error).__name__}: {error})"
-        logger.error("session marked unusable: %s", self._broken)
-
-    def _changed(self) -> None:
-        self._version += 1
 
     def trainable_parameters(self) -> list[torch.Tensor]:
         return list(self._trainable)
@@ -157,63 +126,79 @@ class TrainingSession:
     @property
     def broken(self) -> str | None:
         """Why the session refuses operations (a failure midway), or None when it is usable."""
-        return self._broken
+        return self._guard.broken
 
     @property
     def is_fresh(self) -> bool:
-        return self._version == 0
+        return self._guard.version == 0
 
     # -- operations ----------------------------------------------------------------------------
 
-    def forward(self, examples: Sequence[InputExample]) -> ForwardResult:
-        """The batch loss (and predictions for classification); no gradients, no state change."""
-        with self._operation(changes_state=False):
-            batch = self.encoder.encode(examples)
-            self._set_training(False)
-            try:
-                with torch.no_grad():
-                    output = self.loss_hook.compute_loss(self.model, batch, training=False)
-            except torch.OutOfMemoryError as error:
-                raise ResourceExhausted(f"forward ran out of memory: {error}") from None
-            predictions = []
-            if self.config.task == "sequence-classification":
-                scores = output.logits.float().cpu()
-                for row in scores:
-                    top = int(torch.argmax(row))
-                    predictions.append(Prediction(self.config.labels[top], row.tolist()))
-            return ForwardResult(float(output.loss.item()), predictions)
+    def forward(
+        self,
+        examples: Sequence[InputExample | TokenExample],
+        *,
+        loss_fn: str = DEFAULT_LOSS,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> ForwardResult | TokenOutput:
+        """The batch's loss without gradients and without any state change.
 
-    def forward_backward(self, examples: Sequence[InputExample]) -> float:
+        Text examples give a ``ForwardResult`` (predictions for classification); token examples
+        give a ``TokenOutput`` with every target's logprob under ``loss_fn``.
+        """
+        with self._guard.operation(changes_state=False):
+            microbatch = self._encode(examples, loss_fn, loss_fn_config)
+            self._set_training(False)
+            with torch.no_grad(), refuse_out_of_memory("forward"):
+                loss = microbatch.loss(self.model, self.loss_hook, training=False)
+            return microbatch.forward_result(loss)
+
+    def forward_backward(
+        self,
+        examples: Sequence[InputExample | TokenExample],
+        *,
+        loss_fn: str = DEFAULT_LOSS,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> float | TokenOutput:
         """Run one microbatch forward and backward; its gradients accumulate until optim_step.
 
-        Returns the native scalar batch loss. The pending gradients are renormalized by the
-        number of microbatches really accumulated when the update is applied.
+        Text examples return the native scalar batch loss; token examples a ``TokenOutput``
+        (the loss summed over every token, the logprobs before the update, the metrics). The
+        pending gradients are renormalized by the number of microbatches really accumulated
+        when the update is applied, whichever kinds they were.
         """
-        with self._operation():
-            batch = self.encoder.encode(examples)
+        with self._guard.operation():
+            microbatch = self._encode(examples, loss_fn, loss_fn_config)
             self._set_training(True)
-            try:
-                loss = self.loss_hook.compute_loss(self.model, batch, training=True).loss
-            except torch.OutOfMemoryError as error:
-                # Nothing was applied yet: the session's state (RNG included) is unchanged.
-                raise ResourceExhausted(f"forward_backward ran out of memory: {error}") from None
-            try:
+            # Out of memory here, nothing was applied yet: the state (RNG included) is unchanged.
+            with refuse_out_of_memory("forward_backward"):
+                loss = microbatch.loss(self.model, self.loss_hook, training=True)
+            with self._guard.breaks_on_failure("forward_backward"):
                 loss.backward()
-            except BaseException as error:
-                self._break("forward_backward", error)
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise ResourceExhausted(
-                        f"forward_backward ran out of memory: {error}"
-                    ) from error
-                raise
             self.accumulated += 1
-            self.last_token_count = batch.token_count
-            self._changed()
-            return float(loss.item())
+            self.last_token_count = microbatch.token_count
+            self._guard.changed()
+            return microbatch.backward_result(loss)
 
-    def optim_step(self) -> StepResult:
-        """Apply one update: renormalize, clip, step AdamW at the scheduled rate, zero grads."""
-        with self._operation():
+    def _encode(
+        self, examples: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None
+    ) -> Microbatch:
+        return encode_microbatch(
+            examples,
+            loss_fn,
+            loss_fn_config,
+            encoder=self.encoder,
+            vocab_size=self.sampler.vocab_size,
+        )
+
+    def optim_step(self, *, learning_rate: float | None = None) -> StepResult:
+        """Apply one update: renormalize, clip, step AdamW, zero grads.
+
+        The rate is the schedule's, or ``learning_rate`` for this update when given (online
+        loops pick their own); the schedule's position advances either way.
+        """
+        check_learning_rate(learning_rate)
+        with self._guard.operation():
             if self.accumulated == 0:
                 raise FailedPrecondition(
                     "optim_step: no microbatch accumulated since the last update; "
@@ -223,7 +208,9 @@ class TrainingSession:
                 rate = learning_rate_at(self.step, self.config, self.max_steps)
             except ValueError as error:
                 raise InvalidArgument(str(error)) from None
-            try:
+            if learning_rate is not None:
+                rate = float(learning_rate)
+            with self._guard.breaks_on_failure("optim_step"):
                 grad_norm = apply_update(
                     self.optimizer,
                     self._trainable,
@@ -231,15 +218,52 @@ class TrainingSession:
                     max_grad_norm=self.config.max_grad_norm,
                     rate=rate,
                 )
-            except BaseException as error:
-                self._break("optim_step", error)
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise ResourceExhausted(f"optim_step ran out of memory: {error}") from error
-                raise
             self.step += 1
             self.accumulated = 0
-            self._changed()
+            self._guard.changed()
             return StepResult(self.step, rate, grad_norm)
+
+    def sample(
+        self,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        num_samples: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+    ) -> list[Sample]:
+        """Continuations of ``prompt_tokens`` from the live weights (LoRA included).
+
+        ``temperature=0`` is greedy. A sample ends after a stop token or EOS (kept, ``"stop"``)
+        or after ``max_tokens`` (``"length"``). Its logprobs are the model's own at temperature
+        1, bit for bit what ``forward`` gives for prompt plus sample as one TokenExample. Nothing
+        changes: the digest and the training RNG are untouched; the same weights and arguments
+        give the same samples.
+        """
+        params = SamplingParams(
+            max_tokens, num_samples, temperature, top_p, top_k, tuple(stop_tokens), seed
+        )
+        with self._guard.operation(changes_state=False):
+            if self.config.task != "causal-lm":
+                raise InvalidArgument(f"sampling needs a causal-lm session, not {self.config.task}")
+            self._set_training(False)
+            with torch.no_grad():
+                return self.sampler.sample(self.model, list(prompt_tokens), params)
+
+    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, with this session's tokenizer."""
+        return self.encoder.token_ids(list(texts), special=add_special_tokens)
+
+    def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
+        """Each id list back into text; ids outside the vocabulary are INVALID_ARGUMENT."""
+        vocab = self.sampler.vocab_size
+        for index, ids in enumerate(token_lists):
+            if any(not is_int(i) or not 0 <= i < vocab for i in ids):
+                raise InvalidArgument(f"token list {index} holds ids outside [0, {vocab})")
+        return self.tokenizer.batch_decode([list(ids) for ids in token_lists])
 
     # -- state -----------------------------------------------------------------------------
 
@@ -249,7 +273,7 @@ class TrainingSession:
     @property
     def rng_state(self) -> RngState:
         """The session's own RNG snapshot (installed around each operation)."""
-        return self._rng
+        return self._guard.rng
 
     def state_digest(self) -> str:
         """sha256 over the whole continuation state: parameters, optimizer moments, schedule
@@ -257,26 +281,26 @@ class TrainingSession:
 
         Equal digests mean equal continuations. Cached per state version.
         """
-        with self._lock:
+        with self._guard.lock:
             return self._state_digest_held()
 
     def drop_digest_cache(self) -> None:
         """Forget the cached digest, as an operation does (benchmarks time its computation)."""
-        with self._lock:
+        with self._guard.lock:
             self._digest_cache = None
 
     def _state_digest_held(self, contents: ckpt.CheckpointContents | None = None) -> str:
         """``state_digest`` for a caller that holds the lock, or a helper thread working for it
         (a checkpoint hashes its ``contents`` while it writes them)."""
-        if self._digest_cache is not None and self._digest_cache[0] == self._version:
+        if self._digest_cache is not None and self._digest_cache[0] == self._guard.version:
             return self._digest_cache[1]
         value = (contents or self._contents()).state_digest()
-        self._digest_cache = (self._version, value)
+        self._digest_cache = (self._guard.version, value)
         return value
 
     def checkpoint_contents(self) -> ckpt.CheckpointContents:
         """Everything ``save_state`` writes, as live tensors (call it between operations)."""
-        with self._lock:
+        with self._guard.lock:
             return self._contents()
 
     def _contents(self) -> ckpt.CheckpointContents:
@@ -288,7 +312,7 @@ class TrainingSession:
             max_steps=self.max_steps,
             base_model_fingerprint=self.base_fingerprint,
             loss_hook=type(self.loss_hook).__name__,
-            rng=self._rng,
+            rng=self._guard.rng,
             parameters=dict(self.model.named_parameters()),
             optimizer=ckpt.optimizer_state_tensors(self.optimizer),
             gradients=self.pending_gradients(),
@@ -300,19 +324,18 @@ class TrainingSession:
 
         ``extra`` (JSON) rides along; managed runs keep their cursor and history there.
         """
-        with self._lock:
-            if self._broken is not None:
-                raise FailedPrecondition(f"cannot save an unusable session: {self._broken}")
+        with self._guard.lock:
+            self._guard.refuse_if_broken("cannot save an unusable session")
             contents = self._contents()
             digest = functools.partial(self._state_digest_held, contents)
             ckpt.write_checkpoint(Path(path), contents, digest, extra or {})
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore everything from a checkpoint into this fresh session; returns its ``extra``."""
-        with self._lock:
-            if not self.is_fresh and self._broken is None:
+        with self._guard.lock:
+            if not self.is_fresh and self._guard.broken is None:
                 raise FailedPrecondition(
-                    f"load_state needs a fresh session; this one has applied {self._version} "
+                    f"load_state needs a fresh session; this one has applied {self._guard.version} "
                     f"operation(s) (step {self.step}). Open a new session to restore"
                 )
             live = dict(self.model.named_parameters())
@@ -325,25 +348,22 @@ class TrainingSession:
                 optimizer=self.optimizer,
             )
             self._apply_restored(restored, live)
-            self._broken = None
-            self._changed()
+            self._guard.broken = None
+            self._guard.changed()
             return restored.extra
 
     def _apply_restored(self, restored: ckpt.RestoredState, live: dict[str, Any]) -> None:
         # Everything is read and checked; now apply it (the hook first: it may still refuse).
         self.loss_hook.load_session_state_dict(restored.loss_hook_state)
-        try:
+        # Half restored: refuse everything until a load_state succeeds (a retry still works).
+        with self._guard.breaks_on_failure("load_state"):
             restored.apply_tensors(live, self.optimizer)
-        except BaseException as error:
-            # Half restored: refuse everything until a load_state succeeds (a retry still works).
-            self._break("load_state", error)
-            raise
         for name, parameter in live.items():
             parameter.grad = restored.gradients.get(name)
         self.step = restored.step
         self.accumulated = restored.accumulated
         self.base_fingerprint = restored.base_model_fingerprint
-        self._rng = restored.rng
+        self._guard.rng = restored.rng
 
     def load_weights(self, path: str | Path) -> None:
         """Copy weights only, from a session checkpoint, a native model or a PEFT adapter.
@@ -351,43 +371,32 @@ class TrainingSession:
         The optimizer, schedule and RNG stay this run's. A full model seeds a LoRA session's base
         weights (the adapters stay fresh).
         """
-        with self._operation():
+        with self._guard.operation():
             # Read and check everything first; then apply, and a failure midway (out of memory,
             # say) marks the session unusable rather than leaving half the weights copied.
             load = weights.plan_weights_load(
                 self.model, Path(path), self.config, self.base_fingerprint
             )
-            try:
+            with self._guard.breaks_on_failure("load_weights"):
                 load.apply(self.model)
-            except BaseException as error:
-                self._break("load_weights", error)
-                raise
             self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
-            self._changed()
+            self._guard.changed()
 
     def export_weights(self, path: str | Path) -> None:
         """Write a directory ``transformers`` (full) or ``peft`` (adapter) loads, atomically."""
-        with self._lock:
-            if self._broken is not None:
-                raise FailedPrecondition(f"cannot export an unusable session: {self._broken}")
-            self._export_model(self.model, Path(path))
-
-    def _export_model(self, model: torch.nn.Module, path: Path) -> None:
-        provenance = {
-            "base_model_fingerprint": self.base_fingerprint,
-            "step": self.step,
-            "state_digest": self.state_digest(),
-        }
-        weights.write_export(path, model, self.tokenizer, self.config, provenance)
+        with self._guard.lock:
+            self._guard.refuse_if_broken("cannot export an unusable session")
+            provenance = {
+                "base_model_fingerprint": self.base_fingerprint,
+                "step": self.step,
+                "state_digest": self.state_digest(),
+            }
+            weights.write_export(Path(path), self.model, self.tokenizer, self.config, provenance)
 
     def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
         """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
-        with self._lock:
-            # The checkpoint's own provenance: a load_weights since may have changed the live base.
-            provenance = ckpt.read_provenance(Path(checkpoint))
+        with self._guard.lock:
             detached = copy.deepcopy(self.model).to("cpu")
-            pairs = weights.plan_checkpoint_load(detached, Path(checkpoint))
-            copy_into(pairs)
-            # The name, not the path: the same weights give the same export files anywhere.
-            provenance["checkpoint"] = Path(checkpoint).name
-            weights.write_export(Path(path), detached, self.tokenizer, self.config, provenance)
+            weights.export_checkpoint(
+                Path(checkpoint), Path(path), detached, self.tokenizer, self.config
+            )

@@ -24,3 +24,13 @@ class StepResult:
     step: int  # updates applied, this one included
     learning_rate: float  # the rate this update used
     grad_norm: float  # the global gradient norm before clipping
+
+
+@dataclass
+class TokenOutput:
+    """A token batch's result: the summed loss, each example's target logprobs (computed before
+    any update this call makes) and the loss's metrics, keyed ``name:reduction``."""
+
+    loss: float
+    logprobs: list[list[float]]
+    metrics: dict[str, float] = field(default_factory=dict)

@@ -19,7 +19,12 @@ from trainwire.client.files import atomic_directory
 from trainwire.server.digest import update_with_tensors
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.model_loading import MODEL_CONFIG_FILE
-from trainwire.server.session_checkpoint import MODEL_FILE, is_session_checkpoint, read_session_json
+from trainwire.server.session_checkpoint import (
+    MODEL_FILE,
+    is_session_checkpoint,
+    read_provenance,
+    read_session_json,
+)
 from trainwire.server.tensor_files import copy_into, describe_mismatches, load_tensors, write_json
 
 EXPORT_FORMAT = "trainwire.export/v1"
@@ -275,3 +280,15 @@ def write_export(
                 **provenance,
             },
         )
+
+
+def export_checkpoint(
+    checkpoint: Path, path: Path, model: torch.nn.Module, tokenizer: Any, config: TrainingConfig
+) -> None:
+    """Export ``checkpoint``'s weights through ``model``, a detached copy the caller owns."""
+    # The checkpoint's own provenance: a load_weights since may have changed the live base.
+    provenance = read_provenance(checkpoint)
+    copy_into(plan_checkpoint_load(model, checkpoint))
+    # The name, not the path: the same weights give the same export files anywhere.
+    provenance["checkpoint"] = checkpoint.name
+    write_export(path, model, tokenizer, config, provenance)

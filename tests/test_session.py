@@ -60,8 +60,8 @@ def test_digest_covers_the_session_rng(llama_config, small_lora) -> None:
     a = TrainingSession(llama_config(lora=small_lora))
     b = TrainingSession(llama_config(lora=small_lora))
     assert a.state_digest() == b.state_digest()
-    b._rng = RngState.seeded(123)
-    b._changed()
+    b._guard.rng = RngState.seeded(123)
+    b._guard.changed()
     assert a.state_digest() != b.state_digest()
 
 
@@ -397,7 +397,7 @@ def no_model_loading(monkeypatch):
         raise AssertionError("the session allocated before refusing")
 
     monkeypatch.setattr(session_module, "load_tokenizer", refuse)
-    monkeypatch.setattr(session_module, "load_model", refuse)
+    monkeypatch.setattr(session_module, "load_session_model", refuse)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")

@@ -1,0 +1,121 @@
+"""One encoded microbatch, text or tokens, behind one interface the engine drives.
+
+The engine's forward and forward_backward read the same whatever the batch holds: encode, run
+``loss`` under the right mode, then ``backward_result`` or ``forward_result``. Text batches run
+the model's native loss (cross-entropy); token batches run a named loss over logprobs through
+the loss hook. The engine never looks at a loss name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from trainwire.client.config import TrainingConfig
+from trainwire.client.tokens import is_token_batch
+from trainwire.server.batching import Batch, BatchEncoder
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.loss_hook import LossHook
+from trainwire.server.losses import LossSpec, require_inputs, resolve_loss
+from trainwire.server.session_results import ForwardResult, Prediction, TokenOutput
+from trainwire.server.token_batches import TokenBatch, encode_token_batch
+
+DEFAULT_LOSS = "cross_entropy"
+
+
+@dataclass
+class TextMicrobatch:
+    """Text examples, encoded by the session's ``BatchEncoder``."""
+
+    batch: Batch
+    config: TrainingConfig
+    _output: Any = None
+
+    @property
+    def token_count(self) -> int:
+        return self.batch.token_count
+
+    def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
+        self._output = hook.compute_loss(model, self.batch, training=training)
+        return self._output.loss
+
+    def forward_result(self, loss: torch.Tensor) -> ForwardResult:
+        predictions = []
+        if self.config.task == "sequence-classification":
+            for row in self._output.logits.float().cpu():
+                top = int(torch.argmax(row))
+                predictions.append(Prediction(self.config.labels[top], row.tolist()))
+        return ForwardResult(float(loss.item()), predictions)
+
+    def backward_result(self, loss: torch.Tensor) -> float:
+        return float(loss.item())
+
+
+@dataclass
+class TokenMicrobatch:
+    """Token examples with the loss they train on."""
+
+    batch: TokenBatch
+    spec: LossSpec
+    loss_config: dict[str, float]
+    _metrics: dict[str, float] = field(default_factory=dict)
+    _logprobs: list[list[float]] = field(default_factory=list)
+
+    @property
+    def token_count(self) -> int:
+        return self.batch.token_count
+
+    def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
+        output, logp = hook.compute_token_loss(
+            model, self.batch, self.spec, self.loss_config, training=training
+        )
+        self._metrics, self._logprobs = output.metrics, self.batch.split(logp)
+        return output.loss
+
+    def forward_result(self, loss: torch.Tensor) -> TokenOutput:
+        return TokenOutput(float(loss.detach().item()), self._logprobs, dict(self._metrics))
+
+    backward_result = forward_result
+
+
+Microbatch = TextMicrobatch | TokenMicrobatch
+
+
+def encode_microbatch(
+    examples: Sequence[Any],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    *,
+    encoder: BatchEncoder,
+    vocab_size: int,
+) -> Microbatch:
+    """Validate and encode a batch of either kind; InvalidArgument before any model work."""
+    if not examples:
+        raise InvalidArgument("empty batch: send at least one example")
+    try:
+        tokens = is_token_batch(examples)
+    except ValueError as error:
+        raise InvalidArgument(str(error)) from None
+    config = encoder.config
+    if not tokens:
+        if loss_fn != DEFAULT_LOSS or loss_fn_config:
+            raise InvalidArgument(
+                f"text examples train with their task's native loss; loss_fn {loss_fn!r} and "
+                "loss_fn_config need token examples (TokenExample)"
+            )
+        return TextMicrobatch(encoder.encode(examples), config)
+    if config.task != "causal-lm":
+        raise InvalidArgument(f"token examples need a causal-lm session; this one is {config.task}")
+    spec, resolved = resolve_loss(loss_fn, loss_fn_config)
+    require_inputs(loss_fn, spec, examples)
+    batch = encode_token_batch(
+        examples,
+        vocab_size=vocab_size,
+        max_length=config.max_length,
+        pad_id=encoder.tokenizer.pad_token_id,
+        device=encoder.device,
+    )
+    return TokenMicrobatch(batch, spec, resolved)

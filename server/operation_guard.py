@@ -1,0 +1,88 @@
+"""What every session operation runs inside: the session's lock, its own RNG and its health.
+
+The torch, NumPy and Python generators are process-wide, so a session keeps its own snapshot
+and installs it around each operation; one process-wide lock makes sessions on two threads take
+turns with the generators, so interleaving two sessions changes neither's bits. An operation
+that fails midway (after it began to change tensors) marks the session broken: it refuses
+everything until a ``load_state`` restores it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from trainwire.server.errors import FailedPrecondition, ResourceExhausted
+from trainwire.server.rng import RngState, preserved_global_rng
+
+logger = logging.getLogger(__name__)
+
+_GLOBAL_RNG_LOCK = threading.RLock()
+
+
+class OperationGuard:
+    """One session's lock, RNG snapshot, broken flag and state version."""
+
+    def __init__(self, rng: RngState, *, cuda: bool) -> None:
+        self.lock = threading.RLock()
+        self.rng = rng
+        self.cuda = cuda
+        self.broken: str | None = None
+        self.version = 0  # state-changing operations applied; keys the digest cache
+
+    @contextlib.contextmanager
+    def session_rng(self, *, keep: bool = True) -> Iterator[None]:
+        """Run with the session's RNG installed; keep what it drew only if the block succeeds
+        (and ``keep``)."""
+        with _GLOBAL_RNG_LOCK, preserved_global_rng():
+            self.rng.install()
+            yield
+            if keep:
+                self.rng = RngState.capture(cuda=self.cuda)
+
+    @contextlib.contextmanager
+    def operation(self, *, changes_state: bool = True) -> Iterator[None]:
+        """Hold the lock with the session's RNG installed; refuse while the session is broken.
+
+        ``changes_state=False`` (forward, sample) puts the RNG back as it was afterwards.
+        """
+        with self.lock:
+            self.refuse_if_broken("the session is unusable")
+            with self.session_rng(keep=changes_state):
+                yield
+
+    def refuse_if_broken(self, what: str) -> None:
+        if self.broken is not None:
+            raise FailedPrecondition(
+                f"{what}: {self.broken}. Restore it with load_state from a checkpoint; it "
+                "refuses other operations until then"
+            )
+
+    @contextlib.contextmanager
+    def breaks_on_failure(self, what: str) -> Iterator[None]:
+        """A failure inside leaves tensors half changed: mark the session broken and re-raise
+        (an out-of-memory error as ``ResourceExhausted``)."""
+        try:
+            yield
+        except BaseException as error:
+            self.broken = f"{what} failed midway ({type(error).__name__}: {error})"
+            logger.error("session marked unusable: %s", self.broken)
+            if isinstance(error, torch.OutOfMemoryError):
+                raise ResourceExhausted(f"{what} ran out of memory: {error}") from error
+            raise
+
+    def changed(self) -> None:
+        self.version += 1
+
+
+@contextlib.contextmanager
+def refuse_out_of_memory(what: str) -> Iterator[None]:
+    """Out of memory before anything changed: ``ResourceExhausted``, the session intact."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise ResourceExhausted(f"{what} ran out of memory: {error}") from None
