@@ -55,6 +55,7 @@ def processes():
         process.kill_if_running()
 
 
+@pytest.mark.slow
 def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_same_bits(
     tmp_path, model_root, llama_config, processes
 ):
