@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,7 @@ from trainwire.client.artifacts import write_run_artifacts
 from trainwire.client.controller import Controller
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
-from trainwire.testing import make_tiny_model, tiny_text_examples
+from trainwire.testing import free_port, make_tiny_model, tiny_text_examples
 
 CHECKPOINT_EVERY = 10
 ROUNDS = 2
@@ -43,12 +42,6 @@ def long_examples(count: int):
     return [
         type(pieces[0])(" ".join(p.text for p in pieces[i * 6 : (i + 1) * 6])) for i in range(count)
     ]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(port: int, state: Path, model_root: Path) -> subprocess.Popen:
