@@ -18,14 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
 from trainwire.client.manifest import (
     load_plan,
     read_config_file,
     read_examples_jsonl,
     write_plan_manifest,
 )
-from trainwire.client.overrides import apply_overrides, parse_config_overrides
+from trainwire.client.overrides import checked_config_overrides, config_with_overrides
 from trainwire.client.plan import ManagedTrainingPlan
 
 USAGE_ERROR = 2
@@ -36,16 +35,8 @@ class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
-def _config_from_args(config_path: str, overrides: Sequence[str]) -> TrainingConfig:
-    data = read_config_file(config_path)
-    valid, invalid = parse_config_overrides(overrides)
-    if invalid:
-        raise UsageError(f"--set takes key=value, got: {', '.join(invalid)}")
-    return TrainingConfig.from_dict(apply_overrides(data, valid))
-
-
 def command_plan(args: argparse.Namespace) -> int:
-    config = _config_from_args(args.config, args.set)
+    config = config_with_overrides(read_config_file(args.config), args.set)
     examples = read_examples_jsonl(args.examples)
     eval_examples = read_examples_jsonl(args.eval_examples) if args.eval_examples else None
     plan = ManagedTrainingPlan(examples, config, eval_examples=eval_examples)
@@ -159,10 +150,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_workers": DEFAULT_MAX_WORKERS,
         "stop_grace_s": DEFAULT_STOP_GRACE_S,
     }
-    valid, invalid = parse_config_overrides(args.set or [])
-    if invalid:
-        raise ValueError(f"--set takes key=value, got: {', '.join(invalid)}")
-    for key, value in valid.items():
+    for key, value in checked_config_overrides(args.set).items():
         kind = SERVE_SETTINGS.get(key)
         if kind is None:
             raise ValueError(f"--set {key}: unknown; serve takes {', '.join(SERVE_SETTINGS)}")
