@@ -17,8 +17,6 @@ Fixtures:
         ``lr_scheduler="constant"``.
     small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
         take part in every training step, so RNG bugs show up in digests.
-    drive_plan: :func:`plans.drive_plan`, the one op-by-op reference run (a module can also
-        import it: ``from plans import drive_plan``).
 
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 """
@@ -30,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from plans import drive_plan
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
@@ -125,9 +122,3 @@ def llama_classifier_config(tiny_llama_classifier: Path) -> ConfigFactory:
 @pytest.fixture(scope="session")
 def small_lora() -> LoraSettings:
     return SMALL_LORA
-
-
-@pytest.fixture(name="drive_plan", scope="session")
-def drive_plan_fixture() -> Callable[..., list[float]]:
-    """:func:`plans.drive_plan`, for the tests that take it as a fixture."""
-    return drive_plan

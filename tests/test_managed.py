@@ -1,7 +1,7 @@
 """ManagedTraining: the in-process replay equals the plan driven op by op, and resumes exactly."""
 
 import pytest
-from plans import sentiment_plan
+from plans import drive_plan, sentiment_plan
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
 from trainwire.server.managed import ManagedTraining
@@ -22,14 +22,9 @@ def plans(bert_classifier_config, llama_config):
     }
 
 
-def op_by_op_digest(plan, stop_after=None):
+def op_by_op_digest(plan):
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
-    for i in range(plan.batch_count):
-        session.forward_backward(plan.batch(i))
-        if plan.is_update(i):
-            session.optim_step()
-        if i == stop_after:
-            break
+    drive_plan(session, plan)
     return session.state_digest()
 
 

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 from peft import PeftModel
+from plans import drive_plan
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trainwire.client import ManagedTrainingPlan
@@ -69,7 +70,7 @@ def open_cuda_session(plan: ManagedTrainingPlan) -> TrainingSession:
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_cuda_resume_mid_accumulation_equals_uninterrupted_run(
-    make_plan, task, weights, precision, tmp_path, drive_plan
+    make_plan, task, weights, precision, tmp_path
 ) -> None:
     plan = make_plan(task, weights)
     assert plan.batch_count == 6 and not plan.is_update(0) and plan.is_update(2)
@@ -106,7 +107,7 @@ def test_cuda_resume_mid_accumulation_equals_uninterrupted_run(
 @pytest.mark.parametrize("task", TASKS)
 @pytest.mark.parametrize("weights", WEIGHTS)
 def test_cuda_export_reloads_natively_with_the_same_loss(
-    make_plan, task, weights, precision, tmp_path, drive_plan
+    make_plan, task, weights, precision, tmp_path
 ) -> None:
     plan = make_plan(task, weights)
     session = open_cuda_session(plan)
@@ -127,7 +128,7 @@ def test_cuda_export_reloads_natively_with_the_same_loss(
     assert loss == session.forward(examples).loss
 
 
-def test_cuda_sessions_interleaved_keep_their_own_rng(make_plan, drive_plan) -> None:
+def test_cuda_sessions_interleaved_keep_their_own_rng(make_plan) -> None:
     plan = make_plan("causal-lm", "lora")
     alone = open_cuda_session(plan)
     drive_plan(alone, plan)
@@ -139,7 +140,7 @@ def test_cuda_sessions_interleaved_keep_their_own_rng(make_plan, drive_plan) -> 
     assert a.state_digest() == b.state_digest() == alone.state_digest()
 
 
-def test_cuda_gradient_checkpointing_gives_the_same_bits(make_plan, drive_plan) -> None:
+def test_cuda_gradient_checkpointing_gives_the_same_bits(make_plan) -> None:
     plan = make_plan("causal-lm", "lora")
     plain = open_cuda_session(plan)
     checkpointed = TrainingSession(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from plans import drive_plan
 from safetensors.torch import load_file, save_file
 
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
@@ -47,14 +48,14 @@ def open_session(plan: ManagedTrainingPlan, **kwargs) -> TrainingSession:
     return TrainingSession(plan.config, max_steps=plan.max_steps, **kwargs)
 
 
-def finish_from(session: TrainingSession, plan: ManagedTrainingPlan, i: int, op: str, drive_plan):
+def finish_from(session: TrainingSession, plan: ManagedTrainingPlan, i: int, op: str):
     """Continue a session restored right after operation ``op`` of microbatch ``i``."""
     if op == "forward_backward" and plan.is_update(i):
         session.optim_step()
     return drive_plan(session, plan, i + 1)
 
 
-def test_resume_at_every_microbatch_equals_uninterrupted_run(plan, tmp_path, drive_plan) -> None:
+def test_resume_at_every_microbatch_equals_uninterrupted_run(plan, tmp_path) -> None:
     assert plan.batch_count == 8 and plan.max_steps == 4
     assert any(len(plan.rows(i)) < plan.config.batch_size for i in range(plan.batch_count))
     reference = open_session(plan)
@@ -80,7 +81,7 @@ def test_resume_at_every_microbatch_equals_uninterrupted_run(plan, tmp_path, dri
         resumed = open_session(plan)
         resumed.load_state(path)
         assert resumed.state_digest() == digest, f"restore after microbatch {i} {op}"
-        assert finish_from(resumed, plan, i, op, drive_plan) == reference_losses[i + 1 :]
+        assert finish_from(resumed, plan, i, op) == reference_losses[i + 1 :]
         assert resumed.state_digest() == reference.state_digest(), f"resume after {i} {op}"
 
 
@@ -325,7 +326,7 @@ class FaultyTrainer(LossHook):
 
 
 def test_a_failure_in_backward_refuses_everything_until_load_state(
-    llama_config, small_lora, tmp_path, drive_plan
+    llama_config, small_lora, tmp_path
 ) -> None:
     config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
     plan = ManagedTrainingPlan(tiny_text_examples(9), config)
@@ -363,7 +364,7 @@ def test_a_failure_in_backward_refuses_everything_until_load_state(
     assert session.state_digest() == reference.state_digest()
 
 
-def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora, drive_plan) -> None:
+def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora) -> None:
     config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
     plan = ManagedTrainingPlan(tiny_text_examples(9), config)
     reference = TrainingSession(config, max_steps=plan.max_steps)
@@ -416,7 +417,7 @@ class LossSumTrainer(LossHook):
 
 
 def test_a_custom_trainer_state_rides_in_the_checkpoint_and_the_digest(
-    llama_config, small_lora, tmp_path, drive_plan
+    llama_config, small_lora, tmp_path
 ) -> None:
     config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
     plan = ManagedTrainingPlan(tiny_text_examples(9), config)

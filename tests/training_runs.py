@@ -15,11 +15,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+from plans import drive_plan
 
 from trainwire.client import ManagedTrainingPlan, write_plan_manifest
-from trainwire.client.evaluation import EvaluationTally, evaluation_batches
 from trainwire.client.results import TrainingResult
-from trainwire.client.selection import SelectionState
 from trainwire.server.managed import ManagedTraining
 from trainwire.server.session import TrainingSession
 from trainwire.server.training.run import train
@@ -77,22 +76,10 @@ def write_manifest(directory: Path, plan: ManagedTrainingPlan) -> Path:
 
 
 def op_by_op(plan: ManagedTrainingPlan) -> str:
-    """The plan driven op by op on a TrainingSession: forward_backward, optim_step iff the plan
-    updates, evaluation and selection where it evaluates, until it stops early."""
+    """The plan driven op by op on a TrainingSession (:func:`plans.drive_plan` with evaluation,
+    selection and early stopping); its final digest."""
     session = TrainingSession(plan.config, device="cpu", max_steps=plan.max_steps)
-    selection = SelectionState.from_policy(plan.selection_policy)
-    for i in range(plan.batch_count):
-        session.forward_backward(plan.batch(i))
-        if plan.is_update(i):
-            session.optim_step()
-        if plan.evaluates_after(i):
-            tally = EvaluationTally()
-            for batch in evaluation_batches(plan.eval_examples, plan.config.batch_size):
-                result = session.forward(batch)
-                tally.add(batch, result.loss, [p.label for p in result.predictions])
-            selection.observe(tally.metrics(), step=session.step, epoch=plan.epoch(i))
-            if selection.stopped_early:
-                break
+    drive_plan(session, plan, evaluate=True)
     return session.state_digest()
 
 
