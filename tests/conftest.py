@@ -18,6 +18,12 @@ Fixtures:
     small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
         take part in every training step, so RNG bugs show up in digests.
 
+The Dockerfile and deploy/ tests share fixtures over those files (readers in deploy_files.py):
+    dockerfile: the Dockerfile's (INSTRUCTION, arguments) pairs; runtime: its last stage's.
+    kustomization: deploy/kustomization.yaml; deploy_objects: its resources by (kind, name);
+    statefulset, container: the worker StatefulSet and its one container;
+    example_secrets: deploy/examples/ by name.
+
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 """
 
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import deploy_files
 import pytest
 
 from trainwire.client import LoraSettings, TrainingConfig
@@ -122,3 +129,39 @@ def llama_classifier_config(tiny_llama_classifier: Path) -> ConfigFactory:
 @pytest.fixture(scope="session")
 def small_lora() -> LoraSettings:
     return SMALL_LORA
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> list[tuple[str, str]]:
+    return deploy_files.dockerfile_instructions(deploy_files.DOCKERFILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def runtime(dockerfile: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    return deploy_files.stages(dockerfile)[-1]
+
+
+@pytest.fixture(scope="module")
+def kustomization() -> dict:
+    return deploy_files.deploy_kustomization()
+
+
+@pytest.fixture(scope="module")
+def deploy_objects(kustomization: dict) -> dict[tuple[str, str], dict]:
+    return deploy_files.resource_objects(kustomization)
+
+
+@pytest.fixture(scope="module")
+def statefulset(deploy_objects: dict[tuple[str, str], dict]) -> dict:
+    return deploy_objects[deploy_files.STATEFULSET]
+
+
+@pytest.fixture(scope="module")
+def container(statefulset: dict) -> dict:
+    (only_container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    return only_container
+
+
+@pytest.fixture(scope="module")
+def example_secrets() -> dict[str, dict]:
+    return deploy_files.example_documents()

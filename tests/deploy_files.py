@@ -1,0 +1,174 @@
+"""What the Dockerfile and deploy/ tests share: the files, the worker's fixed facts, and readers.
+
+- The Dockerfile as (INSTRUCTION, arguments) pairs and its stages (:func:`dockerfile_instructions`,
+  :func:`stages`, :func:`only`, :func:`exec_form`, :func:`env_values`).
+- `trainwire serve`'s real parser (:func:`parse_serve`), so the image and the manifests are checked
+  against the command line they run.
+- :func:`serving_health`: a real gRPC health server on loopback, for the probes to ask.
+- The manifests: :func:`load_documents`, :func:`deploy_kustomization`, :func:`resource_objects`,
+  :func:`example_documents`. The kustomization rendered as `kubectl kustomize` renders it is in
+  kustomize.py; the fixtures over all this are in conftest.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from grpc_health.v1 import health, health_pb2_grpc
+
+from trainwire.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+TLS_PROBE = DEPLOY / "components" / "tls" / "tls_probe.py"
+
+PORT = 50051
+WORKER_SELECTOR = {"app.kubernetes.io/name": "trainwire", "app.kubernetes.io/component": "worker"}
+DISPATCHER_LABELS = {"app.kubernetes.io/component": "dispatcher"}
+STATEFULSET = ("StatefulSet", "trainwire-worker")
+
+
+# ---- the Dockerfile ---------------------------------------------------------------------------
+
+
+def dockerfile_instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: continuation lines joined, comments dropped."""
+    instructions = []
+    logical = ""
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#") or (not stripped and not logical):
+            continue
+        if stripped.endswith("\\"):
+            logical += stripped[:-1].rstrip() + " "
+            continue
+        logical += stripped
+        keyword, _, arguments = logical.strip().partition(" ")
+        instructions.append((keyword.upper(), arguments.strip()))
+        logical = ""
+    assert not logical, "the Dockerfile ends inside a line continuation"
+    return instructions
+
+
+def stages(instructions: list[tuple[str, str]]) -> list[list[tuple[str, str]]]:
+    """The build stages, each starting with its FROM."""
+    result: list[list[tuple[str, str]]] = []
+    for keyword, arguments in instructions:
+        if keyword == "FROM":
+            result.append([])
+        if result:
+            result[-1].append((keyword, arguments))
+    return result
+
+
+def exec_form(arguments: str) -> list[str]:
+    assert arguments.startswith("["), f"not in exec (JSON) form: {arguments}"
+    value = json.loads(arguments)
+    assert isinstance(value, list) and all(isinstance(item, str) for item in value)
+    return value
+
+
+def only(instructions: list[tuple[str, str]], keyword: str) -> str:
+    found = [arguments for key, arguments in instructions if key == keyword]
+    assert len(found) == 1, f"expected one {keyword} in the runtime stage, found {len(found)}"
+    return found[0]
+
+
+def env_values(stage: list[tuple[str, str]]) -> dict[str, str]:
+    values = {}
+    for keyword, arguments in stage:
+        if keyword == "ENV":
+            for pair in re.findall(r"(\w+)=(\S+)", arguments):
+                values[pair[0]] = pair[1]
+    return values
+
+
+# ---- `trainwire serve`'s command line ----------------------------------------------------------
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`trainwire serve`'s own parser, from the real command line."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "serve" not in commands.choices:
+        pytest.fail("`trainwire serve` is not a subcommand of trainwire.cli.build_parser()")
+    return commands.choices["serve"]
+
+
+def parse_serve(arguments: list[str]) -> argparse.Namespace:
+    try:
+        return serve_parser().parse_args(arguments)
+    except SystemExit:
+        pytest.fail(f"`trainwire serve` refuses the arguments {arguments}")
+
+
+def listen_port(listen: str) -> int:
+    return int(listen.rsplit(":", 1)[1])
+
+
+@contextlib.contextmanager
+def serving_health(
+    credentials: grpc.ServerCredentials | None = None,
+) -> Iterator[tuple[health.HealthServicer, int]]:
+    """A gRPC health server on a free loopback port (TLS with ``credentials``): (servicer, port)."""
+    servicer = health.HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    address = "127.0.0.1:0"
+    port = (
+        server.add_secure_port(address, credentials)
+        if credentials is not None
+        else server.add_insecure_port(address)
+    )
+    server.start()
+    try:
+        yield servicer, port
+    finally:
+        server.stop(None)
+
+
+# ---- the manifests ----------------------------------------------------------------------------
+
+
+def load_documents(path: Path) -> list[dict]:
+    return [document for document in yaml.safe_load_all(path.read_text()) if document]
+
+
+def deploy_kustomization() -> dict:
+    """deploy/kustomization.yaml as written (components commented out)."""
+    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+
+
+def resource_objects(kustomization: dict) -> dict[tuple[str, str], dict]:
+    """The kustomization's resources by (kind, name); a name defined twice fails."""
+    found = {}
+    for resource in kustomization["resources"]:
+        for document in load_documents(DEPLOY / resource):
+            key = (document["kind"], document["metadata"]["name"])
+            assert key not in found, f"{key} is defined twice"
+            found[key] = document
+    return found
+
+
+def example_documents() -> dict[str, dict]:
+    """deploy/examples/*.example.yaml (the example Secrets) by name."""
+    return {
+        document["metadata"]["name"]: document
+        for path in sorted((DEPLOY / "examples").glob("*.example.yaml"))
+        for document in load_documents(path)
+    }
+
+
+def manifest_files(directory: Path) -> set[str]:
+    return {p.name for p in directory.glob("*.y*ml")} - {"kustomization.yaml"}
