@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainwire.client.config import InputExample, LoraSettings, TrainingConfig
+    from trainwire.client.custom_loss import forward_backward_custom
     from trainwire.client.manifest import (
         load_plan,
         read_config_file,
@@ -20,9 +21,11 @@ if TYPE_CHECKING:
         write_manifest,
         write_plan_manifest,
     )
+    from trainwire.client.outcomes import Sample
     from trainwire.client.overrides import parse_config_overrides
     from trainwire.client.plan import MANIFEST_FORMAT, ManagedTrainingPlan, Microbatch
     from trainwire.client.session_client import SessionClient
+    from trainwire.client.tokens import TokenExample
 
 _LAZY = {
     "InputExample": "trainwire.client.config",
@@ -39,6 +42,9 @@ _LAZY = {
     "ManagedTrainingPlan": "trainwire.client.plan",
     "Microbatch": "trainwire.client.plan",
     "SessionClient": "trainwire.client.session_client",
+    "TokenExample": "trainwire.client.tokens",
+    "Sample": "trainwire.client.outcomes",
+    "forward_backward_custom": "trainwire.client.custom_loss",
 }
 
 __all__ = [
@@ -47,8 +53,11 @@ __all__ = [
     "LoraSettings",
     "ManagedTrainingPlan",
     "Microbatch",
+    "Sample",
     "SessionClient",
+    "TokenExample",
     "TrainingConfig",
+    "forward_backward_custom",
     "load_plan",
     "parse_config_overrides",
     "read_config_file",

@@ -7,6 +7,7 @@ classes. Neither protobuf nor grpc is imported here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class OpenOutcome(SessionInfo):
 
     created: bool = False
 
+    @classmethod
+    def from_info(cls, info: SessionInfo, *, created: bool) -> OpenOutcome:
+        return cls(**dataclasses.asdict(info), created=created)
+
 
 @dataclass(frozen=True)
 class Prediction:
@@ -75,8 +80,13 @@ class Prediction:
 
 @dataclass(frozen=True)
 class ForwardOutcome:
+    """A forward: the batch loss, predictions (text classification), and for token batches
+    every target's logprob (one tuple per example) and the loss's ``name:reduction`` metrics."""
+
     loss: float
     predictions: tuple[Prediction, ...] = ()
+    logprobs: tuple[tuple[float, ...], ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -91,8 +101,13 @@ class OperationOutcome:
 
 @dataclass(frozen=True)
 class ForwardBackwardOutcome(OperationOutcome):
+    """A microbatch applied: its loss and token count; for token batches also each target's
+    logprob before the update (one tuple per example) and the loss's metrics."""
+
     loss: float = 0.0
     token_count: int = 0  # non-padding tokens in the microbatch, for throughput
+    logprobs: tuple[tuple[float, ...], ...] = ()
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -126,3 +141,13 @@ class ExportOutcome(OperationOutcome):
     format: str = ""
     files: tuple[ExportedFile, ...] = ()
     directory: Path | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled continuation: its new tokens (a stop token kept), the model's own logprob of
+    each at temperature 1, and why it ended: ``"stop"`` (a stop token or EOS) or ``"length"``."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    stop_reason: str

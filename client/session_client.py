@@ -10,22 +10,21 @@ carry their operation key, and the server answers a key it has applied from its 
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
-from pathlib import Path, PurePosixPath
-from typing import Any, BinaryIO
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
-from trainwire.client.files import Pem, atomic_directory, read_pem
+from trainwire.client.downloads import DownloadError, receive_export
+from trainwire.client.files import Pem, read_pem
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
+from trainwire.client.tokens import DEFAULT_LOSS, TokenExample, is_token_batch
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 
@@ -34,10 +33,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 EXPORT_METHOD = "/trainwire.v1.TrainingSessionService/ExportWeights"
+Examples = Sequence[InputExample] | Sequence[TokenExample]
 
-
-class DownloadError(RuntimeError):
-    """Downloaded export files do not match what the server recorded; nothing was kept."""
+__all__ = ["DownloadError", "SessionClient", "parse_weights_source"]
 
 
 def parse_weights_source(source: str | outcomes.WeightsSource) -> outcomes.WeightsSource:
@@ -168,23 +166,36 @@ class SessionClient:
         response = self._call("Info", self._stub.Info, pb.InfoRequest())
         return wire.session_info_from_proto(response.info)
 
-    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
-        """The batch loss and (classification) predictions; changes nothing."""
-        request = pb.ForwardRequest(examples=wire.examples_to_proto(examples))
+    def forward(
+        self,
+        examples: Examples,
+        *,
+        loss_fn: str = DEFAULT_LOSS,
+        loss_fn_config: Mapping[str, float] | None = None,
+    ) -> outcomes.ForwardOutcome:
+        """The batch loss, predictions (text classification) or, for ``TokenExample``s, every
+        target's logprob and the loss's metrics; changes nothing."""
+        request = pb.ForwardRequest(loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config))
+        _add_examples(request, examples)
         return wire.forward_from_proto(self._call("Forward", self._stub.Forward, request))
 
     def forward_backward(
         self,
-        examples: Sequence[InputExample],
+        examples: Examples,
         *,
         operation_key: str,
+        loss_fn: str = DEFAULT_LOSS,
+        loss_fn_config: Mapping[str, float] | None = None,
         expected_position: int | None = None,
         include_digest: bool = False,
     ) -> outcomes.ForwardBackwardOutcome:
+        """One microbatch; the outcome has ``.loss`` and, for token examples, ``.logprobs``
+        (before the update) and ``.metrics``. The key is bound to every field sent."""
         request = pb.ForwardBackwardRequest(
             operation=_operation(operation_key, expected_position, include_digest),
-            examples=wire.examples_to_proto(examples),
+            loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config),
         )
+        _add_examples(request, examples)
         response = self._call("ForwardBackward", self._stub.ForwardBackward, request)
         return wire.forward_backward_from_proto(response)
 
@@ -192,13 +203,51 @@ class SessionClient:
         self,
         *,
         operation_key: str,
+        learning_rate: float | None = None,
         expected_position: int | None = None,
         include_digest: bool = False,
     ) -> outcomes.OptimStepOutcome:
+        """One update, at the schedule's rate or at ``learning_rate`` for this update."""
         operation = _operation(operation_key, expected_position, include_digest)
-        request = pb.OptimStepRequest(operation=operation)
+        request = pb.OptimStepRequest(operation=operation, learning_rate=learning_rate)
         response = self._call("OptimStep", self._stub.OptimStep, request)
         return wire.optim_step_from_proto(response)
+
+    def sample(
+        self,
+        prompt_tokens: Sequence[int],
+        *,
+        max_tokens: int,
+        num_samples: int = 1,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_tokens: Sequence[int] = (),
+        seed: int = 0,
+    ) -> list[outcomes.Sample]:
+        """Continuations from the live weights, with the trainer's own logprobs (read-only)."""
+        request = wire.sample_request_to_proto(
+            prompt_tokens,
+            max_tokens=max_tokens,
+            num_samples=num_samples,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_tokens=stop_tokens,
+            seed=seed,
+        )
+        return wire.samples_from_proto(self._call("Sample", self._stub.Sample, request))
+
+    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
+        """Token ids of each text, with the server's tokenizer (no model copy needed here)."""
+        request = pb.TokenizeRequest(texts=list(texts), add_special_tokens=add_special_tokens)
+        response = self._call("Tokenize", self._stub.Tokenize, request)
+        return wire.token_lists_from_proto(response.token_lists)
+
+    def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
+        """Each id list back into text, with the server's tokenizer."""
+        request = pb.DetokenizeRequest(token_lists=wire.token_lists_to_proto(token_lists))
+        return list(self._call("Detokenize", self._stub.Detokenize, request).texts)
 
     def save_state(
         self, name: str, *, operation_key: str, expected_position: int | None = None
@@ -262,7 +311,7 @@ class SessionClient:
         def attempt() -> outcomes.ExportOutcome:
             stream = self._export_stream(request, timeout=None, metadata=self._metadata)
             try:
-                return _receive_export(stream, download_to)
+                return receive_export(stream, download_to)
             finally:
                 stream.cancel()  # a no-op once the stream has ended
 
@@ -274,100 +323,15 @@ class SessionClient:
         return wire.session_info_from_proto(response.info)
 
 
+def _add_examples(
+    request: pb.ForwardRequest | pb.ForwardBackwardRequest, examples: Examples
+) -> None:
+    """Text examples or token examples into ``request``: a batch holds one kind."""
+    if is_token_batch(examples):
+        request.token_examples.extend(wire.token_examples_to_proto(examples))
+    else:
+        request.examples.extend(wire.examples_to_proto(examples))
+
+
 def _operation(key: str, expected_position: int | None, include_digest: bool) -> pb.Operation:
     return wire.operation_to_proto(outcomes.OperationSpec(key, expected_position, include_digest))
-
-
-ExportItem = pb.ExportWeightsResponse | chunks.RawChunk
-
-
-def _receive_export(
-    stream: Iterator[ExportItem], download_to: str | Path | None
-) -> outcomes.ExportOutcome:
-    first = next(stream)
-    if isinstance(first, chunks.RawChunk) or first.WhichOneof("item") != "result":
-        raise DownloadError("the export stream did not start with its result")
-    outcome = wire.export_outcome_from_proto(first.result)
-    if download_to is None:
-        return outcome
-    target = Path(download_to)
-    with atomic_directory(target) as staging:
-        _receive_files(stream, staging, outcome.files)
-    return replace(outcome, directory=target)
-
-
-class _IncomingFile:
-    def __init__(self, staging: Path, path: str) -> None:
-        self.path = path
-        self.local = staging / _safe_relative(path)
-        self.local.parent.mkdir(parents=True, exist_ok=True)
-        self.handle: BinaryIO = open(self.local, "wb")  # noqa: SIM115 (closed by finish)
-        self.sha256 = hashlib.sha256()
-        self.size = 0
-
-    def write(self, offset: int, data: memoryview) -> None:
-        if offset != self.size:
-            raise DownloadError(f"{self.path}: chunk at offset {offset}, expected {self.size}")
-        self.handle.write(data)
-        self.sha256.update(data)
-        self.size += len(data)
-
-    def finish(self, end: pb.FileEnd, recorded: outcomes.ExportedFile) -> None:
-        self.handle.flush()
-        os.fsync(self.handle.fileno())
-        self.handle.close()
-        got = (self.size, self.sha256.hexdigest())
-        for what, expected in (("the stream", end), ("the export's record", recorded)):
-            if got != (expected.size_bytes, expected.sha256):
-                raise DownloadError(
-                    f"{self.path}: received {got[0]} bytes with sha256 {got[1]}, but {what} says "
-                    f"{expected.size_bytes} bytes with sha256 {expected.sha256}; export it again"
-                )
-
-
-def _pieces(stream: Iterator[ExportItem]) -> Iterator[chunks.RawChunk | pb.FileEnd]:
-    """The stream's chunks (as ``RawChunk``) and file ends, after the result."""
-    for item in stream:
-        if isinstance(item, chunks.RawChunk):
-            yield item
-        elif item.WhichOneof("item") == "chunk":  # not one of our pre-encoded chunks
-            yield chunks.RawChunk(item.chunk.path, item.chunk.offset, memoryview(item.chunk.data))
-        elif item.WhichOneof("item") == "file_end":
-            yield item.file_end
-        else:
-            raise DownloadError("the export stream sent a second result")
-
-
-def _receive_files(
-    stream: Iterator[ExportItem], staging: Path, files: Sequence[outcomes.ExportedFile]
-) -> None:
-    recorded = {file.path: file for file in files}
-    received: list[str] = []
-    current: _IncomingFile | None = None
-    try:
-        for piece in _pieces(stream):
-            if piece.path not in recorded:
-                raise DownloadError(f"the server sent {piece.path!r}, which the export lacks")
-            if current is None or current.path != piece.path:
-                if current is not None:
-                    raise DownloadError(f"{current.path}: the stream moved on before its end")
-                current = _IncomingFile(staging, piece.path)
-            if isinstance(piece, chunks.RawChunk):
-                current.write(piece.offset, piece.data)
-            else:
-                current.finish(piece, recorded[piece.path])
-                received.append(piece.path)
-                current = None
-    finally:
-        if current is not None:
-            current.handle.close()
-    missing = sorted(set(recorded) - set(received))
-    if current is not None or missing:
-        raise DownloadError(f"the download ended early; missing {missing}")
-
-
-def _safe_relative(path: str) -> Path:
-    relative = PurePosixPath(path)
-    if not path or relative.is_absolute() or ".." in relative.parts or "\\" in path:
-        raise DownloadError(f"the server sent an unsafe file path {path!r}")
-    return Path(*relative.parts)

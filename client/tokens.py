@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+DEFAULT_LOSS = "cross_entropy"  # the loss_fn a call names when it names none
 TOKEN_FIELDS = ("tokens", "target_tokens")
 FLOAT_FIELDS = ("weights", "logprobs", "advantages")
 

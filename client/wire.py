@@ -6,7 +6,7 @@ nothing else touches protobuf.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from trainwire.client.config import InputExample
@@ -28,9 +28,11 @@ from trainwire.client.outcomes import (
     OperationSpec,
     OptimStepOutcome,
     Prediction,
+    Sample,
     SessionInfo,
     WeightsSource,
 )
+from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.v1 import session_pb2 as pb
 
 _STATE_TO_PROTO = {
@@ -139,29 +141,55 @@ def open_response_to_proto(outcome: OpenOutcome) -> pb.OpenResponse:
 
 def open_outcome_from_proto(response: pb.OpenResponse) -> OpenOutcome:
     info = session_info_from_proto(response.info)
-    return OpenOutcome(**dataclasses.asdict(info), created=response.created)
+    return OpenOutcome.from_info(info, created=response.created)
 
 
 def forward_to_proto(outcome: ForwardOutcome) -> pb.ForwardResponse:
     predictions = [pb.Prediction(label=p.label, scores=p.scores) for p in outcome.predictions]
-    return pb.ForwardResponse(loss=outcome.loss, predictions=predictions)
+    return pb.ForwardResponse(
+        loss=outcome.loss,
+        predictions=predictions,
+        logprobs=_logprobs_to_proto(outcome.logprobs),
+        metrics=outcome.metrics,
+    )
 
 
 def forward_from_proto(response: pb.ForwardResponse) -> ForwardOutcome:
     predictions = tuple(Prediction(p.label, tuple(p.scores)) for p in response.predictions)
-    return ForwardOutcome(response.loss, predictions)
+    return ForwardOutcome(
+        response.loss,
+        predictions,
+        logprobs=_logprobs_from_proto(response.logprobs),
+        metrics=dict(response.metrics),
+    )
 
 
 def forward_backward_to_proto(outcome: ForwardBackwardOutcome) -> pb.ForwardBackwardResponse:
     return pb.ForwardBackwardResponse(
-        loss=outcome.loss, token_count=outcome.token_count, result=_operation_result(outcome)
+        loss=outcome.loss,
+        token_count=outcome.token_count,
+        result=_operation_result(outcome),
+        logprobs=_logprobs_to_proto(outcome.logprobs),
+        metrics=outcome.metrics,
     )
 
 
 def forward_backward_from_proto(response: pb.ForwardBackwardResponse) -> ForwardBackwardOutcome:
     return ForwardBackwardOutcome(
-        loss=response.loss, token_count=response.token_count, **_operation_fields(response.result)
+        loss=response.loss,
+        token_count=response.token_count,
+        logprobs=_logprobs_from_proto(response.logprobs),
+        metrics=dict(response.metrics),
+        **_operation_fields(response.result),
     )
+
+
+def _logprobs_to_proto(logprobs: Sequence[Sequence[float]]) -> list[pb.TokenLogprobs]:
+    return [pb.TokenLogprobs(values=row) for row in logprobs]
+
+
+def _logprobs_from_proto(rows: Iterable[pb.TokenLogprobs]) -> tuple[tuple[float, ...], ...]:
+    return tuple(tuple(row.values) for row in rows)
 
 
 def optim_step_to_proto(outcome: OptimStepOutcome) -> pb.OptimStepResponse:
@@ -247,3 +275,96 @@ def file_end_to_proto(file: ExportedFile) -> pb.ExportWeightsResponse:
 
 def examples_to_proto(examples: Sequence[InputExample]) -> list[pb.Example]:
     return [example_to_proto(example) for example in examples]
+
+
+# -- token examples, losses, sampling ------------------------------------------------------------
+
+
+def token_examples_to_proto(examples: Sequence[TokenExample]) -> list[pb.TokenExample]:
+    return [
+        pb.TokenExample(
+            tokens=e.tokens,
+            target_tokens=e.target_tokens,
+            weights=e.weights or (),
+            logprobs=e.logprobs or (),
+            advantages=e.advantages or (),
+        )
+        for e in examples
+    ]
+
+
+def token_examples_from_proto(examples: Iterable[pb.TokenExample]) -> list[TokenExample]:
+    """Decoded and validated; ValueError names the example. An empty float field is "not
+    given" (an example holds at least one position, so it cannot mean zero values)."""
+    out = []
+    for index, e in enumerate(examples):
+        try:
+            out.append(
+                TokenExample(
+                    tuple(e.tokens),
+                    tuple(e.target_tokens),
+                    weights=tuple(e.weights) or None,
+                    logprobs=tuple(e.logprobs) or None,
+                    advantages=tuple(e.advantages) or None,
+                )
+            )
+        except ValueError as error:
+            raise ValueError(f"token example {index}: {error}") from None
+    return out
+
+
+def loss_spec_to_proto(loss_fn: str, loss_fn_config: Mapping[str, float] | None) -> pb.LossSpec:
+    return pb.LossSpec(loss_fn=loss_fn, loss_fn_config=dict(loss_fn_config or {}))
+
+
+def loss_spec_from_proto(spec: pb.LossSpec) -> tuple[str, dict[str, float]]:
+    """(loss name, config); an empty name is the default, cross_entropy."""
+    return spec.loss_fn or DEFAULT_LOSS, dict(spec.loss_fn_config)
+
+
+def sample_request_to_proto(prompt_tokens: Sequence[int], **params: Any) -> pb.SampleRequest:
+    return pb.SampleRequest(
+        prompt_tokens=list(prompt_tokens),
+        max_tokens=params["max_tokens"],
+        num_samples=params["num_samples"],
+        temperature=params["temperature"],
+        top_p=params["top_p"],
+        top_k=params["top_k"],
+        stop_tokens=list(params["stop_tokens"]),
+        seed=params["seed"],
+    )
+
+
+def sample_request_from_proto(request: pb.SampleRequest) -> dict[str, Any]:
+    """The engine's ``sample`` keywords; proto3 defaults mean the engine's defaults."""
+    return {
+        "prompt_tokens": list(request.prompt_tokens),
+        "max_tokens": request.max_tokens,
+        "num_samples": request.num_samples or 1,
+        "temperature": request.temperature if request.HasField("temperature") else 1.0,
+        "top_p": request.top_p if request.HasField("top_p") else 1.0,
+        "top_k": request.top_k,
+        "stop_tokens": tuple(request.stop_tokens),
+        "seed": request.seed,
+    }
+
+
+def samples_to_proto(samples: Sequence[Sample]) -> pb.SampleResponse:
+    return pb.SampleResponse(
+        samples=[
+            pb.SampledSequence(tokens=s.tokens, logprobs=s.logprobs, stop_reason=s.stop_reason)
+            for s in samples
+        ]
+    )
+
+
+def samples_from_proto(response: pb.SampleResponse) -> list[Sample]:
+    return [Sample(tuple(s.tokens), tuple(s.logprobs), s.stop_reason) for s in response.samples]
+
+
+def token_lists_to_proto(token_lists: Iterable[Sequence[int]]) -> list[pb.TokenIds]:
+    return [pb.TokenIds(ids=list(ids)) for ids in token_lists]
+
+
+def token_lists_from_proto(token_lists: Iterable[pb.TokenIds]) -> list[list[int]]:
+    return [list(ids.ids) for ids in token_lists]

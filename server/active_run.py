@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from typing import Any
 from trainwire.client import outcomes
 from trainwire.client.config import InputExample
 from trainwire.client.outcomes import OperationOutcome, OperationSpec
+from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.errors import AlreadyExists, NotFound, PositionMismatch
 from trainwire.server.journal import (
     OUTCOME_TYPES,
@@ -37,11 +38,30 @@ from trainwire.server.journal import (
 )
 from trainwire.server.recovery import checkpoint_extra, latest_checkpoint, restore_into
 from trainwire.server.session import TrainingSession
+from trainwire.server.session_results import TokenOutput
 from trainwire.server.state_dir import RunDirectory, RunSpec, list_export_files
 
 logger = logging.getLogger(__name__)
 
 Fields = dict[str, Any]  # an outcome's fields beyond its key and position
+Examples = Sequence[InputExample] | Sequence[TokenExample]
+LossChoice = tuple[str, Mapping[str, float]]  # (loss_fn, loss_fn_config)
+
+
+def forward_backward_payload(examples: Examples, loss: LossChoice) -> dict[str, Any]:
+    """What a ForwardBackward key is bound to. Text batches digest as they always have; token
+    batches add the loss and its settings, so another loss under the same key is refused."""
+    named = {"loss_fn": loss[0], "loss_fn_config": dict(loss[1])}
+    if examples and isinstance(examples[0], TokenExample):
+        return {"token_examples": [example.to_dict() for example in examples], **named}
+    payload: dict[str, Any] = {"examples": [example.to_dict() for example in examples]}
+    if named != {"loss_fn": DEFAULT_LOSS, "loss_fn_config": {}}:
+        payload.update(named)  # refused by the engine; never replayed as the plain batch
+    return payload
+
+
+def _token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:
+    return tuple(tuple(row) for row in result.logprobs), dict(result.metrics)
 
 
 class JournalCommitFailed(RuntimeError):
@@ -167,19 +187,25 @@ class ActiveRun:
 
     # -- what each operation does to the engine --------------------------------------------------
 
-    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
-        result = self.session.forward(examples)
+    def forward(self, examples: Examples, loss: LossChoice) -> outcomes.ForwardOutcome:
+        result = self.session.forward(examples, loss_fn=loss[0], loss_fn_config=loss[1])
+        if isinstance(result, TokenOutput):
+            return outcomes.ForwardOutcome(result.loss, (), *_token_fields(result))
         predictions = tuple(
             outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions
         )
         return outcomes.ForwardOutcome(result.loss, predictions)
 
-    def forward_backward(self, examples: Sequence[InputExample]) -> Fields:
-        loss = self.session.forward_backward(examples)
-        return {"loss": loss, "token_count": self.session.last_token_count}
+    def forward_backward(self, examples: Examples, loss: LossChoice) -> Fields:
+        result = self.session.forward_backward(examples, loss_fn=loss[0], loss_fn_config=loss[1])
+        fields: Fields = {"token_count": self.session.last_token_count}
+        if isinstance(result, TokenOutput):
+            logprobs, metrics = _token_fields(result)
+            return {**fields, "loss": result.loss, "logprobs": logprobs, "metrics": metrics}
+        return {**fields, "loss": result}
 
-    def optim_step(self) -> Fields:
-        r = self.session.optim_step()
+    def optim_step(self, learning_rate: float | None) -> Fields:
+        r = self.session.optim_step(learning_rate=learning_rate)
         return {"step": r.step, "learning_rate": r.learning_rate, "grad_norm": r.grad_norm}
 
     def save_state(self, name: str, applying: Applying) -> Fields:

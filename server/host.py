@@ -26,20 +26,36 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainwire.client import outcomes
-from trainwire.client.config import InputExample, TrainingConfig
+from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationOutcome, OperationSpec, SessionInfo
+from trainwire.client.tokens import DEFAULT_LOSS
 from trainwire.server import journal as kinds
-from trainwire.server.active_run import ActiveRun, Applying, Fields, JournalCommitFailed
+from trainwire.server.active_run import (
+    ActiveRun,
+    Applying,
+    Examples,
+    Fields,
+    JournalCommitFailed,
+    LossChoice,
+    forward_backward_payload,
+)
 from trainwire.server.device import resolve_device
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
-from trainwire.server.journal import Journal, payload_digest
+from trainwire.server.journal import Journal, check_operation_key, payload_digest
 from trainwire.server.model_loading import resolve_under
+from trainwire.server.optimization import check_learning_rate
+from trainwire.server.request_limits import check_texts, check_token_lists
 from trainwire.server.session import TrainingSession
-from trainwire.server.state_dir import RUN_CLOSED, RunSpec, StateDirectory, check_name
+from trainwire.server.state_dir import (
+    RUN_CLOSED,
+    RunSpec,
+    StateDirectory,
+    check_name,
+    refuse_another_run,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_KEY_CHARS = 1024
 T = TypeVar("T")
 RunCall = Callable[[ActiveRun, Applying], Fields]  # a keyed operation's engine call
 
@@ -127,8 +143,8 @@ class SessionHost:
     def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
         run_id = spec.run_id
         if self.phase == outcomes.OPEN:
-            _refuse_another_session(self._require_active().spec, spec)
-            return _open_outcome(self._require_active().info(), created=False)
+            refuse_another_run(self._require_active().spec, spec)
+            return outcomes.OpenOutcome.from_info(self._require_active().info(), created=False)
         self._refuse_unless(outcomes.IDLE, outcomes.CLOSED)
         run = self.state_dir.run(run_id)
         if run.exists():
@@ -144,7 +160,7 @@ class SessionHost:
         self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
         self.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
-        return _open_outcome(self._active.info(), created=True)
+        return outcomes.OpenOutcome.from_info(self._active.info(), created=True)
 
     def close(self) -> SessionInfo:
         """Close the open run (a no-op unless one is open); its files stay in the state dir."""
@@ -209,19 +225,40 @@ class SessionHost:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def forward(self, examples: Sequence[InputExample]) -> outcomes.ForwardOutcome:
-        return self._serialized(lambda: self._require_active().forward(examples))
+    def forward(
+        self, examples: Examples, loss: LossChoice = (DEFAULT_LOSS, {})
+    ) -> outcomes.ForwardOutcome:
+        return self._serialized(lambda: self._require_active().forward(examples, loss))
 
     def forward_backward(
-        self, examples: Sequence[InputExample], op: OperationSpec
+        self, examples: Examples, op: OperationSpec, loss: LossChoice = (DEFAULT_LOSS, {})
     ) -> outcomes.ForwardBackwardOutcome:
-        payload = {"examples": [example.to_dict() for example in examples]}
+        """Every field of the request is in the payload digest: the same key with other
+        examples, another loss or other loss settings is ALREADY_EXISTS."""
+        payload = forward_backward_payload(examples, loss)
         return self._keyed(
-            kinds.FORWARD_BACKWARD, op, payload, lambda run, _: run.forward_backward(examples)
+            kinds.FORWARD_BACKWARD, op, payload, lambda run, _: run.forward_backward(examples, loss)
         )
 
-    def optim_step(self, op: OperationSpec) -> outcomes.OptimStepOutcome:
-        return self._keyed(kinds.OPTIM_STEP, op, {}, lambda run, _: run.optim_step())
+    def optim_step(
+        self, op: OperationSpec, learning_rate: float | None = None
+    ) -> outcomes.OptimStepOutcome:
+        check_learning_rate(learning_rate)
+        payload = {} if learning_rate is None else {"learning_rate": learning_rate}
+        return self._keyed(
+            kinds.OPTIM_STEP, op, payload, lambda run, _: run.optim_step(learning_rate)
+        )
+
+    def sample(self, prompt_tokens: Sequence[int], **params: Any) -> list[outcomes.Sample]:
+        return self._read_only(lambda session: session.sample(prompt_tokens, **params))
+
+    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
+        check_texts(texts)
+        return self._read_only(lambda s: s.tokenize(texts, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
+        check_token_lists(token_lists)
+        return self._read_only(lambda session: session.detokenize(token_lists))
 
     def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
@@ -286,9 +323,14 @@ class SessionHost:
             raise Unavailable("the server has stopped")
         return self._worker.submit(job).result()
 
+    def _read_only(self, call: Callable[[TrainingSession], T]) -> T:
+        """``call(session)`` on the executor, behind every operation queued before it, so a
+        read (Sample, Tokenize) never sees weights in the middle of an update."""
+        return self._serialized(lambda: call(self._require_active().session))
+
     def _keyed(self, kind: str, op: OperationSpec, payload: dict[str, Any], call: RunCall) -> Any:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
-        _check_key(op.key)
+        check_operation_key(op.key)
         digest = payload_digest(kind, payload)
         return self._serialized(self._apply_keyed, kind, op, digest, call)
 
@@ -354,31 +396,3 @@ class SessionHost:
     def _set_serving(self, serving: bool) -> None:
         if self.on_serving is not None:
             self.on_serving(serving and not self._shutting_down and self.phase != outcomes.FAILED)
-
-
-def _open_outcome(info: SessionInfo, *, created: bool) -> outcomes.OpenOutcome:
-    return outcomes.OpenOutcome(**dataclasses.asdict(info), created=created)
-
-
-def _check_key(key: str) -> None:
-    if not key:
-        raise InvalidArgument("operation_key is required: send a stable key for every operation")
-    if len(key) > MAX_KEY_CHARS:
-        raise InvalidArgument(
-            f"operation_key is {len(key)} characters; the limit is {MAX_KEY_CHARS}"
-        )
-
-
-def _refuse_another_session(current: RunSpec, requested: RunSpec) -> None:
-    """FAILED_PRECONDITION naming every way ``requested`` differs from the open session."""
-    if current.run_id != requested.run_id:
-        raise FailedPrecondition(
-            f"the server's session is open for run {current.run_id!r}, not {requested.run_id!r}; "
-            "close it first or use another server"
-        )
-    differences = current.differences(requested)
-    if differences:
-        raise FailedPrecondition(
-            f"run {current.run_id!r} is open with another {'; another '.join(differences)}. "
-            "Use a new run id for a new configuration"
-        )

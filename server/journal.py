@@ -25,8 +25,10 @@ from typing import Any, TypeVar
 from trainwire.client import outcomes
 from trainwire.client.config import canonical_json, sha256_fingerprint
 from trainwire.client.outcomes import ExportedFile, OperationOutcome
+from trainwire.server.errors import InvalidArgument
 
 JOURNAL_FILE = "journal.sqlite3"
+MAX_KEY_CHARS = 1024
 SCHEMA_VERSION = 1
 OutcomeT = TypeVar("OutcomeT", bound=OperationOutcome)
 
@@ -192,4 +194,16 @@ def outcome_from_record(cls: type[OutcomeT], record: dict[str, Any], **changes: 
     values = dict(record, **changes)
     if "files" in values:
         values["files"] = tuple(ExportedFile(**f) for f in values["files"])
+    if "logprobs" in values:
+        values["logprobs"] = tuple(tuple(row) for row in values["logprobs"])
     return cls(**values)
+
+
+def check_operation_key(key: str) -> None:
+    """InvalidArgument unless ``key`` is a non-empty operation key within ``MAX_KEY_CHARS``."""
+    if not key:
+        raise InvalidArgument("operation_key is required: send a stable key for every operation")
+    if len(key) > MAX_KEY_CHARS:
+        raise InvalidArgument(
+            f"operation_key is {len(key)} characters; the limit is {MAX_KEY_CHARS}"
+        )

@@ -15,15 +15,13 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig
-from trainwire.client.tokens import is_token_batch
+from trainwire.client.tokens import DEFAULT_LOSS, is_token_batch
 from trainwire.server.batching import Batch, BatchEncoder
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.loss_hook import LossHook
 from trainwire.server.losses import LossSpec, require_inputs, resolve_loss
 from trainwire.server.session_results import ForwardResult, Prediction, TokenOutput
 from trainwire.server.token_batches import TokenBatch, encode_token_batch
-
-DEFAULT_LOSS = "cross_entropy"
 
 
 @dataclass

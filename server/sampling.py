@@ -20,21 +20,12 @@ import torch
 from transformers import DynamicCache
 
 from trainwire.client.config import is_int
+from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.token_batches import encode_token_batch, target_logprobs
 
-STOP, LENGTH = "stop", "length"
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One continuation: its new tokens (the stop token kept), their logprobs at temperature 1,
-    and why it ended (``"stop"``: a stop token or EOS; ``"length"``: ``max_tokens``)."""
-
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    stop_reason: str
+STOP, LENGTH = "stop", "length"  # Sample.stop_reason
 
 
 @dataclass(frozen=True)

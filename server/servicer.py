@@ -20,6 +20,7 @@ import grpc
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import TrainingConfig
 from trainwire.server import journal as kinds
+from trainwire.server.active_run import Examples, LossChoice
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -85,6 +86,18 @@ def max_steps_from_proto(max_steps: int) -> int | None:
     return max_steps or None
 
 
+def batch_from_proto(
+    request: pb.ForwardRequest | pb.ForwardBackwardRequest,
+) -> tuple[Examples, LossChoice]:
+    """A request's examples (text or tokens, never both) and its loss; ValueError when bad."""
+    if request.examples and request.token_examples:
+        raise InvalidArgument("send examples or token_examples, not both")
+    loss = wire.loss_spec_from_proto(request.loss)
+    if request.token_examples:
+        return wire.token_examples_from_proto(request.token_examples), loss
+    return wire.examples_from_proto(request.examples), loss
+
+
 class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``."""
 
@@ -125,24 +138,44 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return pb.InfoResponse(info=wire.session_info_to_proto(info))
 
     def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
-        examples = wire.examples_from_proto(request.examples)
-        outcome = self._run(context, "Forward", "", partial(self.session_host.forward, examples))
-        return wire.forward_to_proto(outcome)
+        def call() -> outcomes.ForwardOutcome:
+            return self.session_host.forward(*batch_from_proto(request))
+
+        return wire.forward_to_proto(self._run(context, "Forward", "", call))
 
     def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
         op = wire.operation_from_proto(request.operation)
-        examples = wire.examples_from_proto(request.examples)
-        call = partial(self.session_host.forward_backward, examples, op)
+
+        def call() -> outcomes.ForwardBackwardOutcome:
+            examples, loss = batch_from_proto(request)
+            return self.session_host.forward_backward(examples, op, loss)
+
         return wire.forward_backward_to_proto(
             self._run(context, kinds.FORWARD_BACKWARD, op.key, call)
         )
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         op = wire.operation_from_proto(request.operation)
-        outcome = self._run(
-            context, kinds.OPTIM_STEP, op.key, partial(self.session_host.optim_step, op)
+        rate = request.learning_rate if request.HasField("learning_rate") else None
+        call = partial(self.session_host.optim_step, op, rate)
+        return wire.optim_step_to_proto(self._run(context, kinds.OPTIM_STEP, op.key, call))
+
+    def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
+        call = partial(self.session_host.sample, **wire.sample_request_from_proto(request))
+        return wire.samples_to_proto(self._run(context, "Sample", "", call))
+
+    def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
+        texts, special = list(request.texts), request.add_special_tokens
+        call = partial(self.session_host.tokenize, texts, add_special_tokens=special)
+        token_lists = self._run(context, "Tokenize", "", call)
+        return pb.TokenizeResponse(token_lists=wire.token_lists_to_proto(token_lists))
+
+    def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
+        token_lists = wire.token_lists_from_proto(request.token_lists)
+        texts = self._run(
+            context, "Detokenize", "", partial(self.session_host.detokenize, token_lists)
         )
-        return wire.optim_step_to_proto(outcome)
+        return pb.DetokenizeResponse(texts=texts)
 
     def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
         op = wire.operation_from_proto(request.operation)

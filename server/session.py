@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from trainwire.client.config import InputExample, TrainingConfig, is_int
+from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server import session_checkpoint as ckpt
 from trainwire.server import weights
@@ -37,7 +38,7 @@ from trainwire.server.optimization import (
     learning_rate_at,
 )
 from trainwire.server.rng import RngState
-from trainwire.server.sampling import Sample, Sampler, SamplingLimits, SamplingParams
+from trainwire.server.sampling import Sampler, SamplingLimits, SamplingParams
 from trainwire.server.session_results import ForwardResult, StepResult, TokenOutput
 
 logger = logging.getLogger(__name__)

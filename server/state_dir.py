@@ -32,7 +32,7 @@ from typing import Any
 
 from trainwire.client.files import write_text_atomic
 from trainwire.client.outcomes import ExportedFile
-from trainwire.server.errors import InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.journal import JOURNAL_FILE
 from trainwire.server.paths import resolve_inside
 
@@ -226,3 +226,18 @@ def confined_file(directory: Path, relative: str) -> Path:
     if path is None or path == base:
         raise InvalidArgument(f"export file {relative!r} lies outside {base}")
     return path
+
+
+def refuse_another_run(current: RunSpec, requested: RunSpec) -> None:
+    """FAILED_PRECONDITION naming every way ``requested`` differs from the open run."""
+    if current.run_id != requested.run_id:
+        raise FailedPrecondition(
+            f"the server's session is open for run {current.run_id!r}, not {requested.run_id!r}; "
+            "close it first or use another server"
+        )
+    differences = current.differences(requested)
+    if differences:
+        raise FailedPrecondition(
+            f"run {current.run_id!r} is open with another {'; another '.join(differences)}. "
+            "Use a new run id for a new configuration"
+        )

@@ -326,10 +326,10 @@ def test_shutdown_refuses_new_operations_and_lets_the_one_in_flight_commit(host)
     started, release = threading.Event(), threading.Event()
     original = session.forward_backward
 
-    def slow(examples):
+    def slow(examples, **loss):
         started.set()
         release.wait(10)
-        return original(examples)
+        return original(examples, **loss)
 
     session.forward_backward = slow
     results = []
@@ -354,7 +354,9 @@ def test_the_same_key_sent_concurrently_runs_once(host):
     session = host.session
     calls = []
     original = session.forward_backward
-    session.forward_backward = lambda examples: calls.append(1) or original(examples)
+    session.forward_backward = lambda examples, **loss: (
+        calls.append(1) or original(examples, **loss)
+    )
     barrier = threading.Barrier(6)
     outcomes = []
 

@@ -267,10 +267,10 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
         started, release = threading.Event(), threading.Event()
         original = session.forward_backward
 
-        def slow(examples):
+        def slow(examples, **loss):
             started.set()
             release.wait(30)
-            return original(examples)
+            return original(examples, **loss)
 
         session.forward_backward = slow
         results: list[object] = []

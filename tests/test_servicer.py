@@ -62,10 +62,11 @@ def test_forward_backward_decodes_examples_and_the_operation():
 
     assert code == grpc.StatusCode.OK
     assert wire.forward_backward_from_proto(response) == outcome
-    ((name, (examples, operation), _),) = host.calls
+    ((name, (examples, operation, loss), _),) = host.calls
     assert name == "forward_backward"
     assert examples == [InputExample("a"), InputExample("b", completion=" c")]
     assert operation == outcomes.OperationSpec("k", 2, True)
+    assert loss == ("cross_entropy", {})
 
 
 def test_an_absent_expected_position_stays_absent():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -13,28 +12,10 @@ from trainwire.client import InputExample, LoraSettings
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.session import TrainingSession
+from trainwire.testing import tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
 SETUPS = {"full": None, "lora": NO_DROPOUT_LORA}
-
-
-def token_examples(seed: int = 0, count: int = 3, vocab: int = 500) -> list[TokenExample]:
-    """Random sequences of unequal lengths with weights, q logprobs and advantages."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        n = rng.randint(4, 12)
-        ids = [rng.randrange(4, vocab) for _ in range(n + 1)]
-        out.append(
-            TokenExample(
-                ids[:-1],
-                ids[1:],
-                weights=[rng.uniform(-0.5, 1.5) for _ in range(n)],
-                logprobs=[-rng.uniform(4.0, 8.0) for _ in range(n)],
-                advantages=[rng.gauss(0, 1) for _ in range(n)],
-            )
-        )
-    return out
 
 
 @pytest.fixture(params=list(SETUPS))
@@ -53,7 +34,7 @@ def test_forward_logprobs_are_a_plain_transformers_forward_and_change_nothing(
 ):
     session = TrainingSession(llama_config(), device="cpu")
     before = session.state_digest()
-    examples = token_examples()
+    examples = tiny_token_examples()
     out = session.forward(examples)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     for example, logprobs in zip(examples, out.logprobs, strict=True):
@@ -70,7 +51,7 @@ def test_forward_logprobs_are_a_plain_transformers_forward_and_change_nothing(
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "importance_sampling", "ppo", "cispo", "dro"])
 def test_each_loss_is_its_formula_over_the_returned_logprobs(session_factory, loss_fn):
     session = session_factory()
-    examples = token_examples(seed=1)
+    examples = tiny_token_examples(seed=1)
     config = {"ppo": {"clip_low_threshold": 0.7}, "dro": {"beta": 0.2}}.get(loss_fn)
     out = session.forward_backward(examples, loss_fn=loss_fn, loss_fn_config=config)
     lo, hi, beta = (
@@ -106,7 +87,7 @@ def test_each_loss_is_its_formula_over_the_returned_logprobs(session_factory, lo
 def test_on_policy_importance_sampling_is_cross_entropy_weighted_by_the_advantages(
     session_factory,
 ):
-    examples = token_examples(seed=2)
+    examples = tiny_token_examples(seed=2)
     policy = session_factory()
     q = policy.forward(examples).logprobs
     on_policy = [
@@ -129,7 +110,7 @@ def test_token_microbatches_accumulate_between_text_ones_and_resume_exactly(
     session_factory, tmp_path
 ):
     text = [InputExample("the movie was great"), InputExample("a dull film")]
-    tokens = token_examples(seed=3)
+    tokens = tiny_token_examples(seed=3)
 
     def run(session: TrainingSession, *, checkpoint=None, resume=None) -> str:
         if resume is None:
@@ -153,12 +134,12 @@ def test_a_learning_rate_given_to_optim_step_replaces_the_schedule_for_that_upda
     llama_config,
 ):
     session = TrainingSession(llama_config(warmup_steps=10), max_steps=20, device="cpu")
-    session.forward_backward(token_examples(seed=4))
+    session.forward_backward(tiny_token_examples(seed=4))
     assert session.optim_step(learning_rate=0.25).learning_rate == 0.25
-    session.forward_backward(token_examples(seed=5))
+    session.forward_backward(tiny_token_examples(seed=5))
     assert session.optim_step().learning_rate == pytest.approx(1e-3 * 1 / 10)
     before = session.state_digest()
-    session.forward_backward(token_examples(seed=6))
+    session.forward_backward(tiny_token_examples(seed=6))
     middle = session.state_digest()
     for bad in (-1.0, float("nan"), "0.1", True):
         with pytest.raises(InvalidArgument, match="learning_rate"):
@@ -169,7 +150,7 @@ def test_a_learning_rate_given_to_optim_step_replaces_the_schedule_for_that_upda
 def test_a_custom_weighting_equals_the_builtin_cross_entropy(llama_config):
     """The same gradient reached two ways: weights computed by the caller from a loss over
     logprobs (what ``forward_backward_custom`` sends) and the loss built in."""
-    examples = token_examples(seed=7)
+    examples = tiny_token_examples(seed=7)
     builtin = TrainingSession(llama_config(), device="cpu")
     builtin.forward_backward(examples)
 
@@ -190,8 +171,12 @@ def test_a_custom_weighting_equals_the_builtin_cross_entropy(llama_config):
 @pytest.mark.parametrize(
     ("examples", "kwargs", "message"),
     [
-        (lambda: token_examples(), {"loss_fn": "mse"}, "unknown loss_fn 'mse'"),
-        (lambda: token_examples(), {"loss_fn_config": {"beta": 1.0}}, "cross_entropy takes no"),
+        (lambda: tiny_token_examples(), {"loss_fn": "mse"}, "unknown loss_fn 'mse'"),
+        (
+            lambda: tiny_token_examples(),
+            {"loss_fn_config": {"beta": 1.0}},
+            "cross_entropy takes no",
+        ),
         (
             lambda: [TokenExample([5, 6], [6, 7])],
             {"loss_fn": "ppo"},
@@ -210,7 +195,7 @@ def test_a_custom_weighting_equals_the_builtin_cross_entropy(llama_config):
 )
 def test_bad_token_batches_are_refused_and_change_nothing(llama_config, examples, kwargs, message):
     session = TrainingSession(llama_config(), device="cpu")
-    session.forward_backward(token_examples(seed=8))
+    session.forward_backward(tiny_token_examples(seed=8))
     before = session.state_digest()
     for call in (session.forward, session.forward_backward):
         with pytest.raises(InvalidArgument, match=message):

@@ -3,7 +3,8 @@
 It ships with the package (the demo needs it) and gathers the helpers by job:
 
 - :mod:`trainwire.tiny_models`: :func:`make_tiny_model`, a real model and tokenizer, offline.
-- :mod:`trainwire.tiny_data`: :func:`tiny_sentiment_examples`, :func:`tiny_text_examples`.
+- :mod:`trainwire.tiny_data`: :func:`tiny_sentiment_examples`, :func:`tiny_text_examples`,
+  :func:`tiny_token_examples`.
 - :func:`free_port`, here: a loopback port for a server started as a separate process.
 
 What a caller may rely on: the same arguments give the same bytes (models) and the same examples
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import socket
 
-from trainwire.tiny_data import SENTIMENT_LABELS, tiny_sentiment_examples, tiny_text_examples
+from trainwire.tiny_data import (
+    SENTIMENT_LABELS,
+    tiny_sentiment_examples,
+    tiny_text_examples,
+    tiny_token_examples,
+)
 from trainwire.tiny_models import ARCHS, SHAPES, make_tiny_model
 
 __all__ = [
@@ -26,6 +32,7 @@ __all__ = [
     "make_tiny_model",
     "tiny_sentiment_examples",
     "tiny_text_examples",
+    "tiny_token_examples",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Tiny deterministic datasets for the tiny models: sentiment reviews and causal-lm texts.
+"""Tiny deterministic datasets for the tiny models: sentiment reviews, causal-lm texts, tokens.
 
 Each helper is seeded with its own :class:`random.Random` (the global streams are untouched) and
 never imports torch, so client-side code and planning tests can use them too.
@@ -10,6 +10,7 @@ import random
 from typing import Any
 
 from trainwire.client.config import InputExample, is_int
+from trainwire.client.tokens import TokenExample
 
 SENTIMENT_LABELS = ("negative", "positive")
 """The labels of :func:`tiny_sentiment_examples`, in the order a config should list them."""
@@ -90,3 +91,33 @@ def tiny_text_examples(count: int, seed: int = 0) -> list[InputExample]:
 def _check_count(count: Any) -> None:
     if not is_int(count) or count < 0:
         raise ValueError(f"count must be a non-negative integer, got {count!r}")
+
+
+def tiny_token_examples(
+    count: int = 3,
+    *,
+    seed: int = 0,
+    vocab_size: int = 500,
+    min_length: int = 4,
+    max_length: int = 12,
+) -> list[TokenExample]:
+    """``count`` token examples of unequal lengths, with every per-token input set: weights
+    (some negative), sampling logprobs q (about the tiny models' own, -4 to -8) and advantages.
+
+    Ids start at 4, above the tiny tokenizers' special tokens, so no example holds an EOS.
+    """
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(min_length, max_length)
+        ids = [rng.randrange(4, vocab_size) for _ in range(n + 1)]
+        out.append(
+            TokenExample(
+                ids[:-1],
+                ids[1:],
+                weights=[rng.uniform(-0.5, 1.5) for _ in range(n)],
+                logprobs=[-rng.uniform(4.0, 8.0) for _ in range(n)],
+                advantages=[rng.gauss(0, 1) for _ in range(n)],
+            )
+        )
+    return out
