@@ -2,23 +2,23 @@
 
 The resume-equivalence pattern (train, save, restore into a fresh session, finish, compare the
 state digests) is applied at every microbatch of a small plan, before and after its update, for
-both tasks, full weights and LoRA.
+both tasks, full weights and LoRA. A checkpoint holds the complete state as safetensors and JSON,
+replaces an older one whole, carries a caller's extra JSON, and a loss hook's own state rides in it
+(and in the digest). Its refusals are in test_session_state_refusals.py.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
-from pathlib import Path
 
 import pytest
 import torch
 from plans import drive_plan
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
 from trainwire.server import session_checkpoint as ckpt
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from trainwire.server.errors import InvalidArgument
 from trainwire.server.session import LossHook, TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
@@ -138,257 +138,6 @@ def test_save_state_carries_extra_json_back_from_load_state(llama_config, tmp_pa
     session.save_state(tmp_path / "checkpoint", extra={"cursor": 3, "history": [1.5]})
     restored = TrainingSession(llama_config(lr_scheduler="constant"))
     assert restored.load_state(tmp_path / "checkpoint") == {"cursor": 3, "history": [1.5]}
-
-
-# -- refusals: each leaves the session as it was ----------------------------------------------
-
-
-@pytest.fixture
-def checkpoint(llama_config, tmp_path) -> Path:
-    """A checkpoint of a llama session (constant schedule) after one microbatch."""
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    session.forward_backward(tiny_text_examples(3))
-    session.save_state(tmp_path / "checkpoint")
-    return tmp_path / "checkpoint"
-
-
-def test_load_state_refuses_a_used_session(llama_config, checkpoint) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    session.forward_backward(tiny_text_examples(3))
-    digest = session.state_digest()
-    with pytest.raises(FailedPrecondition, match=r"needs a fresh session.*1 operation"):
-        session.load_state(checkpoint)
-    assert session.state_digest() == digest
-
-
-def test_load_state_refuses_another_config_naming_each_difference(llama_config, checkpoint) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="constant", learning_rate=2e-3))
-    digest = session.state_digest()
-    with pytest.raises(
-        FailedPrecondition, match=r"config fingerprint.*learning_rate: saved 0\.001, now 0\.002"
-    ):
-        session.load_state(checkpoint)
-    assert session.state_digest() == digest
-    assert session.is_fresh
-
-
-def test_load_state_refuses_another_max_steps(llama_config, checkpoint) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="constant"), max_steps=9)
-    with pytest.raises(FailedPrecondition, match=r"max_steps: saved None, now 9"):
-        session.load_state(checkpoint)
-
-
-def test_load_state_refuses_another_device_type(llama_config, checkpoint) -> None:
-    meta_path = checkpoint / ckpt.SESSION_FILE
-    meta = json.loads(meta_path.read_text())
-    meta["device_type"] = "cuda"
-    meta_path.write_text(json.dumps(meta))
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = session.state_digest()
-    with pytest.raises(FailedPrecondition, match=r"device type: saved cuda, now cpu"):
-        session.load_state(checkpoint)
-    assert session.state_digest() == digest
-
-
-def test_load_state_refuses_what_is_not_a_checkpoint(llama_config, tmp_path, tiny_llama) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    with pytest.raises(NotFound, match="no checkpoint at"):
-        session.load_state(tmp_path / "missing")
-    with pytest.raises(InvalidArgument, match="is not a session checkpoint"):
-        session.load_state(tiny_llama)
-    assert session.is_fresh
-
-
-class _Payload:
-    """Unpickling this creates ``marker``: what an attacker's pickle would run."""
-
-    def __init__(self, marker: Path) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (Path.touch, (self.marker,))
-
-
-def test_a_planted_pickle_is_refused_and_never_unpickled(
-    llama_config, checkpoint, tmp_path
-) -> None:
-    proof = tmp_path / "proof-the-payload-is-live"
-    pickle.loads(pickle.dumps(_Payload(proof)))
-    assert proof.exists()
-
-    marker = tmp_path / "pwned"
-    planted = checkpoint / ckpt.OPTIMIZER_FILE
-    torch.save({"state": _Payload(marker)}, planted)  # a pickle in the optimizer's place
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = session.state_digest()
-    with pytest.raises(
-        InvalidArgument, match=r"optimizer\.safetensors: not a readable safetensors"
-    ):
-        session.load_state(checkpoint)
-    assert not marker.exists()
-    assert session.state_digest() == digest and session.is_fresh
-
-
-def _rewrite_in_place(path: Path, change) -> None:
-    """Rewrite a safetensors file's tensor data in place, as a careless copy over it would."""
-    rewritten = path.with_suffix(".rewritten")
-    save_file({name: change(t.clone()) for name, t in load_file(path).items()}, rewritten)
-    with open(path, "r+b") as handle:
-        handle.write(rewritten.read_bytes())
-
-
-def test_a_restored_session_owns_its_state(llama_config, tmp_path) -> None:
-    """A checkpoint rewritten in place after load_state never reaches the live session."""
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    session.forward_backward(tiny_text_examples(3))
-    session.optim_step()
-    session.forward_backward(tiny_text_examples(6)[3:])
-    session.save_state(tmp_path / "checkpoint")
-    restored = TrainingSession(llama_config(lr_scheduler="constant"))
-    restored.load_state(tmp_path / "checkpoint")
-    digest = restored.state_digest()
-    for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.GRADIENTS_FILE, ckpt.RNG_FILE):
-        _rewrite_in_place(tmp_path / "checkpoint" / name, torch.zeros_like)
-    restored.drop_digest_cache()
-    assert restored.state_digest() == digest
-
-
-@pytest.mark.parametrize(
-    ("name", "message"),
-    [
-        (ckpt.OPTIMIZER_FILE, r"optimizer state '0\.exp_avg' is torch\.float32 \(1,\)"),
-        (ckpt.GRADIENTS_FILE, r"gradients do not fit this model: .*shape \(1,\)"),
-    ],
-)
-def test_a_damaged_checkpoint_is_refused_before_anything_changes(
-    llama_config, tmp_path, name, message
-) -> None:
-    session = TrainingSession(llama_config(lr_scheduler="constant"))
-    session.forward_backward(tiny_text_examples(3))
-    session.optim_step()
-    session.forward_backward(tiny_text_examples(3))
-    session.save_state(tmp_path / "checkpoint")
-    tensors = load_file(tmp_path / "checkpoint" / name)
-    last = sorted(tensors)[-1]  # every other tensor stays valid, so a partial apply would show
-    damaged_key = "0.exp_avg" if name == ckpt.OPTIMIZER_FILE else last
-    tensors[damaged_key] = torch.zeros(1)
-    save_file(tensors, tmp_path / "checkpoint" / name)
-
-    fresh = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = fresh.state_digest()
-    with pytest.raises(InvalidArgument, match=message):
-        fresh.load_state(tmp_path / "checkpoint")
-    assert fresh.state_digest() == digest and fresh.is_fresh
-
-
-# -- a failure midway breaks the session until it is restored ---------------------------------
-
-
-class InjectedFault(RuntimeError):
-    pass
-
-
-class _FailInBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor):
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise InjectedFault("injected failure in backward")
-
-
-class FaultyTrainer(LossHook):
-    """Fails once, in the backward of the first decoder layer, when armed.
-
-    Backward reaches layer 0 last, so by then the later layers' gradients have accumulated:
-    the failure leaves half-applied gradients behind, as an OOM in backward would.
-    """
-
-    armed = False
-
-    def compute_loss(self, model, batch, *, training):
-        if not (training and self.armed):
-            return super().compute_loss(model, batch, training=training)
-        self.armed = False
-        layer = next(m for name, m in model.named_modules() if name.endswith("layers.0"))
-
-        def fail_in_backward(module, args, output):
-            if isinstance(output, tuple):
-                return (_FailInBackward.apply(output[0]), *output[1:])
-            return _FailInBackward.apply(output)
-
-        handle = layer.register_forward_hook(fail_in_backward)
-        try:
-            return super().compute_loss(model, batch, training=training)
-        finally:
-            handle.remove()
-
-
-def test_a_failure_in_backward_refuses_everything_until_load_state(
-    llama_config, small_lora, tmp_path
-) -> None:
-    config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
-    plan = ManagedTrainingPlan(tiny_text_examples(9), config)
-    reference = TrainingSession(config, max_steps=plan.max_steps)
-    drive_plan(reference, plan)
-
-    session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=FaultyTrainer)
-    drive_plan(session, plan, 0, 1)  # mid-accumulation
-    session.save_state(tmp_path / "checkpoint")
-    digest = session.state_digest()
-    gradients = {name: g.clone() for name, g in session.pending_gradients().items()}
-    session.loss_hook.armed = True
-    with pytest.raises(InjectedFault):
-        session.forward_backward(plan.batch(1))
-    pending = session.pending_gradients()
-    changed = [name for name, grad in pending.items() if not torch.equal(grad, gradients[name])]
-    assert changed, "the injected failure should leave half-applied gradients"
-
-    refused = [
-        lambda: session.forward(plan.batch(1)),
-        lambda: session.forward_backward(plan.batch(1)),
-        session.optim_step,
-        lambda: session.save_state(tmp_path / "after-failure"),
-        lambda: session.load_weights(tmp_path / "checkpoint"),
-        lambda: session.export_weights(tmp_path / "export"),
-    ]
-    for operation in refused:
-        with pytest.raises(FailedPrecondition, match=r"unusable.*InjectedFault"):
-            operation()
-    assert not (tmp_path / "after-failure").exists() and not (tmp_path / "export").exists()
-
-    session.load_state(tmp_path / "checkpoint")
-    assert session.state_digest() == digest
-    drive_plan(session, plan, 1)
-    assert session.state_digest() == reference.state_digest()
-
-
-def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora) -> None:
-    config = llama_config(lora=small_lora, gradient_accumulation_steps=2)
-    plan = ManagedTrainingPlan(tiny_text_examples(9), config)
-    reference = TrainingSession(config, max_steps=plan.max_steps)
-    drive_plan(reference, plan)
-
-    class OutOfMemoryOnce(LossHook):
-        fail = False
-
-        def compute_loss(self, model, batch, *, training):
-            output = super().compute_loss(model, batch, training=training)  # draws dropout
-            if self.fail:
-                self.fail = False
-                raise torch.OutOfMemoryError("pretend the device is full")
-            return output
-
-    session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=OutOfMemoryOnce)
-    drive_plan(session, plan, 0, 1)
-    digest = session.state_digest()
-    session.loss_hook.fail = True
-    with pytest.raises(ResourceExhausted, match="forward_backward ran out of memory"):
-        session.forward_backward(plan.batch(1))
-    assert session.state_digest() == digest
-    drive_plan(session, plan, 1)
-    assert session.state_digest() == reference.state_digest()
 
 
 # -- the extension point: a trainer's own state rides in the checkpoint -----------------------
