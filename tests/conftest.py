@@ -18,6 +18,12 @@ Fixtures:
     small_lora: ``LoraSettings(r=4, alpha=8, dropout=0.1)``; dropout makes the session's RNG
         take part in every training step, so RNG bugs show up in digests.
 
+The session host tests share (keyed operations on a host are in host_operations.py):
+    make_host: ``make_host(**options)``, a recovered SessionHost on ``tmp_path / "state"``
+        (CPU, the tiny models' root), released at the end of the test.
+    host_config: ``llama_config()``; host: a host with run ``"run"`` open on it (10 steps,
+        plan ``sha256:plan``).
+
 The Dockerfile and deploy/ tests share fixtures over those files (readers in deploy_files.py):
     dockerfile: the Dockerfile's (INSTRUCTION, arguments) pairs; runtime: its last stage's.
     kustomization: deploy/kustomization.yaml; deploy_objects: its resources by (kind, name);
@@ -29,15 +35,18 @@ Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import deploy_files
 import pytest
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
+
+if TYPE_CHECKING:  # the host imports torch; the fixtures import it when a test asks for one
+    from trainwire.server.host import SessionHost
 
 SMALL_SETTINGS: dict[str, Any] = {
     "batch_size": 3,
@@ -129,6 +138,35 @@ def llama_classifier_config(tiny_llama_classifier: Path) -> ConfigFactory:
 @pytest.fixture(scope="session")
 def small_lora() -> LoraSettings:
     return SMALL_LORA
+
+
+@pytest.fixture
+def make_host(tmp_path: Path, model_root: Path) -> Iterator[Callable[..., SessionHost]]:
+    from trainwire.server.host import SessionHost
+
+    hosts = []
+
+    def make(**options: Any) -> SessionHost:
+        host = SessionHost(tmp_path / "state", model_root=model_root, device="cpu", **options)
+        host.recover()
+        hosts.append(host)
+        return host
+
+    yield make
+    for host in hosts:
+        host.release()
+
+
+@pytest.fixture
+def host_config(llama_config: ConfigFactory) -> TrainingConfig:
+    return llama_config()
+
+
+@pytest.fixture
+def host(make_host: Callable[..., SessionHost], host_config: TrainingConfig) -> SessionHost:
+    host = make_host()
+    host.open("run", host_config, 10, "sha256:plan")
+    return host
 
 
 @pytest.fixture(scope="module")

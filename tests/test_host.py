@@ -1,18 +1,21 @@
-"""The session host without a network: exactly-once keys, positions, recovery, confinement."""
+"""The session host without a network: open, exactly-once keys, positions, and the one
+operation in flight (a shutdown lets it commit; the same key sent at once runs once).
+
+Recovery after a restart is in test_host_recovery.py, name and path confinement in
+test_host_confinement.py; the host fixtures (``make_host``, ``host``) are in conftest.py.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sqlite3
 import threading
 
 import pytest
-from service_fixtures import REVIEWS, TEXTS, microbatches
+from host_operations import BATCHES, op, run_ops
+from service_fixtures import REVIEWS
 
 from trainwire.client import outcomes
-from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -21,54 +24,20 @@ from trainwire.server.errors import (
     PositionMismatch,
     Unavailable,
 )
-from trainwire.server.host import SessionHost
 from trainwire.server.servicer import config_from_json
 from trainwire.server.session import TrainingSession
 from trainwire.server.session_checkpoint import read_extra
 
-BATCHES = microbatches(TEXTS)
 
-
-def op(key: str, position: int | None = None, digest: bool = False) -> OperationSpec:
-    return OperationSpec(key, position, digest)
-
-
-@pytest.fixture
-def make_host(tmp_path, model_root):
-    hosts = []
-
-    def make(**options) -> SessionHost:
-        host = SessionHost(tmp_path / "state", model_root=model_root, device="cpu", **options)
-        host.recover()
-        hosts.append(host)
-        return host
-
-    yield make
-    for host in hosts:
-        host.release()
-
-
-@pytest.fixture
-def config(llama_config):
-    return llama_config()
-
-
-@pytest.fixture
-def host(make_host, config):
-    host = make_host()
-    host.open("run", config, 10, "sha256:plan")
-    return host
-
-
-def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config):
-    again = host.open("run", config, 10, "sha256:plan")
+def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, host_config):
+    again = host.open("run", host_config, 10, "sha256:plan")
 
     assert again.created is False
     assert (again.run_id, again.state, again.position) == ("run", outcomes.OPEN, 0)
-    assert again.config_fingerprint == config.fingerprint()
+    assert again.config_fingerprint == host_config.fingerprint()
     assert (again.max_steps, again.plan_fingerprint) == (10, "sha256:plan")
     # A plain open(run_id, config), naming no steps or plan, accepts the open run's.
-    plain = host.open("run", config, None, "")
+    plain = host.open("run", host_config, None, "")
     assert plain.created is False and plain.max_steps == 10
 
 
@@ -82,26 +51,27 @@ def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, config)
     ],
 )
 def test_open_refuses_another_run_config_steps_or_plan_naming_the_difference(
-    host, config, run_id, changes, max_steps, plan, match
+    host, host_config, run_id, changes, max_steps, plan, match
 ):
-    requested = config.replace(**changes)
+    requested = host_config.replace(**changes)
 
     with pytest.raises(FailedPrecondition, match=match):
         host.open(run_id, requested, max_steps, plan)
 
 
-def test_open_refuses_bad_configs_as_invalid_arguments(make_host, config):
+def test_open_refuses_bad_configs_as_invalid_arguments(make_host, host_config):
     host = make_host()
-    fp16 = dict(config.to_dict(), precision="fp16")
+    fp16 = dict(host_config.to_dict(), precision="fp16")
+    misspelled = dict(host_config.to_dict(), learning_rat=1)
 
     with pytest.raises(InvalidArgument, match="fp16 is not supported"):
         host.open("run", config_from_json(json.dumps(fp16)), 10)
     with pytest.raises(InvalidArgument, match="unknown config key"):
-        host.open("run", config_from_json(json.dumps(dict(config.to_dict(), learning_rat=1))), 10)
+        host.open("run", config_from_json(json.dumps(misspelled)), 10)
     with pytest.raises(InvalidArgument, match="not valid JSON"):
         host.open("run", config_from_json("{"), 10)
     with pytest.raises(InvalidArgument, match="run id name 'a/b' is not allowed"):
-        host.open("a/b", config, 10)
+        host.open("a/b", host_config, 10)
     assert host.info().state == outcomes.IDLE
     assert not (host.state_dir.root / "runs" / "run").exists()
 
@@ -184,75 +154,7 @@ def test_save_state_records_where_the_session_stands_in_the_checkpoint(host):
     assert server["result"]["state_digest"] == saved.state_digest == host.info().state_digest
 
 
-def run_ops(host: SessionHost, start: int, pairs: int) -> list[object]:
-    """``pairs`` × (forward_backward, optim_step) from position ``start``; keys ``k{position}``."""
-    outcomes = []
-    for position in range(start, start + 2 * pairs, 2):
-        batch = BATCHES[(position // 2) % len(BATCHES)]
-        outcomes.append(host.forward_backward(batch, op(f"k{position}", position)))
-        outcomes.append(host.optim_step(op(f"k{position + 1}", position + 1)))
-    return outcomes
-
-
-def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same_digest(
-    host, make_host
-):
-    run_ops(host, 0, 2)
-    host.save_state("early", op("save-early", 4))
-    run_ops(host, 5, 1)
-    saved = host.save_state("late", op("save-late", 7))
-    uninterrupted = run_ops(host, 8, 2)
-    final = host.info()
-    host.release()  # the "crash": nothing is closed, the run stays recorded open
-
-    restarted = make_host()
-    info = restarted.info()
-
-    assert (info.position, info.restored_checkpoint, info.last_operation_key) == (
-        8,
-        "late",
-        "save-late",
-    )
-    assert info.state_digest == saved.state_digest and info.step == saved.step
-    assert restarted.forward_backward(BATCHES[1], op("k2", 99)).replayed  # before: answered
-    replayed = run_ops(restarted, 8, 2)
-    assert [o.replayed for o in replayed] == [False] * 4  # rolled back: they ran again
-    assert replayed == uninterrupted
-    assert restarted.info().state_digest == final.state_digest
-
-
-def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_host):
-    run_ops(host, 0, 1)
-    saved = host.save_state("c1", op("save", 2))
-    host.release()
-    db = sqlite3.connect(host.state_dir.run("run").journal_path)
-    with db:  # as if the server died between the checkpoint's rename and the journal commit
-        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
-    db.close()
-
-    restarted = make_host()
-
-    assert restarted.info().position == 3
-    assert restarted.save_state("c1", op("save", 2)) == outcomes.CheckpointOutcome(
-        "save", 3, True, saved.state_digest, name="c1", step=1
-    )
-
-
-def test_recovery_without_a_checkpoint_starts_fresh_at_position_zero(host, make_host):
-    fresh_digest = host.info().state_digest
-    run_ops(host, 0, 2)
-    host.release()
-
-    restarted = make_host()
-
-    info = restarted.info()
-    assert (info.position, info.step, info.restored_checkpoint) == (0, 0, "")
-    assert info.state_digest == fresh_digest
-    assert restarted.journal.entries() == []
-    assert not run_ops(restarted, 0, 1)[0].replayed
-
-
-def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host, config):
+def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host, host_config):
     run_ops(host, 0, 1)
     host.save_state("c1", op("save"))
     closed = host.close()
@@ -260,50 +162,12 @@ def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host,
     assert closed.state == outcomes.CLOSED and host.info() == closed
     assert host.close() == closed  # idempotent
     with pytest.raises(FailedPrecondition, match="was closed"):
-        host.open("run", config, 10, "sha256:plan")
-    opened = host.open("run2", config, 10)
+        host.open("run", host_config, 10, "sha256:plan")
+    opened = host.open("run2", host_config, 10)
     assert (opened.created, opened.position, opened.run_id) == (True, 0, "run2")
     assert host.state_dir.run("run").checkpoint("c1").is_dir()
     with pytest.raises(NotFound):  # the other run's checkpoint is not this run's
         host.load_state("c1", op("load"))
-
-
-@pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "", "x" * 129, "a b"])
-def test_odd_names_are_refused_before_anything_runs(host, name):
-    calls = [
-        lambda: host.save_state(name, op("k")),
-        lambda: host.load_state(name, op("k")),
-        lambda: host.export_weights(name, op("k")),
-        lambda: host.load_weights(WeightsSource("checkpoint", name), op("k")),
-        lambda: host.load_weights(WeightsSource("export", name), op("k")),
-    ]
-    if name:  # an empty checkpoint means "the live state"
-        calls.append(lambda: host.export_weights("ok", op("k"), checkpoint=name))
-    for call in calls:
-        with pytest.raises(InvalidArgument, match="is not allowed: use 1-128 characters"):
-            call()
-    assert host.info().position == 0
-
-
-def test_symlinks_cannot_lead_out_of_the_state_directory(host, tmp_path):
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    os.symlink(outside, host.state_dir.run("run").checkpoints / "evil")
-
-    with pytest.raises(InvalidArgument, match="resolves outside"):
-        host.save_state("evil", op("k"))
-    assert list(outside.iterdir()) == []
-
-
-def test_model_paths_resolve_under_the_model_root(host, tiny_llama):
-    with pytest.raises(InvalidArgument, match="outside the model root"):
-        host.load_weights(WeightsSource("model_path", "../../etc"), op("k1"))
-    with pytest.raises(InvalidArgument, match="outside the model root"):
-        host.load_weights(WeightsSource("model_path", "/etc"), op("k1"))
-
-    loaded = host.load_weights(WeightsSource("model_path", tiny_llama.name), op("k1", 0))
-
-    assert loaded.position == 1
 
 
 def test_export_from_a_checkpoint_leaves_the_live_state_alone(host):
@@ -390,34 +254,3 @@ def test_classification_forward_reports_predictions_in_label_order(
     assert [(p.label, list(p.scores)) for p in remote.predictions] == [
         (p.label, p.scores) for p in expected.predictions
     ]
-
-
-def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
-    host, tmp_path, model_root
-):
-    run_ops(host, 0, 1)
-    host.save_state("c1", op("save", 2))
-    host.release()
-    serving: list[bool] = []
-
-    restarted = SessionHost(
-        tmp_path / "state", model_root=model_root, device="cpu", on_serving=serving.append
-    )
-    try:
-        assert restarted.info().state == outcomes.RESTORING and restarted.info().run_id == "run"
-        with pytest.raises(Unavailable, match="restoring"):
-            restarted.optim_step(op("k"))
-        restarted.recover()
-
-        assert serving == [False, True]
-        assert (restarted.info().state, restarted.info().position) == (outcomes.OPEN, 3)
-    finally:
-        restarted.release()
-
-
-def test_a_second_host_on_the_same_state_directory_is_refused(host, tmp_path, model_root):
-    with pytest.raises(OSError, match="another server is using the state directory"):
-        SessionHost(tmp_path / "state", model_root=model_root, device="cpu")
-
-    host.release()
-    SessionHost(tmp_path / "state", model_root=model_root, device="cpu").release()

@@ -1,0 +1,106 @@
+"""A session host restarted on its state directory: it restores the latest checkpoint (before it
+serves), forgets the journal after it and replays to the same digest; a save whose journal entry a
+crash lost is recorded again; one state directory has one host at a time.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+from host_operations import BATCHES, op, run_ops
+
+from trainwire.client import outcomes
+from trainwire.server.errors import (
+    Unavailable,
+)
+from trainwire.server.host import SessionHost
+
+
+def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same_digest(
+    host, make_host
+):
+    run_ops(host, 0, 2)
+    host.save_state("early", op("save-early", 4))
+    run_ops(host, 5, 1)
+    saved = host.save_state("late", op("save-late", 7))
+    uninterrupted = run_ops(host, 8, 2)
+    final = host.info()
+    host.release()  # the "crash": nothing is closed, the run stays recorded open
+
+    restarted = make_host()
+    info = restarted.info()
+
+    assert (info.position, info.restored_checkpoint, info.last_operation_key) == (
+        8,
+        "late",
+        "save-late",
+    )
+    assert info.state_digest == saved.state_digest and info.step == saved.step
+    assert restarted.forward_backward(BATCHES[1], op("k2", 99)).replayed  # before: answered
+    replayed = run_ops(restarted, 8, 2)
+    assert [o.replayed for o in replayed] == [False] * 4  # rolled back: they ran again
+    assert replayed == uninterrupted
+    assert restarted.info().state_digest == final.state_digest
+
+
+def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_host):
+    run_ops(host, 0, 1)
+    saved = host.save_state("c1", op("save", 2))
+    host.release()
+    db = sqlite3.connect(host.state_dir.run("run").journal_path)
+    with db:  # as if the server died between the checkpoint's rename and the journal commit
+        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
+    db.close()
+
+    restarted = make_host()
+
+    assert restarted.info().position == 3
+    assert restarted.save_state("c1", op("save", 2)) == outcomes.CheckpointOutcome(
+        "save", 3, True, saved.state_digest, name="c1", step=1
+    )
+
+
+def test_recovery_without_a_checkpoint_starts_fresh_at_position_zero(host, make_host):
+    fresh_digest = host.info().state_digest
+    run_ops(host, 0, 2)
+    host.release()
+
+    restarted = make_host()
+
+    info = restarted.info()
+    assert (info.position, info.step, info.restored_checkpoint) == (0, 0, "")
+    assert info.state_digest == fresh_digest
+    assert restarted.journal.entries() == []
+    assert not run_ops(restarted, 0, 1)[0].replayed
+
+
+def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
+    host, tmp_path, model_root
+):
+    run_ops(host, 0, 1)
+    host.save_state("c1", op("save", 2))
+    host.release()
+    serving: list[bool] = []
+
+    restarted = SessionHost(
+        tmp_path / "state", model_root=model_root, device="cpu", on_serving=serving.append
+    )
+    try:
+        assert restarted.info().state == outcomes.RESTORING and restarted.info().run_id == "run"
+        with pytest.raises(Unavailable, match="restoring"):
+            restarted.optim_step(op("k"))
+        restarted.recover()
+
+        assert serving == [False, True]
+        assert (restarted.info().state, restarted.info().position) == (outcomes.OPEN, 3)
+    finally:
+        restarted.release()
+
+
+def test_a_second_host_on_the_same_state_directory_is_refused(host, tmp_path, model_root):
+    with pytest.raises(OSError, match="another server is using the state directory"):
+        SessionHost(tmp_path / "state", model_root=model_root, device="cpu")
+
+    host.release()
+    SessionHost(tmp_path / "state", model_root=model_root, device="cpu").release()
