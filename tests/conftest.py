@@ -86,24 +86,23 @@ def tiny_llama(model_root: Path) -> Path:
     return make_tiny_model(model_root / "llama")
 
 
-@pytest.fixture(scope="session")
-def tiny_bert_classifier(model_root: Path) -> Path:
+def _tiny_classifier(model_root: Path, arch: str) -> Path:
     return make_tiny_model(
-        model_root / "bert-classifier",
-        arch="bert",
+        model_root / f"{arch}-classifier",
+        arch=arch,
         task="sequence-classification",
         labels=SENTIMENT_LABELS,
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_classifier(model_root: Path) -> Path:
+    return _tiny_classifier(model_root, "bert")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_classifier(model_root: Path) -> Path:
-    return make_tiny_model(
-        model_root / "llama-classifier",
-        arch="llama",
-        task="sequence-classification",
-        labels=SENTIMENT_LABELS,
-    )
+    return _tiny_classifier(model_root, "llama")
 
 
 def _config_factory(model: Path, **fixed: Any) -> ConfigFactory:
