@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -30,11 +31,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from trainwire.client.files import write_text_atomic
+from trainwire.client.files import clean_leftovers, write_text_atomic
 from trainwire.client.outcomes import ExportedFile
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.journal import JOURNAL_FILE
 from trainwire.server.paths import resolve_inside
+
+logger = logging.getLogger(__name__)
 
 RUNS_DIR = "runs"
 LOCK_FILE = "server.lock"
@@ -158,6 +161,18 @@ class StateDirectory:
             raise OSError(
                 f"another server is using the state directory {self.root}; stop it first"
             ) from None
+        self._clean_leftovers()
+
+    def _clean_leftovers(self) -> None:
+        """Finish or remove what interrupted checkpoint and export writes left behind, before
+        recovery lists the checkpoints (a replacement cut short may have left the old one
+        hidden)."""
+        for run_path in sorted((self.root / RUNS_DIR).iterdir()):
+            for folder in (run_path / CHECKPOINTS_DIR, run_path / EXPORTS_DIR):
+                if run_path.is_symlink() or folder.is_symlink() or not folder.is_dir():
+                    continue  # never follow a planted link out of the state directory
+                for action in clean_leftovers(folder):
+                    logger.warning("%s: %s", folder.relative_to(self.root), action)
 
     def release(self) -> None:
         """Let another server take the directory over."""
