@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,16 @@ import grpc
 from trainwire.client.artifacts import write_run_artifacts
 from trainwire.client.config import InputExample
 from trainwire.client.cursor import Record, WorkDirectory
+from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
-from trainwire.client.replay import RunState, StepOutcome, replay, training_result
+from trainwire.client.replay import (
+    RunState,
+    StepOutcome,
+    checkpoint_due,
+    replay,
+    training_result,
+)
 from trainwire.client.results import TrainingResult
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, position_from_error
 
@@ -32,6 +40,9 @@ BEST_CHECKPOINT = "best"
 LATEST_CHECKPOINT = "latest"
 EXPORT_NAME = "final"
 EXPORT_DIR = "export"
+# The operation part of a key (see operation_key); tuples of (microbatch, operation) sort in the
+# plan's order because "forward_backward" < "optim_step".
+FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"
 # The waits between tries to reach a lost server (a restart, a lost connection); how long to keep
 # trying is the controller's recovery_timeout_s, so the policy's max_attempts plays no part.
 OUTAGE_BACKOFF = RetryPolicy()
@@ -57,9 +68,9 @@ def microbatch_of_key(key: str, run_id: str, fingerprint: str) -> int | None:
 class KeyedSession:
     """The run's state-changing calls on the client, each keyed and position-checked.
 
-    It holds the position the controller believes the session is at and moves it with every
-    outcome. A server that is elsewhere (a restart restored an older checkpoint) refuses the call
-    before running anything, and that refusal is raised as ``PositionMoved``.
+    ``position`` is where the session stands after the last outcome taken; pipelined calls are
+    numbered from ``issued`` on, ahead of it. A server that is elsewhere (a restart restored an
+    older checkpoint) refuses a call before running anything, raised as ``PositionMoved``.
     """
 
     def __init__(self, client: Any, *, run_id: str, fingerprint: str) -> None:
@@ -67,18 +78,31 @@ class KeyedSession:
         self.run_id = run_id
         self.fingerprint = fingerprint
         self.position = 0
+        self.issued = 0  # the position the next call will have
+
+    def reset(self, position: int) -> None:
+        self.position = self.issued = position
 
     def call(
         self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
     ) -> Any:
-        """``method(*args, **kwargs)`` under the key of ``operation`` at microbatch ``index``."""
+        """``method(*args, **kwargs)`` under the key of ``operation`` at microbatch ``index``;
+        nothing may be in flight (the position it expects is the last outcome's)."""
+        return self.take(self.submit(_done_now(method), index, operation, *args, **kwargs))
+
+    def submit(
+        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
+    ) -> Any:
+        """Issue ``method`` (returning a Future) at the next position; ``take`` its outcome."""
+        key = operation_key(self.run_id, self.fingerprint, index, operation)
+        future = method(*args, operation_key=key, expected_position=self.issued, **kwargs)
+        self.issued += 1
+        return future
+
+    def take(self, future: futures.Future[Any]) -> Any:
+        """The outcome of a call issued by ``submit``, in issue order."""
         try:
-            outcome = method(
-                *args,
-                operation_key=operation_key(self.run_id, self.fingerprint, index, operation),
-                expected_position=self.position,
-                **kwargs,
-            )
+            outcome = future.result()
         except grpc.RpcError as error:
             if position_from_error(error) is not None:
                 raise PositionMoved(error.details()) from error
@@ -87,27 +111,94 @@ class KeyedSession:
         return outcome
 
 
+def _done_now(method: Callable[..., Any]) -> Callable[..., futures.Future[Any]]:
+    """A blocking call as an already finished Future (its error included)."""
+
+    def call(*args: Any, **kwargs: Any) -> futures.Future[Any]:
+        future: futures.Future[Any] = futures.Future()
+        try:
+            future.set_result(method(*args, **kwargs))
+        except BaseException as error:
+            future.set_exception(error)
+        return future
+
+    return call
+
+
 class _RemoteBackend:
-    """The replay's operations (``ReplayBackend``) as keyed calls on the remote session."""
+    """The replay's operations (``ReplayBackend``) as keyed calls on the remote session.
+
+    With a ``window`` above 1, the microbatches ahead are issued before the replay asks for
+    them (``forward_backward_async`` / ``optim_step_async``), at most ``window`` operations in
+    flight and never past a microbatch after which the replay evaluates or checkpoints: those
+    need every operation before them applied and nothing after. The replay still takes each
+    outcome in plan order, so its decisions, cursor and history are window 1's.
+    """
 
     def __init__(
-        self, session: KeyedSession, plan: ManagedTrainingPlan, work: WorkDirectory, every: int
+        self,
+        session: KeyedSession,
+        plan: ManagedTrainingPlan,
+        work: WorkDirectory,
+        every: int,
+        window: int = 1,
     ) -> None:
         self.session = session
         self.client = session.client
         self.plan = plan
         self.work = work
         self.checkpoint_every = every
+        self.window = window
+        self._in_flight: dict[tuple[int, str], futures.Future[Any]] = {}
+        self._next_op = (0, FORWARD_BACKWARD)  # the next operation to issue, in plan order
+        self._barrier: int | None = None  # issue nothing past this microbatch for now
 
     def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
-        outcome = self.session.call(
-            self.client.forward_backward, index, "forward_backward", examples
-        )
+        outcome = self._outcome(index, FORWARD_BACKWARD)
         return outcome.loss, outcome.token_count
 
     def optim_step(self, index: int) -> StepOutcome:
-        outcome = self.session.call(self.client.optim_step, index, "optim_step")
+        outcome = self._outcome(index, OPTIM_STEP)
         return StepOutcome(outcome.step, outcome.learning_rate, outcome.grad_norm)
+
+    def _outcome(self, index: int, operation: str) -> Any:
+        if self.window == 1:
+            return self.session.take(self._issue(index, operation))
+        if self._next_op < (index, operation):
+            self._next_op = (index, operation)  # the replay resumed further on
+        if self._barrier is not None and index > self._barrier:
+            self._barrier = None  # the replay is past the evaluation or checkpoint
+        self._issue_ahead()
+        return self.session.take(self._in_flight.pop((index, operation)))
+
+    def _issue_ahead(self) -> None:
+        plan = self.plan
+        while len(self._in_flight) < self.window and self._next_op[0] < plan.batch_count:
+            index, operation = self._next_op
+            if self._barrier is not None and index > self._barrier:
+                return  # nothing after an evaluation or checkpoint before it has happened
+            self._in_flight[self._next_op] = self._issue(index, operation)
+            if operation == FORWARD_BACKWARD and plan.is_update(index):
+                self._next_op = (index, OPTIM_STEP)
+                continue
+            self._next_op = (index + 1, FORWARD_BACKWARD)
+            if plan.evaluates_after(index) or checkpoint_due(plan, index, self.checkpoint_every):
+                self._barrier = index
+
+    def _issue(self, index: int, operation: str) -> futures.Future[Any]:
+        """One operation: pipelined with a window above 1, else a blocking call made now."""
+        client, piped = self.client, self.window > 1
+        if operation == FORWARD_BACKWARD:
+            method = client.forward_backward_async if piped else _done_now(client.forward_backward)
+            return self.session.submit(method, index, operation, self.plan.batch(index))
+        method = client.optim_step_async if piped else _done_now(client.optim_step)
+        return self.session.submit(method, index, operation)
+
+    def abandon(self) -> None:
+        """Wait for whatever is still in flight (after a failure): nothing lands later."""
+        if self._in_flight:
+            futures.wait(list(self._in_flight.values()))
+            self._in_flight.clear()
 
     def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
         outcome = self.client.forward(examples)
@@ -126,7 +217,7 @@ class _RemoteBackend:
 
     def after_microbatch(self, index: int, state: RunState) -> None:
         plan, every = self.plan, self.checkpoint_every
-        if every and plan.is_update(index) and plan.steps_after(index) % every == 0:
+        if checkpoint_due(plan, index, every):
             self._checkpoint(index, "checkpoint", LATEST_CHECKPOINT, state)
         self.work.write_cursor(Record(self.session.position, state))
 
@@ -147,6 +238,7 @@ class Controller:
         work_dir: the cursor, snapshots, downloaded export and summary live here.
         checkpoint_every: ask the server for a checkpoint every this many updates.
         recovery_timeout_s: how long to keep waiting for an unreachable server.
+        window: operations kept in flight (pipelined); any window ends with window 1's bits.
     """
 
     def __init__(
@@ -158,11 +250,14 @@ class Controller:
         work_dir: str | Path,
         checkpoint_every: int = 10,
         recovery_timeout_s: float = 600.0,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         if not run_id or "/" in run_id:
             raise ValueError(f"run_id must be non-empty and free of '/', got {run_id!r}")
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
+        if not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
         if isinstance(manifest, ManagedTrainingPlan):
             self.plan = manifest
         else:
@@ -171,6 +266,7 @@ class Controller:
         self.run_id = run_id
         self.checkpoint_every = checkpoint_every
         self.recovery_timeout_s = recovery_timeout_s
+        self.window = window
         self.work = WorkDirectory(
             work_dir, run_id=run_id, manifest_fingerprint=self.plan.fingerprint
         )
@@ -201,7 +297,7 @@ class Controller:
                     f"{info.last_operation_key!r}), beyond anything recorded in {self.work.path}; "
                     "resume with the work directory that started this run"
                 )
-        self.session.position = record.position
+        self.session.reset(record.position)
         self.state = record.state
         logger.info(
             "run %s: resuming at microbatch %d, position %d (server at %d)",
@@ -220,8 +316,13 @@ class Controller:
                 self._synchronize()
                 # Reachable again: a later outage gets the whole recovery budget of its own.
                 outage_started, attempt = None, 0
-                backend = _RemoteBackend(self.session, self.plan, self.work, self.checkpoint_every)
-                self.state = replay(self.plan, backend, self.state, on_step=on_step)
+                backend = _RemoteBackend(
+                    self.session, self.plan, self.work, self.checkpoint_every, self.window
+                )
+                try:
+                    self.state = replay(self.plan, backend, self.state, on_step=on_step)
+                finally:
+                    backend.abandon()
                 return self._finish()
             except PositionMoved as moved:
                 logger.warning("run %s: %s; resynchronizing", self.run_id, moved)

@@ -71,6 +71,7 @@ class Dispatcher:
         work_dir: str | Path,
         client_factory: Callable[[str], Any],
         checkpoint_every: int = 10,
+        window: int = 1,
         recovery_timeout_s: float = 600.0,
     ) -> None:
         if not servers:
@@ -81,6 +82,7 @@ class Dispatcher:
         self.work_dir = Path(work_dir)
         self.client_factory = client_factory
         self.checkpoint_every = checkpoint_every
+        self.window = window
         self.recovery_timeout_s = recovery_timeout_s
         self.jobs: list[DispatchJob] = []
         for manifest in manifests:
@@ -137,6 +139,7 @@ class Dispatcher:
                 run_id=job.run_id,
                 work_dir=self.work_dir / job.run_id,
                 checkpoint_every=self.checkpoint_every,
+                window=self.window,
                 recovery_timeout_s=self.recovery_timeout_s,
             )
             result = controller.run(on_step=lambda progress: self._record(job, progress))

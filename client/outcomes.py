@@ -36,6 +36,18 @@ class WeightsSource:
     kind: str
     value: str
 
+    @classmethod
+    def parse(cls, source: str | WeightsSource) -> WeightsSource:
+        """``checkpoint:NAME``, ``export:NAME``, ``model:PATH`` or a bare model path."""
+        if isinstance(source, WeightsSource):
+            return source
+        kind, sep, value = source.partition(":")
+        if sep and kind in ("checkpoint", "export"):
+            return cls(kind, value)
+        if sep and kind == "model":
+            return cls("model_path", value)
+        return cls("model_path", source)
+
 
 WEIGHTS_SOURCE_KINDS = ("checkpoint", "export", "model_path")
 

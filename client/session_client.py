@@ -11,10 +11,12 @@ carry their operation key, and the server answers a key it has applied from its 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -23,6 +25,7 @@ from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import InputExample, TrainingConfig, canonical_json
 from trainwire.client.downloads import DownloadError, receive_export
 from trainwire.client.files import Pem, read_pem
+from trainwire.client.pipeline import OperationPipeline
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample, is_token_batch
 from trainwire.v1 import session_pb2 as pb
@@ -33,21 +36,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_TIMEOUT_S = 600.0
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 EXPORT_METHOD = "/trainwire.v1.TrainingSessionService/ExportWeights"
+DEFAULT_MAX_IN_FLIGHT = 4
 Examples = Sequence[InputExample] | Sequence[TokenExample]
+T = TypeVar("T")
 
-__all__ = ["DownloadError", "SessionClient", "parse_weights_source"]
-
-
-def parse_weights_source(source: str | outcomes.WeightsSource) -> outcomes.WeightsSource:
-    """``checkpoint:NAME``, ``export:NAME``, ``model:PATH`` or a bare model path (model root)."""
-    if isinstance(source, outcomes.WeightsSource):
-        return source
-    kind, sep, value = source.partition(":")
-    if sep and kind in ("checkpoint", "export"):
-        return outcomes.WeightsSource(kind, value)
-    if sep and kind == "model":
-        return outcomes.WeightsSource("model_path", value)
-    return outcomes.WeightsSource("model_path", source)
+__all__ = ["DownloadError", "SessionClient"]
 
 
 class SessionClient:
@@ -63,6 +56,7 @@ class SessionClient:
         timeout_s: the deadline of each attempt.
         max_attempts: tries per call on UNAVAILABLE / DEADLINE_EXCEEDED (``retry`` overrides it).
         retry: the full backoff policy.
+        max_in_flight: pipelined calls (``*_async``) on the wire at once.
     """
 
     def __init__(
@@ -77,6 +71,7 @@ class SessionClient:
         timeout_s: float | None = DEFAULT_TIMEOUT_S,
         max_attempts: int = 5,
         retry: RetryPolicy | None = None,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
         self.target = target
         self.timeout_s = timeout_s
@@ -105,11 +100,14 @@ class SessionClient:
             response_deserializer=chunks.decode_export_item,
         )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
+        self._local = threading.local()  # marks the pipeline's own threads
+        self._pipeline = OperationPipeline(max_in_flight, lambda: self.info().position)
 
     # -- connection ------------------------------------------------------------------------------
 
     def close_channel(self) -> None:
         """Close this client's connection; the server's session stays as it is."""
+        self._pipeline.close()
         self._channel.close()
 
     def __enter__(self) -> SessionClient:
@@ -196,7 +194,7 @@ class SessionClient:
             loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config),
         )
         _add_examples(request, examples)
-        response = self._call("ForwardBackward", self._stub.ForwardBackward, request)
+        response = self._call_keyed("ForwardBackward", self._stub.ForwardBackward, request)
         return wire.forward_backward_from_proto(response)
 
     def optim_step(
@@ -210,8 +208,56 @@ class SessionClient:
         """One update, at the schedule's rate or at ``learning_rate`` for this update."""
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.OptimStepRequest(operation=operation, learning_rate=learning_rate)
-        response = self._call("OptimStep", self._stub.OptimStep, request)
+        response = self._call_keyed("OptimStep", self._stub.OptimStep, request)
         return wire.optim_step_from_proto(response)
+
+    # -- pipelined calls -------------------------------------------------------------------------
+
+    def forward_backward_async(
+        self, examples: Examples, *, expected_position: int | None = None, **options: Any
+    ) -> futures.Future[outcomes.ForwardBackwardOutcome]:
+        """``forward_backward`` without waiting: a Future of its outcome.
+
+        Calls issued in order apply in that order (each carries the position it will have: the
+        given ``expected_position``, else the one after the previous pipelined call's), at most
+        ``max_in_flight`` on the wire; each applies exactly once under its key.
+        """
+        return self._pipeline.submit(
+            lambda position: self._unpiped(self.forward_backward, examples, position, options),
+            expected_position,
+        )
+
+    def optim_step_async(
+        self, *, expected_position: int | None = None, **options: Any
+    ) -> futures.Future[outcomes.OptimStepOutcome]:
+        """``optim_step`` without waiting, ordered like ``forward_backward_async``."""
+        return self._pipeline.submit(
+            lambda position: self._unpiped(self.optim_step, None, position, options),
+            expected_position,
+        )
+
+    def drain(self) -> None:
+        """Wait for every pipelined call issued so far."""
+        self._pipeline.drain()
+
+    def _unpiped(self, method: Callable[..., T], examples: Any, position: int, options: Any) -> T:
+        args = () if examples is None else (examples,)
+        self._local.piped = True
+        try:
+            return method(*args, expected_position=position, **options)
+        finally:
+            self._local.piped = False
+
+    def _call_keyed(self, what: str, method: Any, request: Any) -> Any:
+        """A state-changing call. Made directly (not from the pipeline), it first waits for the
+        pipelined calls before it, and the pipeline then asks the server where it stands."""
+        if getattr(self._local, "piped", False):
+            return self._call(what, method, request)
+        self._pipeline.drain()
+        try:
+            return self._call(what, method, request)
+        finally:
+            self._pipeline.forget_position()
 
     def sample(
         self,
@@ -255,7 +301,9 @@ class SessionClient:
         """Write checkpoint ``name`` on the server; the outcome always carries the digest."""
         operation = _operation(operation_key, expected_position, False)
         request = pb.SaveStateRequest(operation=operation, name=name)
-        return wire.save_state_from_proto(self._call("SaveState", self._stub.SaveState, request))
+        return wire.save_state_from_proto(
+            self._call_keyed("SaveState", self._stub.SaveState, request)
+        )
 
     def load_state(
         self,
@@ -267,7 +315,7 @@ class SessionClient:
     ) -> outcomes.CheckpointOutcome:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.LoadStateRequest(operation=operation, name=name)
-        response = self._call("LoadState", self._stub.LoadState, request)
+        response = self._call_keyed("LoadState", self._stub.LoadState, request)
         return wire.load_state_from_proto(response, name)
 
     def load_weights(
@@ -281,9 +329,9 @@ class SessionClient:
         """Copy weights from ``checkpoint:NAME``, ``export:NAME`` or a model path (model root)."""
         request = pb.LoadWeightsRequest(
             operation=_operation(operation_key, expected_position, include_digest),
-            **wire.weights_source_to_proto(parse_weights_source(source)),
+            **wire.weights_source_to_proto(outcomes.WeightsSource.parse(source)),
         )
-        response = self._call("LoadWeights", self._stub.LoadWeights, request)
+        response = self._call_keyed("LoadWeights", self._stub.LoadWeights, request)
         return wire.load_weights_from_proto(response)
 
     def export_weights(
@@ -315,7 +363,11 @@ class SessionClient:
             finally:
                 stream.cancel()  # a no-op once the stream has ended
 
-        return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
+        self._pipeline.drain()
+        try:
+            return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
+        finally:
+            self._pipeline.forget_position()
 
     def close(self) -> outcomes.SessionInfo:
         """Close the session on the server (idempotent); the connection stays usable."""

@@ -28,7 +28,7 @@ from trainwire.client import outcomes
 from trainwire.client.config import InputExample
 from trainwire.client.outcomes import OperationOutcome, OperationSpec
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
-from trainwire.server.errors import AlreadyExists, NotFound, PositionMismatch
+from trainwire.server.errors import AlreadyExists, InvalidArgument, NotFound, PositionMismatch
 from trainwire.server.journal import (
     OUTCOME_TYPES,
     Journal,
@@ -36,10 +36,11 @@ from trainwire.server.journal import (
     outcome_from_record,
     outcome_record,
 )
+from trainwire.server.model_loading import resolve_under
 from trainwire.server.recovery import checkpoint_extra, latest_checkpoint, restore_into
 from trainwire.server.session import TrainingSession
 from trainwire.server.session_results import TokenOutput
-from trainwire.server.state_dir import RunDirectory, RunSpec, list_export_files
+from trainwire.server.state_dir import RunDirectory, RunSpec, check_name, list_export_files
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,16 @@ def forward_backward_payload(examples: Examples, loss: LossChoice) -> dict[str, 
     if named != {"loss_fn": DEFAULT_LOSS, "loss_fn_config": {}}:
         payload.update(named)  # refused by the engine; never replayed as the plain batch
     return payload
+
+
+def check_weights_source(source: outcomes.WeightsSource, model_root: Path | None) -> Path | None:
+    """Refuse a bad source before queueing; a model path comes back resolved under the root."""
+    if source.kind in ("checkpoint", "export"):
+        check_name(source.value, source.kind)
+        return None
+    if source.kind == "model_path":
+        return resolve_under(model_root, source.value, "model path")
+    raise InvalidArgument(f"weights source {source.kind!r}: use {outcomes.WEIGHTS_SOURCE_KINDS}")
 
 
 def _token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:

@@ -37,13 +37,14 @@ from trainwire.server.active_run import (
     Fields,
     JournalCommitFailed,
     LossChoice,
+    check_weights_source,
     forward_backward_payload,
 )
 from trainwire.server.device import resolve_device
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
 from trainwire.server.journal import Journal, check_operation_key, payload_digest
-from trainwire.server.model_loading import resolve_under
 from trainwire.server.optimization import check_learning_rate
+from trainwire.server.position_gate import PositionGate
 from trainwire.server.request_limits import check_texts, check_token_lists
 from trainwire.server.session import TrainingSession
 from trainwire.server.state_dir import (
@@ -88,6 +89,7 @@ class SessionHost:
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
         self._released = False
         self._active: ActiveRun | None = None
+        self._gate = PositionGate(lambda: self._active.position if self._active else 0)
         self._closed_info: SessionInfo | None = None
         self._failure = ""
         self._shutting_down = False
@@ -114,6 +116,7 @@ class SessionHost:
         try:
             session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
             self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
+            self._gate.moved()
         except Exception as error:
             logger.exception("restoring run %s failed", spec.run_id)
             self._fail(f"restoring run {spec.run_id!r} failed: {error}")
@@ -275,15 +278,7 @@ class SessionHost:
 
     def load_weights(self, source: outcomes.WeightsSource, op: OperationSpec) -> OperationOutcome:
         """From a checkpoint or export of this run, or a model path under the model root."""
-        model_path = None
-        if source.kind in ("checkpoint", "export"):
-            check_name(source.value, source.kind)
-        elif source.kind == "model_path":
-            model_path = resolve_under(self.model_root, source.value, "model path")
-        else:
-            raise InvalidArgument(
-                f"weights source {source.kind!r}: use {outcomes.WEIGHTS_SOURCE_KINDS}"
-            )
+        model_path = check_weights_source(source, self.model_root)
         payload = {"kind": source.kind, "value": source.value}
         return self._keyed(
             kinds.LOAD_WEIGHTS, op, payload, lambda run, _: run.load_weights(source, model_path)
@@ -332,7 +327,10 @@ class SessionHost:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
         check_operation_key(op.key)
         digest = payload_digest(kind, payload)
-        return self._serialized(self._apply_keyed, kind, op, digest, call)
+        self._refuse_if_unavailable()
+        self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
+        with self._gate.running(op.expected_position):
+            return self._serialized(self._apply_keyed, kind, op, digest, call)
 
     def _apply_keyed(
         self, kind: str, op: OperationSpec, digest: str, call: RunCall

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from trainwire.client import InputExample, SessionClient
 from trainwire.client.retry import RetryPolicy
 from trainwire.server.grpc_server import ServerHandle, serve
@@ -98,3 +100,41 @@ def apply_local(session: Any, ops: list[tuple[str, Any]]) -> list[Any]:
         session.forward_backward(batch) if kind == "forward_backward" else session.optim_step()
         for kind, batch in ops
     ]
+
+
+class DropFirstResponse(grpc.ServerInterceptor):
+    """Lets the server apply a keyed call, then loses its response (once per key)."""
+
+    def __init__(self) -> None:
+        self.dropped: set[str] = set()
+
+    def _should_drop(self, request) -> bool:
+        key = request.operation.operation_key if hasattr(request, "operation") else ""
+        if not key or key in self.dropped:
+            return False
+        self.dropped.add(key)
+        return True
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or (handler.unary_stream is None and handler.unary_unary is None):
+            return handler
+
+        def unary(request, context):
+            response = handler.unary_unary(request, context)
+            if self._should_drop(request):
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected: response lost")
+            return response
+
+        def stream(request, context):
+            responses = list(handler.unary_stream(request, context))
+            if self._should_drop(request):
+                context.abort(grpc.StatusCode.UNAVAILABLE, "injected: stream lost")
+            yield from responses
+
+        kind, behavior = ("unary_unary", unary) if handler.unary_unary else ("unary_stream", stream)
+        return getattr(grpc, f"{kind}_rpc_method_handler")(
+            behavior,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

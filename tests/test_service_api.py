@@ -11,7 +11,6 @@ import pytest
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.retry import RetryPolicy, call_with_retry, position_from_error
-from trainwire.client.session_client import parse_weights_source
 from trainwire.server import journal as journal_records
 from trainwire.v1 import session_pb2 as pb
 
@@ -100,7 +99,7 @@ def test_other_export_items_decode_through_protobuf():
     ],
 )
 def test_weights_sources_are_named_by_prefix(text, kind, value):
-    assert parse_weights_source(text) == outcomes.WeightsSource(kind, value)
+    assert outcomes.WeightsSource.parse(text) == outcomes.WeightsSource(kind, value)
 
 
 def test_only_unavailable_and_deadline_exceeded_are_retried_with_growing_jittered_waits():

@@ -15,6 +15,7 @@ from service_fixtures import (
     NO_RETRY,
     REVIEWS,
     TEXTS,
+    DropFirstResponse,
     apply_local,
     apply_remote,
     connect,
@@ -101,44 +102,6 @@ def test_a_position_mismatch_reports_the_real_position_in_trailing_metadata(clie
     assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert (wire.POSITION_METADATA_KEY, "1") in stale.value.trailing_metadata()
     assert position_from_error(stale.value) == 1
-
-
-class DropFirstResponse(grpc.ServerInterceptor):
-    """Lets the server apply a keyed call, then loses its response (once per key)."""
-
-    def __init__(self) -> None:
-        self.dropped: set[str] = set()
-
-    def _should_drop(self, request) -> bool:
-        key = request.operation.operation_key if hasattr(request, "operation") else ""
-        if not key or key in self.dropped:
-            return False
-        self.dropped.add(key)
-        return True
-
-    def intercept_service(self, continuation, details):
-        handler = continuation(details)
-        if handler is None or (handler.unary_stream is None and handler.unary_unary is None):
-            return handler
-
-        def unary(request, context):
-            response = handler.unary_unary(request, context)
-            if self._should_drop(request):
-                context.abort(grpc.StatusCode.UNAVAILABLE, "injected: response lost")
-            return response
-
-        def stream(request, context):
-            responses = list(handler.unary_stream(request, context))
-            if self._should_drop(request):
-                context.abort(grpc.StatusCode.UNAVAILABLE, "injected: stream lost")
-            yield from responses
-
-        kind, behavior = ("unary_unary", unary) if handler.unary_unary else ("unary_stream", stream)
-        return getattr(grpc, f"{kind}_rpc_method_handler")(
-            behavior,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
 
 
 def test_lost_responses_are_retried_by_the_client_and_applied_exactly_once(

@@ -25,6 +25,7 @@ from trainwire.client.manifest import (
     write_plan_manifest,
 )
 from trainwire.client.overrides import checked_config_overrides, config_with_overrides
+from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
 
 USAGE_ERROR = 2
@@ -77,6 +78,15 @@ def client_options(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def add_window_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=DEFAULT_WINDOW,
+        help=f"operations kept in flight, pipelined (default {DEFAULT_WINDOW}); same bits",
+    )
+
+
 def command_run(args: argparse.Namespace) -> int:
     from trainwire.client.controller import Controller
     from trainwire.client.progress_bar import ProgressReporter
@@ -92,6 +102,7 @@ def command_run(args: argparse.Namespace) -> int:
             run_id=args.run_id,
             work_dir=args.work_dir,
             checkpoint_every=args.checkpoint_every,
+            window=args.window,
         )
         result = controller.run(on_step=reporter)
     finally:
@@ -117,6 +128,7 @@ def command_dispatch(args: argparse.Namespace) -> int:
         work_dir=args.work_dir,
         client_factory=lambda target: SessionClient(target, **options),
         checkpoint_every=args.checkpoint_every,
+        window=args.window,
     )
     statuses = dispatch_with_live_table(dispatcher, live=not args.quiet)
     failed = [status.run_id for status in statuses if status.state != "done"]
@@ -188,6 +200,8 @@ def command_serve(args: argparse.Namespace) -> int:
         tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
         max_message_bytes=settings["max_message_bytes"],
         max_workers=settings["max_workers"],
+        tinker_listen=args.tinker_listen,
+        tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")
@@ -207,10 +221,15 @@ def _read_token(path: str) -> str:
 
 def command_demo(args: argparse.Namespace) -> int:
     from trainwire.demo import DemoSettings, run_demo
+    from trainwire.rl_demo import RlDemoSettings, run_rl_demo
 
-    settings = DemoSettings.fast() if args.fast else DemoSettings()
     # Each demo gets its own directory, so a second demo trains again instead of resuming.
     work_dir = Path(args.work_dir or Path("trainwire-demo") / time.strftime("%Y%m%d-%H%M%S"))
+    if args.rl:
+        rl_settings = RlDemoSettings.fast() if args.fast else RlDemoSettings()
+        run_rl_demo(work_dir, server=args.server, settings=rl_settings, quiet=args.quiet)
+        return 0
+    settings = DemoSettings.fast() if args.fast else DemoSettings()
     run_demo(work_dir, server=args.server, settings=settings, quiet=args.quiet)
     return 0
 
@@ -242,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-id", required=True, help="names the run in every operation key")
     run.add_argument("--work-dir", required=True, help="cursor, export and summary go here")
     run.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    add_window_option(run)
     add_client_arguments(run)
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
@@ -252,6 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--manifests", required=True, nargs="+", help="manifest files")
     dispatch.add_argument("--work-dir", required=True, help="one subdirectory per run")
     dispatch.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    add_window_option(dispatch)
     add_client_arguments(dispatch)
     dispatch.add_argument("--quiet", action="store_true", help="no live table, summary only")
     dispatch.set_defaults(handler=command_dispatch)
@@ -285,11 +306,20 @@ def build_parser() -> argparse.ArgumentParser:
         "may take)",
     )
     serve.add_argument("--port-file", help="write the bound port here once listening")
+    serve.add_argument(
+        "--tinker-listen",
+        help="HOST:PORT for the Tinker SDK front on the same session (needs trainwire[tinker])",
+    )
+    serve.add_argument(
+        "--tinker-token-file",
+        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-')",
+    )
     serve.set_defaults(handler=command_serve)
 
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")
     demo.add_argument("--work-dir", help="where it writes (default: trainwire-demo/<time>)")
     demo.add_argument("--server", help="drive this server instead of starting a local one")
+    demo.add_argument("--rl", action="store_true", help="the RL loop: sample, score, update")
     demo.add_argument("--fast", action="store_true", help="a shorter run (for tests)")
     demo.add_argument("--quiet", action="store_true", help="no progress output")
     demo.set_defaults(handler=command_demo)

@@ -1,0 +1,209 @@
+"""Pipelined operations: futures on the client, out-of-order arrival, a window in the controller."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from service_fixtures import (
+    NO_RETRY,
+    TEXTS,
+    DropFirstResponse,
+    connect,
+    microbatches,
+    running_server,
+)
+
+from trainwire.client import LoraSettings, ManagedTrainingPlan
+from trainwire.client.controller import Controller
+from trainwire.server.managed import ManagedTraining
+from trainwire.server.session import TrainingSession
+from trainwire.testing import tiny_sentiment_examples, tiny_token_examples
+
+NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
+
+
+def mixed_ops() -> list[tuple[str, object]]:
+    """Text and token microbatches, an update after every second one."""
+    ops: list[tuple[str, object]] = []
+    for index, batch in enumerate(microbatches(TEXTS[:9])):
+        ops.append(("fb", batch))
+        ops.append(("fb", tiny_token_examples(2, seed=index)))
+        ops.append(("step", None))
+    return ops
+
+
+def run_pipelined(client, ops, prefix: str) -> list:
+    pending = []
+    for index, (kind, batch) in enumerate(ops):
+        key = f"{prefix}/{index}"
+        if kind == "fb":
+            pending.append(client.forward_backward_async(batch, operation_key=key))
+        else:
+            pending.append(client.optim_step_async(operation_key=key))
+    return [future.result(timeout=120) for future in pending]
+
+
+@pytest.mark.parametrize("lora", [None, NO_DROPOUT_LORA], ids=["full", "lora"])
+def test_pipelined_calls_end_with_the_blocking_runs_digest(
+    tmp_path, model_root, llama_config, lora
+):
+    config = llama_config(lora=lora, lr_scheduler="constant")
+    ops = mixed_ops()
+    local = TrainingSession(config, device="cpu")
+    expected = []
+    for kind, batch in ops:
+        expected.append(local.forward_backward(batch) if kind == "fb" else local.optim_step())
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, max_in_flight=4)
+        client.open("run", config)
+        outcomes = run_pipelined(client, ops, "run")
+        assert [o.position for o in outcomes] == list(range(1, len(ops) + 1))
+        assert client.info().state_digest == local.state_digest()
+        for outcome, want in zip(outcomes, expected, strict=True):
+            if isinstance(want, float):
+                assert outcome.loss == want
+            elif hasattr(want, "logprobs"):
+                assert [list(row) for row in outcome.logprobs] == want.logprobs
+            else:
+                assert outcome.step == want.step
+        client.close_channel()
+
+
+def test_an_operation_that_arrives_before_its_predecessor_waits_and_applies_in_order(
+    tmp_path, model_root, llama_config
+):
+    config = llama_config(lr_scheduler="constant")
+    first, second = microbatches(TEXTS[:6])
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("run", config)
+        results: dict[str, object] = {}
+
+        def send_second() -> None:
+            results["second"] = client.forward_backward(
+                second, operation_key="b", expected_position=1
+            )
+
+        thread = threading.Thread(target=send_second)
+        thread.start()  # position 1 goes first; the session is at 0
+        time.sleep(0.3)
+        assert "second" not in results  # held at the gate, not refused
+        results["first"] = client.forward_backward(first, operation_key="a", expected_position=0)
+        thread.join(timeout=30)
+        entries = handle.session_host.journal.entries()
+        digest = client.info().state_digest
+    local = TrainingSession(config, device="cpu")
+    local.forward_backward(first)
+    local.forward_backward(second)
+    assert [(e.operation_key, e.position) for e in entries] == [("a", 1), ("b", 2)]
+    assert results["second"].position == 2
+    assert digest == local.state_digest()
+
+
+def test_an_operation_whose_predecessor_never_comes_is_refused_with_the_real_position(
+    tmp_path, model_root, llama_config
+):
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("run", llama_config())
+        started = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.forward_backward(TEXTS[:2], operation_key="x", expected_position=3)
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "session is at position 0" in refused.value.details()
+        assert time.monotonic() - started < 30  # bounded by the gate's idle timeout
+        assert client.info().position == 0
+
+
+def test_lost_responses_with_a_window_of_four_apply_each_key_once(
+    tmp_path, model_root, llama_config
+):
+    config = llama_config(lr_scheduler="constant")
+    ops = mixed_ops()
+    dropper = DropFirstResponse()
+    local = TrainingSession(config, device="cpu")
+    for kind, batch in ops:
+        local.forward_backward(batch) if kind == "fb" else local.optim_step()
+    with running_server(tmp_path / "state", model_root, interceptors=[dropper]) as handle:
+        client = connect(handle, max_in_flight=4)
+        client.open("run", config)
+        outcomes = run_pipelined(client, ops, "run")
+        entries = handle.session_host.journal.entries(include_rolled_back=True)
+        assert client.info().state_digest == local.state_digest()
+        client.close_channel()
+    keys = [f"run/{i}" for i in range(len(ops))]
+    assert dropper.dropped == set(keys)
+    assert all(outcome.replayed for outcome in outcomes)
+    assert [(e.operation_key, e.position) for e in entries] == [
+        (key, position) for position, key in enumerate(keys, start=1)
+    ]
+
+
+def test_a_failed_call_stops_the_ones_behind_it_and_nothing_after_it_applies(
+    tmp_path, model_root, llama_config
+):
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY, max_in_flight=3)
+        client.open("run", llama_config(lr_scheduler="constant"))
+        ok = client.forward_backward_async(TEXTS[:2], operation_key="ok")
+        bad = client.forward_backward_async(
+            tiny_token_examples(1), operation_key="bad", loss_fn="mse"
+        )
+        behind = client.optim_step_async(operation_key="behind")
+        assert ok.result(timeout=60).position == 1
+        with pytest.raises(grpc.RpcError) as refused:
+            bad.result(timeout=60)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as stopped:
+            behind.result(timeout=60)
+        assert stopped.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert client.info().position == 1
+        # The next call learns the real position again and applies.
+        assert client.optim_step_async(operation_key="next").result(timeout=60).position == 2
+
+
+def test_pipelined_requests_carry_consecutive_positions_from_the_session(
+    tmp_path, model_root, llama_config
+):
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle)
+        client.open("run", llama_config(lr_scheduler="constant"))
+        client.forward_backward(TEXTS[:2], operation_key="blocking")  # position 1
+        futures = [
+            client.forward_backward_async(TEXTS[2:4], operation_key="p1"),
+            client.optim_step_async(operation_key="p2"),
+        ]
+        sent = [future.result(timeout=60).position for future in futures]
+    assert sent == [2, 3]  # numbered after the blocking call, which they waited for
+
+
+def sentiment_plan(bert_classifier_config, **overrides) -> ManagedTrainingPlan:
+    config = bert_classifier_config(
+        gradient_accumulation_steps=2, num_epochs=2, eval_strategy="epoch", **overrides
+    )
+    examples = tiny_sentiment_examples(18, seed=1)
+    return ManagedTrainingPlan(examples, config, eval_examples=tiny_sentiment_examples(6, seed=2))
+
+
+@pytest.mark.parametrize("window", [2, 4])
+def test_a_controller_window_ends_with_window_ones_bits(
+    tmp_path, model_root, bert_classifier_config, window
+):
+    plan = sentiment_plan(bert_classifier_config)
+    reference = ManagedTraining(
+        TrainingSession(plan.config, device="cpu", max_steps=plan.max_steps), plan
+    ).run()
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, max_in_flight=window)
+        controller = Controller(
+            client, plan, run_id="run", work_dir=tmp_path / "work", checkpoint_every=2,
+            window=window,
+        )  # fmt: skip
+        result = controller.run()
+        client.close_channel()
+    assert result.state_digest == reference.state_digest
+    assert result.history == reference.history
+    assert result.best_step == reference.best_step
