@@ -5,10 +5,17 @@ the run, its position, the key and payload digest of the SaveState that wrote it
 operation's result. That is enough to restore the session, roll the journal back to the same
 position, and re-commit the SaveState if the server died between writing the checkpoint and
 committing its journal entry.
+
+A checkpoint is trusted only once verified (``session_checkpoint.verify_checkpoint``: its files
+load and hash to the digest it was written with), so one damaged latest checkpoint costs the
+operations since the newest intact one (the controller replays them), never the whole run.
+Verifying reads the chosen checkpoint once more than the restore does; a restart is rare, and a
+restore of other bits than the journal recorded is worse.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +24,7 @@ from typing import Any
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.journal import SAVE_STATE, Journal, JournalEntry
 from trainwire.server.session import TrainingSession
-from trainwire.server.session_checkpoint import read_extra
+from trainwire.server.session_checkpoint import read_extra, verify_checkpoint
 from trainwire.server.state_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,7 @@ class RestorePoint:
 
     path: Path
     server: dict[str, Any]
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged
 
     @property
     def position(self) -> int:
@@ -64,21 +72,45 @@ class RestorePoint:
 
 
 def latest_checkpoint(run: RunDirectory, run_id: str) -> RestorePoint | None:
-    """The run's checkpoint with the highest position; checkpoints of other runs are skipped."""
-    best: RestorePoint | None = None
+    """The run's newest intact checkpoint: the highest position whose files verify.
+
+    Checkpoints of other runs are skipped. A damaged one (a truncated file, bits that no longer
+    hash to its recorded digest) is passed over for the next older one, with a warning, and
+    left on disk for a look; the returned point lists what it passed over in ``skipped``.
+    """
+    candidates = []
     for path in run.checkpoint_paths():
         try:
             server = read_extra(path).get(SERVER_EXTRA_KEY)
         except (NotFound, InvalidArgument) as error:
-            logger.warning("ignoring %s: %s", path, error)
+            logger.warning("ignoring checkpoint %s: %s", path.name, error)
             continue
         if not isinstance(server, dict) or server.get("run_id") != run_id:
-            logger.warning("ignoring %s: not a checkpoint of run %s", path, run_id)
+            logger.warning("ignoring checkpoint %s: not a checkpoint of run %s", path.name, run_id)
             continue
-        point = RestorePoint(path, server)
-        if best is None or point.position > best.position:
-            best = point
-    return best
+        candidates.append(RestorePoint(path, server))
+    skipped: list[str] = []
+    # Newest first; at one position (never two, but a tampered directory) the first name wins.
+    for point in sorted(candidates, key=lambda p: -p.position):
+        try:
+            verify_checkpoint(point.path)
+        except (NotFound, InvalidArgument) as error:
+            logger.error(
+                "checkpoint %s is damaged (%s); trying an older one", point.path.name, error
+            )
+            skipped.append(point.path.name)
+            continue
+        if skipped:
+            logger.warning(
+                "restored %s instead of the damaged %s: the journal rolls back to its position %d",
+                point.path.name,
+                ", ".join(skipped),
+                point.position,
+            )
+        return dataclasses.replace(point, skipped=tuple(skipped))
+    if skipped:
+        logger.error("every checkpoint is damaged (%s): starting from the beginning", skipped)
+    return None
 
 
 def restore_into(

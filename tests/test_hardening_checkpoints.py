@@ -155,3 +155,67 @@ def test_the_state_directory_cleans_leftovers_at_start_and_puts_back_a_hidden_ol
     assert _visible(checkpoints) == {"best": "best", "latest": "old"}
     assert sorted(p.name for p in checkpoints.iterdir()) == ["best", "latest"]
     assert sorted(p.name for p in exports.iterdir()) == ["final"]
+
+
+# -- item 5: a damaged latest checkpoint falls back to the newest intact one ----------------------
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _flip_last_byte(path: Path) -> None:
+    """Still a readable safetensors file, but one tensor's bits changed."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "file"),
+    [(_truncate, "model.safetensors"), (_flip_last_byte, "optimizer.safetensors")],
+    ids=["truncated-weights", "changed-optimizer-bits"],
+)
+def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
+    host, make_host, caplog, damage, file
+):
+    from host_operations import op, run_ops
+
+    run_ops(host, 0, 1)
+    intact = host.save_state("early", op("save-early", 2))
+    run_ops(host, 3, 1)
+    host.save_state("late", op("save-late", 5))
+    host.release()
+    late = host.state_dir.run("run").checkpoint("late")
+    damage(late / file)
+
+    restarted = make_host()
+    info = restarted.info()
+
+    assert info.state == "open"
+    assert (info.position, info.restored_checkpoint, info.last_operation_key) == (
+        3,
+        "early",
+        "save-early",
+    )
+    assert info.state_digest == intact.state_digest
+    assert "checkpoint late is damaged" in caplog.text
+    assert "restored early instead" in caplog.text
+    assert (late / file).exists(), "a damaged checkpoint is kept for a look, never deleted"
+
+
+def test_recovery_with_every_checkpoint_damaged_starts_from_the_beginning_and_says_so(
+    host, make_host, caplog
+):
+    from host_operations import op, run_ops
+
+    run_ops(host, 0, 1)
+    host.save_state("only", op("save", 2))
+    host.release()
+    _truncate(host.state_dir.run("run").checkpoint("only") / "gradients.safetensors")
+
+    info = make_host().info()
+
+    assert (info.state, info.position, info.restored_checkpoint) == ("open", 0, "")
+    assert "checkpoint only is damaged" in caplog.text
