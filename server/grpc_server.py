@@ -16,6 +16,7 @@ import threading
 from collections.abc import Sequence
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -99,6 +100,7 @@ class ServerHandle:
         self.port = port
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
+        self.tinker: Any = None  # the Tinker front's TinkerListener, when serve() started one
 
     @property
     def target(self) -> str:
@@ -114,6 +116,8 @@ class ServerHandle:
         with self._stop_lock:
             if self._stopped.is_set():
                 return
+            if self.tinker is not None:
+                self.tinker.stop()
             self.session_host.begin_shutdown()
             self.health.enter_graceful_shutdown()
             if not self.session_host.wait_idle(grace):
@@ -141,12 +145,16 @@ def serve(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = DEFAULT_MAX_WORKERS,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tinker_listen: str | None = None,
+    tinker_token: str | None = None,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
     It answers at once: a session left open in ``state_dir`` is restored in the background
     (health NOT_SERVING meanwhile). ``tls_*`` take PEM bytes or file paths; ``tls_client_ca``
     requires client certificates signed by it. ``interceptors`` run after the token check.
+    ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
+    (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send.
     """
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and its key")
@@ -199,8 +207,18 @@ def serve(
         session_host.state_dir.root,
         session_host.device,
     )
+    handle = ServerHandle(server, session_host, health_servicer, address, port)
+    if tinker_listen is not None:
+        from trainwire.server.tinker.listener import TinkerListener  # the optional extra
+
+        try:
+            handle.tinker = TinkerListener(session_host, tinker_listen, token=tinker_token)
+        except BaseException:
+            server.stop(None)
+            session_host.release()
+            raise
     threading.Thread(target=session_host.recover, name="trainwire-recover", daemon=True).start()
-    return ServerHandle(server, session_host, health_servicer, address, port)
+    return handle
 
 
 def _bind(

@@ -1,0 +1,158 @@
+"""The HTTP routes the Tinker SDK calls, each a thin wrapper over ``TinkerFront``.
+
+Errors: a caller's mistake is 400 (the SDK does not retry it) or 404 with ``detail`` saying what
+to do; a wrong key 401; a full queue 429 and a restoring server 503 (the SDK retries both).
+Errors of a call that was accepted come back through its future as ``{"error", "category"}``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from trainwire.server.errors import (
+    AlreadyExists,
+    NotFound,
+    ResourceExhausted,
+    TrainwireError,
+    Unavailable,
+)
+from trainwire.server.tinker.auth import refusal
+from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.futures import PROTOBUF, Done
+
+API = "/api/v1"
+DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
+
+
+def status_of(error: Exception) -> int:
+    if isinstance(error, NotFound):
+        return 404
+    if isinstance(error, ResourceExhausted):
+        return 429
+    if isinstance(error, Unavailable):
+        return 503
+    if isinstance(error, AlreadyExists | TrainwireError | ValueError):
+        return 400
+    return 500
+
+
+def create_app(
+    front: TinkerFront, *, token: str | None, poll_hold_s: float = DEFAULT_POLL_HOLD_S
+) -> FastAPI:
+    app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next: Any) -> Response:
+        why = refusal(request.headers.get("x-api-key"), token)
+        if why is not None:
+            return JSONResponse({"detail": why}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(Exception)
+    async def refuse(request: Request, error: Exception) -> JSONResponse:
+        return JSONResponse({"detail": str(error)}, status_code=status_of(error))
+
+    async def body(request: Request) -> dict[str, Any]:
+        data = await request.json()
+        if not isinstance(data, dict):
+            raise ValueError("the body must be a JSON object")
+        return data
+
+    def future(request_id: str, **extra: Any) -> dict[str, Any]:
+        return {"request_id": request_id, **extra}
+
+    @app.post(f"{API}/client/config")
+    async def client_config() -> dict[str, Any]:
+        # The defaults, with JWT exchange and server-side custom losses off (neither exists here).
+        return {"pjwt_auth_enabled": False, "custom_loss_server_side": False}
+
+    @app.post(f"{API}/create_session")
+    async def create_session() -> dict[str, Any]:
+        return {"type": "create_session", "session_id": front.create_session()}
+
+    @app.post(f"{API}/session_heartbeat")
+    async def heartbeat(request: Request) -> dict[str, Any]:
+        front.require_session(str((await body(request)).get("session_id")))
+        return {"type": "session_heartbeat"}
+
+    @app.post(f"{API}/telemetry")
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}
+
+    @app.post(f"{API}/sessions/{{session_id}}/finish")
+    async def finish(session_id: str) -> dict[str, Any]:
+        await run_in_threadpool(front.finish_session, session_id)
+        return {}
+
+    @app.post(f"{API}/create_model")
+    async def create_model(request: Request) -> dict[str, Any]:
+        data = await body(request)
+        request_id = await run_in_threadpool(front.create_model, data)
+        return future(request_id, model_id=front.model.model_id if front.model else None)
+
+    @app.post(f"{API}/get_info")
+    async def get_info(request: Request) -> dict[str, Any]:
+        return front.require_model(str((await body(request)).get("model_id"))).info()
+
+    @app.post(f"{API}/forward_backward")
+    async def forward_backward(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        encoding = request.headers.get("content-encoding", "")
+        return future(await run_in_threadpool(front.forward_backward, raw, encoding))
+
+    @app.post(f"{API}/optim_step")
+    async def optim_step(request: Request) -> dict[str, Any]:
+        return future(front.optim_step(await body(request)))
+
+    @app.post(f"{API}/save_weights")
+    async def save_weights(request: Request) -> dict[str, Any]:
+        return future(front.save_weights(await body(request)))
+
+    @app.post(f"{API}/load_weights")
+    async def load_weights(request: Request) -> dict[str, Any]:
+        return future(front.load_weights(await body(request)))
+
+    @app.post(f"{API}/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
+        return future(front.save_weights_for_sampler(await body(request)))
+
+    @app.post(f"{API}/create_sampling_session")
+    async def create_sampling_session(request: Request) -> dict[str, Any]:
+        sampling_id = front.create_sampling_session(await body(request))
+        return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
+
+    @app.get(f"{API}/samplers/{{sampling_id}}")
+    async def sampler(sampling_id: str) -> dict[str, Any]:
+        found = front.samplers.get(sampling_id)
+        return {
+            "sampler_id": found.sampling_session_id,
+            "base_model": found.base_model,
+            "model_path": found.model_path,
+        }
+
+    @app.post(f"{API}/asample")
+    async def asample(request: Request) -> dict[str, Any]:
+        request_id, sequence_ids = front.asample(await body(request))
+        return future(request_id, sample_sequence_ids=sequence_ids)
+
+    @app.post(f"{API}/retrieve_future")
+    async def retrieve_future(request: Request) -> Response:
+        request_id = str((await body(request)).get("request_id"))
+        try:
+            outcome = await run_in_threadpool(front.futures.wait, request_id, poll_hold_s)
+        except KeyError:
+            raise NotFound(f"no request {request_id!r} on this server") from None
+        if outcome is None:
+            payload = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+            return JSONResponse(payload)
+        if isinstance(outcome, Done):
+            if isinstance(outcome.body, bytes):
+                return Response(outcome.body, media_type=PROTOBUF)
+            return JSONResponse(outcome.body)
+        return JSONResponse(outcome.body())
+
+    return app

@@ -1,0 +1,246 @@
+"""The SDK's wire types ↔ trainwire's: protobuf ForwardBackward requests and outputs, sample
+requests and responses.
+
+Protobuf classes come from the SDK itself (``tinker.proto``), so the bytes stay compatible with
+the SDK version installed beside the server. Every refusal is an ``InvalidArgument`` that names
+the datum and field, raised before anything runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+
+from trainwire.client.outcomes import Sample
+from trainwire.client.tokens import TokenExample
+from trainwire.server.errors import InvalidArgument, ResourceExhausted
+
+MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
+INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
+_NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+
+
+@dataclass(frozen=True)
+class ForwardBackwardCall:
+    """One decoded /forward_backward chunk."""
+
+    model_id: str
+    seq_id: int
+    loss_fn: str
+    loss_fn_config: dict[str, float]
+    forward_only: bool
+    examples: tuple[TokenExample, ...]
+
+
+def decode_forward_backward(body: bytes, content_encoding: str = "") -> ForwardBackwardCall:
+    """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd) as trainwire values."""
+    if content_encoding.strip().lower() == "zstd":
+        try:
+            reader = zstandard.ZstdDecompressor().stream_reader(body)
+            body = reader.read(MAX_BODY_BYTES + 1)
+        except zstandard.ZstdError as error:
+            raise InvalidArgument(f"forward_backward: the zstd body is corrupt: {error}") from None
+        if len(body) > MAX_BODY_BYTES:
+            raise ResourceExhausted(f"forward_backward: the body is over {MAX_BODY_BYTES} bytes")
+    elif content_encoding.strip() not in ("", "identity"):
+        raise InvalidArgument(f"forward_backward: unknown Content-Encoding {content_encoding!r}")
+    message = pb.ForwardBackwardRequest()
+    try:
+        message.ParseFromString(body)
+    except Exception as error:  # protobuf raises DecodeError, a plain Exception subclass
+        raise InvalidArgument(f"forward_backward: not a ForwardBackwardRequest: {error}") from None
+    if not message.data:
+        raise InvalidArgument("forward_backward: no data; send at least one Datum")
+    examples = tuple(_example(i, datum) for i, datum in enumerate(message.data))
+    return ForwardBackwardCall(
+        message.model_id,
+        message.seq_id,
+        message.loss_fn,
+        _loss_config(message),
+        message.forward_only,
+        examples,
+    )
+
+
+def _loss_config(message: pb.ForwardBackwardRequest) -> dict[str, float]:
+    """The v2 map when it is set (the SDK dual-writes numbers into both), else the legacy one."""
+    if message.loss_fn_config_v2:
+        config = {}
+        for key, value in message.loss_fn_config_v2.items():
+            if value.WhichOneof("value") == "text":
+                raise InvalidArgument(f"loss_fn_config[{key!r}]: text values are not supported")
+            config[key] = value.number
+        return config
+    return dict(message.loss_fn_config.items())
+
+
+def _example(index: int, datum: pb.Datum) -> TokenExample:
+    tokens: list[int] = []
+    for chunk in datum.model_input:
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidArgument(
+                f"data[{index}].model_input: {kind} chunks are not supported; send tokens"
+            )
+        tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
+    unknown = sorted(set(datum.loss_fn_inputs) - set(INPUT_FIELDS))
+    if unknown:
+        raise InvalidArgument(
+            f"data[{index}].loss_fn_inputs: unknown {unknown}; this server takes {INPUT_FIELDS}"
+        )
+    if "target_tokens" not in datum.loss_fn_inputs:
+        raise InvalidArgument(f"data[{index}].loss_fn_inputs: target_tokens is missing")
+    fields: dict[str, Any] = {}
+    for name in INPUT_FIELDS:
+        if name in datum.loss_fn_inputs:
+            array = _dense(f"data[{index}].loss_fn_inputs.{name}", datum.loss_fn_inputs[name])
+            fields[name] = array.tolist()
+    try:
+        return TokenExample(tokens=tokens, **fields)
+    except ValueError as error:
+        raise InvalidArgument(f"data[{index}]: {error}") from None
+
+
+def _dense(what: str, tensor: pb.Tensor) -> np.ndarray:
+    """A 1-D tensor as a numpy array (sparse CSR densified with 0, as the SDK writes it)."""
+    dtype = _NUMPY.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidArgument(f"{what}: dtype {pb.DType.Name(tensor.dtype)} is not supported")
+    shape = list(tensor.shape)
+    if tensor.HasField("sparse_csr"):
+        if len(shape) != 2:
+            raise InvalidArgument(f"{what}: a sparse tensor needs a 2-D shape, got {shape}")
+        csr = tensor.sparse_csr
+        values = np.frombuffer(csr.values, dtype=dtype)
+        crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
+        if len(crow) != shape[0] + 1 or len(cols) != len(values):
+            raise InvalidArgument(f"{what}: inconsistent sparse CSR indices")
+        dense = np.zeros(shape, dtype=dtype)
+        for row in range(shape[0]):
+            dense[row, cols[crow[row] : crow[row + 1]]] = values[crow[row] : crow[row + 1]]
+        array = dense
+    else:
+        array = np.frombuffer(tensor.dense, dtype=dtype)
+        if shape and math.prod(shape) != array.size:
+            raise InvalidArgument(f"{what}: shape {shape} does not hold {array.size} values")
+        if shape:
+            array = array.reshape(shape)
+    if array.ndim != 1:
+        raise InvalidArgument(
+            f"{what}: shape {list(array.shape)}; this server takes one value per position (1-D)"
+        )
+    return array
+
+
+def encode_forward_backward_output(
+    logprobs: Sequence[Sequence[float]],
+    elementwise_loss: Sequence[Sequence[float]],
+    metrics: Mapping[str, float],
+) -> bytes:
+    """A protobuf ``ForwardBackwardOutput``: per-datum ``logprobs`` and ``elementwise_loss``
+    (float32, as the SDK reads them) and the metrics, every key ``name:reduction``."""
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    message.metrics.update({key: float(value) for key, value in metrics.items()})
+    record = message.loss_fn_outputs.add(type_tag="ArrayRecord", num_datums=len(logprobs))
+    for name, rows in (("logprobs", logprobs), ("elementwise_loss", elementwise_loss)):
+        arrays = [np.asarray(row, dtype=np.float32) for row in rows]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays], dtype=np.int64)
+        field = record.fields[name]
+        field.dtype = pb.DTYPE_FLOAT32
+        field.data = b"".join(a.tobytes() for a in arrays)
+        field.offsets = offsets.tobytes()
+    return message.SerializeToString()
+
+
+def encode_sample_response(
+    samples: Sequence[Sample], prompt_logprobs: Sequence[float] | None = None
+) -> bytes:
+    """A protobuf ``SampleResponse``: tokens int32, logprobs float32, the stop reason."""
+    message = pb.SampleResponse()
+    for sample in samples:
+        reason = pb.STOP_REASON_STOP if sample.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        message.sequences.add(
+            stop_reason=reason,
+            tokens=np.asarray(sample.tokens, dtype=np.int32).tobytes(),
+            logprobs=np.asarray(sample.logprobs, dtype=np.float32).tobytes(),
+        )
+    if prompt_logprobs is not None:
+        message.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+    return message.SerializeToString()
+
+
+@dataclass(frozen=True)
+class SampleCall:
+    """One decoded /asample request, in ``TrainingSession.sample``'s terms."""
+
+    sampling_session_id: str
+    seq_id: int
+    prompt: tuple[int, ...]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_tokens: tuple[int, ...]
+    seed: int | None
+    prompt_logprobs: bool
+
+
+UNSUPPORTED_SAMPLE_OPTIONS = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "prompt_alt_tokens_k",
+)
+
+
+def decode_sample(body: Mapping[str, Any]) -> SampleCall:
+    """A JSON ``SampleRequest``; options this server cannot honour are refused, never ignored."""
+    problems = [f"{name} is not supported" for name in UNSUPPORTED_SAMPLE_OPTIONS if body.get(name)]
+    for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
+        if body.get(name) is not None:
+            problems.append(f"{name} is not supported")
+    if not body.get("sampling_session_id"):
+        problems.append("sampling_session_id is missing: create a sampling session first")
+    params = body.get("sampling_params") or {}
+    stop = params.get("stop")
+    if isinstance(stop, str) or (stop and not all(isinstance(s, int) for s in stop)):
+        problems.append("stop strings are not supported: give stop token ids")
+    elif stop is not None and len(stop) == 0:
+        problems.append("stop=[] (no EOS stop) is not supported; give max_tokens instead")
+    prompt = _prompt_tokens(body.get("prompt") or {}, problems)
+    max_tokens = params.get("max_tokens")
+    if max_tokens is None:
+        problems.append("sampling_params.max_tokens is required")
+    if problems:
+        raise InvalidArgument("asample: " + "; ".join(problems))
+    top_k = int(params.get("top_k", -1))
+    return SampleCall(
+        sampling_session_id=str(body["sampling_session_id"]),
+        seq_id=int(body.get("seq_id") or 0),
+        prompt=tuple(prompt),
+        num_samples=int(body.get("num_samples", 1)),
+        max_tokens=int(max_tokens),
+        temperature=float(params.get("temperature", 1.0)),
+        top_p=float(params.get("top_p", 1.0)),
+        top_k=0 if top_k == -1 else top_k,  # the SDK's -1 is trainwire's 0: keep every token
+        stop_tokens=tuple(stop or ()),
+        seed=params.get("seed"),
+        prompt_logprobs=bool(body.get("prompt_logprobs")),
+    )
+
+
+def _prompt_tokens(prompt: Mapping[str, Any], problems: list[str]) -> list[int]:
+    tokens: list[int] = []
+    for chunk in prompt.get("chunks") or ():
+        if chunk.get("type", "encoded_text") != "encoded_text":
+            problems.append(f"prompt: {chunk.get('type')} chunks are not supported; send tokens")
+            continue
+        tokens.extend(int(t) for t in chunk.get("tokens") or ())
+    return tokens

@@ -1,0 +1,76 @@
+"""The futures the SDK polls: a request id answers at once, its result comes later.
+
+A result enters the store only after it is durable (a keyed operation's journal commit happens
+inside ``SessionHost`` before the host returns), so a poll can never see a result that a crash
+could take back. A poll is held up to ``hold_s`` and then answered ``try_again``; the SDK re-polls
+at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PROTOBUF = "application/x-protobuf"
+
+
+@dataclass(frozen=True)
+class Done:
+    """A finished request: a JSON object, or protobuf bytes (``ForwardBackwardOutput``,
+    ``SampleResponse``)."""
+
+    body: dict[str, Any] | bytes
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A failed request: ``category`` is ``user`` (the caller's mistake) or ``server``."""
+
+    error: str
+    category: str
+
+    def body(self) -> dict[str, str]:
+        return {"error": self.error, "category": self.category}
+
+
+Outcome = Done | Failed
+
+
+class FutureStore:
+    """Request id → outcome, with polls that wait for it."""
+
+    def __init__(self) -> None:
+        self._outcomes: dict[str, Outcome | None] = {}
+        self._changed = threading.Condition()
+
+    def add(self, request_id: str) -> None:
+        """Register a pending request (a no-op for one already known: a re-sent request)."""
+        with self._changed:
+            self._outcomes.setdefault(request_id, None)
+
+    def known(self, request_id: str) -> bool:
+        with self._changed:
+            return request_id in self._outcomes
+
+    def resolve(self, request_id: str, outcome: Outcome) -> None:
+        with self._changed:
+            self._outcomes[request_id] = outcome
+            self._changed.notify_all()
+
+    def wait(self, request_id: str, hold_s: float) -> Outcome | None:
+        """The outcome once there is one; None after ``hold_s`` (answer ``try_again``).
+
+        Raises ``KeyError`` for a request id this server never issued.
+        """
+        deadline = time.monotonic() + hold_s
+        with self._changed:
+            while True:
+                if request_id not in self._outcomes:
+                    raise KeyError(request_id)
+                outcome = self._outcomes[request_id]
+                left = deadline - time.monotonic()
+                if outcome is not None or left <= 0:
+                    return outcome
+                self._changed.wait(left)

@@ -1,0 +1,61 @@
+"""The Tinker HTTP listener: uvicorn on its own thread, in the gRPC server's process."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import uvicorn
+
+from trainwire.server.host import SessionHost
+from trainwire.server.tinker.app import create_app
+from trainwire.server.tinker.auth import check_token
+from trainwire.server.tinker.front import TinkerFront
+
+logger = logging.getLogger(__name__)
+START_TIMEOUT_S = 30.0
+
+
+class TinkerListener:
+    """A running Tinker front: ``port``, ``front`` and ``stop()``."""
+
+    def __init__(
+        self,
+        host: SessionHost,
+        listen: str,
+        *,
+        token: str | None = None,
+        tokenizer_id: str | None = None,
+    ) -> None:
+        check_token(token)
+        address, sep, port = listen.rpartition(":")
+        if not sep or not address or not port.isdigit():
+            raise ValueError(f"--tinker-listen takes HOST:PORT (port 0 picks one), got {listen!r}")
+        self.front = TinkerFront(host, tokenizer_id=tokenizer_id)
+        app = create_app(self.front, token=token)
+        config = uvicorn.Config(
+            app, host=address, port=int(port), log_level="warning", lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="tinker-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise OSError(f"cannot listen on {listen} for the Tinker front")
+            if time.monotonic() > deadline:
+                raise OSError(f"the Tinker front did not start on {listen}")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.address = f"{address}:{self.port}"
+        logger.info("Tinker front on http://%s%s", self.address, " (key required)" if token else "")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.address}"
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self.front.stop()

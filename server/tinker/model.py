@@ -1,0 +1,136 @@
+"""What ``create_model`` becomes: the SDK's model request as a trainwire ``TrainingConfig``, and
+the record the front keeps of the one model it serves.
+
+The optimizer settings are Tinker's ``AdamParams`` defaults (beta1 0.9, beta2 0.95, eps 1e-12, no
+weight decay, no clipping), fixed for the run because the engine builds its optimizer once; an
+``optim_step`` asking for other values is refused (see ``check_adam_params``), never ignored.
+The schedule is constant: every SDK ``optim_step`` names its own learning rate.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainwire.client.config import LoraSettings, TrainingConfig
+from trainwire.server.errors import InvalidArgument
+
+# Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
+# "LoRA Without Regret" recipe: a good learning rate then barely depends on the rank).
+LORA_ALPHA = 32
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
+MAX_LENGTH = 32768  # tokens per datum; the engine refuses longer ones (never truncates)
+MODEL_FILE = "model.json"
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """The model this front serves: enough to answer get_info after a restart."""
+
+    model_id: str
+    run_id: str
+    session_id: str
+    base_model: str
+    tokenizer_id: str
+    lora_rank: int | None
+
+    def save(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        temporary = directory / (MODEL_FILE + ".tmp")
+        temporary.write_text(json.dumps(asdict(self), sort_keys=True))
+        temporary.replace(directory / MODEL_FILE)
+
+    @classmethod
+    def load(cls, directory: Path) -> ModelRecord | None:
+        path = directory / MODEL_FILE
+        return cls(**json.loads(path.read_text())) if path.is_file() else None
+
+    def info(self) -> dict[str, Any]:
+        """The SDK's ``GetInfoResponse``."""
+        return {
+            "type": "get_info",
+            "model_id": self.model_id,
+            "model_name": self.base_model,
+            "model_data": {
+                "arch": "causal-lm",
+                "model_name": self.base_model,
+                "tokenizer_id": self.tokenizer_id,
+            },
+            "is_lora": self.lora_rank is not None,
+            "lora_rank": self.lora_rank,
+        }
+
+
+def run_id_for(model_id: str) -> str:
+    """The trainwire run id of an SDK model id (run ids take no colons)."""
+    return model_id.replace(":", "-")
+
+
+def training_config(body: dict[str, Any]) -> TrainingConfig:
+    """A ``CreateModelRequest`` as the run's config; InvalidArgument for what cannot be served."""
+    base_model = body.get("base_model")
+    if not isinstance(base_model, str) or not base_model:
+        raise InvalidArgument("create_model: base_model is required (a model under --model-root)")
+    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    if optimizer != "adamw":
+        raise InvalidArgument(f"create_model: optimizer {optimizer!r}; this server runs adamw")
+    lora = body.get("lora_config")
+    seed = 0
+    settings = None
+    if lora is not None:
+        rank = lora.get("rank")
+        if not isinstance(rank, int) or rank < 1:
+            raise InvalidArgument(f"create_model: lora_config.rank must be >= 1, got {rank!r}")
+        targets = (
+            (ATTENTION_MODULES if lora.get("train_attn", True) else ())
+            + (MLP_MODULES if lora.get("train_mlp", True) else ())
+            + (UNEMBED_MODULES if lora.get("train_unembed", True) else ())
+        )
+        if not targets:
+            raise InvalidArgument("create_model: train at least one of attn, mlp, unembed")
+        settings = LoraSettings(r=rank, alpha=LORA_ALPHA, target_modules=targets)
+        seed = int(lora.get("seed") or 0)
+    return TrainingConfig(
+        model=base_model,
+        lora=settings,
+        learning_rate=1e-4,  # unused: every optim_step gives its own rate
+        weight_decay=ADAM_DEFAULTS["weight_decay"],
+        adam_beta1=ADAM_DEFAULTS["beta1"],
+        adam_beta2=ADAM_DEFAULTS["beta2"],
+        adam_epsilon=ADAM_DEFAULTS["eps"],
+        lr_scheduler="constant",
+        max_grad_norm=None,
+        max_length=MAX_LENGTH,
+        seed=seed,
+    )
+
+
+def check_adam_params(body: dict[str, Any]) -> float:
+    """The learning rate of an ``OptimStepRequest``; InvalidArgument when any other setting
+    differs from the run's (the engine cannot change them per update)."""
+    if body.get("optimizer_params") is not None:
+        raise InvalidArgument("optim_step: this server runs adamw; send AdamParams")
+    params = body.get("adam_params") or body.get("optim_params")
+    if not isinstance(params, dict):
+        raise InvalidArgument("optim_step: adam_params is required")
+    learning_rate = params.get("learning_rate", 1e-4)
+    if not isinstance(learning_rate, (int, float)) or not math.isfinite(learning_rate):
+        raise InvalidArgument(f"optim_step: learning_rate must be a number, got {learning_rate!r}")
+    expected = {**ADAM_DEFAULTS, "grad_clip_norm": 0.0}
+    different = [
+        f"{name}={params[name]!r} (this run uses {value!r})"
+        for name, value in expected.items()
+        if name in params and float(params[name]) != value
+    ]
+    if different:
+        raise InvalidArgument(
+            "optim_step: this server fixes the optimizer at the SDK's AdamParams defaults; "
+            f"not supported: {', '.join(different)}. Change only learning_rate per step."
+        )
+    return float(learning_rate)

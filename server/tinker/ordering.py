@@ -1,0 +1,101 @@
+"""Per-model sequencing: the SDK numbers a training client's calls with ``seq_id`` from 1 and may
+send them out of order (a big batch's chunks go in parallel, the first one last). Each call runs
+only after every lower ``seq_id`` of its model has run; later ones wait, up to a bound.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from trainwire.server.errors import AlreadyExists, ResourceExhausted
+
+DEFAULT_MAX_HELD = 1024  # calls of one model waiting for an earlier seq_id; more is refused (429)
+
+Job = Callable[[], None]
+
+
+class SeqOrder:
+    """Releases each model's jobs to ``run`` in ``seq_id`` order, one at a time.
+
+    ``run`` is called on a thread of this object's own, never on the caller's, so an HTTP handler
+    returns its request id at once.
+    """
+
+    def __init__(self, run: Callable[[Job], None], *, max_held: int = DEFAULT_MAX_HELD) -> None:
+        self._run = run
+        self._max_held = max_held
+        self._lock = threading.Condition()
+        self._next: dict[str, int] = {}
+        self._held: dict[str, dict[int, tuple[str, Job]]] = {}
+        self._seen: dict[tuple[str, int], str] = {}  # (model, seq) → payload digest
+        self._ready: list[Job] = []
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="tinker-order", daemon=True)
+        self._thread.start()
+
+    def start_model(self, model_id: str, next_seq: int = 1) -> None:
+        with self._lock:
+            self._next.setdefault(model_id, next_seq)
+            self._held.setdefault(model_id, {})
+
+    def submit(self, model_id: str, seq_id: int, digest: str, job: Job) -> bool:
+        """Queue ``job`` as ``seq_id`` of ``model_id``; False when that seq_id was already
+        submitted with the same payload (a re-send: its future already exists).
+
+        Raises ``AlreadyExists`` for the same seq_id with another payload, ``ResourceExhausted``
+        when too many later calls already wait for an earlier one.
+        """
+        with self._lock:
+            seen = self._seen.get((model_id, seq_id))
+            if seen is not None:
+                if seen != digest:
+                    raise AlreadyExists(
+                        f"seq_id {seq_id} of model {model_id!r} was already sent with another "
+                        "payload; a new call needs a new seq_id"
+                    )
+                return False
+            if seq_id < self._next[model_id]:
+                raise AlreadyExists(
+                    f"seq_id {seq_id} of model {model_id!r} is before the next expected "
+                    f"({self._next[model_id]}) and was never sent to this server"
+                )
+            held = self._held[model_id]
+            if len(held) >= self._max_held and seq_id != self._next[model_id]:
+                raise ResourceExhausted(
+                    f"{len(held)} calls of model {model_id!r} wait for seq_id "
+                    f"{self._next[model_id]}; send it first"
+                )
+            self._seen[(model_id, seq_id)] = digest
+            held[seq_id] = (digest, job)
+            self._release(model_id)
+            return True
+
+    def run_unordered(self, job: Job) -> None:
+        """Queue a job outside any model's sequence (sampling), behind what is ready now."""
+        with self._lock:
+            self._ready.append(job)
+            self._lock.notify_all()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify_all()
+
+    def _release(self, model_id: str) -> None:
+        held = self._held[model_id]
+        while self._next[model_id] in held:
+            _, job = held.pop(self._next[model_id])
+            self._next[model_id] += 1
+            self._ready.append(job)
+        self._lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._ready and not self._stopped:
+                    self._lock.wait()
+                if self._stopped:
+                    return
+                job = self._ready.pop(0)
+            self._run(job)
