@@ -1,0 +1,39 @@
+"""Supervised fine-tuning with the Tinker SDK, against a self-hosted trainwire server.
+
+    trainwire serve --listen 127.0.0.1:50051 --state-dir state --model-root models \\
+        --tinker-listen 127.0.0.1:8000 --tinker-token-file key.txt   # key.txt holds tml-...
+    TINKER_API_KEY=tml-... python examples/tinker_sl.py http://127.0.0.1:8000 llama
+
+The loop is the SDK docs' own; only base_url (and the key) point at trainwire.
+"""
+
+import sys
+
+import tinker
+from tinker import types
+
+base_url, base_model = sys.argv[1], sys.argv[2]
+service_client = tinker.ServiceClient(base_url=base_url)
+training_client = service_client.create_lora_training_client(base_model=base_model, rank=8).result()
+tokenizer = training_client.get_tokenizer()
+
+texts = ["The capital of France is Paris.", "Water boils at 100 degrees Celsius."]
+data = []
+for text in texts:
+    tokens = tokenizer.encode(text)
+    data.append(
+        types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]),
+            loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+        )
+    )
+
+for step in range(10):
+    fwd_bwd_future = training_client.forward_backward(data, "cross_entropy")
+    optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
+    loss = fwd_bwd_future.result().metrics["loss:sum"]
+    optim_future.result()
+    print(f"step {step}: loss {loss:.4f}")
+
+training_client.save_state("final").result()
+service_client.close("success").result()

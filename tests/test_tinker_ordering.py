@@ -1,0 +1,66 @@
+"""The Tinker front's seq_id ordering and its protobuf codec, without a network."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import zstandard
+from tinker.proto import tinker_public_pb2 as pb
+
+from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from trainwire.server.tinker.codec import decode_forward_backward
+from trainwire.server.tinker.ordering import SeqOrder
+
+
+def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> None:
+    ran: list[int] = []
+    done = threading.Event()
+    order = SeqOrder(lambda job: job(), max_held=2)
+    order.start_model("m")
+
+    def job(seq: int):
+        def run() -> None:
+            ran.append(seq)
+            if len(ran) == 3:
+                done.set()
+
+        return run
+
+    assert order.submit("m", 3, "c", job(3))
+    assert order.submit("m", 2, "b", job(2))
+    with pytest.raises(ResourceExhausted, match="wait for seq_id 1"):
+        order.submit("m", 4, "d", job(4))
+    assert order.submit("m", 1, "a", job(1))
+    assert done.wait(5)
+    assert ran == [1, 2, 3]
+    assert not order.submit("m", 2, "b", job(2))  # a re-send: its future already exists
+    with pytest.raises(AlreadyExists, match="another payload"):
+        order.submit("m", 2, "other", job(2))
+    order.stop()
+
+
+def _request(tokens: list[int], targets: list[int]) -> pb.ForwardBackwardRequest:
+    message = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
+    datum = message.data.add()
+    datum.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+    tensor = datum.loss_fn_inputs["target_tokens"]
+    tensor.dtype = pb.DTYPE_INT64
+    tensor.dense = np.asarray(targets, np.int64).tobytes()
+    tensor.shape.append(len(targets))
+    return message
+
+
+def test_forward_backward_bodies_decode_plain_and_zstd_and_bad_ones_are_refused() -> None:
+    body = _request([1, 2, 3], [2, 3, 4]).SerializeToString()
+    for call in (
+        decode_forward_backward(body),
+        decode_forward_backward(zstandard.ZstdCompressor().compress(body), "zstd"),
+    ):
+        assert call.examples[0].tokens == (1, 2, 3)
+        assert call.examples[0].target_tokens == (2, 3, 4)
+    with pytest.raises(InvalidArgument, match="values but tokens has"):
+        decode_forward_backward(_request([1, 2], [2, 3, 4]).SerializeToString())
+    with pytest.raises(InvalidArgument, match="not a ForwardBackwardRequest"):
+        decode_forward_backward(b"\xff\xff\xff")

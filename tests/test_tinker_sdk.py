@@ -1,0 +1,115 @@
+"""The real Tinker SDK (from PyPI) against a real trainwire server on loopback: supervised and RL
+loops as the SDK's docs write them, unchanged but for base_url and the key."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from tinker import types
+from tinker_loops import (
+    KEY,
+    SENTENCES,
+    rl_step,
+    service_client,
+    supervised_datum,
+    supervised_loop,
+    tinker_server,
+)
+
+
+def test_supervised_loop_loss_falls_and_repeats_bit_for_bit(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    runs = []
+    for name in ("first", "second"):
+        with tinker_server(tmp_path / name, model_root) as handle:
+            service = service_client(handle)
+            runs.append(supervised_loop(service))
+            service.close("success").result()
+    first, second = runs
+    assert first == second
+    assert first[-1] < first[0]
+
+
+def test_rl_loop_sample_logprobs_are_the_trainers_bit_for_bit(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        tokenizer = training_client.get_tokenizer()
+        for step, loss_fn in enumerate(("importance_sampling", "ppo")):
+            sampled, trained, _ = rl_step(training_client, tokenizer, loss_fn, seed=step)
+            # A group trains as one padded batch, whose kernels round differently from a batch of
+            # one in the last bits (an engine limitation, reported): close, not equal.
+            for sample, train in zip(sampled, trained, strict=True):
+                assert sample == pytest.approx(train, rel=1e-5)
+        # One sample trained alone: the sampler's logprobs are the trainer's, bit for bit.
+        sampled, trained, _ = rl_step(training_client, tokenizer, "importance_sampling", 5, 1)
+        assert sampled == trained
+        service.close("success").result()
+
+
+def test_compute_logprobs_equal_forward_and_custom_loss_trains(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        tokenizer = training_client.get_tokenizer()
+        datum = supervised_datum(tokenizer, SENTENCES[0])
+        forward = training_client.forward([datum], "cross_entropy").result()
+        sampling_client = training_client.save_weights_and_get_sampling_client().result()
+        tokens = tokenizer.encode(SENTENCES[0])
+        scored = sampling_client.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+        assert scored[0] is None
+        assert scored[1:] == forward.loss_fn_outputs[0]["logprobs"].tolist()
+
+        def mean_nll(data: list[types.Datum], logprobs: list[torch.Tensor]):
+            loss = -torch.cat(logprobs).mean()
+            return loss, {"nll:mean": loss.item()}
+
+        first = training_client.forward_backward_custom([datum], mean_nll).result()
+        training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        second = training_client.forward_backward_custom([datum], mean_nll).result()
+        assert math.isclose(first.metrics["loss:sum"], first.metrics["nll:mean"], rel_tol=1e-6)
+        assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
+        service.close("success").result()
+
+
+def test_a_wrong_or_missing_key_is_refused(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import httpx
+    import tinker
+
+    monkeypatch.delenv("TINKER_API_KEY", raising=False)
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        with pytest.raises(tinker.AuthenticationError, match="wrong API key"):
+            service_client(handle, key="tml-wrong").create_lora_training_client(
+                base_model="llama", rank=4
+            ).result()
+        url = f"{handle.tinker.base_url}/api/v1/create_session"
+        response = httpx.post(url, json={})
+        assert response.status_code == 401
+        assert "X-API-Key" in response.json()["detail"]
+        assert httpx.post(url, json={}, headers={"X-API-Key": KEY}).status_code == 200
+
+
+def test_refusals_are_clear_and_change_nothing(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    import tinker
+
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match="one server, one model"):
+            service.create_lora_training_client(base_model="llama", rank=4).result()
+        with pytest.raises(tinker.BadRequestError, match="beta2"):
+            training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
+        info = handle.session_host.info()
+        assert info.position == 0 and info.step == 0

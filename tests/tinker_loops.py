@@ -1,0 +1,93 @@
+"""SDK loops for the Tinker front's tests, written the way Tinker's docs write them (only
+``base_url`` and the key differ), and the server they run against."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import tinker
+from tinker import types
+
+from trainwire.server.grpc_server import ServerHandle, serve
+
+KEY = "tml-trainwire-test-key"
+SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "birds sing in the morning"]
+
+
+@contextlib.contextmanager
+def tinker_server(state_dir: Path, model_root: Path) -> Iterator[ServerHandle]:
+    handle = serve(
+        listen="127.0.0.1:0",
+        state_dir=state_dir,
+        model_root=model_root,
+        device="cpu",
+        tinker_listen="127.0.0.1:0",
+        tinker_token=KEY,
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop(grace=10)
+
+
+def service_client(handle: ServerHandle, key: str = KEY) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=handle.tinker.base_url, api_key=key)
+
+
+def supervised_datum(tokenizer: Any, text: str) -> types.Datum:
+    tokens = tokenizer.encode(text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def supervised_loop(service: tinker.ServiceClient, steps: int = 4) -> list[float]:
+    """The docs' SL loop: build data, forward_backward, optim_step, await, log the loss."""
+    training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+    tokenizer = training_client.get_tokenizer()
+    data = [supervised_datum(tokenizer, text) for text in SENTENCES]
+    losses = []
+    for _ in range(steps):
+        fwd_bwd_future = training_client.forward_backward(data, "cross_entropy")
+        optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-2))
+        losses.append(fwd_bwd_future.result().metrics["loss:sum"])
+        optim_future.result()
+    return losses
+
+
+def rl_step(
+    training_client: Any, tokenizer: Any, loss_fn: str, seed: int = 0, group: int = 4
+) -> tuple[list[list[float]], list[list[float]], float]:
+    """One RL iteration as the docs write it: snapshot, sample a group, score, train.
+
+    Returns the sampler's logprobs of each completion, the trainer's logprobs of the same
+    tokens in the forward_backward, and the mean reward.
+    """
+    sampling_client = training_client.save_weights_and_get_sampling_client().result()
+    prompt = tokenizer.encode("the cat")
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=seed)
+    result = sampling_client.sample(types.ModelInput.from_ints(prompt), group, params).result()
+    rewards = [sum(t % 2 == 0 for t in seq.tokens) / len(seq.tokens) for seq in result.sequences]
+    mean = sum(rewards) / len(rewards)
+    data = []
+    for seq, reward in zip(result.sequences, rewards, strict=True):
+        full = prompt + seq.tokens
+        n_prompt = len(prompt) - 1
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": full[1:],
+                    "logprobs": [0.0] * n_prompt + list(seq.logprobs),
+                    "advantages": [0.0] * n_prompt + [reward - mean] * len(seq.tokens),
+                },
+            )
+        )
+    fwd_bwd = training_client.forward_backward(data, loss_fn).result()
+    training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    trained = [out["logprobs"].tolist()[len(prompt) - 1 :] for out in fwd_bwd.loss_fn_outputs]
+    return [list(seq.logprobs) for seq in result.sequences], trained, mean
