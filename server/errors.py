@@ -7,6 +7,8 @@ servicer maps them to status codes in one place.
 
 from __future__ import annotations
 
+import errno
+
 
 class TrainwireError(Exception):
     """Base of every error the session raises on purpose."""
@@ -43,3 +45,45 @@ class ResourceExhausted(TrainwireError, RuntimeError):
 
 class Unavailable(TrainwireError, RuntimeError):
     """Restoring or shutting down; retry later (UNAVAILABLE)."""
+
+
+# -- what the machine ran out of -----------------------------------------------------------------
+# torch and safetensors report these as plain RuntimeError / SafetensorError / OSError; a caller
+# can act on them (smaller batches, free disk), so they are RESOURCE_EXHAUSTED, never INTERNAL.
+
+OUT_OF_MEMORY_MESSAGES = (
+    "DefaultCPUAllocator: can't allocate memory",  # torch's CPU allocator, older releases
+    "DefaultCPUAllocator: not enough memory",  # and newer ones
+    "out of memory",  # CUDA and MPS, when not raised as torch.OutOfMemoryError
+)
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_MESSAGES = ("No space left on device", "StorageFull", "Disk quota exceeded")
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """``MemoryError``, or an allocator's RuntimeError (torch.OutOfMemoryError is one)."""
+    if isinstance(error, MemoryError):
+        return True
+    return isinstance(error, RuntimeError) and any(m in str(error) for m in OUT_OF_MEMORY_MESSAGES)
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """ENOSPC or a quota, as an OSError or inside a library's error (safetensors wraps it)."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+        return True
+    return any(message in str(error) for message in DISK_FULL_MESSAGES)
+
+
+def exhaustion_advice(error: BaseException) -> str | None:
+    """What a caller can do about ``error`` if memory or disk ran out; None otherwise."""
+    if is_out_of_memory(error):
+        return (
+            "the server ran out of memory: send smaller requests (fewer or shorter examples) "
+            "or run the server with more memory"
+        )
+    if is_disk_full(error):
+        return (
+            "the server's disk is full: free space in its state directory (old runs, "
+            "checkpoints, exports) and retry"
+        )
+    return None

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainwire.server.errors import FailedPrecondition, ResourceExhausted
+from trainwire.server.errors import FailedPrecondition, ResourceExhausted, is_out_of_memory
 from trainwire.server.rng import RngState, preserved_global_rng
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,12 @@ class OperationGuard:
         except BaseException as error:
             self.broken = f"{what} failed midway ({type(error).__name__}: {error})"
             logger.error("session marked unusable: %s", self.broken)
-            if isinstance(error, torch.OutOfMemoryError):
-                raise ResourceExhausted(f"{what} ran out of memory: {error}") from error
+            if _out_of_memory(error):
+                raise ResourceExhausted(
+                    f"{what} ran out of memory midway ({_first_line(error)}); the session is "
+                    "unusable until it is restored from a checkpoint: restart the server (it "
+                    "restores the latest) and send smaller microbatches"
+                ) from error
             raise
 
     def changed(self) -> None:
@@ -81,8 +85,28 @@ class OperationGuard:
 
 @contextlib.contextmanager
 def refuse_out_of_memory(what: str) -> Iterator[None]:
-    """Out of memory before anything changed: ``ResourceExhausted``, the session intact."""
+    """Out of memory before anything changed: ``ResourceExhausted``, the session intact.
+
+    On the CPU torch raises a plain RuntimeError (``DefaultCPUAllocator: ...``), on CUDA
+    ``torch.OutOfMemoryError``; both are the caller's to act on, so both say what to do.
+    """
     try:
         yield
-    except torch.OutOfMemoryError as error:
-        raise ResourceExhausted(f"{what} ran out of memory: {error}") from None
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+        if not _out_of_memory(error):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what the failed attempt cached is no use to the next
+        raise ResourceExhausted(
+            f"{what} ran out of memory ({_first_line(error)}); nothing changed. Send smaller "
+            "microbatches (fewer or shorter examples), or run the server with more memory"
+        ) from None
+
+
+def _out_of_memory(error: BaseException) -> bool:
+    return isinstance(error, torch.OutOfMemoryError) or is_out_of_memory(error)
+
+
+def _first_line(error: BaseException) -> str:
+    """An allocator's message without the C++ stack some builds append."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

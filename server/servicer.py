@@ -28,7 +28,9 @@ from trainwire.server.errors import (
     NotFound,
     PositionMismatch,
     ResourceExhausted,
+    TrainwireError,
     Unavailable,
+    exhaustion_advice,
 )
 from trainwire.server.host import SessionHost
 from trainwire.server.state_dir import check_name, read_export_files
@@ -53,11 +55,25 @@ STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
 
 
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """The status a failed call reports for ``error``; INTERNAL for anything unexpected."""
+    """The status a failed call reports for ``error``; INTERNAL for anything unexpected.
+
+    Memory or disk running out is RESOURCE_EXHAUSTED wherever it surfaces: torch and safetensors
+    raise it as a plain RuntimeError or their own error, which no class above matches.
+    """
     for cls, code in STATUS_CODES:
         if isinstance(error, cls):
             return code
+    if exhaustion_advice(error) is not None:
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
+
+
+def status_message(error: BaseException) -> str:
+    """What a failed call says: the error's own message, with advice where the library's has
+    none (memory or disk ran out outside the engine's own checks)."""
+    message = str(error) or type(error).__name__
+    advice = None if isinstance(error, TrainwireError) else exhaustion_advice(error)
+    return f"{advice} ({message})" if advice else message
 
 
 def log_operation(kind: str, key: str, started: float, result: str, **fields: Any) -> None:
@@ -115,7 +131,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             log_operation(kind, key, started, code.name, message=str(error))
             if isinstance(error, PositionMismatch):
                 context.set_trailing_metadata(((wire.POSITION_METADATA_KEY, str(error.position)),))
-            context.abort(code, str(error) or type(error).__name__)
+            context.abort(code, status_message(error))
         replayed = getattr(outcome, "replayed", False)
         fields = {"position": outcome.position} if hasattr(outcome, "position") else {}
         log_operation(kind, key, started, "replayed" if replayed else "ok", **fields)

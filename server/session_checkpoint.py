@@ -32,7 +32,13 @@ import torch
 from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
 from trainwire.server.digest import update_with_tensors
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from trainwire.server.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    is_disk_full,
+)
 from trainwire.server.rng import RngState, preserved_global_rng
 from trainwire.server.tensor_files import (
     copy_into,
@@ -251,7 +257,8 @@ def write_checkpoint(
     state_digest: Callable[[], str],
     extra: dict[str, Any],
 ) -> None:
-    """Write ``contents`` to the checkpoint directory ``path``, atomically.
+    """Write ``contents`` to the checkpoint directory ``path``, atomically; a full disk is
+    ``ResourceExhausted`` (an existing checkpoint at ``path`` stays as it was).
 
     ``state_digest`` is called on a helper thread while the files are written: the caller holds
     the session's lock, so nothing changes the state meanwhile.
@@ -259,6 +266,24 @@ def write_checkpoint(
     # Serializing, syncing and hashing all release the GIL, so two helper threads write and sync
     # the files while a third computes the state digest from the same tensors. Two writers, not
     # five, bound the host memory a CUDA session's files take while in flight.
+    try:
+        _write_files(path, contents, state_digest, extra)
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise ResourceExhausted(
+            f"not enough disk space to write checkpoint {path.name} ({error}); nothing was "
+            "replaced and the state is unchanged. Free space in the server's state directory "
+            "(old runs, checkpoints, exports) and retry"
+        ) from None
+
+
+def _write_files(
+    path: Path,
+    contents: CheckpointContents,
+    state_digest: Callable[[], str],
+    extra: dict[str, Any],
+) -> None:
     with ThreadPoolExecutor(max_workers=3, thread_name_prefix="trainwire-checkpoint") as pool:
         digest = pool.submit(state_digest)
         with atomic_directory(path) as tmp:
