@@ -286,11 +286,12 @@ class Controller:
         )
         record = self.work.resume_point(info.position, RunState.start(self.plan))
         if record.position < info.position:
-            # The operations past the record must belong to the microbatch it resumes at (or,
-            # for a finished run, to the closing export), so replaying their keys is exact.
+            # The operations past the record must belong to the microbatches it resumes at,
+            # which a window issues up to the next evaluation or checkpoint (or, for a finished
+            # run, to the closing export), so replaying their keys is exact.
             last = microbatch_of_key(info.last_operation_key, self.run_id, self.plan.fingerprint)
             state = record.state
-            limit = self.plan.batch_count if state.finished else state.next_microbatch
+            limit = self.plan.batch_count if state.finished else self._flush_point(state)
             if last is None or last > limit:
                 raise RuntimeError(
                     f"the server's session is at position {info.position} (last operation "
@@ -306,6 +307,16 @@ class Controller:
             self.session.position,
             info.position,
         )
+
+    def _flush_point(self, state: RunState) -> int:
+        """The last microbatch a window may have issued from ``state`` on: the first after
+        which the replay evaluates or checkpoints (nothing is issued past it before that)."""
+        plan, index = self.plan, state.next_microbatch
+        while index + 1 < plan.batch_count and not (
+            plan.evaluates_after(index) or checkpoint_due(plan, index, self.checkpoint_every)
+        ):
+            index += 1
+        return index
 
     def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
         """Replay to the end, export the result, write the summary; resumable at any point."""

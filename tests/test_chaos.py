@@ -46,7 +46,7 @@ def file_hashes(directory: Path) -> dict[str, str]:
 class Cluster:
     """One server process and one controller process, restartable, killable."""
 
-    def __init__(self, tmp: Path, model_root: Path, manifest: Path) -> None:
+    def __init__(self, tmp: Path, model_root: Path, manifest: Path, *, window: int = 1) -> None:
         self.state = tmp / "state"
         self.work = tmp / "work"
         self.logs = tmp / "logs"
@@ -58,7 +58,8 @@ class Cluster:
                             "--model-root", str(model_root), "--device", "cpu"]  # fmt: skip
         self.controller_args = [*cli, "run", "--server", self.target, "--manifest", str(manifest),
                                 "--run-id", RUN_ID, "--work-dir", str(self.work),
-                                "--checkpoint-every", "2", "--quiet"]  # fmt: skip
+                                "--checkpoint-every", "2", "--window", str(window),
+                                "--quiet"]  # fmt: skip
         self.server: subprocess.Popen | None = None
         self.controller: subprocess.Popen | None = None
         self.starts = 0
@@ -207,14 +208,14 @@ def expected_operation_count(plan: ManagedTrainingPlan, result) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize(("seed", "window"), [(1, 1), (2, 1), (3, 1), (1, 3), (2, 3)])
 def test_sigkilled_server_and_controller_end_bit_identical(
-    seed, chaos_plan, reference, model_root, tmp_path
+    seed, window, chaos_plan, reference, model_root, tmp_path
 ):
     expected, expected_export = reference
     manifest = tmp_path / "manifest.json"
     write_manifest(manifest, chaos_plan.to_manifest())
-    cluster = Cluster(tmp_path, model_root, manifest)
+    cluster = Cluster(tmp_path, model_root, manifest, window=window)
     rng = random.Random(seed)
     # Two of each targeted kill first, then two of each positioned one; each in seeded order,
     # each positioned one aimed 1-3 operations ahead.
