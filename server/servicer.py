@@ -16,6 +16,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import TrainingConfig
@@ -89,6 +90,11 @@ def config_from_json(config_json: str) -> TrainingConfig:
         data = json.loads(config_json)
     except ValueError as error:
         raise InvalidArgument(f"config_json is not valid JSON: {error}") from None
+    except RecursionError:
+        raise InvalidArgument(
+            "config_json is nested too deeply to be a training config; send the flat object "
+            "TrainingConfig.to_dict() gives"
+        ) from None
     try:
         return TrainingConfig.from_dict(data)
     except ValueError as error:
@@ -238,9 +244,44 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return pb.CloseResponse(info=wire.session_info_to_proto(info))
 
 
+class Undecodable:
+    """Request bytes that are no valid message of the method's type (what the decoding
+    deserializer hands the handler instead of raising, which grpc would report as INTERNAL)."""
+
+    def __init__(self, type_name: str, error: Exception) -> None:
+        self.message = (
+            f"the request is not a valid {type_name} ({error}); send one built from "
+            "protos/trainwire/v1/session.proto"
+        )
+
+
+def _decoding(message_type: Any) -> Callable[[bytes], Any]:
+    type_name = message_type.DESCRIPTOR.full_name
+    parse = message_type.FromString
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except DecodeError as error:
+            return Undecodable(type_name, error)
+
+    return deserialize
+
+
+def _refusing_undecodable(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def handle(request: Any, context: grpc.ServicerContext) -> Any:
+        if isinstance(request, Undecodable):
+            logger.info("refused undecodable request: %s", request.message)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return behavior(request, context)
+
+    return handle
+
+
 def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> None:
     """Register ``servicer`` as the generated ``add_..._to_server`` would, except that
-    ExportWeights sends its pre-encoded chunks as they are (``chunks.serialize_export_item``)."""
+    ExportWeights sends its pre-encoded chunks as they are (``chunks.serialize_export_item``)
+    and bytes that do not decode are INVALID_ARGUMENT (``Undecodable``), not grpc's INTERNAL."""
     service = pb.DESCRIPTOR.services_by_name["TrainingSessionService"]
     handlers = {}
     for method in service.methods:
@@ -251,8 +292,8 @@ def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> Non
         )
         response = getattr(pb, method.output_type.name)
         handlers[method.name] = make(
-            getattr(servicer, method.name),
-            request_deserializer=getattr(pb, method.input_type.name).FromString,
+            _refusing_undecodable(getattr(servicer, method.name)),
+            request_deserializer=_decoding(getattr(pb, method.input_type.name)),
             response_serializer=chunks.serialize_export_item
             if method.name == kinds.EXPORT_WEIGHTS
             else response.SerializeToString,
