@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU qualification in one command, for a machine with a CUDA GPU and a CUDA build of torch:
+#
+#     bash bench/gpu.sh [RESULTS_DIR]        (default: gpu-results)
+#
+# 1. installs trainwire without touching torch: from wheels in .whl/ when that folder exists
+#    (a machine without an index), else `pip install --no-deps --no-build-isolation -e .`;
+# 2. runs every CUDA test with deterministic settings (CUBLAS_WORKSPACE_CONFIG=:4096:8): fp32 and
+#    bf16, full weights and LoRA, text and token batches, sampling;
+# 3. runs the GPU benchmarks: the engine against a plain loop on the Qwen2-0.5B shape, token
+#    losses, and sampling against `generate`;
+# 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
+#
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 10 minutes.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+RESULTS=${1:-gpu-results}
+
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null
+then
+    echo "bench/gpu.sh: no CUDA device: $PYTHON's torch sees no GPU (or torch is missing)." >&2
+    echo "Run it on a machine with a CUDA GPU and a CUDA build of torch; nothing ran." >&2
+    exit 3
+fi
+
+mkdir -p "$RESULTS"
+SUMMARY="$RESULTS/gpu-results.txt"
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 PYTHONUNBUFFERED=1
+
+if [ -d .whl ]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/trainwire-site \
+        .whl/*.whl || exit 4
+    export PYTHONPATH=/tmp/trainwire-site${PYTHONPATH:+:$PYTHONPATH}
+else
+    "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . || exit 4
+fi
+
+{
+    echo "# trainwire GPU qualification, $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+    "$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "cuda",
+        torch.version.cuda, "transformers", transformers.__version__)'
+} >"$SUMMARY"
+
+failed=0
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, and append its output to the summary
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name" | tee -a "$SUMMARY"
+    timeout "$limit" "$@" >"$RESULTS/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$RESULTS/$name.log" >>"$SUMMARY"
+    echo "== $name: exit $rc" | tee -a "$SUMMARY"
+    [ "$rc" -eq 0 ] || failed=1
+}
+
+step cuda-tests 240 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider \
+    tests/test_session_cuda.py tests/test_tokens_cuda.py
+step engine 150 "$PYTHON" bench/engine.py --device cuda --quick
+step tokens 90 "$PYTHON" bench/tokens.py --device cuda --quick
+step sampling 90 "$PYTHON" bench/sampling.py --device cuda --quick
+
+echo "results: $SUMMARY"
+exit "$failed"
