@@ -12,7 +12,7 @@ import torch
 
 from trainwire.client.config import LoraSettings, TrainingConfig
 from trainwire.server.errors import InvalidArgument, NotFound
-from trainwire.server.paths import resolve_inside
+from trainwire.server.paths import links_leaving, resolve_inside
 
 MODEL_CONFIG_FILE = "config.json"
 
@@ -21,7 +21,9 @@ def resolve_under(root: Path | None, name: str, what: str) -> Path:
     """``name`` as a path inside ``root`` (any local path when there is no root).
 
     Symlinks are resolved first (``paths.resolve_inside``), so a link cannot lead outside the
-    root either.
+    root either, and nor can a link inside the directory: every one must stay in the real root
+    (a Hugging Face cache's snapshot-to-blob links do). Messages name paths as the caller gave
+    them, never where the server keeps them.
     """
     if not name:
         raise InvalidArgument(f"{what}: empty path")
@@ -29,14 +31,24 @@ def resolve_under(root: Path | None, name: str, what: str) -> Path:
         return Path(name).expanduser().resolve()
     candidate = resolve_inside(root, name)
     if candidate is None:
-        raise InvalidArgument(f"{what} {name!r} resolves outside the model root {root.resolve()}")
+        raise InvalidArgument(f"{what} {name!r} resolves outside the model root; refused")
+    if candidate.is_dir():
+        leaving = links_leaving(root, candidate)
+        if leaving:
+            raise InvalidArgument(
+                f"{what} {name!r}: {leaving[0].relative_to(candidate)} links outside the model "
+                "root; refused. Copy the file into the model root instead of linking it"
+            )
     return candidate
 
 
 def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:
     path = resolve_under(model_root, config.model, "model")
     if not (path / MODEL_CONFIG_FILE).is_file():
-        raise NotFound(f"model {config.model!r}: no {MODEL_CONFIG_FILE} in {path}")
+        where = " under the server's model root" if model_root is not None else ""
+        raise NotFound(
+            f"model {config.model!r}: no {MODEL_CONFIG_FILE} there; name a model directory{where}"
+        )
     return path
 
 

@@ -66,17 +66,20 @@ OptimizerState = dict[int, dict[str, torch.Tensor]]
 
 def read_session_json(checkpoint: Path) -> dict[str, Any]:
     """The checkpoint's metadata; NotFound when there is no checkpoint there."""
+    # Messages name the checkpoint, never the server's path to it: clients read them.
     meta_path = checkpoint / SESSION_FILE
     if not checkpoint.is_dir():
-        raise NotFound(f"no checkpoint at {checkpoint}")
+        raise NotFound(f"no checkpoint at {checkpoint.name}")
     if not meta_path.is_file():
-        raise InvalidArgument(f"{checkpoint} is not a session checkpoint (no {SESSION_FILE})")
+        raise InvalidArgument(f"{checkpoint.name} is not a session checkpoint (no {SESSION_FILE})")
     try:
         meta = json.loads(meta_path.read_text())
-    except ValueError as error:
-        raise InvalidArgument(f"{meta_path}: not valid JSON ({error})") from None
+    except (ValueError, RecursionError) as error:
+        raise InvalidArgument(
+            f"{checkpoint.name}/{SESSION_FILE}: not valid JSON ({error})"
+        ) from None
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise InvalidArgument(f"{checkpoint}: not a {CHECKPOINT_FORMAT} checkpoint")
+        raise InvalidArgument(f"{checkpoint.name}: not a {CHECKPOINT_FORMAT} checkpoint")
     return meta
 
 

@@ -35,7 +35,7 @@ from trainwire.client.files import clean_leftovers, write_text_atomic
 from trainwire.client.outcomes import ExportedFile
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.journal import JOURNAL_FILE
-from trainwire.server.paths import resolve_inside
+from trainwire.server.paths import links_under, resolve_inside, symlink_between
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +57,46 @@ def check_name(name: str, what: str) -> str:
     return name
 
 
-def confined(folder: Path, name: str, what: str) -> Path:
-    """``folder/name`` after checking the name and that it resolves inside ``folder``."""
+def confined(root: Path, folder: Path, name: str, what: str, *, whole: bool = False) -> Path:
+    """``folder/name`` after checking the name and the path against the real state ``root``.
+
+    No folder from ``root`` down to ``folder`` may be a symlink (a tampered state directory,
+    FAILED_PRECONDITION), nor ``folder/name`` itself (INVALID_ARGUMENT, as a bad name is); with
+    ``whole``, nothing inside it either (checkpoints and exports are read file by file).
+    """
     check_name(name, what)
-    base = folder.resolve()
-    if resolve_inside(base, name) in (None, base):
-        raise InvalidArgument(f"{what} {name!r} resolves outside {base} (a symlink?); refused")
-    return folder / name
+    refuse_links_on_the_way(root, folder)
+    path = folder / name
+    if path.is_symlink():
+        escapes = resolve_inside(folder, name) in (None, folder.resolve())
+        where = "resolves outside its folder" if escapes else "is a symbolic link"
+        raise InvalidArgument(
+            f"{what} {name!r} {where} (a symlink?); the state directory holds none, refused"
+        )
+    if whole and path.is_dir():
+        refuse_links_inside(path, f"{what} {name!r}")
+    return path
+
+
+def refuse_links_on_the_way(root: Path, folder: Path) -> None:
+    """FAILED_PRECONDITION when a folder of the state directory was swapped for a symlink."""
+    link = symlink_between(root, folder)
+    if link is not None:
+        raise FailedPrecondition(
+            f"the state directory was tampered with: {link.relative_to(root)} is a symbolic "
+            "link, and the server reads and writes nothing through one. Put the real directory "
+            "back (or start the server on a clean state directory)"
+        )
+
+
+def refuse_links_inside(directory: Path, what: str) -> None:
+    """FAILED_PRECONDITION when a checkpoint or export holds a symlink (it never does)."""
+    links = links_under(directory)
+    if links:
+        raise FailedPrecondition(
+            f"{what} holds a symbolic link ({links[0].relative_to(directory)}), which the "
+            "server never writes: refused. Remove the link, or save (export) it again"
+        )
 
 
 @dataclass(frozen=True)
@@ -127,19 +160,35 @@ class RunDirectory:
             folder.mkdir(parents=True, exist_ok=True)
         write_text_atomic(self.path / RUN_FILE, spec.to_json())
 
+    @property
+    def root(self) -> Path:
+        """The state directory this run lives in (``<root>/runs/<run_id>``)."""
+        return self.path.parents[1]
+
     def checkpoint(self, name: str) -> Path:
-        return confined(self.checkpoints, name, "checkpoint")
+        return confined(self.root, self.checkpoints, name, "checkpoint", whole=True)
 
     def export(self, name: str) -> Path:
-        return confined(self.exports, name, "export")
+        return confined(self.root, self.exports, name, "export", whole=True)
 
     def checkpoint_paths(self) -> list[Path]:
-        """Every finished checkpoint folder (hidden temporary folders excluded), by name."""
+        """Every finished checkpoint folder (hidden temporary folders excluded), by name.
+
+        A symlink, or a folder holding one, is skipped with a warning: recovery reads nothing
+        through a link.
+        """
+        refuse_links_on_the_way(self.root, self.checkpoints)
         if not self.checkpoints.is_dir():
             return []
-        return sorted(
-            p for p in self.checkpoints.iterdir() if NAME_PATTERN.fullmatch(p.name) and p.is_dir()
-        )
+        paths = []
+        for path in sorted(self.checkpoints.iterdir()):
+            if not NAME_PATTERN.fullmatch(path.name) or not path.is_dir():
+                continue
+            if path.is_symlink() or links_under(path):
+                logger.warning("ignoring checkpoint %s: it is or holds a symbolic link", path.name)
+                continue
+            paths.append(path)
+        return paths
 
 
 class StateDirectory:
@@ -152,6 +201,10 @@ class StateDirectory:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         (self.root / RUNS_DIR).mkdir(parents=True, exist_ok=True)
+        if (self.root / RUNS_DIR).is_symlink():
+            raise OSError(
+                f"{self.root / RUNS_DIR} is a symbolic link; give --state-dir the real directory"
+            )
         self._lock_fd: int | None = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -181,14 +234,20 @@ class StateDirectory:
             self._lock_fd = None
 
     def run(self, run_id: str) -> RunDirectory:
-        return RunDirectory(confined(self.root / RUNS_DIR, run_id, "run id"))
+        """Run ``run_id``'s folder; FAILED_PRECONDITION if it (or its journal, spec or folders)
+        was swapped for a symlink, which would take the server's writes elsewhere."""
+        path = confined(self.root, self.root / RUNS_DIR, run_id, "run id")
+        if path.is_dir():
+            for entry in sorted(path.iterdir()):
+                refuse_links_on_the_way(self.root, entry)
+        return RunDirectory(path)
 
     def open_runs(self) -> list[RunSpec]:
         """The runs recorded as open (at most one, unless the directory was tampered with)."""
         specs = []
         for path in sorted((self.root / RUNS_DIR).iterdir()):
             run = RunDirectory(path)
-            if NAME_PATTERN.fullmatch(path.name) and run.exists():
+            if NAME_PATTERN.fullmatch(path.name) and not path.is_symlink() and run.exists():
                 spec = run.read_spec()
                 if spec.state == RUN_OPEN:
                     specs.append(spec)
@@ -207,7 +266,11 @@ def _sha256_of(path: Path) -> str:
 
 
 def list_export_files(directory: Path) -> tuple[ExportedFile, ...]:
-    """Every file of an export, sorted by its ``/``-separated relative path, with its sha256."""
+    """Every file of an export, sorted by its ``/``-separated relative path, with its sha256.
+
+    A symlink inside is refused: its target's bytes (or size and digest) must never be sent.
+    """
+    refuse_links_inside(directory, f"export {directory.name!r}")
     files = sorted(p for p in directory.rglob("*") if p.is_file())
     return tuple(
         ExportedFile(p.relative_to(directory).as_posix(), p.stat().st_size, _sha256_of(p))
@@ -238,8 +301,10 @@ def confined_file(directory: Path, relative: str) -> Path:
     """``directory/relative`` for a recorded export path, refusing anything that leaves it."""
     base = directory.resolve()
     path = None if PurePosixPath(relative).is_absolute() else resolve_inside(base, relative)
-    if path is None or path == base:
-        raise InvalidArgument(f"export file {relative!r} lies outside {base}")
+    if path is None or path == base or symlink_between(base, base / relative) is not None:
+        raise InvalidArgument(
+            f"export file {relative!r} lies outside export {directory.name!r} (or is a link)"
+        )
     return path
 
 

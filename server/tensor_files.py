@@ -30,12 +30,15 @@ def save_tensors(path: Path, tensors: dict[str, torch.Tensor], *, sync: bool = F
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors on the CPU; anything else is refused, never unpickled."""
+    # Named by folder and file, never by the server's full path: clients read these messages.
     if not path.is_file():
-        raise NotFound(f"{path.name} is missing from {path.parent}")
+        raise NotFound(f"{path.name} is missing from {path.parent.name}")
     try:
         return load_file(path, device="cpu")
     except (SafetensorError, OSError, ValueError) as error:
-        raise InvalidArgument(f"{path}: not a readable safetensors file ({error})") from None
+        raise InvalidArgument(
+            f"{path.parent.name}/{path.name}: not a readable safetensors file ({error})"
+        ) from None
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
