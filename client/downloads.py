@@ -4,10 +4,10 @@ against the sizes and sha256 the server recorded, the directory swapped in only 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import replace
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
@@ -23,9 +23,30 @@ class DownloadError(RuntimeError):
 ExportItem = pb.ExportWeightsResponse | chunks.RawChunk
 
 
+def check_download_target(download_to: str | Path, *, replace: bool = False) -> Path:
+    """``download_to`` as a path, if a download may go there: missing, an empty directory, or
+    (with ``replace``) a directory whose contents the download replaces whole.
+
+    Call it before asking the server for the files, so a refusal costs no transfer.
+    """
+    target = Path(download_to)
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise FileExistsError(f"download_to {str(target)!r} exists and is not a directory")
+    if not replace and target.is_dir() and any(target.iterdir()):
+        raise FileExistsError(
+            f"download_to {str(target)!r} is not empty; pass replace=True to replace its "
+            "contents with the export, or name an empty or new directory"
+        )
+    return target
+
+
 def receive_export(
-    stream: Iterator[ExportItem], download_to: str | Path | None
+    stream: Iterator[ExportItem], download_to: str | Path | None, *, replace: bool = False
 ) -> outcomes.ExportOutcome:
+    """The export's outcome from ``stream``; with ``download_to``, its files land there once
+    every one checked out (``replace``: a non-empty ``download_to`` may be replaced)."""
+    if download_to is not None:
+        check_download_target(download_to, replace=replace)
     first = next(stream)
     if isinstance(first, chunks.RawChunk) or first.WhichOneof("item") != "result":
         raise DownloadError("the export stream did not start with its result")
@@ -35,13 +56,16 @@ def receive_export(
     target = Path(download_to)
     with atomic_directory(target) as staging:
         _receive_files(stream, staging, outcome.files)
-    return replace(outcome, directory=target)
+    return dataclasses.replace(outcome, directory=target)
 
 
 class _IncomingFile:
-    def __init__(self, staging: Path, path: str) -> None:
-        self.path = path
-        self.local = staging / _safe_relative(path)
+    """One file being received: written to staging, hashed, and held to its recorded size."""
+
+    def __init__(self, staging: Path, recorded: outcomes.ExportedFile) -> None:
+        self.path = recorded.path
+        self.limit = recorded.size_bytes
+        self.local = staging / _safe_relative(self.path)
         self.local.parent.mkdir(parents=True, exist_ok=True)
         self.handle: BinaryIO = open(self.local, "wb")  # noqa: SIM115 (closed by finish)
         self.sha256 = hashlib.sha256()
@@ -50,6 +74,12 @@ class _IncomingFile:
     def write(self, offset: int, data: memoryview) -> None:
         if offset != self.size:
             raise DownloadError(f"{self.path}: chunk at offset {offset}, expected {self.size}")
+        if self.size + len(data) > self.limit:
+            # Checked before writing: a server cannot make the client write past the record.
+            raise DownloadError(
+                f"{self.path}: the server sent more than the {self.limit} bytes the export "
+                "records; nothing was kept. Export it again"
+            )
         self.handle.write(data)
         self.sha256.update(data)
         self.size += len(data)
@@ -93,7 +123,9 @@ def _receive_files(
             if current is None or current.path != piece.path:
                 if current is not None:
                     raise DownloadError(f"{current.path}: the stream moved on before its end")
-                current = _IncomingFile(staging, piece.path)
+                if piece.path in received:
+                    raise DownloadError(f"the server sent {piece.path} twice; export it again")
+                current = _IncomingFile(staging, recorded[piece.path])
             if isinstance(piece, chunks.RawChunk):
                 current.write(piece.offset, piece.data)
             else:
