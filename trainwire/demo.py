@@ -4,6 +4,9 @@ It builds a tiny BERT sentiment classifier offline, plans the bundled sentiment 
 local server on a free port (or uses ``--server``), trains through the controller with a
 progress bar, and prints where the summary, the loss curve and the exported model are.
 Accuracy starts at chance (0.5) and rises well above it within a few epochs.
+
+What ``trainwire demo --rl`` (:mod:`trainwire.rl_demo`) shares with it lives here too: where a
+demo writes (:class:`DemoDirs`) and the server it drives (:func:`demo_client`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,14 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.results import TrainingResult
+
+if TYPE_CHECKING:
+    from trainwire.client.session_client import SessionClient
 
 MODEL_NAME = "tiny-bert-sentiment"
 
@@ -66,6 +73,28 @@ def demo_plan(model_root: Path, settings: DemoSettings) -> ManagedTrainingPlan:
     )
 
 
+@dataclass(frozen=True)
+class DemoDirs:
+    """Where a demo writes: everything under one work directory, so a demo in a fresh directory
+    starts afresh and one directory holds all a run left (model, server state, outputs)."""
+
+    root: Path
+
+    @classmethod
+    def at(cls, work_dir: str | Path) -> DemoDirs:
+        return cls(Path(work_dir).resolve())
+
+    @property
+    def models(self) -> Path:
+        """The tiny model's parent: a local server's model root."""
+        return self.root / "models"
+
+    def model_reference(self, server: str | None, name: str) -> str:
+        """The model as a config names it: relative to a local server's model root; absolute for
+        a remote ``server``, which resolves it under its own root."""
+        return name if server is None else str(self.models / name)
+
+
 @contextlib.contextmanager
 def local_server(state_dir: Path, model_root: Path) -> Iterator[str]:
     """A server on a free loopback port for the length of the block."""
@@ -78,6 +107,21 @@ def local_server(state_dir: Path, model_root: Path) -> Iterator[str]:
         handle.stop()
 
 
+@contextlib.contextmanager
+def demo_client(dirs: DemoDirs, server: str | None) -> Iterator[SessionClient]:
+    """A client of ``server``, or of a local server on a free port for the length of the block.
+
+    A local server logs a line per operation; a demo tells the story itself, so the server's
+    log is quieted to warnings.
+    """
+    from trainwire.client.session_client import SessionClient
+
+    logging.getLogger("trainwire.server").setLevel(logging.WARNING)
+    with contextlib.ExitStack() as stack:
+        target = server or stack.enter_context(local_server(dirs.root / "server", dirs.models))
+        yield stack.enter_context(SessionClient(target))
+
+
 def run_demo(
     work_dir: Path,
     *,
@@ -88,34 +132,26 @@ def run_demo(
     """Plan, serve (unless ``server`` is given), train through the controller, report."""
     from trainwire.client.controller import Controller
     from trainwire.client.progress_bar import ProgressReporter
-    from trainwire.client.session_client import SessionClient
 
     settings = settings or DemoSettings()
-    work_dir = work_dir.resolve()
-    model_root = work_dir / "models"
-    plan = demo_plan(model_root, settings)
+    dirs = DemoDirs.at(work_dir)
+    plan = demo_plan(dirs.models, settings)
     if server is not None:
-        # A remote server resolves the model under its own model root.
         plan = ManagedTrainingPlan(
             plan.examples,
-            plan.config.replace(model=str(model_root / MODEL_NAME)),
+            plan.config.replace(model=dirs.model_reference(server, MODEL_NAME)),
             eval_examples=plan.eval_examples,
         )
-    # The local server logs a line per operation; the progress bar tells the story instead.
-    logging.getLogger("trainwire.server").setLevel(logging.WARNING)
-    with contextlib.ExitStack() as stack:
-        target = server or stack.enter_context(local_server(work_dir / "server", model_root))
-        client = stack.enter_context(SessionClient(target))
+    run_dir = dirs.root / "run"
+    with demo_client(dirs, server) as client:
         reporter = ProgressReporter(quiet=quiet)
-        controller = Controller(
-            client, plan, run_id="demo", work_dir=work_dir / "run", checkpoint_every=10
-        )
+        controller = Controller(client, plan, run_id="demo", work_dir=run_dir, checkpoint_every=10)
         try:
             result = controller.run(on_step=reporter)
         finally:
             reporter.close()
     if not quiet:
-        print(describe_result(result, work_dir / "run"))
+        print(describe_result(result, run_dir))
     return result
 
 
