@@ -11,6 +11,7 @@ ones are UNAVAILABLE.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import threading
 from collections.abc import Sequence
@@ -166,6 +167,7 @@ def serve(
     ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
     (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send.
     """
+    refuse_open_model_paths(model_root, listen, tinker_listen)
     if (tls_cert is None) != (tls_key is None):
         raise ValueError("TLS needs both a certificate and its key")
     if tls_client_ca is not None and tls_cert is None:
@@ -229,6 +231,29 @@ def serve(
             raise
     threading.Thread(target=session_host.recover, name="trainwire-recover", daemon=True).start()
     return handle
+
+
+def is_loopback(listen: str) -> bool:
+    """``HOST:PORT`` names a loopback host (``localhost``, 127.0.0.0/8, ``::1``)."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or a wildcard: reachable from elsewhere
+
+
+def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None) -> None:
+    """A server reachable beyond loopback must confine model paths: without a model root, any
+    client could have it open any local directory, and its messages would name server paths."""
+    exposed = [listen for listen in listens if listen is not None and not is_loopback(listen)]
+    if model_root is None and exposed:
+        raise ValueError(
+            f"--model-root is required when listening beyond loopback ({', '.join(exposed)}): "
+            "without it a client could open any path on this machine. Give the directory that "
+            "holds the models (model paths then resolve under it), or listen on 127.0.0.1"
+        )
 
 
 def _bind(

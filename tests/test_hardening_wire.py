@@ -114,3 +114,26 @@ def test_a_config_nested_past_the_parsers_depth_is_invalid_argument(guarded):
         client._stub.Open(request, metadata=client._metadata, timeout=30)
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
     assert "nested too deeply" in caught.value.details()
+
+
+# -- a model root is required beyond loopback --------------------------------------------------
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "10.1.2.3:0", "worker-0:0"])
+def test_a_server_listening_beyond_loopback_needs_a_model_root(tmp_path, listen, capsys):
+    from trainwire.cli import main
+    from trainwire.server.grpc_server import serve
+
+    with pytest.raises(ValueError, match="--model-root is required"):
+        serve(listen=listen, state_dir=tmp_path / "state", device="cpu")
+    assert main(["serve", "--listen", listen, "--state-dir", str(tmp_path / "state")]) != 0
+    assert "--model-root is required" in capsys.readouterr().err
+    assert not (tmp_path / "state").exists(), "a refused start writes nothing"
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0"])
+def test_a_loopback_server_may_open_any_local_path(tmp_path, listen):
+    from trainwire.server.grpc_server import serve
+
+    handle = serve(listen=listen, state_dir=tmp_path / "state", device="cpu")
+    handle.stop(grace=5)
