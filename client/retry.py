@@ -20,6 +20,11 @@ from trainwire.client.wire import POSITION_METADATA_KEY
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+# The jitter's own generator. The module-level ``random`` functions share one global state,
+# which an in-process session installs and captures around each operation (its RNG is part of
+# its bits): a client retrying on another thread of the same process must not draw from it.
+_JITTER = random.Random()
+
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
@@ -55,7 +60,7 @@ class RetryPolicy:
         if problems:
             raise ValueError("invalid retry policy: " + "; ".join(problems))
 
-    def delay_s(self, retry: int, rng: Callable[[], float] = random.random) -> float:
+    def delay_s(self, retry: int, rng: Callable[[], float] = _JITTER.random) -> float:
         """The wait before retry number ``retry`` (0-based)."""
         base = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier**retry)
         return base * (1 - self.jitter * rng())
@@ -67,7 +72,7 @@ def call_with_retry(
     *,
     what: str = "call",
     sleep: Callable[[float], None] = time.sleep,
-    rng: Callable[[], float] = random.random,
+    rng: Callable[[], float] = _JITTER.random,
 ) -> T:
     """``call()``, retried on UNAVAILABLE and DEADLINE_EXCEEDED; other errors raise at once.
 

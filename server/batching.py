@@ -16,6 +16,9 @@ from trainwire.client.plan import check_examples
 from trainwire.server.errors import InvalidArgument
 
 IGNORE_INDEX = -100  # the label id Hugging Face losses skip
+# No tokenizer this package loads has a token longer than this many characters, so a text longer
+# than max_length * MAX_CHARS_PER_TOKEN is refused before it is tokenized.
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -30,11 +33,22 @@ class Batch:
 class BatchEncoder:
     """Encodes examples for one session's task with its tokenizer."""
 
-    def __init__(self, tokenizer, config: TrainingConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        config: TrainingConfig,
+        device: torch.device,
+        *,
+        model_positions: int | None = None,
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise InvalidArgument(f"the tokenizer of {config.model} has no pad token")
         self.tokenizer = tokenizer
         self.config = config
+        # The config's max_length, bounded by the positions the model has: a longer example
+        # would ask for tensors the model cannot use (and, for a huge max_length, gigabytes).
+        self.max_length = min(config.max_length, model_positions or config.max_length)
+        self.limit_note = "" if self.max_length == config.max_length else " (the model's positions)"
         self.device = device
         self.label_ids = {label: i for i, label in enumerate(config.labels)}
 
@@ -46,6 +60,7 @@ class BatchEncoder:
             check_examples(examples, self.config)
         except ValueError as error:
             raise InvalidArgument(str(error)) from None
+        self._refuse_texts_too_long_to_fit(examples)
         # One tokenizer call per batch, not per example: the same ids, a fraction of the time.
         texts = self.token_ids([e.text for e in examples], special=True)
         if self.config.task == "causal-lm":
@@ -64,17 +79,32 @@ class BatchEncoder:
             ]
         return self._pad(rows)
 
+    def _refuse_texts_too_long_to_fit(self, examples: Sequence[InputExample]) -> None:
+        """Before tokenizing: a text of more than ``MAX_CHARS_PER_TOKEN`` characters a token
+        cannot fit, and tokenizing megabytes would hold the executor for seconds first."""
+        if self.config.truncation:
+            return  # it will be cut; the request's total size is bounded before it is queued
+        limit = self.max_length * MAX_CHARS_PER_TOKEN
+        for index, example in enumerate(examples):
+            chars = len(example.text) + len(example.completion or "")
+            if chars > limit:
+                raise InvalidArgument(
+                    f"example {index}: {chars} characters cannot fit max_length "
+                    f"{self.max_length}{self.limit_note} tokens; shorten it or set truncation true"
+                )
+
     def token_ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
         """One tokenizer call for all ``texts`` (special tokens added when ``special``)."""
         return self.tokenizer(texts, add_special_tokens=special)["input_ids"]
 
     def _fit(self, index: int, ids: list[int]) -> list[int]:
-        limit = self.config.max_length
+        limit = self.max_length
         if len(ids) <= limit:
             return ids
         if not self.config.truncation:
             raise InvalidArgument(
-                f"example {index}: {len(ids)} tokens is over max_length {limit}; shorten it, "
+                f"example {index}: {len(ids)} tokens is over max_length {limit}{self.limit_note}; "
+                "shorten it, "
                 "raise max_length, or set truncation true to cut it"
             )
         return ids[:limit]
@@ -90,7 +120,7 @@ class BatchEncoder:
         labels = ([IGNORE_INDEX] * len(prompt) + completion + eos)[: len(ids)]
         if all(label == IGNORE_INDEX for label in labels):
             raise InvalidArgument(
-                f"example {index}: truncation to max_length {self.config.max_length} leaves no "
+                f"example {index}: truncation to max_length {self.max_length} leaves no "
                 "completion token to learn"
             )
         return ids, labels

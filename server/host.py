@@ -45,7 +45,7 @@ from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavail
 from trainwire.server.journal import Journal, check_operation_key, payload_digest
 from trainwire.server.optimization import check_learning_rate
 from trainwire.server.position_gate import PositionGate
-from trainwire.server.request_limits import check_texts, check_token_lists
+from trainwire.server.request_limits import check_batch, check_texts, check_token_lists
 from trainwire.server.session import TrainingSession
 from trainwire.server.state_dir import (
     RUN_CLOSED,
@@ -231,6 +231,7 @@ class SessionHost:
     def forward(
         self, examples: Examples, loss: LossChoice = (DEFAULT_LOSS, {})
     ) -> outcomes.ForwardOutcome:
+        check_batch(examples)
         return self._serialized(lambda: self._require_active().forward(examples, loss))
 
     def forward_backward(
@@ -238,6 +239,7 @@ class SessionHost:
     ) -> outcomes.ForwardBackwardOutcome:
         """Every field of the request is in the payload digest: the same key with other
         examples, another loss or other loss settings is ALREADY_EXISTS."""
+        check_batch(examples)
         payload = forward_backward_payload(examples, loss)
         return self._keyed(
             kinds.FORWARD_BACKWARD, op, payload, lambda run, _: run.forward_backward(examples, loss)

@@ -112,7 +112,7 @@ def encode_microbatch(
     batch = encode_token_batch(
         examples,
         vocab_size=vocab_size,
-        max_length=config.max_length,
+        max_length=encoder.max_length,
         pad_id=encoder.tokenizer.pad_token_id,
         device=encoder.device,
     )

@@ -90,6 +90,19 @@ class Sampler:
         self.pad_id = pad_id
         self.limits = limits
 
+    @classmethod
+    def for_model(
+        cls, model: torch.nn.Module, tokenizer: Any, limits: SamplingLimits | None = None
+    ) -> Sampler:
+        """A sampler for ``model``'s vocabulary (its embedding rows) and ``tokenizer``'s EOS."""
+        eos = tokenizer.eos_token_id
+        return cls(
+            vocab_size=model.get_input_embeddings().num_embeddings,
+            eos_ids=() if eos is None else (eos,),
+            pad_id=tokenizer.pad_token_id,
+            limits=limits or SamplingLimits(),
+        )
+
     def sample(
         self, model: torch.nn.Module, prompt: Sequence[int], params: SamplingParams
     ) -> list[Sample]:
@@ -101,10 +114,16 @@ class Sampler:
         params.check(prompt, self.vocab_size, self.limits)
         device = next(model.parameters()).device
         drawn = generate(model, prompt, params, eos_ids=self.eos_ids, device=device)
-        return [
-            Sample(tuple(tokens), self.logprobs(model, prompt, tokens, device), reason)
-            for tokens, reason in drawn
-        ]
+        # Equal samples (every greedy one, say) share one exact pass: the same input gives the
+        # same bits, and the pass is a full forward per distinct sample.
+        scored: dict[tuple[int, ...], tuple[float, ...]] = {}
+        samples = []
+        for tokens, reason in drawn:
+            key = tuple(tokens)
+            if key not in scored:
+                scored[key] = self.logprobs(model, prompt, key, device)
+            samples.append(Sample(key, scored[key], reason))
+        return samples
 
     def logprobs(
         self,
@@ -176,9 +195,9 @@ def _choose(
         logits = logits.masked_fill(logits < kth, -math.inf)
     if params.top_p < 1:
         ordered, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        ordered_probabilities = torch.softmax(ordered, dim=-1)
         # Drop a token once the ones before it already reach top_p; the first always stays.
-        drop = (cumulative - torch.softmax(ordered, dim=-1)) >= params.top_p
+        drop = (ordered_probabilities.cumsum(dim=-1) - ordered_probabilities) >= params.top_p
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
     probabilities = torch.softmax(logits, dim=-1)
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)

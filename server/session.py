@@ -38,7 +38,7 @@ from trainwire.server.optimization import (
     learning_rate_at,
 )
 from trainwire.server.rng import RngState
-from trainwire.server.sampling import Sampler, SamplingLimits, SamplingParams
+from trainwire.server.sampling import Sampler, SamplingParams
 from trainwire.server.session_results import ForwardResult, StepResult, TokenOutput
 
 logger = logging.getLogger(__name__)
@@ -92,13 +92,9 @@ class TrainingSession:
             self.model = load_session_model(
                 config, self.model_dir, self.dtype, self.tokenizer, self.device
             )
-        self.encoder = BatchEncoder(self.tokenizer, config, self.device)
-        self.sampler = Sampler(
-            vocab_size=self.model.get_input_embeddings().num_embeddings,
-            eos_ids=() if self.tokenizer.eos_token_id is None else (self.tokenizer.eos_token_id,),
-            pad_id=self.tokenizer.pad_token_id,
-            limits=SamplingLimits(),
-        )
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
+        self.sampler = Sampler.for_model(self.model, self.tokenizer)
         self.optimizer = build_optimizer(self.model, config)
         # Which parameters train never changes after set up; walking a LoRA model's modules
         # for them costs milliseconds a step.

@@ -1,0 +1,77 @@
+"""Every request is bounded before work starts: counts, characters, tokens, model positions."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from service_fixtures import NO_RETRY, connect, running_server
+
+from trainwire.client import InputExample, TokenExample
+from trainwire.server import request_limits
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.session import TrainingSession
+
+
+@pytest.fixture
+def client(tmp_path, model_root, llama_config):
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("bounds", llama_config())
+        client.forward_backward([InputExample("a first microbatch")], operation_key="first")
+        yield client
+        client.close_channel()
+
+
+@pytest.mark.parametrize(
+    ("batch", "message"),
+    [
+        ([InputExample("hi")] * (request_limits.MAX_EXAMPLES + 1), "examples in one request"),
+        (
+            [InputExample("x" * (request_limits.MAX_TEXT_CHARS // 4))] * 5,
+            "characters of text in one request",
+        ),
+    ],
+)
+def test_oversized_requests_are_refused_before_any_work(client, batch, message):
+    before = client.info()
+    for call in (
+        lambda: client.forward_backward(batch, operation_key="big"),
+        lambda: client.forward(batch),
+    ):
+        with pytest.raises(grpc.RpcError) as refused:
+            call()
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert message in refused.value.details()
+    after = client.info()
+    assert (after.state_digest, after.position) == (before.state_digest, before.position)
+
+
+def test_too_many_tokens_in_one_request_are_refused(monkeypatch):
+    monkeypatch.setattr(request_limits, "MAX_TOKENS", 100)
+    with pytest.raises(request_limits.ResourceExhausted, match="101 tokens in one request"):
+        request_limits.check_batch(
+            [TokenExample([1] * 50, [2] * 50), TokenExample([1] * 51, [2] * 51)]
+        )
+
+
+def test_a_text_that_cannot_fit_max_length_is_refused_untokenized(llama_config, monkeypatch):
+    session = TrainingSession(llama_config(max_length=16), device="cpu")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized a text that could never fit")
+
+    monkeypatch.setattr(session.encoder, "token_ids", refuse)
+    before = session.state_digest()
+    with pytest.raises(InvalidArgument, match="characters cannot fit max_length 16 tokens"):
+        session.forward_backward([InputExample("x" * (16 * 64 + 1))])
+    assert session.state_digest() == before
+
+
+def test_max_length_is_bounded_by_the_models_positions(llama_config):
+    session = TrainingSession(llama_config(max_length=10**7), device="cpu")
+    assert session.encoder.max_length == 256  # the tiny llama's max_position_embeddings
+    long_text = " ".join(["the movie was great"] * 120)
+    with pytest.raises(InvalidArgument, match=r"over max_length 256 \(the model's positions\)"):
+        session.forward_backward([InputExample(long_text)])
+    with pytest.raises(InvalidArgument, match="over max_length 256"):
+        session.forward_backward([TokenExample([5] * 300, [6] * 300)])
