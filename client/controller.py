@@ -46,6 +46,7 @@ FORWARD_BACKWARD, OPTIM_STEP = "forward_backward", "optim_step"
 # The waits between tries to reach a lost server (a restart, a lost connection); how long to keep
 # trying is the controller's recovery_timeout_s, so the policy's max_attempts plays no part.
 OUTAGE_BACKOFF = RetryPolicy()
+DEFAULT_RECOVERY_TIMEOUT_S = 3600.0
 
 
 class PositionMoved(Exception):
@@ -237,7 +238,8 @@ class Controller:
         run_id: names the run on the server and in every operation key.
         work_dir: the cursor, snapshots, downloaded export and summary live here.
         checkpoint_every: ask the server for a checkpoint every this many updates.
-        recovery_timeout_s: how long to keep waiting for an unreachable server.
+        recovery_timeout_s: how long to keep waiting for an unreachable server: an hour, longer
+            than Kubernetes takes to restart a failed pod with the shipped probes (deploy/).
         window: operations kept in flight (pipelined); any window ends with window 1's bits.
     """
 
@@ -249,7 +251,7 @@ class Controller:
         run_id: str,
         work_dir: str | Path,
         checkpoint_every: int = 10,
-        recovery_timeout_s: float = 600.0,
+        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         window: int = DEFAULT_WINDOW,
     ) -> None:
         if not run_id or "/" in run_id:

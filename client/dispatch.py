@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from trainwire.client.controller import DEFAULT_RECOVERY_TIMEOUT_S
 from trainwire.client.manifest import load_plan
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
@@ -72,7 +73,7 @@ class Dispatcher:
         client_factory: Callable[[str], Any],
         checkpoint_every: int = 10,
         window: int = 1,
-        recovery_timeout_s: float = 600.0,
+        recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
     ) -> None:
         if not servers:
             raise ValueError("dispatch needs at least one server")

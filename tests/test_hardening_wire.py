@@ -142,9 +142,6 @@ def test_a_loopback_server_may_open_any_local_path(tmp_path, listen):
 # -- the controller outlasts the longest restart the manifests allow ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True, reason="issue 15: the lead raises Controller's recovery_timeout_s to 3600 s"
-)
 def test_the_controller_waits_longer_than_kubernetes_takes_to_restart_a_failed_pod(
     statefulset, container
 ):
