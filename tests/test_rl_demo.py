@@ -11,6 +11,7 @@ from statistics import mean
 import pytest
 import yaml
 
+from trainwire.cli import main
 from trainwire.rl_demo import RlDemoSettings, RlResult, run_rl_demo
 from trainwire.server import serve
 from trainwire.testing import make_tiny_model
@@ -80,3 +81,13 @@ def test_the_example_loop_runs_against_a_real_server_and_is_the_demos_run(short_
     rewards = [line.split()[3] for line in lines if line.startswith("step ")]
     assert rewards == [f"{r:.3f}" for r in short_run.rewards]
     assert lines[-1] == f"final state digest {short_run.state_digest}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "settings"), [((), RlDemoSettings()), (("--fast",), RlDemoSettings.fast())]
+)
+def test_trainwire_demo_rl_runs_the_rl_demo_on_its_defaults(monkeypatch, tmp_path, flags, settings):
+    calls = []
+    monkeypatch.setattr("trainwire.rl_demo.run_rl_demo", lambda *a, **kw: calls.append((a, kw)))
+    assert main(["demo", "--rl", *flags, "--quiet", "--work-dir", str(tmp_path)]) == 0
+    assert calls == [((tmp_path,), {"server": None, "settings": settings, "quiet": True})]
