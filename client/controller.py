@@ -368,6 +368,7 @@ class Controller:
             "export",
             EXPORT_NAME,
             download_to=export_dir,
+            replace=True,  # a resumed run downloads its own export again
             checkpoint=checkpoint,
             include_digest=True,
         )

@@ -341,13 +341,15 @@ class SessionClient:
         operation_key: str,
         expected_position: int | None = None,
         download_to: str | Path | None = None,
+        replace: bool = False,
         checkpoint: str | None = None,
         include_digest: bool = False,
     ) -> outcomes.ExportOutcome:
         """Write export ``name`` on the server (from ``checkpoint``'s weights when given).
 
-        With ``download_to``, the files are streamed into that directory, which is replaced
-        atomically once every file's sha256 checked out (else ``DownloadError``, nothing kept).
+        With ``download_to`` (a new or empty directory, or any with ``replace=True``), the files
+        are streamed there and swapped in atomically once every file's sha256 checked out (else
+        ``DownloadError``, nothing kept).
         """
         request = pb.ExportWeightsRequest(
             operation=_operation(operation_key, expected_position, include_digest),
@@ -359,7 +361,7 @@ class SessionClient:
         def attempt() -> outcomes.ExportOutcome:
             stream = self._export_stream(request, timeout=None, metadata=self._metadata)
             try:
-                return receive_export(stream, download_to)
+                return receive_export(stream, download_to, replace=replace)
             finally:
                 stream.cancel()  # a no-op once the stream has ended
 

@@ -133,14 +133,19 @@ class ActiveRun:
         )
         return active
 
-    def info(self, state: str = outcomes.OPEN) -> outcomes.SessionInfo:
+    def info(
+        self, state: str = outcomes.OPEN, *, digest_known_only: bool = False
+    ) -> outcomes.SessionInfo:
+        """The run's state; ``digest_known_only`` skips hashing (the digest only if cached)."""
         session = self.session
         return outcomes.SessionInfo(
             run_id=self.spec.run_id,
             config_fingerprint=self.spec.config_fingerprint,
             step=session.step,
             last_operation_key=self.last_key,
-            state_digest=session.state_digest(),
+            state_digest=session.known_state_digest()
+            if digest_known_only
+            else session.state_digest(),
             position=self.position,
             restored_checkpoint=self.restored_checkpoint,
             device=str(session.device),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +41,7 @@ from trainwire.server.active_run import (
 )
 from trainwire.server.device import resolve_device
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from trainwire.server.executor import SessionExecutor
 from trainwire.server.journal import Journal, check_operation_key, payload_digest
 from trainwire.server.optimization import check_learning_rate
 from trainwire.server.position_gate import PositionGate
@@ -84,11 +84,9 @@ class SessionHost:
         self.model_root = None if model_root is None else Path(model_root).resolve()
         self.state_dir = StateDirectory(state_dir)  # held by this host until release()
         self.on_serving = on_serving
-        # The executor: every session operation runs on this one thread, in arrival order, so
-        # nothing interleaves inside the engine and torch always runs on the same thread.
-        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
-        self._released = False
+        self._executor = SessionExecutor()
         self._active: ActiveRun | None = None
+        self._snapshot: SessionInfo | None = None  # as of the last finished operation
         self._gate = PositionGate(lambda: self._active.position if self._active else 0)
         self._closed_info: SessionInfo | None = None
         self._failure = ""
@@ -177,13 +175,17 @@ class SessionHost:
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
         self._active, self._closed_info, self.phase = None, info, outcomes.CLOSED
+        self._snapshot = None
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
 
     def info(self) -> SessionInfo:
-        """Where the session stands; waits for an operation in flight, never for a restore."""
+        """Where the session stands, at once: while operations are queued or running, as of the
+        last one finished (``state_digest`` then only if already known, else "")."""
         if self.phase != outcomes.OPEN:
             return self._idle_info()
+        if self._executor.busy and self._snapshot is not None:
+            return self._snapshot
         return self._serialized(
             lambda: self._active.info() if self._active is not None else self._idle_info(),
             refusable=False,
@@ -196,25 +198,17 @@ class SessionHost:
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no operation runs; False if ``timeout_s`` passed first."""
-        try:
-            self._worker.submit(lambda: None).result(timeout=timeout_s)
-        except futures.TimeoutError:
-            return False
-        return True
+        return self._executor.wait_idle(timeout_s)
 
     def release(self) -> None:
         """Close the journal and let go of the state directory (after ``wait_idle``)."""
-        if self._released:
-            return
-        self._released = True
 
         def release() -> None:
             if self._active is not None:
                 self._active.journal.close()
             self.state_dir.release()
 
-        self._worker.submit(release).result()
-        self._worker.shutdown()
+        self._executor.release(release)
 
     @property
     def journal(self) -> Journal | None:
@@ -316,9 +310,7 @@ class SessionHost:
                 self._refuse_if_unavailable()
             return call(*args)
 
-        if self._released:
-            raise Unavailable("the server has stopped")
-        return self._worker.submit(job).result()
+        return self._executor.run(job, bounded=refusable)
 
     def _read_only(self, call: Callable[[TrainingSession], T]) -> T:
         """``call(session)`` on the executor, behind every operation queued before it, so a
@@ -339,7 +331,9 @@ class SessionHost:
     ) -> OperationOutcome:
         active = self._require_active()
         try:
-            return active.apply_keyed(kind, op, digest, lambda applying: call(active, applying))
+            outcome = active.apply_keyed(kind, op, digest, lambda a: call(active, a))
+            self._snapshot = active.info(digest_known_only=True)
+            return outcome
         except JournalCommitFailed as error:
             # The engine moved on but the journal did not: only a restart makes them agree.
             self._fail(str(error))

@@ -273,13 +273,16 @@ class TrainingSession:
         return self._guard.rng
 
     def state_digest(self) -> str:
-        """sha256 over the whole continuation state: parameters, optimizer moments, schedule
-        position, pending gradients, accumulation counter, RNG and loss-hook state.
-
-        Equal digests mean equal continuations. Cached per state version.
-        """
+        """sha256 over the whole continuation state (parameters, optimizer moments, schedule
+        position, pending gradients, accumulation counter, RNG, loss-hook state): equal digests
+        mean equal continuations. Cached per state version."""
         with self._guard.lock:
             return self._state_digest_held()
+
+    def known_state_digest(self) -> str:
+        """The digest if it is cached for the current state, else "" (no lock, no hashing)."""
+        cache = self._digest_cache
+        return cache[1] if cache is not None and cache[0] == self._guard.version else ""
 
     def drop_digest_cache(self) -> None:
         """Forget the cached digest, as an operation does (benchmarks time its computation)."""
@@ -289,9 +292,7 @@ class TrainingSession:
     def _state_digest_held(self, contents: ckpt.CheckpointContents | None = None) -> str:
         """``state_digest`` for a caller that holds the lock, or a helper thread working for it
         (a checkpoint hashes its ``contents`` while it writes them)."""
-        if self._digest_cache is not None and self._digest_cache[0] == self._guard.version:
-            return self._digest_cache[1]
-        value = (contents or self._contents()).state_digest()
+        value = self.known_state_digest() or (contents or self._contents()).state_digest()
         self._digest_cache = (self._guard.version, value)
         return value
 

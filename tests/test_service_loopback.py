@@ -190,7 +190,7 @@ def test_export_downloads_verified_files_atomically_and_refuses_changed_ones(
         assert (target / file.path).read_bytes() == (on_server / file.path).read_bytes()
     (on_server / "config.json").write_text("{}")  # the export changed under the record
     with pytest.raises(DownloadError, match=r"config\.json: received 2 bytes"):
-        client.export_weights("final", operation_key="export", download_to=target)
+        client.export_weights("final", operation_key="export", download_to=target, replace=True)
     assert (target / "config.json").stat().st_size == exported.files[0].size_bytes  # untouched
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 

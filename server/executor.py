@@ -1,0 +1,73 @@
+"""The session's executor: one thread every session call runs on, in arrival order, bounded.
+
+One thread, so nothing interleaves inside the engine and torch always runs on the same thread.
+Bounded, because every gRPC handler that waits here holds one of the server's threads: past
+``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than queued, so
+threads stay free for health checks and ``Info``, which answer at once whatever is queued.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import TypeVar
+
+from trainwire.server.errors import ResourceExhausted, Unavailable
+
+T = TypeVar("T")
+
+DEFAULT_MAX_QUEUED = 24  # of the server's default 32 handler threads, 8 stay free for the rest
+
+
+class SessionExecutor:
+    """Runs calls one at a time; ``busy`` while any is queued or running."""
+
+    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+        self.max_queued = max_queued
+        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._released = False
+
+    @property
+    def busy(self) -> bool:
+        return self._queued > 0
+
+    def run(self, call: Callable[[], T], *, bounded: bool = True) -> T:
+        """``call()`` on the executor thread after everything queued before it.
+
+        A ``bounded`` call (an operation, a read) is refused when ``max_queued`` are waiting;
+        lifecycle calls (Close, the restore, a busy Info's fallback) are not.
+        """
+        with self._lock:
+            if self._released:
+                raise Unavailable("the server has stopped")
+            if bounded and self._queued >= self.max_queued:
+                raise ResourceExhausted(
+                    f"{self._queued} calls are already queued for the session (the limit is "
+                    f"{self.max_queued}); wait for their results before sending more"
+                )
+            self._queued += 1
+        try:
+            return self._worker.submit(call).result()
+        finally:
+            with self._lock:
+                self._queued -= 1
+
+    def wait_idle(self, timeout_s: float | None = None) -> bool:
+        """Wait until nothing queued before this call runs; False if ``timeout_s`` passed."""
+        try:
+            self._worker.submit(lambda: None).result(timeout=timeout_s)
+        except futures.TimeoutError:
+            return False
+        return True
+
+    def release(self, last: Callable[[], None]) -> None:
+        """Run ``last`` after everything queued, then stop taking calls (once)."""
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        self._worker.submit(last).result()
+        self._worker.shutdown()

@@ -1,0 +1,68 @@
+"""Queued work is bounded, and health and Info answer at once whatever is queued."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_fixtures import NO_RETRY, TEXTS, connect, running_server
+
+from trainwire.server.executor import DEFAULT_MAX_QUEUED
+
+
+def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
+    tmp_path, model_root, llama_config
+):
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("busy", llama_config())
+        client.forward_backward(TEXTS[:2], operation_key="done")
+        settled = client.info()
+        session = handle.session_host.session
+        release, original = threading.Event(), session.forward_backward
+
+        def slow(examples, **loss):
+            release.wait(60)
+            return original(examples, **loss)
+
+        session.forward_backward = slow
+        errors: list[BaseException] = []
+
+        def send(index: int) -> None:
+            try:
+                client.forward_backward(TEXTS[2:4], operation_key=f"queued/{index}")
+            except grpc.RpcError as error:
+                errors.append(error)
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(DEFAULT_MAX_QUEUED)]
+        for thread in senders:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while handle.session_host._executor._queued < DEFAULT_MAX_QUEUED:
+            assert time.monotonic() < deadline, "the calls never queued"
+            time.sleep(0.01)
+        try:
+            with pytest.raises(grpc.RpcError) as refused:
+                client.forward_backward(TEXTS[4:6], operation_key="one too many")
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "wait for their results" in refused.value.details()
+
+            started = time.monotonic()
+            health = health_pb2_grpc.HealthStub(client._channel)
+            reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+            info = client.info()
+            assert time.monotonic() - started < 2
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # As of the last finished operation: the one before the slow one.
+            assert (info.position, info.last_operation_key) == (1, "done")
+            assert info.state_digest in ("", settled.state_digest)
+        finally:
+            release.set()
+            for thread in senders:
+                thread.join(timeout=120)
+        assert errors == []
+        assert client.info().position == 1 + DEFAULT_MAX_QUEUED
+        client.close_channel()
