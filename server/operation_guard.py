@@ -33,6 +33,7 @@ class OperationGuard:
         self.cuda = cuda
         self.broken: str | None = None
         self.version = 0  # state-changing operations applied; keys the digest cache
+        self.fresh_at = 0  # the version right after the last restore (0: as built)
 
     @contextlib.contextmanager
     def session_rng(self, *, keep: bool = True) -> Iterator[None]:
@@ -81,6 +82,19 @@ class OperationGuard:
 
     def changed(self) -> None:
         self.version += 1
+
+    @property
+    def fresh(self) -> bool:
+        """Nothing applied since the session was built or last restored from a checkpoint, so
+        its whole state is one a load_state may replace (a restarted server's replayed
+        LoadState meets a session that recovery just restored)."""
+        return self.version == self.fresh_at
+
+    def restored(self) -> None:
+        """A load_state replaced the whole state: usable again, and fresh."""
+        self.broken = None
+        self.changed()
+        self.fresh_at = self.version
 
 
 @contextlib.contextmanager

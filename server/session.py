@@ -127,7 +127,8 @@ class TrainingSession:
 
     @property
     def is_fresh(self) -> bool:
-        return self._guard.version == 0
+        """Nothing applied since it was built or last restored (load_state may replace it)."""
+        return self._guard.fresh
 
     # -- operations ----------------------------------------------------------------------------
 
@@ -329,7 +330,7 @@ class TrainingSession:
             ckpt.write_checkpoint(Path(path), contents, digest, extra or {})
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore everything from a checkpoint into this fresh session; returns its ``extra``."""
+        """Restore everything into this fresh (or just restored) session; returns ``extra``."""
         with self._guard.lock:
             if not self.is_fresh and self._guard.broken is None:
                 raise FailedPrecondition(
@@ -346,8 +347,7 @@ class TrainingSession:
                 optimizer=self.optimizer,
             )
             self._apply_restored(restored, live)
-            self._guard.broken = None
-            self._guard.changed()
+            self._guard.restored()
             return restored.extra
 
     def _apply_restored(self, restored: ckpt.RestoredState, live: dict[str, Any]) -> None:
