@@ -37,7 +37,12 @@ from trainwire.server.journal import (
     outcome_record,
 )
 from trainwire.server.model_loading import resolve_under
-from trainwire.server.recovery import checkpoint_extra, latest_checkpoint, restore_into
+from trainwire.server.recovery import (
+    checkpoint_extra,
+    latest_checkpoint,
+    restore_into,
+    written_by,
+)
 from trainwire.server.session import TrainingSession
 from trainwire.server.session_results import TokenOutput
 from trainwire.server.state_dir import RunDirectory, RunSpec, check_name, list_export_files
@@ -229,9 +234,15 @@ class ActiveRun:
         session = self.session
         fields = {"state_digest": session.state_digest(), "name": name, "step": session.step}
         entry = applying.entry(applying.outcome(fields))
-        session.save_state(
-            self.run.checkpoint(name), extra=checkpoint_extra(self.spec.run_id, entry)
-        )
+        path = self.run.checkpoint(name)
+        try:
+            session.save_state(path, extra=checkpoint_extra(self.spec.run_id, entry))
+        except Exception:
+            if not written_by(path, entry):
+                raise  # nothing became visible: the save did not happen
+            # The checkpoint is in place (a step after its rename failed, e.g. the directory's
+            # fsync): recovery would restore it at this position, so the save counts as applied.
+            logger.exception("save_state %r failed after its checkpoint was in place", name)
         return fields
 
     def load_state(self, name: str) -> Fields:

@@ -149,6 +149,17 @@ class Journal:
             )
             return cursor.rowcount
 
+    def roll_back_others_at(self, position: int, operation_key: str) -> int:
+        """Mark live entries at ``position`` under another key rolled back; returns how many.
+        One position holds one operation: the checkpoint recovery restores says which."""
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE operations SET rolled_back = 1 "
+                "WHERE position = ? AND operation_key != ? AND rolled_back = 0",
+                (position, operation_key),
+            )
+            return cursor.rowcount
+
     def entries(self, *, include_rolled_back: bool = False) -> list[JournalEntry]:
         """Entries in position order (rolled-back ones after live ones at the same position)."""
         where = "" if include_rolled_back else "WHERE rolled_back = 0"

@@ -32,6 +32,19 @@ logger = logging.getLogger(__name__)
 SERVER_EXTRA_KEY = "server"  # the checkpoint extra's key the server owns; others stay untouched
 
 
+def written_by(path: Path, entry: JournalEntry) -> bool:
+    """Whether the checkpoint at ``path`` is the one ``entry``'s SaveState wrote (it is visible
+    to recovery, whatever failed after its rename)."""
+    try:
+        server = read_extra(path).get(SERVER_EXTRA_KEY)
+    except (NotFound, InvalidArgument, OSError):
+        return False
+    return isinstance(server, dict) and (server.get("operation_key"), server.get("position")) == (
+        entry.operation_key,
+        entry.position,
+    )
+
+
 def checkpoint_extra(run_id: str, entry: JournalEntry) -> dict[str, Any]:
     """The ``extra`` a SaveState checkpoint is written with: ``entry``, the SaveState's own."""
     return {
@@ -127,6 +140,10 @@ def restore_into(
     rolled = journal.roll_back_after(point.position)
     if rolled:
         logger.info("%d journal entries after position %d rolled back", rolled, point.position)
+    if journal.roll_back_others_at(point.position, key):
+        # Another operation was journaled at the checkpoint's position (a save that failed after
+        # its rename, by a server before this fix): the checkpoint is what the session holds.
+        logger.warning("rolled back an entry at position %d that is not %r", point.position, key)
     if journal.lookup(key) is None:
         # The server died after the checkpoint was renamed into place, before the commit.
         journal.commit(point.entry)
