@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from trainwire.client.outcomes import OperationOutcome, OperationSpec
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.errors import AlreadyExists, InvalidArgument, NotFound, PositionMismatch
 from trainwire.server.journal import (
+    EXPORT_WEIGHTS,
     OUTCOME_TYPES,
     Journal,
     JournalEntry,
@@ -128,6 +130,7 @@ class ActiveRun:
         latest = latest_checkpoint(run, spec.run_id)
         active.position, active.last_key = restore_into(session, active.journal, latest)
         active.restored_checkpoint = latest.path.name if latest else ""
+        active.drop_forgotten_exports()
         logger.info(
             "run %s restored at position %d (checkpoint %s, step %d, %s)",
             spec.run_id,
@@ -137,6 +140,24 @@ class ActiveRun:
             session.state_digest(),
         )
         return active
+
+    def drop_forgotten_exports(self) -> None:
+        """Remove the exports whose latest writer the restart rolled back: they belong to a
+        timeline the journal forgot (a replayed LoadWeights("export:e") must not read them).
+        The rolled-back ExportWeights writes them again, the same bits, when it is replayed."""
+        latest: dict[str, JournalEntry] = {}
+        for entry in self.journal.entries(include_rolled_back=True):
+            if entry.kind == EXPORT_WEIGHTS:
+                name = entry.result.get("name", "")
+                if name not in latest or entry.position >= latest[name].position:
+                    latest[name] = entry
+        for name, entry in latest.items():
+            path = self.run.export(name)
+            if entry.rolled_back and path.exists():
+                shutil.rmtree(path)
+                logger.info(
+                    "export %s of rolled-back operation %r removed", name, entry.operation_key
+                )
 
     def info(
         self, state: str = outcomes.OPEN, *, digest_known_only: bool = False
