@@ -27,11 +27,21 @@ def resolve_under(root: Path | None, name: str, what: str) -> Path:
     """
     if not name:
         raise InvalidArgument(f"{what}: empty path")
+    try:
+        return _confined_model_path(root, name, what)
+    except (OSError, ValueError) as error:  # too long, a NUL byte, a loop of links
+        if isinstance(error, InvalidArgument):
+            raise
+        reason = getattr(error, "strerror", None) or str(error)
+        raise InvalidArgument(f"{what} {name[:100]!r} is not a usable path ({reason})") from None
+
+
+def _confined_model_path(root: Path | None, name: str, what: str) -> Path:
     if root is None:
         return Path(name).expanduser().resolve()
     candidate = resolve_inside(root, name)
     if candidate is None:
-        raise InvalidArgument(f"{what} {name!r} resolves outside the model root; refused")
+        raise InvalidArgument(f"{what} {name[:100]!r} resolves outside the model root; refused")
     if candidate.is_dir():
         leaving = links_leaving(root, candidate)
         if leaving:
@@ -44,7 +54,11 @@ def resolve_under(root: Path | None, name: str, what: str) -> Path:
 
 def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:
     path = resolve_under(model_root, config.model, "model")
-    if not (path / MODEL_CONFIG_FILE).is_file():
+    try:
+        found = (path / MODEL_CONFIG_FILE).is_file()
+    except OSError as error:  # a name too long for the filesystem, say
+        raise InvalidArgument(f"model {config.model[:100]!r}: {error.strerror}") from None
+    if not found:
         where = " under the server's model root" if model_root is not None else ""
         raise NotFound(
             f"model {config.model!r}: no {MODEL_CONFIG_FILE} there; name a model directory{where}"

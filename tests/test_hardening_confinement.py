@@ -118,3 +118,13 @@ def test_links_that_stay_inside_the_model_root_load(host, tiny_llama, model_root
 
     loaded = host.load_weights(WeightsSource("model_path", "cache-like"), op("lw", 0))
     assert loaded.position == 1
+
+
+@pytest.mark.parametrize("name", ["[" * 5000, "a\x00b", "x/" * 3000])
+def test_an_unusable_model_path_is_invalid_argument_without_server_paths(host, model_root, name):
+    """Found by the fuzzer: a 5,000-character path was INTERNAL and named the model root."""
+    with pytest.raises(
+        InvalidArgument, match=r"not a usable path|outside the model root"
+    ) as refused:
+        host.load_weights(WeightsSource("model_path", name), op("lw", 0))
+    assert str(model_root) not in str(refused.value)
