@@ -58,8 +58,8 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, log it, and append its outpu
 step cuda-tests 240 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider \
     tests/test_session_cuda.py tests/test_tokens_cuda.py
 step engine 150 "$PYTHON" bench/engine.py --device cuda --quick
-step tokens 90 "$PYTHON" bench/tokens.py --device cuda --quick
-step sampling 90 "$PYTHON" bench/sampling.py --device cuda --quick
+step tokens 120 "$PYTHON" bench/tokens.py --device cuda --shape qwen2-0.5b --quick
+step sampling 120 "$PYTHON" bench/sampling.py --device cuda --shape qwen2-0.5b --quick
 
 echo "results: $SUMMARY"
 exit "$failed"
