@@ -247,7 +247,7 @@ def compare_streams(config: TrainingConfig, model_root: Path, work: Path, rounds
         "stream+sha256": lambda: stream(True),
         "raw to disk": raw_to_disk,
         "download": lambda: client.export_weights(
-            "final", operation_key="export", download_to=work / "download"
+            "final", operation_key="export", download_to=work / "download", replace=True
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in runs}
