@@ -204,3 +204,28 @@ def test_the_server_package_exports_load_lazily_and_serve_is_callable():
     assert callable(serve)
     with pytest.raises(AttributeError):
         trainwire.server.NoSuchThing  # noqa: B018
+
+
+def test_the_engine_and_the_host_import_neither_grpc_nor_protobuf():
+    """Issue 10: the engine and the plan are plain Python; gRPC is the servicer's business."""
+    probe = (
+        "import sys, {module}\n"
+        "print(sorted(m for m in ('grpc', 'grpc_health', 'google.protobuf') if m in sys.modules))"
+    )
+    for module in ("trainwire.server.session", "trainwire.server.host", "trainwire.client.plan"):
+        done = subprocess.run(
+            [sys.executable, "-c", probe.format(module=module)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[]", (module, done.stdout)
+    # The probe sees grpc when it is there.
+    done = subprocess.run(
+        [sys.executable, "-c", probe.format(module="trainwire.server.servicer")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "grpc" in done.stdout
