@@ -69,7 +69,7 @@ def test_a_file_sent_twice_is_refused(tmp_path):
         yield from items
         yield from items[1:]
 
-    with pytest.raises(DownloadError, match="sent model.bin twice"):
+    with pytest.raises(DownloadError, match=r"sent model\.bin twice"):
         receive_export(twice(), tmp_path / "download")
     assert list(tmp_path.iterdir()) == []
 
