@@ -253,7 +253,7 @@ class TrainingSession:
 
     def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, with this session's tokenizer."""
-        return self.encoder.token_ids(list(texts), special=add_special_tokens)
+        return self.encoder.token_ids(list(texts), special=add_special_tokens) if texts else []
 
     def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
         """Each id list back into text; ids outside the vocabulary are INVALID_ARGUMENT."""

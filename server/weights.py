@@ -53,7 +53,8 @@ def read_native_model_tensors(directory: Path) -> dict[str, torch.Tensor]:
     index_path = directory / SHARD_INDEX_FILE
     if not index_path.is_file():
         raise InvalidArgument(
-            f"{directory}: no {MODEL_FILE} or {SHARD_INDEX_FILE}; only safetensors weights load"
+            f"{directory.name}: no {MODEL_FILE} or {SHARD_INDEX_FILE}; only safetensors weights "
+            "load"
         )
     try:
         weight_map = json.loads(index_path.read_text())["weight_map"]
@@ -147,7 +148,7 @@ def plan_adapter_load(
         saved = json.loads((directory / ADAPTER_CONFIG_FILE).read_text())
     except ValueError as error:
         raise InvalidArgument(
-            f"{directory}/{ADAPTER_CONFIG_FILE}: invalid JSON ({error})"
+            f"{directory.name}/{ADAPTER_CONFIG_FILE}: invalid JSON ({error})"
         ) from None
     mismatches = adapter_settings_mismatches(model, saved)
     if mismatches:
@@ -218,7 +219,7 @@ def base_model_fingerprint(model: torch.nn.Module, config: TrainingConfig) -> st
 def source_kind(directory: Path) -> str:
     """``checkpoint``, ``adapter`` or ``native`` by the files a directory holds."""
     if not directory.is_dir():
-        raise NotFound(f"no weights at {directory}")
+        raise NotFound(f"no weights at {directory.name!r}")
     if is_session_checkpoint(directory):
         return "checkpoint"
     if (directory / ADAPTER_CONFIG_FILE).is_file():
@@ -226,7 +227,7 @@ def source_kind(directory: Path) -> str:
     if (directory / MODEL_CONFIG_FILE).is_file():
         return "native"
     raise InvalidArgument(
-        f"{directory} is neither a session checkpoint, a PEFT adapter nor a model directory"
+        f"{directory.name!r} is neither a session checkpoint, a PEFT adapter nor a model directory"
     )
 
 

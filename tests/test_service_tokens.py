@@ -197,3 +197,8 @@ def test_remote_samples_equal_in_process_ones(remote: SessionClient, config):
     assert got == local.sample(prompt, **options)
     assert [s.stop_reason for s in got] == [s.stop_reason for s in local.sample(prompt, **options)]
     assert remote.info().position == 0
+
+
+def test_tokenize_and_detokenize_of_nothing_are_nothing(remote: SessionClient):
+    assert remote.tokenize([]) == []
+    assert remote.detokenize([]) == []
