@@ -42,6 +42,7 @@ from trainwire.server.model_loading import resolve_under
 from trainwire.server.recovery import (
     checkpoint_extra,
     latest_checkpoint,
+    prune_checkpoints,
     restore_into,
     written_by,
 )
@@ -52,6 +53,8 @@ from trainwire.server.state_dir import RunDirectory, RunSpec, check_name, list_e
 logger = logging.getLogger(__name__)
 
 Fields = dict[str, Any]  # an outcome's fields beyond its key and position
+# Checkpoints retention never removes: the controller keeps its best weights under this name.
+KEPT_CHECKPOINT_NAMES = ("best",)
 Examples = Sequence[InputExample] | Sequence[TokenExample]
 LossChoice = tuple[str, Mapping[str, float]]  # (loss_fn, loss_fn_config)
 
@@ -122,6 +125,7 @@ class ActiveRun:
         self.position = 0
         self.last_key = ""
         self.restored_checkpoint = ""
+        self.keep_checkpoints: int | None = None  # retention: None keeps every checkpoint
 
     @classmethod
     def restore(cls, run: RunDirectory, spec: RunSpec, session: TrainingSession) -> ActiveRun:
@@ -264,6 +268,9 @@ class ActiveRun:
             # The checkpoint is in place (a step after its rename failed, e.g. the directory's
             # fsync): recovery would restore it at this position, so the save counts as applied.
             logger.exception("save_state %r failed after its checkpoint was in place", name)
+        if self.keep_checkpoints:
+            protected = {name, *KEPT_CHECKPOINT_NAMES}
+            prune_checkpoints(self.run, self.spec.run_id, self.keep_checkpoints, protected)
         return fields
 
     def load_state(self, name: str) -> Fields:

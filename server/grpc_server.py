@@ -155,6 +155,7 @@ def serve(
     tls_client_ca: Pem | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_workers: int = DEFAULT_MAX_WORKERS,
+    keep_checkpoints: int | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tinker_listen: str | None = None,
     tinker_token: str | None = None,
@@ -164,6 +165,7 @@ def serve(
     It answers at once: a session left open in ``state_dir`` is restored in the background
     (health NOT_SERVING meanwhile). ``tls_*`` take PEM bytes or file paths; ``tls_client_ca``
     requires client certificates signed by it. ``interceptors`` run after the token check.
+    ``keep_checkpoints`` turns retention on: a run keeps its K newest checkpoints (and ``best``).
     ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
     (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send.
     """
@@ -198,7 +200,11 @@ def serve(
     try:
         port = _bind(server, listen, read_pem(tls_cert), read_pem(tls_key), read_pem(tls_client_ca))
         session_host = SessionHost(
-            state_dir, model_root=model_root, device=device, on_serving=on_serving
+            state_dir,
+            model_root=model_root,
+            device=device,
+            on_serving=on_serving,
+            keep_checkpoints=keep_checkpoints,
         )
     except BaseException:
         server.stop(None)  # release the port and the worker threads of a refused start

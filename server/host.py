@@ -70,6 +70,8 @@ class SessionHost:
             it; None allows any local path.
         device: ``cpu``, ``cuda`` or ``cuda:N``; None is CUDA where there is one.
         on_serving: called with True/False when the host can/cannot take operations (health).
+        keep_checkpoints: retention: after each SaveState keep a run's K newest checkpoints
+            (and the one named ``best``); None keeps them all.
     """
 
     def __init__(
@@ -79,11 +81,15 @@ class SessionHost:
         model_root: str | Path | None = None,
         device: str | None = None,
         on_serving: Callable[[bool], None] | None = None,
+        keep_checkpoints: int | None = None,
     ) -> None:
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
         self.state_dir = StateDirectory(state_dir)  # held by this host until release()
         self.on_serving = on_serving
+        if keep_checkpoints is not None and keep_checkpoints < 1:
+            raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
+        self.keep_checkpoints = keep_checkpoints
         self._executor = SessionExecutor()
         self._active: ActiveRun | None = None
         self._snapshot: SessionInfo | None = None  # as of the last finished operation
@@ -114,6 +120,7 @@ class SessionHost:
         try:
             session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
             self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
+            self._active.keep_checkpoints = self.keep_checkpoints
             self._gate.moved()
         except Exception as error:
             logger.exception("restoring run %s failed", spec.run_id)
@@ -159,6 +166,7 @@ class SessionHost:
             self._set_serving(True)
         run.write_spec(spec)  # only once the session loaded: a refused config leaves none
         self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
+        self._active.keep_checkpoints = self.keep_checkpoints
         self.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
         return outcomes.OpenOutcome.from_info(self._active.info(), created=True)

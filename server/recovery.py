@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,29 @@ def restore_into(
         journal.commit(point.entry)
         logger.warning("re-committed %s %r at position %d", SAVE_STATE, key, point.position)
     return point.position, key
+
+
+def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[str]) -> list[str]:
+    """Remove this run's checkpoints beyond the ``keep`` newest (by recorded position), sparing
+    ``protected`` names; returns the names removed.
+
+    Right after a SaveState nothing journaled comes after the newest checkpoint, so no replay
+    needs an older one; older intact ones are only the fallback for a damaged newest (keep 2 or
+    more for that). Other runs' checkpoints and unreadable folders are left alone.
+    """
+    points = []
+    for path in run.checkpoint_paths():
+        try:
+            server = read_extra(path).get(SERVER_EXTRA_KEY)
+        except (NotFound, InvalidArgument):
+            continue
+        if isinstance(server, dict) and server.get("run_id") == run_id:
+            points.append(RestorePoint(path, server))
+    removed = []
+    for point in sorted(points, key=lambda p: -p.position)[keep:]:
+        if point.path.name not in protected:
+            shutil.rmtree(point.path)
+            removed.append(point.path.name)
+    if removed:
+        logger.info("retention: removed checkpoints %s (keeping the %d newest)", removed, keep)
+    return removed

@@ -146,7 +146,12 @@ def command_train(args: argparse.Namespace) -> int:
 
 # The server tunables ``trainwire serve --set KEY=VALUE`` may change, with their types: the one
 # way to set them (their defaults live beside the server, in trainwire.server.grpc_server).
-SERVE_SETTINGS = {"max_message_bytes": int, "max_workers": int, "stop_grace_s": float}
+SERVE_SETTINGS = {
+    "max_message_bytes": int,
+    "max_workers": int,
+    "stop_grace_s": float,
+    "keep_checkpoints": int,  # retention: a run's K newest checkpoints (and best); default all
+}
 
 
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -161,6 +166,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "max_workers": DEFAULT_MAX_WORKERS,
         "stop_grace_s": DEFAULT_STOP_GRACE_S,
+        "keep_checkpoints": None,
     }
     for key, value in checked_config_overrides(args.set).items():
         kind = SERVE_SETTINGS.get(key)
@@ -200,6 +206,7 @@ def command_serve(args: argparse.Namespace) -> int:
         tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
         max_message_bytes=settings["max_message_bytes"],
         max_workers=settings["max_workers"],
+        keep_checkpoints=settings["keep_checkpoints"],
         tinker_listen=args.tinker_listen,
         tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
     )
