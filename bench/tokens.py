@@ -22,20 +22,23 @@ is / ce and ppo / ce <= 1.05. Nothing is asserted; the script prints the figures
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from engine import QWEN2_05B, long_texts, synchronize, write_model  # bench/engine.py
-from transformers.utils import logging as transformers_logging
+from engine import (  # bench/engine.py
+    QWEN2_05B,
+    device_arguments,
+    long_texts,
+    synchronize,
+    write_model,
+)
 
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
@@ -191,28 +194,7 @@ def make_setup(device: str, shape: str | None, quick: bool) -> Setup:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument(
-        "--shape",
-        choices=("tiny", "small", "qwen2-0.5b"),
-        help="one model (default: tiny and small on cpu, qwen2-0.5b on cuda)",
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run)")
-    parser.add_argument(
-        "--threads", type=int, help="torch intra-op threads (default: torch's, one per core)"
-    )
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(
-            f"--device cuda: CUDA is not available here (torch {torch.__version__}); "
-            "run without --device for the CPU figures"
-        )
-    transformers_logging.set_verbosity_error()  # the text path cuts long texts on purpose
-    transformers_logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+    args = device_arguments(__doc__.splitlines()[0], "fewer rounds (a smoke run)")
     setup = make_setup(args.device, args.shape, args.quick)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
