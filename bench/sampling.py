@@ -24,14 +24,14 @@ Goal: >= 0.9 with the logprob pass included. Nothing is asserted; the script pri
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from engine import QWEN2_05B, device_arguments, synchronize, write_model  # bench/engine.py
+from common import run_on_device  # bench/common.py
+from engine import QWEN2_05B, synchronize, write_model  # bench/engine.py
 
 from trainwire.client import TrainingConfig
 from trainwire.server.session import TrainingSession
@@ -218,14 +218,7 @@ def make_setup(device: str, shape: str | None, quick: bool) -> Setup:
 
 
 def main() -> None:
-    args = device_arguments(__doc__.splitlines()[0], "fewer rounds, shorter samples")
-    setup = make_setup(args.device, args.shape, args.quick)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-        + (f", {torch.cuda.get_device_name()}" if setup.device == "cuda" else "")
-    )
-    with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
-        print_table(setup, Path(tmp))
+    run_on_device(__doc__.splitlines()[0], "fewer rounds, shorter samples", make_setup, print_table)
 
 
 if __name__ == "__main__":

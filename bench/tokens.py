@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import run_on_device  # bench/common.py
 from engine import (  # bench/engine.py
     QWEN2_05B,
-    device_arguments,
     long_texts,
     synchronize,
     write_model,
@@ -194,14 +193,7 @@ def make_setup(device: str, shape: str | None, quick: bool) -> Setup:
 
 
 def main() -> None:
-    args = device_arguments(__doc__.splitlines()[0], "fewer rounds (a smoke run)")
-    setup = make_setup(args.device, args.shape, args.quick)
-    print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
-        + (f", {torch.cuda.get_device_name()}" if setup.device == "cuda" else "")
-    )
-    with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
-        print_table(setup, Path(tmp))
+    run_on_device(__doc__.splitlines()[0], "fewer rounds (a smoke run)", make_setup, print_table)
 
 
 if __name__ == "__main__":
