@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,6 +90,16 @@ class JournalCommitFailed(RuntimeError):
     """The engine applied an operation but the journal could not commit it."""
 
 
+def wait_durable(durable: Durable, key: str) -> None:
+    """Block until the commit behind an outcome is on disk; ``JournalCommitFailed`` if not."""
+    if durable is None:
+        return
+    try:
+        durable.result()
+    except Exception as error:
+        raise JournalCommitFailed(f"the journal could not record {key!r}: {error}") from error
+
+
 @dataclass(frozen=True)
 class Applying:
     """The keyed operation being applied: its kind, key, the position it will have and the
@@ -110,6 +121,7 @@ class Applying:
 
 
 EngineCall = Callable[[Applying], Fields]
+Durable = futures.Future[None] | None  # an outcome's pending commit
 
 
 class ActiveRun:
@@ -189,15 +201,17 @@ class ActiveRun:
 
     def apply_keyed(
         self, kind: str, op: OperationSpec, payload_digest: str, call: EngineCall
-    ) -> OperationOutcome:
-        """Journal lookup, position check, ``call``, durable commit: in that order.
+    ) -> tuple[OperationOutcome, Durable]:
+        """Journal lookup, position check, ``call``, commit: in that order.
 
-        Raises ``JournalCommitFailed`` when the engine applied the operation but the journal
-        could not commit it (only a restart makes them agree again).
+        Returns the outcome and the commit it waits on (None when already on disk). The caller
+        must wait for it before anyone hears of the outcome, but not on the executor: the next
+        operation runs while this one's fsync completes (group commit). A commit that fails
+        raises ``JournalCommitFailed`` there (only a restart makes journal and engine agree).
         """
         entry = self.journal.lookup(op.key)
         if entry is not None:
-            return self._replay(entry, kind, payload_digest, op)
+            return self._replay(entry, kind, payload_digest, op), self.journal.durable(op.key)
         if op.expected_position is not None and op.expected_position != self.position:
             raise PositionMismatch(
                 f"expected_position {op.expected_position}, but the session is at position "
@@ -209,14 +223,9 @@ class ActiveRun:
         outcome = applying.outcome(call(applying))
         if op.include_digest and not outcome.state_digest:
             outcome = dataclasses.replace(outcome, state_digest=self.session.state_digest())
-        try:
-            self.journal.commit(applying.entry(outcome))
-        except Exception as error:
-            raise JournalCommitFailed(
-                f"the journal could not record {op.key!r}: {error}"
-            ) from error
+        durable = self.journal.commit_async(applying.entry(outcome))
         self.position, self.last_key = applying.position, applying.key
-        return outcome
+        return outcome, durable
 
     def _replay(
         self, entry: JournalEntry, kind: str, payload_digest: str, op: OperationSpec

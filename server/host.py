@@ -1,19 +1,16 @@
 """The session host: one TrainingSession behind a durable journal, one operation at a time.
 
-Plain Python, no gRPC: the servicer decodes a request into typed values, calls one method here
-and encodes what it returns; tests drive this class directly.
-
+Plain Python, no gRPC: the servicer decodes requests into typed values; tests drive this class.
 Lifecycle: idle → (Open) open → (Close) closed → (Open of a new run id) open ... A server started
 on a state directory that holds an open run is ``restoring`` until ``recover()`` has reopened it
-from its latest checkpoint (``failed`` if that goes wrong). The state directory's layout is drawn
-in ``trainwire.server.state_dir``.
+from its latest checkpoint (``failed`` if that goes wrong); the layout is in ``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the one executor thread and takes ``ActiveRun.apply_keyed``'s path
-(journal, position, engine, commit), moving the session's *position* (operations applied) by one.
-The host checks names and keys first, and owns what an operation's failure means for the
-lifecycle: a session broken midway, or a journal that could not commit, fails the server (a
-restart restores the latest checkpoint; see ``trainwire.server.recovery``).
+(journal, position, engine, commit), moving the session's *position* (operations applied) by one;
+its caller hears of it once its commit is on disk. The host checks names and keys first, and owns
+what a failure means for the lifecycle: a session broken midway, or a journal that could not
+commit, fails the server (a restart restores the latest checkpoint; see ``recovery``).
 """
 
 from __future__ import annotations
@@ -32,12 +29,14 @@ from trainwire.server import journal as kinds
 from trainwire.server.active_run import (
     ActiveRun,
     Applying,
+    Durable,
     Examples,
     Fields,
     JournalCommitFailed,
     LossChoice,
     check_weights_source,
     forward_backward_payload,
+    wait_durable,
 )
 from trainwire.server.device import resolve_device
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -138,10 +137,7 @@ class SessionHost:
         max_steps: int | None = None,
         plan_fingerprint: str = "",
     ) -> outcomes.OpenOutcome:
-        """Open the session for a run, or confirm the open one (see the proto's Open).
-
-        ``max_steps`` None (and an empty ``plan_fingerprint``) accept an open run's.
-        """
+        """Open the session for a run, or confirm the open one (None/"" accept the open run's)."""
         check_name(run_id, "run id")
         if max_steps is not None and max_steps < 1:
             raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps}")
@@ -332,26 +328,29 @@ class SessionHost:
         self._refuse_if_unavailable()
         self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
         with self._gate.running(op.expected_position):
-            return self._serialized(self._apply_keyed, kind, op, digest, call)
-
-    def _apply_keyed(
-        self, kind: str, op: OperationSpec, digest: str, call: RunCall
-    ) -> OperationOutcome:
-        active = self._require_active()
+            outcome, durable = self._serialized(self._apply_keyed, kind, op, digest, call)
         try:
-            outcome = active.apply_keyed(kind, op, digest, lambda a: call(active, a))
-            self._snapshot = active.info(digest_known_only=True)
-            return outcome
+            wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
         except JournalCommitFailed as error:
             # The engine moved on but the journal did not: only a restart makes them agree.
             self._fail(str(error))
             raise FailedPrecondition(f"{self._failure}; restart the server") from None
+        return outcome
+
+    def _apply_keyed(
+        self, kind: str, op: OperationSpec, digest: str, call: RunCall
+    ) -> tuple[OperationOutcome, Durable]:
+        active = self._require_active()
+        try:
+            applied = active.apply_keyed(kind, op, digest, lambda a: call(active, a))
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the
                 # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
                 self._fail(f"{active.session.broken}; restart the server to restore")
             raise
+        self._snapshot = active.info(digest_known_only=True)
+        return applied
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import queue
 import sqlite3
 import threading
 import time
+from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -85,16 +87,33 @@ class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the writing connection
         # isolation_level=None: no implicit transactions; each write is one explicit transaction.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        # Lookups read through their own connection, so a commit's fsync never holds them up.
+        self._read_lock = threading.Lock()
+        self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        self._state = threading.Lock()  # the pending entries, the failure, the committer
+        self._pending: dict[str, tuple[JournalEntry, futures.Future[None]]] = {}
+        self._queue: queue.SimpleQueue[tuple[JournalEntry, futures.Future[None]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._failure: BaseException | None = None
+        self._committer: threading.Thread | None = None
 
     def close(self) -> None:
-        with self._lock:
+        """Finish the queued commits, then close (an entry queued before is durable after)."""
+        with self._state:
+            committer, self._committer = self._committer, None
+        if committer is not None:
+            self._queue.put(None)
+            committer.join()
+        with self._lock, self._read_lock:
+            self._reader.close()
             self._db.close()
 
     def __enter__(self) -> Journal:
@@ -104,22 +123,94 @@ class Journal:
         self.close()
 
     def lookup(self, operation_key: str) -> JournalEntry | None:
-        """The live (not rolled back) entry for ``operation_key``, or None."""
-        with self._lock:
-            row = self._db.execute(
+        """The live (not rolled back) entry for ``operation_key``, or None; an entry queued for
+        its commit counts (``durable`` says when it is on disk)."""
+        with self._state:
+            pending = self._pending.get(operation_key)
+        if pending is not None:
+            return pending[0]
+        with self._read_lock:
+            row = self._reader.execute(
                 "SELECT * FROM operations WHERE operation_key = ? AND rolled_back = 0",
                 (operation_key,),
             ).fetchone()
         return None if row is None else _entry(row)
 
-    def commit(self, entry: JournalEntry) -> None:
-        """Commit ``entry`` durably; it replaces a rolled-back entry of the same key.
+    def durable(self, operation_key: str) -> futures.Future[None] | None:
+        """The commit of ``operation_key``'s entry while it is queued; None once it is on disk."""
+        with self._state:
+            pending = self._pending.get(operation_key)
+        return None if pending is None else pending[1]
 
-        Raises ``sqlite3.IntegrityError`` if a live entry holds the key (the host never asks).
+    def commit(self, entry: JournalEntry) -> None:
+        """Commit ``entry`` durably before returning (see ``commit_async``)."""
+        self.commit_async(entry).result()
+
+    def commit_async(self, entry: JournalEntry) -> futures.Future[None]:
+        """Queue ``entry`` for a durable commit; the Future completes once it is on disk.
+
+        Entries commit in the order queued, those queued together in one transaction (one
+        fsync: group commit), each replacing a rolled-back entry of its key. ``lookup`` sees it
+        at once. After a failed commit every later one fails too: the journal stops where the
+        disk stopped, and only a restart makes journal and engine agree again.
         """
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+        future: futures.Future[None] = futures.Future()
+        with self._state:
+            if self._failure is not None:
+                future.set_exception(RuntimeError(f"an earlier commit failed: {self._failure}"))
+                return future
+            self._pending[entry.operation_key] = (entry, future)
+            if self._committer is None:
+                self._committer = threading.Thread(
+                    target=self._commit_queued, name="trainwire-journal", daemon=True
+                )
+                self._committer.start()
+        self._queue.put((entry, future))
+        return future
+
+    def _commit_queued(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch, stop = [first], False
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._write_batch(batch)
+            if stop:
+                return
+
+    def _write_batch(self, batch: list[tuple[JournalEntry, futures.Future[None]]]) -> None:
+        try:
+            with self._lock:
+                self._write([entry for entry, _ in batch])
+        except BaseException as error:
+            with self._state:
+                self._failure = error
+                for entry, _ in batch:
+                    self._pending.pop(entry.operation_key, None)
+            for _, future in batch:
+                future.set_exception(error)
+            return
+        with self._state:
+            for entry, _ in batch:
+                self._pending.pop(entry.operation_key, None)
+        for _, future in batch:
+            future.set_result(None)
+
+    def _write(self, entries: list[JournalEntry]) -> None:
+        """One transaction for ``entries``; raises ``sqlite3.IntegrityError`` if a live entry
+        holds one of their keys (the host never asks)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for entry in entries:
                 self._db.execute(
                     "DELETE FROM operations WHERE operation_key = ? AND rolled_back = 1",
                     (entry.operation_key,),
@@ -135,10 +226,10 @@ class Journal:
                         entry.recorded_at or time.time(),
                     ),
                 )
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
 
     def roll_back_after(self, position: int) -> int:
         """Mark every live entry past ``position`` rolled back; returns how many."""

@@ -1,0 +1,87 @@
+"""Group commit: the next operation runs while the last one's commit reaches the disk, and no
+caller hears of an operation before its entry is durable."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from host_operations import BATCHES, op
+
+from trainwire.server.errors import FailedPrecondition, Unavailable
+from trainwire.server.journal import Journal, JournalEntry
+
+
+def entry(key: str, position: int) -> JournalEntry:
+    return JournalEntry(key, "OptimStep", "sha256:x", position, {"step": position})
+
+
+def held_writes(journal: Journal, monkeypatch) -> tuple[threading.Event, list[list[str]]]:
+    """Make ``journal``'s writes wait for the returned event; record each batch's keys."""
+    release, batches = threading.Event(), []
+    real_write = journal._write
+
+    def write(entries):
+        release.wait(30)
+        batches.append([e.operation_key for e in entries])
+        real_write(entries)
+
+    monkeypatch.setattr(journal, "_write", write)
+    return release, batches
+
+
+def test_entries_queued_together_commit_in_one_transaction_in_order(tmp_path, monkeypatch):
+    with Journal(tmp_path / "journal.sqlite3") as journal:
+        release, batches = held_writes(journal, monkeypatch)
+        first = journal.commit_async(entry("a", 1))
+        time.sleep(0.2)  # the committer holds "a", waiting on the disk
+        rest = [journal.commit_async(entry(key, i)) for i, key in enumerate("bcd", start=2)]
+        assert journal.lookup("c").position == 3  # seen at once, before it is durable
+        assert not any(f.done() for f in (first, *rest))
+        release.set()
+        for future in (first, *rest):
+            future.result(timeout=30)
+        assert batches == [["a"], ["b", "c", "d"]]
+        assert journal.durable("c") is None
+        assert [e.operation_key for e in journal.entries()] == ["a", "b", "c", "d"]
+
+
+def test_the_next_operation_runs_while_the_last_ones_commit_waits_and_neither_returns_early(
+    host, monkeypatch
+):
+    release, _ = held_writes(host.journal, monkeypatch)
+    results: dict[str, object] = {}
+    first = threading.Thread(
+        target=lambda: results.update(a=host.forward_backward(BATCHES[0], op("a", 0)))
+    )
+    second = threading.Thread(
+        target=lambda: results.update(b=host.forward_backward(BATCHES[1], op("b", 1)))
+    )
+    first.start()
+    deadline = time.monotonic() + 30
+    while host.session.accumulated < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    second.start()
+    while host.session.accumulated < 2:  # applied while "a" is still not on disk
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert results == {}  # neither caller heard of its operation before its commit
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert (results["a"].position, results["b"].position) == (1, 2)
+    assert [e.operation_key for e in host.journal.entries()] == ["a", "b"]
+
+
+def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(host, monkeypatch):
+    def broken(entries):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host.journal, "_write", broken)
+    with pytest.raises(FailedPrecondition, match=r"could not record 'a'.*restart the server"):
+        host.forward_backward(BATCHES[0], op("a", 0))
+    with pytest.raises(Unavailable, match="cannot serve its session"):
+        host.forward_backward(BATCHES[1], op("b", 1))
