@@ -1,7 +1,9 @@
 """The durable operation journal: which operation keys a run has applied, and what they returned.
 
 One SQLite database per run, in WAL mode with ``synchronous=FULL``: a committed entry survives a
-power cut, and ``commit`` returns only after the commit. The active run looks a key up before
+power cut. ``commit_async`` queues an entry for the journal's own thread, which commits what is
+queued together in one transaction (group commit), and its Future completes once the entry is on
+disk; ``commit`` waits for that. The active run looks a key up before
 running anything (same payload → the journaled result; other payload → ALREADY_EXISTS) and commits
 each applied operation with its position. An entry's ``result`` is the operation's outcome in the
 JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back.
