@@ -71,6 +71,7 @@ class SessionInfo:
     pending_microbatches: int = 0
     max_steps: int = 0  # 0: none given
     plan_fingerprint: str = ""
+    damaged_checkpoints: tuple[str, ...] = ()  # passed over by the last restart's recovery
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,7 @@ def session_info_to_proto(info: SessionInfo) -> pb.SessionInfo:
 def session_info_from_proto(info: pb.SessionInfo) -> SessionInfo:
     values = {f.name: getattr(info, f.name) for f in dataclasses.fields(SessionInfo)}
     values["state"] = _STATE_FROM_PROTO.get(info.state, "unknown")
+    values["damaged_checkpoints"] = tuple(info.damaged_checkpoints)
     return SessionInfo(**values)
 
 

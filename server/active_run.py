@@ -137,13 +137,16 @@ class ActiveRun:
         self.position = 0
         self.last_key = ""
         self.restored_checkpoint = ""
+        self.damaged_checkpoints: tuple[str, ...] = ()  # passed over by the restart's recovery
         self.keep_checkpoints: int | None = None  # retention: None keeps every checkpoint
 
     @classmethod
     def restore(cls, run: RunDirectory, spec: RunSpec, session: TrainingSession) -> ActiveRun:
         """Reopen ``run`` on a fresh ``session`` at its latest checkpoint (see recovery)."""
         active = cls(run, spec, session, Journal(run.journal_path))
-        latest = latest_checkpoint(run, spec.run_id)
+        damaged: list[str] = []
+        latest = latest_checkpoint(run, spec.run_id, damaged=damaged)
+        active.damaged_checkpoints = tuple(damaged)
         active.position, active.last_key = restore_into(session, active.journal, latest)
         active.restored_checkpoint = latest.path.name if latest else ""
         active.drop_forgotten_exports()
@@ -190,6 +193,7 @@ class ActiveRun:
             else session.state_digest(),
             position=self.position,
             restored_checkpoint=self.restored_checkpoint,
+            damaged_checkpoints=self.damaged_checkpoints,
             device=str(session.device),
             state=state,
             pending_microbatches=session.accumulated,

@@ -85,12 +85,15 @@ class RestorePoint:
         )
 
 
-def latest_checkpoint(run: RunDirectory, run_id: str) -> RestorePoint | None:
+def latest_checkpoint(
+    run: RunDirectory, run_id: str, *, damaged: list[str] | None = None
+) -> RestorePoint | None:
     """The run's newest intact checkpoint: the highest position whose files verify.
 
     Checkpoints of other runs are skipped. A damaged one (a truncated file, bits that no longer
     hash to its recorded digest) is passed over for the next older one, with a warning, and
-    left on disk for a look; the returned point lists what it passed over in ``skipped``.
+    left on disk for a look; the returned point lists what it passed over in ``skipped``, and
+    so does ``damaged`` (when given), also when none is left to restore.
     """
     candidates = []
     for path in run.checkpoint_paths():
@@ -121,9 +124,13 @@ def latest_checkpoint(run: RunDirectory, run_id: str) -> RestorePoint | None:
                 ", ".join(skipped),
                 point.position,
             )
+        if damaged is not None:
+            damaged.extend(skipped)
         return dataclasses.replace(point, skipped=tuple(skipped))
     if skipped:
         logger.error("every checkpoint is damaged (%s): starting from the beginning", skipped)
+    if damaged is not None:
+        damaged.extend(skipped)
     return None
 
 

@@ -200,6 +200,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
         "save-early",
     )
     assert info.state_digest == intact.state_digest
+    assert info.damaged_checkpoints == ("late",)  # Info says a fallback happened
     assert "checkpoint late is damaged" in caplog.text
     assert "restored early instead" in caplog.text
     assert (late / file).exists(), "a damaged checkpoint is kept for a look, never deleted"
@@ -218,4 +219,5 @@ def test_recovery_with_every_checkpoint_damaged_starts_from_the_beginning_and_sa
     info = make_host().info()
 
     assert (info.state, info.position, info.restored_checkpoint) == ("open", 0, "")
+    assert info.damaged_checkpoints == ("only",)
     assert "checkpoint only is damaged" in caplog.text

@@ -229,3 +229,10 @@ def test_the_engine_and_the_host_import_neither_grpc_nor_protobuf():
         timeout=120,
     )
     assert "grpc" in done.stdout
+
+
+def test_session_info_carries_the_damaged_checkpoints_over_the_wire():
+    info = outcomes.SessionInfo(
+        run_id="r", restored_checkpoint="early", damaged_checkpoints=("late",)
+    )
+    assert wire.session_info_from_proto(wire.session_info_to_proto(info)) == info

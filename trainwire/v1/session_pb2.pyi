@@ -99,7 +99,7 @@ class OperationResult(_message.Message):
     def __init__(self, operation_key: _Optional[str] = ..., position: _Optional[int] = ..., replayed: _Optional[bool] = ..., state_digest: _Optional[str] = ...) -> None: ...
 
 class SessionInfo(_message.Message):
-    __slots__ = ("run_id", "config_fingerprint", "step", "last_operation_key", "state_digest", "position", "restored_checkpoint", "device", "state", "pending_microbatches", "max_steps", "plan_fingerprint")
+    __slots__ = ("run_id", "config_fingerprint", "step", "last_operation_key", "state_digest", "position", "restored_checkpoint", "device", "state", "pending_microbatches", "max_steps", "plan_fingerprint", "damaged_checkpoints")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +112,7 @@ class SessionInfo(_message.Message):
     PENDING_MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     MAX_STEPS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     config_fingerprint: str
     step: int
@@ -124,7 +125,8 @@ class SessionInfo(_message.Message):
     pending_microbatches: int
     max_steps: int
     plan_fingerprint: str
-    def __init__(self, run_id: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., last_operation_key: _Optional[str] = ..., state_digest: _Optional[str] = ..., position: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., pending_microbatches: _Optional[int] = ..., max_steps: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ...) -> None: ...
+    damaged_checkpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., config_fingerprint: _Optional[str] = ..., step: _Optional[int] = ..., last_operation_key: _Optional[str] = ..., state_digest: _Optional[str] = ..., position: _Optional[int] = ..., restored_checkpoint: _Optional[str] = ..., device: _Optional[str] = ..., state: _Optional[_Union[SessionState, str]] = ..., pending_microbatches: _Optional[int] = ..., max_steps: _Optional[int] = ..., plan_fingerprint: _Optional[str] = ..., damaged_checkpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("run_id", "config_json", "max_steps", "plan_fingerprint")
