@@ -1,0 +1,146 @@
+"""The Tinker SDK's training step against trainwire's own client, on the same data.
+
+    python bench/tinker_sdk.py [--quick] [--threads N]
+
+Two servers in this process, each on its own state directory: one serves the SDK (its HTTP
+front), one is driven by ``SessionClient`` over gRPC, with the config the front builds for the
+SDK's ``create_lora_training_client(rank=4)``. A step is forward_backward (cross-entropy on the
+same token data) + optim_step, futures included, both issued before either is awaited, as the
+SDK's docs write it; the own-client side pipelines the same way (``*_async``). The sides
+alternate round by round; each side's figure is its best round's median. Goals: ≤ 1.10 on the
+tiny model, ≤ 1.02 on the small llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import tinker
+import torch
+from tinker import types
+
+from trainwire.client import SessionClient, TokenExample
+from trainwire.server.grpc_server import ServerHandle, serve
+from trainwire.server.tinker.model import training_config
+from trainwire.testing import make_tiny_model, tiny_text_examples
+
+KEY = "tml-trainwire-bench"
+RATE = 1e-3
+
+
+@contextlib.contextmanager
+def server(state: Path, models: Path, *, tinker_front: bool) -> Iterator[ServerHandle]:
+    options = {"tinker_listen": "127.0.0.1:0", "tinker_token": KEY} if tinker_front else {}
+    handle = serve(
+        listen="127.0.0.1:0", state_dir=state, model_root=models, device="cpu", **options
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop(grace=10)
+
+
+def token_rows(tokenizer, count: int) -> list[list[int]]:
+    return [tokenizer.encode(e.text) for e in tiny_text_examples(count, seed=11)]
+
+
+def sdk_step(client) -> Callable[[list[list[int]]], None]:
+    def step(rows: list[list[int]]) -> None:
+        data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+            for ids in rows
+        ]
+        fwd_bwd = client.forward_backward(data, "cross_entropy")
+        optim = client.optim_step(types.AdamParams(learning_rate=RATE))
+        fwd_bwd.result()
+        optim.result()
+
+    return step
+
+
+def own_step(client: SessionClient, prefix: str) -> Callable[[list[list[int]]], None]:
+    count = 0
+
+    def step(rows: list[list[int]]) -> None:
+        nonlocal count
+        batch = [TokenExample(ids[:-1], ids[1:]) for ids in rows]
+        fwd_bwd = client.forward_backward_async(batch, operation_key=f"{prefix}/{count}/fb")
+        optim = client.optim_step_async(operation_key=f"{prefix}/{count}/step", learning_rate=RATE)
+        fwd_bwd.result()
+        optim.result()
+        count += 1
+
+    return step
+
+
+def timed(step: Callable[[list[list[int]]], None], batches, rounds_steps: int) -> float:
+    times = []
+    for i in range(rounds_steps):
+        started = time.perf_counter()
+        step(batches[i % len(batches)])
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def compare(model: str, models: Path, work: Path, rounds: int, steps: int) -> tuple[float, float]:
+    with (
+        server(work / f"{model}-sdk", models, tinker_front=True) as sdk_server,
+        server(work / f"{model}-own", models, tinker_front=False) as own_server,
+    ):
+        service = tinker.ServiceClient(base_url=sdk_server.tinker.base_url, api_key=KEY)
+        training = service.create_lora_training_client(base_model=model, rank=4).result()
+        tokenizer = training.get_tokenizer()
+        config = training_config({"base_model": model, "lora_config": {"rank": 4}})
+        own = SessionClient(f"127.0.0.1:{own_server.port}", timeout_s=120)
+        own.wait_until_serving()
+        own.open("bench", config)
+        rows = token_rows(tokenizer, 32)
+        batches = [rows[i : i + 8] for i in range(0, len(rows), 8)]
+        sides = {"sdk": sdk_step(training), "own": own_step(own, "bench")}
+        best = {name: float("inf") for name in sides}
+        for step in sides.values():  # warm up both
+            step(batches[0])
+        for _ in range(rounds):
+            for name, step in sides.items():
+                best[name] = min(best[name], timed(step, batches, steps))
+        own.close_channel()
+        service.close("success").result()
+    return best["sdk"], best["own"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer rounds")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=logging.WARNING)
+    rounds, steps = (2, 5) if args.quick else (5, 10)
+    with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
+        work = Path(tmp)
+        models = work / "models"
+        make_tiny_model(models / "tiny")
+        make_tiny_model(models / "small", size="small")
+        print(
+            f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads; batch 8, LoRA r=4"
+        )
+        print(f"{'model':<8}{'SDK ms/step':>14}{'own client ms/step':>20}{'ratio':>8}  goal")
+        for model, goal in (("tiny", 1.10), ("small", 1.02)):
+            sdk_s, own_s = compare(model, models, work, rounds, steps)
+            ratio = sdk_s / own_s
+            print(f"{model:<8}{sdk_s * 1e3:>14.2f}{own_s * 1e3:>20.2f}{ratio:>8.3f}  <= {goal}")
+
+
+if __name__ == "__main__":
+    main()
