@@ -1,8 +1,8 @@
 """The token-level losses: plain functions over the current model's logprobs and their inputs.
 
 Each takes ``logp`` (the model's log-probability of every target token of the batch, flattened
-to one vector), the matching per-token ``TokenInputs`` and its resolved config, and returns the
-loss summed over every token with its metrics. The engine never branches on a loss name: it
+to one vector), the matching per-token ``TokenInputs`` and its resolved config, and returns each
+token's term and their sum, the loss, with its metrics. The engine never branches on a loss name: it
 looks the function up in ``LOSSES`` and calls it. With r = exp(logp - q):
 
 - ``cross_entropy``        -sum(w * logp)
@@ -39,8 +39,15 @@ class TokenInputs:
 
 @dataclass(frozen=True)
 class LossOutput:
-    loss: torch.Tensor  # a scalar; backward runs on it
+    loss: torch.Tensor  # a scalar, the sum of ``elementwise``; backward runs on it
     metrics: dict[str, float] = field(default_factory=dict)
+    elementwise: torch.Tensor | None = None  # each token's term (the Tinker SDK reports them)
+
+    @classmethod
+    def of(cls, terms: torch.Tensor, metrics: Mapping[str, float] | None = None) -> LossOutput:
+        """The loss summed over every token's ``terms``, with ``loss:sum`` among its metrics."""
+        loss = terms.sum()
+        return cls(loss, {"loss:sum": float(loss.detach()), **(metrics or {})}, terms.detach())
 
 
 LossFn = Callable[[torch.Tensor, TokenInputs, Mapping[str, float]], LossOutput]
@@ -48,14 +55,12 @@ LossFn = Callable[[torch.Tensor, TokenInputs, Mapping[str, float]], LossOutput]
 
 def cross_entropy(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     weights = torch.ones_like(logp) if inputs.weights is None else inputs.weights
-    loss = -(weights * logp).sum()
-    return LossOutput(loss, {"loss:sum": float(loss.detach())})
+    return LossOutput.of(-(weights * logp))
 
 
 def importance_sampling(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     ratio = torch.exp(logp - inputs.logprobs)
-    loss = -(ratio * inputs.advantages).sum()
-    return LossOutput(loss, {"loss:sum": float(loss.detach()), **_ratio_metrics(ratio)})
+    return LossOutput.of(-(ratio * inputs.advantages), _ratio_metrics(ratio))
 
 
 def ppo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
@@ -63,25 +68,21 @@ def ppo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     ratio = torch.exp(logp - inputs.logprobs)
     advantages = inputs.advantages
     objective = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
-    loss = -objective.sum()
-    metrics = _ratio_metrics(ratio, low, high)
-    return LossOutput(loss, {"loss:sum": float(loss.detach()), **metrics})
+    return LossOutput.of(-objective, _ratio_metrics(ratio, low, high))
 
 
 def cispo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     low, high = config["clip_low_threshold"], config["clip_high_threshold"]
     ratio = torch.exp(logp - inputs.logprobs)
-    loss = -(torch.clamp(ratio, low, high).detach() * logp * inputs.advantages).sum()
-    metrics = _ratio_metrics(ratio, low, high)
-    return LossOutput(loss, {"loss:sum": float(loss.detach()), **metrics})
+    terms = -(torch.clamp(ratio, low, high).detach() * logp * inputs.advantages)
+    return LossOutput.of(terms, _ratio_metrics(ratio, low, high))
 
 
 def dro(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     beta = config["beta"]
     deviation = logp - inputs.logprobs
-    loss = -(logp * inputs.advantages - beta / 2 * deviation**2).sum()
-    metrics = {"loss:sum": float(loss.detach()), **_ratio_metrics(torch.exp(deviation))}
-    return LossOutput(loss, metrics)
+    terms = -(logp * inputs.advantages - beta / 2 * deviation**2)
+    return LossOutput.of(terms, _ratio_metrics(torch.exp(deviation)))
 
 
 def _ratio_metrics(

@@ -139,3 +139,24 @@ def test_token_examples_validate_at_construction():
         from trainwire.client import InputExample
 
         is_token_batch([TokenExample([1], [2]), InputExample("hi")])
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_each_loss_is_the_sum_of_its_per_token_terms_and_the_sdk_front_reports_them(name):
+    from types import SimpleNamespace
+
+    from trainwire.server.tinker.losses import elementwise_loss
+
+    logp, inputs = _inputs(n=12)
+    out, _ = _run(name, logp, inputs)
+    assert out.elementwise.shape == logp.shape
+    assert torch.equal(out.elementwise.sum(), out.loss.detach())
+    example = TokenExample(
+        [1] * 12,
+        [2] * 12,
+        weights=inputs.weights.tolist(),
+        logprobs=inputs.logprobs.tolist(),
+        advantages=inputs.advantages.tolist(),
+    )
+    (row,) = elementwise_loss(name, {}, [example], SimpleNamespace(logprobs=[logp.tolist()]))
+    assert row == out.elementwise.tolist()

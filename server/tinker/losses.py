@@ -1,6 +1,6 @@
 """Each target's loss (``elementwise_loss`` in the SDK's output), from the logprobs the engine
-returned and the datum's inputs: the same formulas as ``trainwire.server.losses``, per token,
-so their sum is the engine's ``loss:sum`` up to rounding.
+returned and the datum's inputs, through the engine's own loss functions
+(``trainwire.server.losses``): the same terms, token by token, whose sum is ``loss:sum``.
 """
 
 from __future__ import annotations
@@ -8,36 +8,29 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
+import torch
 
 from trainwire.client.tokens import TokenExample
+from trainwire.server.losses import TokenInputs, resolve_loss
 
 
 def elementwise_loss(
     loss_fn: str, config: Mapping[str, float], examples: Sequence[TokenExample], outcome: Any
 ) -> list[list[float]]:
-    low = config.get("clip_low_threshold", 0.8)
-    high = config.get("clip_high_threshold", 1.2)
-    beta = config.get("beta", 0.05)
+    """One row per example: each target's term of ``loss_fn`` at the returned logprobs (the
+    engine checked the inputs the loss needs before it ran)."""
+    spec, resolved = resolve_loss(loss_fn, config)
     rows = []
     for example, logprobs in zip(examples, outcome.logprobs, strict=True):
-        logp = np.asarray(logprobs, dtype=np.float64)
-        ones = np.ones_like(logp)
-        weights = np.asarray(example.weights, dtype=np.float64) if example.weights else ones
-        q = np.asarray(example.logprobs, dtype=np.float64) if example.logprobs else logp
-        advantages = np.asarray(example.advantages) if example.advantages else ones * 0.0
-        ratio = np.exp(logp - q)
-        if loss_fn == "cross_entropy":
-            loss = -weights * logp
-        elif loss_fn == "importance_sampling":
-            loss = -ratio * advantages
-        elif loss_fn == "ppo":
-            loss = -np.minimum(ratio * advantages, np.clip(ratio, low, high) * advantages)
-        elif loss_fn == "cispo":
-            loss = -np.clip(ratio, low, high) * logp * advantages
-        elif loss_fn == "dro":
-            loss = -(logp * advantages - beta / 2 * (logp - q) ** 2)
-        else:
-            loss = np.zeros_like(logp)
-        rows.append(loss.tolist())
+        inputs = TokenInputs(
+            weights=_tensor(example.weights),
+            logprobs=_tensor(example.logprobs),
+            advantages=_tensor(example.advantages),
+        )
+        terms = spec.fn(torch.tensor(logprobs, dtype=torch.float32), inputs, resolved).elementwise
+        rows.append(terms.tolist())
     return rows
+
+
+def _tensor(values: Sequence[float] | None) -> torch.Tensor | None:
+    return None if values is None else torch.tensor(values, dtype=torch.float32)
