@@ -159,6 +159,7 @@ def serve(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tinker_listen: str | None = None,
     tinker_token: str | None = None,
+    tinker_tokenizer_id: str | None = None,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
@@ -167,7 +168,9 @@ def serve(
     requires client certificates signed by it. ``interceptors`` run after the token check.
     ``keep_checkpoints`` turns retention on: a run keeps its K newest checkpoints (and ``best``).
     ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
-    (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send.
+    (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send;
+    ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
+    a path the client can read; None: the model's directory on this host).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     if (tls_cert is None) != (tls_key is None):
@@ -230,7 +233,9 @@ def serve(
         from trainwire.server.tinker.listener import TinkerListener  # the optional extra
 
         try:
-            handle.tinker = TinkerListener(session_host, tinker_listen, token=tinker_token)
+            handle.tinker = TinkerListener(
+                session_host, tinker_listen, token=tinker_token, tokenizer_id=tinker_tokenizer_id
+            )
         except BaseException:
             server.stop(None)
             session_host.release()

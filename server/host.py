@@ -253,15 +253,15 @@ class SessionHost:
         )
 
     def sample(self, prompt_tokens: Sequence[int], **params: Any) -> list[outcomes.Sample]:
-        return self._read_only(lambda session: session.sample(prompt_tokens, **params))
+        return self.read_only(lambda session: session.sample(prompt_tokens, **params))
 
     def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
         check_texts(texts)
-        return self._read_only(lambda s: s.tokenize(texts, add_special_tokens=add_special_tokens))
+        return self.read_only(lambda s: s.tokenize(texts, add_special_tokens=add_special_tokens))
 
     def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
         check_token_lists(token_lists)
-        return self._read_only(lambda session: session.detokenize(token_lists))
+        return self.read_only(lambda session: session.detokenize(token_lists))
 
     def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
@@ -316,7 +316,7 @@ class SessionHost:
 
         return self._executor.run(job, bounded=refusable)
 
-    def _read_only(self, call: Callable[[TrainingSession], T]) -> T:
+    def read_only(self, call: Callable[[TrainingSession], T]) -> T:
         """``call(session)`` on the executor, behind every operation queued before it, so a
         read (Sample, Tokenize) never sees weights in the middle of an update."""
         return self._serialized(lambda: call(self._require_active().session))

@@ -12,6 +12,7 @@ from tinker import types
 from tinker_loops import (
     KEY,
     SENTENCES,
+    lora_training,
     rl_step,
     service_client,
     supervised_datum,
@@ -37,10 +38,7 @@ def test_supervised_loop_loss_falls_and_repeats_bit_for_bit(
 def test_rl_loop_sample_logprobs_are_the_trainers_bit_for_bit(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with tinker_server(tmp_path / "state", model_root) as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        tokenizer = training_client.get_tokenizer()
+    with lora_training(tmp_path / "state", model_root) as (_, training_client, tokenizer):
         for step, loss_fn in enumerate(("importance_sampling", "ppo")):
             sampled, trained, _ = rl_step(training_client, tokenizer, loss_fn, seed=step)
             # A group trains as one padded batch, whose kernels round differently from a batch of
@@ -50,16 +48,12 @@ def test_rl_loop_sample_logprobs_are_the_trainers_bit_for_bit(
         # One sample trained alone: the sampler's logprobs are the trainer's, bit for bit.
         sampled, trained, _ = rl_step(training_client, tokenizer, "importance_sampling", 5, 1)
         assert sampled == trained
-        service.close("success").result()
 
 
 def test_compute_logprobs_equal_forward_and_custom_loss_trains(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with tinker_server(tmp_path / "state", model_root) as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        tokenizer = training_client.get_tokenizer()
+    with lora_training(tmp_path / "state", model_root) as (_, training_client, tokenizer):
         datum = supervised_datum(tokenizer, SENTENCES[0])
         forward = training_client.forward([datum], "cross_entropy").result()
         sampling_client = training_client.save_weights_and_get_sampling_client().result()
@@ -77,7 +71,6 @@ def test_compute_logprobs_equal_forward_and_custom_loss_trains(
         second = training_client.forward_backward_custom([datum], mean_nll).result()
         assert math.isclose(first.metrics["loss:sum"], first.metrics["nll:mean"], rel_tol=1e-6)
         assert second.metrics["loss:sum"] < first.metrics["loss:sum"]
-        service.close("success").result()
 
 
 def test_a_wrong_or_missing_key_is_refused(
@@ -113,3 +106,40 @@ def test_refusals_are_clear_and_change_nothing(
             training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
         info = handle.session_host.info()
         assert info.position == 0 and info.step == 0
+
+
+def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with lora_training(tmp_path / "state", model_root) as (handle, training_client, tokenizer):
+        prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
+        old = training_client.save_weights_and_get_sampling_client().result()
+        before = old.sample(prompt, 2, params).result()
+        datum = supervised_datum(tokenizer, SENTENCES[0])
+        training_client.forward_backward([datum], "cross_entropy").result()
+        training_client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        digest = handle.session_host.info().state_digest
+        again = old.sample(prompt, 2, params).result()
+        new = training_client.save_weights_and_get_sampling_client().result()
+        moved = new.sample(prompt, 2, params).result()
+        assert [(s.tokens, s.logprobs) for s in again.sequences] == [
+            (s.tokens, s.logprobs) for s in before.sequences
+        ]
+        assert [s.logprobs for s in moved.sequences] != [s.logprobs for s in before.sequences]
+        assert handle.session_host.info().state_digest == digest  # sampling changed nothing
+
+
+def test_the_tokenizer_id_the_sdk_loads_is_configurable(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with tinker_server(tmp_path / "a", model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        assert training_client.get_info().model_data.tokenizer_id == str(tiny_llama.resolve())
+        service.close("success").result()
+    with tinker_server(tmp_path / "b", model_root, tinker_tokenizer_id="org/tokenizer") as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        assert training_client.get_info().model_data.tokenizer_id == "org/tokenizer"
+        service.close("success").result()

@@ -18,7 +18,7 @@ SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "birds sing in t
 
 
 @contextlib.contextmanager
-def tinker_server(state_dir: Path, model_root: Path) -> Iterator[ServerHandle]:
+def tinker_server(state_dir: Path, model_root: Path, **options: Any) -> Iterator[ServerHandle]:
     handle = serve(
         listen="127.0.0.1:0",
         state_dir=state_dir,
@@ -26,6 +26,7 @@ def tinker_server(state_dir: Path, model_root: Path) -> Iterator[ServerHandle]:
         device="cpu",
         tinker_listen="127.0.0.1:0",
         tinker_token=KEY,
+        **options,
     )
     try:
         yield handle
@@ -35,6 +36,17 @@ def tinker_server(state_dir: Path, model_root: Path) -> Iterator[ServerHandle]:
 
 def service_client(handle: ServerHandle, key: str = KEY) -> tinker.ServiceClient:
     return tinker.ServiceClient(base_url=handle.tinker.base_url, api_key=key)
+
+
+@contextlib.contextmanager
+def lora_training(state_dir: Path, model_root: Path) -> Iterator[tuple[ServerHandle, Any, Any]]:
+    """A server, a rank-4 LoRA training client on the tiny llama and its tokenizer; the
+    ServiceClient closes at the end."""
+    with tinker_server(state_dir, model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        yield handle, training_client, training_client.get_tokenizer()
+        service.close("success").result()
 
 
 def supervised_datum(tokenizer: Any, text: str) -> types.Datum:

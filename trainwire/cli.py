@@ -209,6 +209,7 @@ def command_serve(args: argparse.Namespace) -> int:
         keep_checkpoints=settings["keep_checkpoints"],
         tinker_listen=args.tinker_listen,
         tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
+        tinker_tokenizer_id=args.tinker_tokenizer_id,
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")
@@ -320,6 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tinker-token-file",
         help="a file holding the key Tinker SDK clients must send (it must start with 'tml-')",
+    )
+    serve.add_argument(
+        "--tinker-tokenizer-id",
+        help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
+        "client can read (default: the model's directory on this host)",
     )
     serve.set_defaults(handler=command_serve)
 

@@ -1,7 +1,9 @@
 """The HTTP routes the Tinker SDK calls, each a thin wrapper over ``TinkerFront``.
 
-Errors: a caller's mistake is 400 (the SDK does not retry it) or 404 with ``detail`` saying what
-to do; a wrong key 401; a full queue 429 and a restoring server 503 (the SDK retries both).
+Every route that writes the front's request log (an fsync) runs on a worker thread, never on
+the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
+or 404 with ``detail`` saying what to do; a wrong key 401; a full queue 429 and a restoring
+server 503 (the SDK retries both).
 Errors of a call that was accepted come back through its future as ``{"error", "category"}``.
 """
 
@@ -72,7 +74,8 @@ def create_app(
 
     @app.post(f"{API}/create_session")
     async def create_session() -> dict[str, Any]:
-        return {"type": "create_session", "session_id": front.create_session()}
+        session_id = await run_in_threadpool(front.create_session)
+        return {"type": "create_session", "session_id": session_id}
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
@@ -106,23 +109,25 @@ def create_app(
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return future(front.optim_step(await body(request)))
+        return future(await run_in_threadpool(front.optim_step, await body(request)))
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return future(front.save_weights(await body(request)))
+        return future(await run_in_threadpool(front.save_weights, await body(request)))
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return future(front.load_weights(await body(request)))
+        return future(await run_in_threadpool(front.load_weights, await body(request)))
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        return future(front.save_weights_for_sampler(await body(request)))
+        data = await body(request)
+        return future(await run_in_threadpool(front.save_weights_for_sampler, data))
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        sampling_id = front.create_sampling_session(await body(request))
+        data = await body(request)
+        sampling_id = await run_in_threadpool(front.sampling.create_sampling_session, data)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
     @app.get(f"{API}/samplers/{{sampling_id}}")
@@ -136,7 +141,8 @@ def create_app(
 
     @app.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        request_id, sequence_ids = front.asample(await body(request))
+        data = await body(request)
+        request_id, sequence_ids = await run_in_threadpool(front.sampling.asample, data)
         return future(request_id, sample_sequence_ids=sequence_ids)
 
     @app.post(f"{API}/retrieve_future")

@@ -3,15 +3,20 @@
 Every training call of the SDK carries ``(model_id, seq_id)``; ``{model_id}/{seq_id}`` is both its
 request id and its trainwire operation key, so a re-sent call finds its future (and, after it ran,
 the journal's recorded result) instead of running again. Calls run in seq_id order per model
-(``SeqOrder``); their results enter the ``FutureStore`` only after ``SessionHost`` returned, which
-for a state-changing call is after its journal commit: a poll never sees a result a crash could
-take back.
+(``SeqOrder``); their results enter the ``FutureStore`` only once durable: a keyed call's journal
+commit happens inside ``SessionHost`` before the host returns, and every other result (a forward,
+a sample, a failure) is written to the ``RequestLog`` first.
+
+Exactly once across a crash: each accepted request is in the ``RequestLog`` before its request id
+is handed out. A restarted front reads it back before the listener serves: recorded results are
+answered as they are, every other call is submitted again in its original order. The engine
+restarted from its latest checkpoint, so the journal answers the keyed calls before it and the
+ones since run again, the same bits; a forward or sample runs at the same point of the sequence
+(or on its snapshot), so a pending poll gets what an uninterrupted run gives.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import threading
 import uuid
@@ -20,27 +25,35 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, TrainwireError
 from trainwire.server.host import SessionHost
 from trainwire.server.model_loading import resolve_under
+from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
-from trainwire.server.tinker.futures import Done, Failed, FutureStore, Outcome
+from trainwire.server.tinker.futures import Done, Failed, FutureStore, Outcome, run_to_outcome
 from trainwire.server.tinker.losses import elementwise_loss
-from trainwire.server.tinker.model import ModelRecord, check_adam_params, run_id_for
+from trainwire.server.tinker.model import (
+    ModelRecord,
+    check_adam_params,
+    checkpoint_name,
+    run_id_for,
+)
 from trainwire.server.tinker.model import training_config as config_of
-from trainwire.server.tinker.ordering import SeqOrder
-from trainwire.server.tinker.samplers import Samplers
+from trainwire.server.tinker.ordering import SeqOrder, digest
+from trainwire.server.tinker.request_log import (
+    RequestLog,
+    call_record,
+    compacted,
+    decode_body,
+    outcome_of,
+    result_record,
+)
+from trainwire.server.tinker.samplers import Samplers, snapshot_export
+from trainwire.server.tinker.sampling import SamplingRoutes
 
 logger = logging.getLogger(__name__)
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
-USER_ERRORS = (InvalidArgument, FailedPrecondition, NotFound, ValueError)
-
-
-def digest(value: Any) -> str:
-    """What a seq_id is bound to: a re-send must carry the same payload."""
-    data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
-    return hashlib.sha256(data).hexdigest()
 
 
 class TinkerFront:
@@ -51,17 +64,92 @@ class TinkerFront:
         self.tokenizer_id = tokenizer_id
         self.directory = Path(host.state_dir.root) / FRONT_DIR
         self.futures = FutureStore()
-        self.order = SeqOrder(lambda job: job())
-        self.samplers = Samplers()
+        self.log = RequestLog(self.directory)
+        self._recovered = threading.Event()
+        self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
+        self.order = SeqOrder(self._when_recovered)
+        self.samplers = Samplers(restarted=bool(self.log.records))
         self.sessions: set[str] = set()
-        self._lock = threading.Lock()
+        self.sampling = SamplingRoutes(self)
+        self._lock = threading.RLock()  # orders request records with their submission
+        self._replayed: dict[str, Outcome] | None = None  # recorded results, while replaying
+        self._resume_position = 0
         self.model = ModelRecord.load(self.directory)
         if self.model is not None:
             self.sessions.add(self.model.session_id)
-            self.order.start_model(self.model.model_id)
+            self._resolve_create(self.model.model_id)
+        self._replay(self.log.records)
+        threading.Thread(target=self._await_recovery, name="tinker-recover", daemon=True).start()
 
     def stop(self) -> None:
         self.order.stop()
+        self.log.close()
+
+    # -- restart -------------------------------------------------------------------------------
+
+    def _replay(self, records: list[dict[str, Any]]) -> None:
+        """Rebuild sessions, samplers and futures from the log; submit every unanswered call."""
+        self._replayed = {r["request_id"]: outcome_of(r) for r in records if r["kind"] == "result"}
+        routes: dict[str, Callable[..., Any]] = {
+            "forward_backward": self.forward_backward,
+            "optim_step": self.optim_step,
+            "save_weights": self.save_weights,
+            "load_weights": self.load_weights,
+            "save_weights_for_sampler": self.save_weights_for_sampler,
+        }
+        try:
+            for record in records:
+                kind = record["kind"]
+                if kind == "session":
+                    self.sessions.add(record["session_id"])
+                elif kind in ("sampler", "unnamed_snapshots"):
+                    self.samplers.restore(record)
+                elif kind == "resume" and self.model is not None:
+                    self.order.start_model(self.model.model_id, record["next_seq"])
+                    self._resume_position = record["position"]
+                elif kind in ("call", "sample"):
+                    self._resubmit(routes, record)
+        finally:
+            self._replayed = None
+        if records:
+            logger.info("Tinker front: %d request records read back", len(records))
+
+    def _resubmit(self, routes: dict[str, Callable[..., Any]], record: dict[str, Any]) -> None:
+        try:
+            if record["kind"] == "sample":
+                self.sampling.asample(record["body"])
+                return
+            body = decode_body(record["body"])
+            args = (body, record["encoding"]) if "encoding" in record else (body,)
+            routes[record["route"]](*args)
+        except TrainwireError as error:  # its model was closed before the crash
+            logger.warning("Tinker front: %s not replayed: %s", record["request_id"], error)
+
+    def _await_recovery(self) -> None:
+        """Let submitted calls run once the host restored its run (at once when none)."""
+        self.host.recover()  # queued behind serve()'s own recovery: returns once it is done
+        position = self.host.info().position
+        if position < self._resume_position:
+            self._cannot_replay = (
+                f"the engine restored position {position}, before the checkpoint the request log "
+                f"was compacted at ({self._resume_position}): this run cannot go on exactly once"
+            )
+            logger.error("Tinker front: %s", self._cannot_replay)
+        self._recovered.set()
+
+    def _when_recovered(self, job: Callable[[], None]) -> None:
+        self._recovered.wait()
+        job()
+
+    def _record(self, record: dict[str, Any]) -> int | None:
+        """Log a request (not while replaying one); its ticket for ``log.sync``."""
+        return None if self._replayed is not None else self.log.append(record)
+
+    def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
+        """Resolve a future, writing its outcome to the log first unless already durable."""
+        if not durable:
+            self.log.write(result_record(request_id, outcome))
+        self.futures.resolve(request_id, outcome)
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -69,6 +157,7 @@ class TinkerFront:
         session_id = f"tw-{uuid.uuid4().hex[:16]}"
         with self._lock:
             self.sessions.add(session_id)
+            self.log.write({"kind": "session", "session_id": session_id})
         return session_id
 
     def require_session(self, session_id: str) -> None:
@@ -78,12 +167,14 @@ class TinkerFront:
     def finish_session(self, session_id: str) -> None:
         """The SDK closed its ServiceClient: its model's run closes (a new one may be created)."""
         self.require_session(session_id)
-        model = self.model
-        if model is not None and model.session_id == session_id:
-            self.host.close()
-            (self.directory / "model.json").unlink(missing_ok=True)
-            self.model = None
-        self.sessions.discard(session_id)
+        with self._lock:
+            model = self.model
+            if model is not None and model.session_id == session_id:
+                self.host.close()
+                (self.directory / "model.json").unlink(missing_ok=True)
+                self.model = None
+            self.sessions.discard(session_id)
+            self.log.compact({"kind": "session", "session_id": s} for s in sorted(self.sessions))
 
     # -- the model -----------------------------------------------------------------------------
 
@@ -113,7 +204,10 @@ class TinkerFront:
             self.host.open(record.run_id, config)
             record.save(self.directory)
             self.model = record
-            self.order.start_model(model_id)
+        return self._resolve_create(model_id)
+
+    def _resolve_create(self, model_id: str) -> str:
+        self.order.start_model(model_id)
         request_id = f"{model_id}/create"
         self.futures.add(request_id)
         self.futures.resolve(request_id, Done({"model_id": model_id, "type": "create_model"}))
@@ -127,19 +221,48 @@ class TinkerFront:
 
     # -- sequenced calls -----------------------------------------------------------------------
 
-    def submit(self, model_id: str, seq_id: Any, payload: Any, call: Callable[[str], Any]) -> str:
-        """Queue ``call(operation_key)`` as ``seq_id`` of ``model_id``; its request id."""
+    def submit(
+        self,
+        route: str,
+        body: dict[str, Any] | bytes,
+        model_id: str,
+        seq_id: Any,
+        call: Callable[[str], Any],
+        *,
+        encoding: str | None = None,
+        keyed: bool = True,
+    ) -> str:
+        """Queue ``call(operation_key)`` as ``seq_id`` of ``model_id``; its request id, once
+        the request is durable in the log. A ``keyed`` call's success is the journal's to keep;
+        every other outcome is logged before a poll sees it."""
         self.require_model(model_id)
         if not isinstance(seq_id, int) or seq_id < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq_id!r}")
         request_id = f"{model_id}/{seq_id}"
+        recorded = self._replayed.get(request_id) if self._replayed is not None else None
 
         def job() -> None:
-            self.futures.resolve(request_id, run_to_outcome(lambda: call(request_id)))
+            if recorded is not None:
+                self.futures.resolve(request_id, recorded)
+                return
+            outcome = self._run(lambda: call(request_id))
+            self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
 
-        if self.order.submit(model_id, seq_id, digest(payload), job):
+        payload_digest = digest(body)
+        with self._lock:
+            if not self.order.accepts(model_id, seq_id, payload_digest):
+                return request_id  # a re-send: its future already exists
+            ticket = self._record(call_record(route, request_id, seq_id, body, encoding))
             self.futures.add(request_id)
+            self.order.submit(model_id, seq_id, payload_digest, job)
+        if ticket is not None:
+            self.log.sync(ticket)
         return request_id
+
+    def _run(self, call: Callable[[], Any]) -> Outcome:
+        if self._cannot_replay:
+            return Failed(self._cannot_replay, "server")
+        return run_to_outcome(call)
 
     def forward_backward(self, body: bytes, content_encoding: str) -> str:
         request = codec.decode_forward_backward(body, content_encoding)
@@ -154,7 +277,15 @@ class TinkerFront:
             losses = elementwise_loss(request.loss_fn, request.loss_fn_config, examples, outcome)
             return codec.encode_forward_backward_output(outcome.logprobs, losses, outcome.metrics)
 
-        return self.submit(request.model_id, request.seq_id, body, call)
+        return self.submit(
+            "forward_backward",
+            body,
+            request.model_id,
+            request.seq_id,
+            call,
+            encoding=content_encoding,
+            keyed=not request.forward_only,
+        )
 
     def optim_step(self, body: dict[str, Any]) -> str:
         learning_rate = check_adam_params(body)
@@ -168,16 +299,22 @@ class TinkerFront:
             }
             return {"type": "optim_step", "metrics": metrics}
 
-        return self.submit(str(body.get("model_id")), body.get("seq_id"), body, call)
+        return self.submit("optim_step", body, str(body.get("model_id")), body.get("seq_id"), call)
 
     def save_weights(self, body: dict[str, Any]) -> str:
-        model_id, name = str(body.get("model_id")), str(body.get("path") or "")
+        model_id, name, seq_id = (
+            str(body.get("model_id")),
+            str(body.get("path") or ""),
+            body.get("seq_id"),
+        )
+        check_name(name, "save_weights path")
 
         def call(key: str) -> dict[str, Any]:
-            self.host.save_state(name, OperationSpec(key))
+            outcome = self.host.save_state(name, OperationSpec(key))
+            self._compact_at(seq_id, outcome.position)
             return {"type": "save_weights", "path": f"tinker://{model_id}/weights/{name}"}
 
-        return self.submit(model_id, body.get("seq_id"), body, call)
+        return self.submit("save_weights", body, model_id, seq_id, call)
 
     def load_weights(self, body: dict[str, Any]) -> str:
         model_id = str(body.get("model_id"))
@@ -192,97 +329,71 @@ class TinkerFront:
             self.samplers.weights_changed()
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
-        return self.submit(model_id, body.get("seq_id"), body, call)
+        return self.submit("load_weights", body, model_id, body.get("seq_id"), call)
 
     def save_weights_for_sampler(self, body: dict[str, Any]) -> str:
-        """A snapshot of the live weights for sampling clients (no files: see ``Samplers``)."""
+        """A snapshot of the live weights for sampling clients, written as an export of the run
+        (see ``snapshots``)."""
         model_id, name = str(body.get("model_id")), body.get("path")
         session_id = self.require_model(model_id).session_id
         seq_id = body.get("seq_id")
+        export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
+        check_name(export, "save_weights_for_sampler path")
 
         def call(key: str) -> dict[str, Any]:
+            self.host.export_weights(export, OperationSpec(key))
             if name:
                 path = f"tinker://{model_id}/sampler_weights/{name}"
-                self.samplers.name_snapshot(path, seq_id)
+                self.samplers.snapshot(None, path, self.model_name(), export, seq_id)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
-            self.samplers.create(sampling_id, self.model_name(), None, seq_id)
+            pruned = self.samplers.snapshot(sampling_id, None, self.model_name(), export, seq_id)
+            if pruned:
+                self.host.read_only(lambda _: self.sampling.remove_exports(pruned))
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
-        return self.submit(model_id, seq_id, body, call)
+        return self.submit("save_weights_for_sampler", body, model_id, seq_id, call)
+
+    def _compact_at(self, seq_id: int, position: int) -> None:
+        """After checkpoint ``seq_id`` (journal ``position``): drop the records a restart no
+        longer needs, if every call before it has been answered to the SDK."""
+        with self._lock:
+            head = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
+            head += self.samplers.records()
+            head.append({"kind": "resume", "next_seq": seq_id, "position": position})
+            kept = compacted(self.log.records, seq_id, self.futures.delivered, head)
+            if kept is not None:
+                self.log.compact(kept)
 
     # -- sampling ------------------------------------------------------------------------------
 
     def model_name(self) -> str:
         return self.model.base_model if self.model is not None else ""
 
-    def create_sampling_session(self, body: dict[str, Any]) -> str:
-        session_id = str(body.get("session_id", ""))
-        self.require_session(session_id)
-        sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
-        self.samplers.create_from(sampling_id, self.model_name(), body.get("model_path"))
-        return sampling_id
+    def record(self, record: dict[str, Any]) -> None:
+        """Write a record durably, ordered with the calls submitted around it."""
+        with self._lock:
+            self.log.write(record)
 
-    def asample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
-        request = codec.decode_sample(body)
-        sampler = self.samplers.get(request.sampling_session_id)
-        request_id = f"{request.sampling_session_id}/{request.seq_id}"
-        ids = [f"{request_id}/{i}" for i in range(request.num_samples)]
-        if self.futures.known(request_id):
-            return request_id, ids
-        self.futures.add(request_id)
+    def submit_unordered(
+        self, request_id: str, body: dict[str, Any], call: Callable[[], Any]
+    ) -> bool:
+        """Queue ``call`` outside any model's sequence (a sample) as ``request_id``, once the
+        request is durable; False for a re-send (its future already exists)."""
+        recorded = self._replayed.get(request_id) if self._replayed is not None else None
 
         def job() -> None:
-            def call() -> bytes:
-                self.samplers.check_live(sampler)
-                seed = request.seed
-                if seed is None:  # the same loop twice draws the same samples
-                    seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
-                samples = self.host.sample(
-                    request.prompt,
-                    max_tokens=request.max_tokens,
-                    num_samples=request.num_samples,
-                    temperature=request.temperature,
-                    top_p=request.top_p,
-                    top_k=request.top_k,
-                    stop_tokens=request.stop_tokens,
-                    seed=seed,
-                )
-                scored = self.prompt_logprobs(request.prompt) if request.prompt_logprobs else None
-                return codec.encode_sample_response(samples, scored)
+            if recorded is not None:
+                self.futures.resolve(request_id, recorded)
+            else:
+                self._finish(request_id, self._run(call), durable=False)
 
-            self.futures.resolve(request_id, run_to_outcome(call))
-
-        self.order.run_unordered(job)
-        return request_id, ids
-
-    def prompt_logprobs(self, prompt: tuple[int, ...]) -> list[float]:
-        """The trainer's logprob of each prompt token (NaN for the first: it has no context),
-        from ``forward``, so they equal a forward_backward's bit for bit."""
-        if len(prompt) < 2:
-            return [float("nan")]
-        from trainwire.client.tokens import TokenExample
-
-        outcome = self.host.forward([TokenExample(prompt[:-1], prompt[1:])])
-        return [float("nan"), *outcome.logprobs[0]]
-
-
-def checkpoint_name(path: str, model_id: str, kind: str) -> str:
-    """The checkpoint name in ``tinker://{model_id}/{kind}/{name}``, this model's only."""
-    prefix = f"tinker://{model_id}/{kind}/"
-    if not path.startswith(prefix) or len(path) == len(prefix):
-        raise InvalidArgument(f"path {path!r}: this server loads {prefix}<name> paths only")
-    return path[len(prefix) :]
-
-
-def run_to_outcome(call: Callable[[], Any]) -> Outcome:
-    """A call's result, or its error as the SDK's ``{"error", "category"}``."""
-    try:
-        return Done(call())
-    except USER_ERRORS as error:
-        return Failed(str(error), "user")
-    except Unavailable as error:
-        return Failed(str(error), "server")
-    except Exception as error:
-        logger.exception("a Tinker call failed")
-        return Failed(f"{type(error).__name__}: {error}", "server")
+        with self._lock:
+            if self.futures.known(request_id):
+                return False
+            ticket = self._record({"kind": "sample", "request_id": request_id, "body": body})
+            self.futures.add(request_id)
+            self.order.run_unordered(job)
+        if ticket is not None:
+            self.log.sync(ticket)
+        return True

@@ -1,19 +1,26 @@
 """The futures the SDK polls: a request id answers at once, its result comes later.
 
 A result enters the store only after it is durable (a keyed operation's journal commit happens
-inside ``SessionHost`` before the host returns), so a poll can never see a result that a crash
-could take back. A poll is held up to ``hold_s`` and then answered ``try_again``; the SDK re-polls
-at once.
+inside ``SessionHost`` before the host returns; every other result is in the front's request log
+first), so a poll can never see a result that a crash could take back. A poll is held up to
+``hold_s`` and then answered ``try_again``; the SDK re-polls at once.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+logger = logging.getLogger(__name__)
+
 PROTOBUF = "application/x-protobuf"
+USER_ERRORS = (InvalidArgument, FailedPrecondition, NotFound, ValueError)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,7 @@ class FutureStore:
 
     def __init__(self) -> None:
         self._outcomes: dict[str, Outcome | None] = {}
+        self._delivered: set[str] = set()  # handed to a poll (the request log may forget them)
         self._changed = threading.Condition()
 
     def add(self, request_id: str) -> None:
@@ -53,6 +61,10 @@ class FutureStore:
     def known(self, request_id: str) -> bool:
         with self._changed:
             return request_id in self._outcomes
+
+    def delivered(self, request_id: str) -> bool:
+        with self._changed:
+            return request_id in self._delivered
 
     def resolve(self, request_id: str, outcome: Outcome) -> None:
         with self._changed:
@@ -71,6 +83,22 @@ class FutureStore:
                     raise KeyError(request_id)
                 outcome = self._outcomes[request_id]
                 left = deadline - time.monotonic()
-                if outcome is not None or left <= 0:
+                if outcome is not None:
+                    self._delivered.add(request_id)
                     return outcome
+                if left <= 0:
+                    return None
                 self._changed.wait(left)
+
+
+def run_to_outcome(call: Callable[[], Any]) -> Outcome:
+    """A call's result, or its error as the SDK's ``{"error", "category"}``."""
+    try:
+        return Done(call())
+    except USER_ERRORS as error:
+        return Failed(str(error), "user")
+    except Unavailable as error:
+        return Failed(str(error), "server")
+    except Exception as error:
+        logger.exception("a Tinker call failed")
+        return Failed(f"{type(error).__name__}: {error}", "server")

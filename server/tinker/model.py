@@ -134,3 +134,11 @@ def check_adam_params(body: dict[str, Any]) -> float:
             f"not supported: {', '.join(different)}. Change only learning_rate per step."
         )
     return float(learning_rate)
+
+
+def checkpoint_name(path: str, model_id: str, kind: str) -> str:
+    """The checkpoint name in ``tinker://{model_id}/{kind}/{name}``, this model's only."""
+    prefix = f"tinker://{model_id}/{kind}/"
+    if not path.startswith(prefix) or len(path) == len(prefix):
+        raise InvalidArgument(f"path {path!r}: this server loads {prefix}<name> paths only")
+    return path[len(prefix) :]

@@ -5,14 +5,23 @@ only after every lower ``seq_id`` of its model has run; later ones wait, up to a
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from trainwire.server.errors import AlreadyExists, ResourceExhausted
 
 DEFAULT_MAX_HELD = 1024  # calls of one model waiting for an earlier seq_id; more is refused (429)
 
 Job = Callable[[], None]
+
+
+def digest(value: Any) -> str:
+    """What a seq_id is bound to: a re-send must carry the same payload."""
+    data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest()
 
 
 class SeqOrder:
@@ -36,12 +45,12 @@ class SeqOrder:
 
     def start_model(self, model_id: str, next_seq: int = 1) -> None:
         with self._lock:
-            self._next.setdefault(model_id, next_seq)
+            self._next[model_id] = max(self._next.get(model_id, next_seq), next_seq)
             self._held.setdefault(model_id, {})
 
-    def submit(self, model_id: str, seq_id: int, digest: str, job: Job) -> bool:
-        """Queue ``job`` as ``seq_id`` of ``model_id``; False when that seq_id was already
-        submitted with the same payload (a re-send: its future already exists).
+    def accepts(self, model_id: str, seq_id: int, digest: str) -> bool:
+        """Whether ``submit`` would queue this call: False for a re-send (the same seq_id with
+        the same payload, whose future already exists).
 
         Raises ``AlreadyExists`` for the same seq_id with another payload, ``ResourceExhausted``
         when too many later calls already wait for an earlier one.
@@ -66,8 +75,15 @@ class SeqOrder:
                     f"{len(held)} calls of model {model_id!r} wait for seq_id "
                     f"{self._next[model_id]}; send it first"
                 )
+            return True
+
+    def submit(self, model_id: str, seq_id: int, digest: str, job: Job) -> bool:
+        """Queue ``job`` as ``seq_id`` of ``model_id`` (see ``accepts``; False for a re-send)."""
+        with self._lock:
+            if not self.accepts(model_id, seq_id, digest):
+                return False
             self._seen[(model_id, seq_id)] = digest
-            held[seq_id] = (digest, job)
+            self._held[model_id][seq_id] = (digest, job)
             self._release(model_id)
             return True
 

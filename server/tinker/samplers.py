@@ -1,57 +1,86 @@
 """Sampling sessions: which weights a SamplingClient samples.
 
-The engine samples its live weights, and keeps no second copy, so a sampling client stays usable
-while the weights are those of its snapshot: until the next ``optim_step`` or ``load_weights``.
-After that its samples are refused (a clear user error naming the fix: save a new snapshot), never
-drawn from weights trained after it. This costs nothing to keep; the doc loops (save, sample,
-train, repeat) never notice it.
+A sampling client samples the weights of its snapshot, never weights trained after it. Each
+``save_weights_for_sampler`` writes its snapshot as an export of the run (see ``snapshots``);
+while the trainer has not changed its weights since, samples read the live weights at no cost,
+afterwards they swap the export in for the call. Disk stays bounded: the newest
+``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a ``path``, are
+kept until the model closes); sampling an older one is refused with a clear error.
+
+``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
+process. A restarted front starts it at 1, so a snapshot restored from the request log, whose
+version is unknown, and the base model are never mistaken for the live weights.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from trainwire.server.errors import FailedPrecondition, NotFound
+from trainwire.server.errors import NotFound
+
+KEEP_UNNAMED_SNAPSHOTS = 8
+SNAPSHOT_PREFIX = "sampler-"
+
+
+def snapshot_export(seq_id: int, name: str | None) -> str:
+    """The run's export that holds a snapshot: by its name, else by the call's seq_id."""
+    return f"{SNAPSHOT_PREFIX}{name}" if name else f"{SNAPSHOT_PREFIX}seq-{seq_id}"
 
 
 @dataclass(frozen=True)
 class Sampler:
     sampling_session_id: str
     base_model: str
-    model_path: str | None
-    weights_version: int  # the trainer's weights version the snapshot holds
+    model_path: str | None  # the tinker path it samples (None: the base model or unnamed)
+    export: str | None  # the run's export holding its weights (None: the base model)
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
+    weights_version: int | None = None  # the trainer's version it holds (None: unknown)
+
+    def record(self) -> dict[str, Any]:
+        """What the request log keeps of it (the version is this process's only)."""
+        fields = asdict(self)
+        del fields["weights_version"]
+        return {"kind": "sampler", **fields}
 
 
 class Samplers:
-    """The server's sampling sessions and named sampler snapshots."""
+    """The server's sampling sessions, named snapshots and unnamed snapshot exports."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, restarted: bool = False) -> None:
         self._lock = threading.Lock()
-        self.weights_version = 0
+        self.weights_version = 1 if restarted else 0
         self._sessions: dict[str, Sampler] = {}
-        self._named: dict[str, tuple[int, int]] = {}  # tinker path → (version, seq_id)
+        self._named: dict[str, Sampler] = {}  # tinker path → its snapshot
+        self._unnamed: list[str] = []  # unnamed snapshot exports, oldest first
 
     def weights_changed(self) -> None:
         with self._lock:
             self.weights_version += 1
 
-    def create(
-        self, sampling_id: str, base_model: str, model_path: str | None, snapshot_seq: int
-    ) -> Sampler:
-        with self._lock:
-            sampler = self._sessions.get(sampling_id)
-            if sampler is None:
-                sampler = Sampler(
-                    sampling_id, base_model, model_path, self.weights_version, snapshot_seq
-                )
-                self._sessions[sampling_id] = sampler
-            return sampler
+    def is_live(self, sampler: Sampler) -> bool:
+        return sampler.weights_version == self.weights_version
 
-    def name_snapshot(self, path: str, snapshot_seq: int) -> None:
+    def snapshot(
+        self, sampling_id: str | None, path: str | None, base_model: str, export: str, seq: int
+    ) -> list[str]:
+        """Register a snapshot just written (a named ``path`` or a sampling session); returns
+        the unnamed snapshot exports now beyond what is kept, for the caller to remove."""
         with self._lock:
-            self._named.setdefault(path, (self.weights_version, snapshot_seq))
+            sampler = Sampler(
+                sampling_id or "", base_model, path, export, seq, self.weights_version
+            )
+            if path:
+                self._named.setdefault(path, sampler)
+                return []
+            assert sampling_id is not None
+            self._sessions.setdefault(sampling_id, sampler)
+            if export not in self._unnamed:
+                self._unnamed.append(export)
+            pruned = self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
+            del self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
+            return pruned
 
     def create_from(self, sampling_id: str, base_model: str, model_path: str | None) -> Sampler:
         """A sampling session on a named snapshot, or on the base model (``model_path`` None)."""
@@ -59,15 +88,22 @@ class Samplers:
             if sampling_id in self._sessions:
                 return self._sessions[sampling_id]
             if model_path is None:
-                version, seq = 0, 0
+                sampler = Sampler(sampling_id, base_model, None, None, 0, 0)
             elif model_path in self._named:
-                version, seq = self._named[model_path]
+                named = self._named[model_path]
+                sampler = Sampler(
+                    sampling_id,
+                    base_model,
+                    model_path,
+                    named.export,
+                    named.snapshot_seq,
+                    named.weights_version,
+                )
             else:
                 raise NotFound(
                     f"no sampler weights {model_path!r} on this server; save_weights_for_sampler"
                     " them first"
                 )
-            sampler = Sampler(sampling_id, base_model, model_path, version, seq)
             self._sessions[sampling_id] = sampler
             return sampler
 
@@ -78,11 +114,25 @@ class Samplers:
             raise NotFound(f"no sampling session {sampling_id!r}; create a sampling client first")
         return sampler
 
-    def check_live(self, sampler: Sampler) -> None:
-        """FailedPrecondition once the trainer's weights moved past the sampler's snapshot."""
-        if sampler.weights_version != self.weights_version:
-            raise FailedPrecondition(
-                f"sampling session {sampler.sampling_session_id!r} holds weights the trainer has "
-                "since updated; this server samples live weights only: call "
-                "save_weights_and_get_sampling_client() again for the current weights"
-            )
+    # -- the request log -------------------------------------------------------------------------
+
+    def records(self) -> list[dict[str, Any]]:
+        """Every sampling session and named snapshot, for a compacted request log."""
+        with self._lock:
+            named = [{**s.record(), "named": True} for s in self._named.values()]
+            sessions = [s.record() for s in self._sessions.values()]
+            order = [{"kind": "unnamed_snapshots", "exports": list(self._unnamed)}]
+            return named + sessions + order
+
+    def restore(self, record: dict[str, Any]) -> None:
+        """Take back one of ``records``' entries (or a logged sampling session)."""
+        with self._lock:
+            if record["kind"] == "unnamed_snapshots":
+                self._unnamed = list(record["exports"])
+                return
+            fields = {k: v for k, v in record.items() if k not in ("kind", "named")}
+            sampler = Sampler(**fields)
+            if record.get("named"):
+                self._named[sampler.model_path or ""] = sampler
+            else:
+                self._sessions[sampler.sampling_session_id] = sampler

@@ -1,0 +1,168 @@
+"""The front's durable memory: every request it accepted and every result a crash could lose.
+
+The SDK polls request ids it was given; after a SIGKILL the FutureStore is empty. So the front
+appends each accepted request here and makes it durable before it hands out the request id, and
+appends the result of each call the journal does not cover (a ``forward``, a sample, any failure)
+before a poll can see it. A restarted front reads the records back in order: a recorded result is
+final; a call without one is submitted again, and since the engine restarted from its latest
+checkpoint, the keyed calls since then run again (the journal answers the ones before it).
+
+One JSON object per line. A line torn by the crash (the write was never made durable, so its
+request id was never handed out) is dropped. ``compact`` rewrites the file atomically, keeping
+what a restart still needs: requests since the latest checkpoint and results not yet delivered.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from trainwire.server.tinker.futures import Done, Failed, Outcome
+
+logger = logging.getLogger(__name__)
+
+LOG_FILE = "requests.jsonl"
+
+
+def encode_body(body: dict[str, Any] | bytes) -> dict[str, Any]:
+    """A request or result body as JSON: objects as they are, bytes (protobuf) as base64."""
+    if isinstance(body, bytes):
+        return {"bytes": base64.b64encode(body).decode("ascii")}
+    return {"json": body}
+
+
+def decode_body(value: dict[str, Any]) -> dict[str, Any] | bytes:
+    return base64.b64decode(value["bytes"]) if "bytes" in value else value["json"]
+
+
+def call_record(
+    route: str, request_id: str, seq_id: int, body: dict[str, Any] | bytes, encoding: str | None
+) -> dict[str, Any]:
+    """An accepted training call, as ``TinkerFront``'s route ``route`` takes it again."""
+    record = {"kind": "call", "route": route, "request_id": request_id, "seq": seq_id}
+    record["body"] = encode_body(body)
+    if encoding is not None:
+        record["encoding"] = encoding
+    return record
+
+
+def result_record(request_id: str, outcome: Outcome) -> dict[str, Any]:
+    if isinstance(outcome, Failed):
+        return {"kind": "result", "request_id": request_id, **outcome.body()}
+    return {"kind": "result", "request_id": request_id, "body": encode_body(outcome.body)}
+
+
+def outcome_of(record: dict[str, Any]) -> Outcome:
+    """``result_record``'s outcome back."""
+    if "error" in record:
+        return Failed(record["error"], record["category"])
+    return Done(decode_body(record["body"]))
+
+
+def compacted(
+    records: list[dict[str, Any]],
+    seq_id: int,
+    delivered: Callable[[str], bool],
+    head: list[dict[str, Any]],
+) -> list[dict[str, Any]] | None:
+    """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, samplers,
+    where to resume), the calls from ``seq_id`` on, and samples not yet delivered, with their
+    results. None while a call before the checkpoint is undelivered: its poll may still come."""
+    calls = [r for r in records if r["kind"] == "call"]
+    before = [r["request_id"] for r in calls if r["seq"] < seq_id]
+    if not before or not all(delivered(request_id) for request_id in before):
+        return None
+    since = {r["request_id"] for r in calls if r["seq"] >= seq_id}  # the engine replays these
+    samples = {r["request_id"] for r in records if r["kind"] == "sample"}
+    kept = since | {request_id for request_id in samples if not delivered(request_id)}
+    body = [r for r in records if r["kind"] in ("call", "sample", "result")]
+    return head + [r for r in body if r["request_id"] in kept]
+
+
+class RequestLog:
+    """An append-only, fsync'd record file; appends from many threads share their fsyncs."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / LOG_FILE
+        self._lock = threading.Lock()  # orders writes
+        self._sync_lock = threading.Lock()  # one fsync at a time; a waiter may find it done
+        self._written = 0  # records written (flushed to the OS)
+        self._synced = 0  # records known durable
+        self.records = self._read()
+        self._file = self.path.open("ab")
+
+    def _read(self) -> list[dict[str, Any]]:
+        if not self.path.is_file():
+            return []
+        data = self.path.read_bytes()
+        complete = data.rfind(b"\n") + 1
+        if complete < len(data):  # a record torn by the crash: never durable, never answered
+            logger.warning("%s: dropped a torn last record", self.path)
+            with self.path.open("r+b") as file:
+                file.truncate(complete)
+        records = []
+        for number, line in enumerate(data[:complete].splitlines(), 1):
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{self.path}: record {number} is corrupt") from None
+        return records
+
+    def append(self, record: dict[str, Any]) -> int:
+        """Write ``record`` (not yet durable); returns its ticket for ``sync``."""
+        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            self._written += 1
+            self.records.append(record)
+            return self._written
+
+    def sync(self, ticket: int) -> None:
+        """Return once the record with ``ticket`` is on disk (one fsync may cover many)."""
+        with self._sync_lock:
+            if self._synced >= ticket:
+                return
+            with self._lock:
+                covered = self._written
+                fd = self._file.fileno()
+            os.fsync(fd)
+            self._synced = covered
+
+    def write(self, record: dict[str, Any]) -> None:
+        """``append`` and ``sync``: the record is durable when this returns."""
+        self.sync(self.append(record))
+
+    def compact(self, keep: Iterable[dict[str, Any]]) -> None:
+        """Replace the file by ``keep`` (durably, atomically: a crash leaves old or new)."""
+        kept = list(keep)
+        temporary = self.path.with_suffix(".tmp")
+        with temporary.open("wb") as file:
+            for record in kept:
+                file.write(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+                file.write(b"\n")
+            file.flush()
+            os.fsync(file.fileno())
+        with self._sync_lock, self._lock:
+            self._file.close()
+            temporary.replace(self.path)
+            directory = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)
+            finally:
+                os.close(directory)
+            self._file = self.path.open("ab")
+            self.records = kept
+            self._synced = self._written  # what was not kept is gone on purpose
+        logger.info("%s compacted to %d records", self.path, len(kept))
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()

@@ -1,0 +1,90 @@
+"""The Tinker front's request log: what a crash leaves is read back, compaction keeps what a
+restart needs, and a restarted server knows every request id it handed out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from tinker_loops import KEY, tinker_server
+
+from trainwire.server.tinker.futures import Done, Failed
+from trainwire.server.tinker.request_log import (
+    LOG_FILE,
+    RequestLog,
+    call_record,
+    compacted,
+    outcome_of,
+    result_record,
+)
+
+
+def test_records_come_back_in_order_and_a_torn_last_one_is_dropped(tmp_path: Path) -> None:
+    log = RequestLog(tmp_path)
+    log.write(call_record("optim_step", "m/1", 1, {"seq_id": 1}, None))
+    log.write(call_record("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
+    log.close()
+    with (tmp_path / LOG_FILE).open("ab") as file:
+        file.write(b'{"kind": "call", "rou')  # the crash came mid-write
+    again = RequestLog(tmp_path)
+    assert [r["request_id"] for r in again.records] == ["m/1", "m/2"]
+    assert (tmp_path / LOG_FILE).read_bytes().endswith(b"}\n")  # the torn bytes are cut off
+    again.write(result_record("m/2", Done(b"\x01bytes")))
+    again.close()
+    assert outcome_of(RequestLog(tmp_path).records[-1]) == Done(b"\x01bytes")
+
+
+def test_a_corrupt_record_before_the_last_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
+    (tmp_path / LOG_FILE).write_bytes(b'{"kind": "session"}\nnot json\n{"kind": "session"}\n')
+    with pytest.raises(ValueError, match="record 2 is corrupt"):
+        RequestLog(tmp_path)
+
+
+def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples() -> None:
+    records = [
+        call_record("optim_step", "m/1", 1, {}, None),
+        call_record("forward_backward", "m/2", 2, b"x", ""),
+        result_record("m/2", Failed("bad loss", "user")),
+        {"kind": "sample", "request_id": "s/1", "body": {}},
+        {"kind": "sample", "request_id": "s/2", "body": {}},
+        result_record("s/2", Done(b"y")),
+        call_record("save_weights", "m/3", 3, {}, None),
+        call_record("optim_step", "m/4", 4, {}, None),
+    ]
+    head = [{"kind": "resume", "next_seq": 3, "position": 2}]
+    delivered = {"m/1", "m/2", "s/1"}
+    kept = compacted(records, 3, delivered.__contains__, head)
+    assert kept == [head[0], records[4], records[5], records[6], records[7]]
+    assert compacted(records, 3, {"m/1", "s/1"}.__contains__, head) is None  # m/2 unpolled
+
+
+def test_a_restarted_server_answers_an_old_request_id_and_refuses_its_reuse(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    headers = {"X-API-Key": KEY}
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        session_id = httpx.post(f"{api}/create_session", json={}, headers=headers).json()
+        session_id = session_id["session_id"]
+        model = {"session_id": session_id, "base_model": "llama", "lora_config": {"rank": 4}}
+        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
+        model_id = model_id["model_id"]
+        save = {"model_id": model_id, "seq_id": 1, "path": "first"}
+        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
+        first = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        again = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+        assert again == first and first["path"].endswith("/weights/first")
+        resent = httpx.post(f"{api}/save_weights", json=save, headers=headers)
+        assert resent.json() == request_id  # a re-send finds its request, nothing runs twice
+        assert handle.session_host.info().position == 1
+        other = {**save, "path": "second"}
+        refused = httpx.post(f"{api}/save_weights", json=other, headers=headers)
+        assert refused.status_code == 400 and "another payload" in refused.json()["detail"]
+        beat = httpx.post(
+            f"{api}/session_heartbeat", json={"session_id": session_id}, headers=headers
+        )
+        assert beat.status_code == 200  # the SDK's session outlives the restart

@@ -1,0 +1,156 @@
+"""A real ``trainwire serve --tinker-listen`` process SIGKILLed in the middle of an SDK loop and
+restarted on its state directory: the SDK's pending polls get the results an uninterrupted run
+gives, and the loop ends with the same weights (the real SDK from PyPI, unchanged)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tinker
+from service_fixtures import connect, wait_for
+from tinker import types
+from tinker_loops import KEY, SENTENCES, supervised_datum
+
+from trainwire.server.tinker.front import FRONT_DIR
+from trainwire.server.tinker.request_log import LOG_FILE
+from trainwire.testing import free_port
+
+GRPC_TOKEN = "restart-grpc-token"
+
+
+class TinkerServeProcess:
+    """``python -m trainwire serve`` with the Tinker front on a fixed port (the SDK's
+    ``base_url`` stays the same across a restart)."""
+
+    def __init__(self, tmp: Path, state_dir: Path, model_root: Path, port: int, name: str) -> None:
+        (tmp / "grpc-token").write_text(GRPC_TOKEN + "\n")
+        (tmp / "tinker-key").write_text(KEY + "\n")
+        self.port_file = tmp / f"{name}.port"
+        self.log = tmp / f"{name}.log"
+        command = [
+            sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
+            "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
+            "--token-file", str(tmp / "grpc-token"), "--port-file", str(self.port_file),
+            "--tinker-listen", f"127.0.0.1:{port}", "--tinker-token-file", str(tmp / "tinker-key"),
+        ]  # fmt: skip
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        wait_for(lambda: self.port_file.exists() or self.process.poll() is not None, 120)
+        assert self.process.poll() is None, self.log.read_text()
+        self.grpc_port = int(self.port_file.read_text())
+
+    def state_digest(self) -> str:
+        with connect(self.grpc_port, token=GRPC_TOKEN) as client:
+            return client.info().state_digest
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=60)
+
+
+def logged(state_dir: Path, route: str, seq: int) -> Callable[[], bool]:
+    """True once the front's request log holds call ``seq``, a ``route``: accepted, its request
+    id handed out."""
+    path = state_dir / FRONT_DIR / LOG_FILE
+
+    def check() -> bool:
+        if not path.is_file():
+            return False
+        lines = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+        return any(r.get("seq") == seq and r.get("route") == route for r in lines)
+
+    return check
+
+
+def sdk_loop(base_url: str, between: Callable[[int], None], steps: int = 5) -> list[Any]:
+    """An RL-and-SL loop as the SDK's docs write it; ``between(step)`` runs after each step's
+    forward_backward and optim_step were sent, before their results are awaited."""
+    service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+    tokenizer = training_client.get_tokenizer()
+    prompt = tokenizer.encode("the cat")
+    seen: list[Any] = []
+    for step in range(steps):
+        if step == 2:
+            path = training_client.save_state("step-2").result().path
+            seen.append(path.rsplit("/", 2)[-2:])  # the model id in it is the session's own
+        sampling_client = training_client.save_weights_and_get_sampling_client().result()
+        params = types.SamplingParams(max_tokens=5, temperature=1.0, seed=step)
+        result = sampling_client.sample(types.ModelInput.from_ints(prompt), 2, params).result()
+        data = [supervised_datum(tokenizer, SENTENCES[step % len(SENTENCES)])]
+        for seq in result.sequences:
+            full = prompt + seq.tokens
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={
+                        "target_tokens": full[1:],
+                        "weights": [0.0] * (len(prompt) - 1) + [1.0] * len(seq.tokens),
+                    },
+                )
+            )
+        fwd_bwd = training_client.forward_backward(data, "cross_entropy")
+        optim = training_client.optim_step(types.AdamParams(learning_rate=1e-2))
+        between(step)
+        output = fwd_bwd.result()
+        seen.append([list(seq.tokens) for seq in result.sequences])
+        seen.append([out["logprobs"].tolist() for out in output.loss_fn_outputs])
+        seen.append(output.metrics["loss:sum"])
+        seen.append(optim.result().metrics)
+    scored = sampling_client.compute_logprobs(types.ModelInput.from_ints(prompt)).result()
+    seen.append(scored)
+    return seen
+
+
+@pytest.mark.slow
+def test_a_server_killed_mid_loop_answers_the_sdks_polls_as_an_uninterrupted_run(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    started: list[TinkerServeProcess] = []
+    try:
+        port = free_port()
+        plain_dir = tmp_path / "uninterrupted"
+        plain_dir.mkdir()
+        plain = TinkerServeProcess(plain_dir, plain_dir / "state", model_root, port, "plain")
+        started.append(plain)
+        expected = sdk_loop(f"http://127.0.0.1:{port}", lambda step: None)
+        expected_digest = plain.state_digest()
+        plain.kill()
+
+        port = free_port()
+        crash_dir = tmp_path / "interrupted"
+        crash_dir.mkdir()
+        state_dir = crash_dir / "state"
+        first = TinkerServeProcess(crash_dir, state_dir, model_root, port, "first")
+        started.append(first)
+        restarted: list[TinkerServeProcess] = []
+
+        def kill_and_restart(step: int) -> None:
+            if step != 3:  # after the checkpoint at step 2: the calls since are rolled back
+                return
+            # The optim_step is accepted but not yet awaited. Each step's calls are three
+            # (save_weights_for_sampler, forward_backward, optim_step), plus the save at step 2.
+            wait_for(logged(state_dir, "optim_step", 3 * (step + 1) + 1), 60)
+            first.kill()
+            second = TinkerServeProcess(crash_dir, state_dir, model_root, port, "second")
+            started.append(second)
+            restarted.append(second)
+
+        interrupted = sdk_loop(f"http://127.0.0.1:{port}", kill_and_restart)
+        assert len(restarted) == 1
+        second_log = restarted[0].log.read_text()
+        assert "restored at position" in second_log and "request records read back" in second_log
+        assert interrupted == expected
+        assert restarted[0].state_digest() == expected_digest
+    finally:
+        for process in started:
+            process.kill()
