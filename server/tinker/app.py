@@ -22,7 +22,7 @@ from trainwire.server.errors import (
     TrainwireError,
     Unavailable,
 )
-from trainwire.server.tinker.auth import refusal
+from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.futures import PROTOBUF, Done
 
@@ -47,12 +47,7 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
 
-    @app.middleware("http")
-    async def authenticate(request: Request, call_next: Any) -> Response:
-        why = refusal(request.headers.get("x-api-key"), token)
-        if why is not None:
-            return JSONResponse({"detail": why}, status_code=401)
-        return await call_next(request)
+    app.add_middleware(RequireKey, token=token)
 
     @app.exception_handler(Exception)
     async def refuse(request: Request, error: Exception) -> JSONResponse:
@@ -122,7 +117,7 @@ def create_app(
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         data = await body(request)
-        return future(await run_in_threadpool(front.save_weights_for_sampler, data))
+        return future(await run_in_threadpool(front.sampling.save_weights_for_sampler, data))
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
@@ -149,7 +144,7 @@ def create_app(
     async def retrieve_future(request: Request) -> Response:
         request_id = str((await body(request)).get("request_id"))
         try:
-            outcome = await run_in_threadpool(front.futures.wait, request_id, poll_hold_s)
+            outcome = await front.futures.wait(request_id, poll_hold_s)
         except KeyError:
             raise NotFound(f"no request {request_id!r} on this server") from None
         if outcome is None:

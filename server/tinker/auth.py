@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import hmac
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 KEY_PREFIX = "tml-"
 
@@ -26,3 +30,24 @@ def refusal(supplied: str | None, expected: str | None) -> str | None:
     if hmac.compare_digest(supplied.encode(), expected.encode()):
         return None
     return "wrong API key"
+
+
+class RequireKey:
+    """ASGI middleware: 401 with the reason for an HTTP request without the right key.
+
+    Plain ASGI rather than ``@app.middleware("http")``, which streams every response through
+    an extra task: a cost on each of the SDK's polls.
+    """
+
+    def __init__(self, app: ASGIApp, token: str | None) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            supplied: Any = dict(scope["headers"]).get(b"x-api-key")
+            why = refusal(supplied.decode("latin-1") if supplied else None, self.token)
+            if why is not None:
+                await JSONResponse({"detail": why}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

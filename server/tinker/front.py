@@ -21,6 +21,7 @@ import logging
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +49,7 @@ from trainwire.server.tinker.request_log import (
     outcome_of,
     result_record,
 )
-from trainwire.server.tinker.samplers import Samplers, snapshot_export
+from trainwire.server.tinker.samplers import Samplers
 from trainwire.server.tinker.sampling import SamplingRoutes
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class TinkerFront:
         self._recovered = threading.Event()
         self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
         self.order = SeqOrder(self._when_recovered)
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="tinker-finish")  # in order
         self.samplers = Samplers(restarted=bool(self.log.records))
         self.sessions: set[str] = set()
         self.sampling = SamplingRoutes(self)
@@ -83,6 +85,7 @@ class TinkerFront:
 
     def stop(self) -> None:
         self.order.stop()
+        self._finisher.shutdown()
         self.log.close()
 
     # -- restart -------------------------------------------------------------------------------
@@ -95,7 +98,7 @@ class TinkerFront:
             "optim_step": self.optim_step,
             "save_weights": self.save_weights,
             "load_weights": self.load_weights,
-            "save_weights_for_sampler": self.save_weights_for_sampler,
+            "save_weights_for_sampler": self.sampling.save_weights_for_sampler,
         }
         try:
             for record in records:
@@ -144,6 +147,12 @@ class TinkerFront:
     def _record(self, record: dict[str, Any]) -> int | None:
         """Log a request (not while replaying one); its ticket for ``log.sync``."""
         return None if self._replayed is not None else self.log.append(record)
+
+    def _encode_and_finish(self, request_id: str, outcome: Outcome, keyed: bool) -> None:
+        """A call's response, once its engine work is done: ``Done(encode)`` is encoded here."""
+        if isinstance(outcome, Done) and callable(outcome.body):
+            outcome = run_to_outcome(outcome.body)
+        self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
 
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
         """Resolve a future, writing its outcome to the log first unless already durable."""
@@ -246,7 +255,8 @@ class TinkerFront:
                 self.futures.resolve(request_id, recorded)
                 return
             outcome = self._run(lambda: call(request_id))
-            self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
+            # Encoding the response (and logging it) happens behind: the next call runs now.
+            self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
 
         payload_digest = digest(body)
         with self._lock:
@@ -269,13 +279,20 @@ class TinkerFront:
         loss = (request.loss_fn, request.loss_fn_config)
         examples = request.examples
 
-        def call(key: str) -> bytes:
+        def call(key: str) -> Callable[[], bytes]:
             if request.forward_only:
                 outcome: Any = self.host.forward(examples, loss)
             else:
                 outcome = self.host.forward_backward(examples, OperationSpec(key), loss)
-            losses = elementwise_loss(request.loss_fn, request.loss_fn_config, examples, outcome)
-            return codec.encode_forward_backward_output(outcome.logprobs, losses, outcome.metrics)
+
+            def encode() -> bytes:
+                config = request.loss_fn_config
+                losses = elementwise_loss(request.loss_fn, config, examples, outcome)
+                return codec.encode_forward_backward_output(
+                    outcome.logprobs, losses, outcome.metrics
+                )
+
+            return encode
 
         return self.submit(
             "forward_backward",
@@ -330,29 +347,6 @@ class TinkerFront:
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         return self.submit("load_weights", body, model_id, body.get("seq_id"), call)
-
-    def save_weights_for_sampler(self, body: dict[str, Any]) -> str:
-        """A snapshot of the live weights for sampling clients, written as an export of the run
-        (see ``snapshots``)."""
-        model_id, name = str(body.get("model_id")), body.get("path")
-        session_id = self.require_model(model_id).session_id
-        seq_id = body.get("seq_id")
-        export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
-        check_name(export, "save_weights_for_sampler path")
-
-        def call(key: str) -> dict[str, Any]:
-            self.host.export_weights(export, OperationSpec(key))
-            if name:
-                path = f"tinker://{model_id}/sampler_weights/{name}"
-                self.samplers.snapshot(None, path, self.model_name(), export, seq_id)
-                return {"type": "save_weights_for_sampler", "path": path}
-            sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
-            pruned = self.samplers.snapshot(sampling_id, None, self.model_name(), export, seq_id)
-            if pruned:
-                self.host.read_only(lambda _: self.sampling.remove_exports(pruned))
-            return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
-
-        return self.submit("save_weights_for_sampler", body, model_id, seq_id, call)
 
     def _compact_at(self, seq_id: int, position: int) -> None:
         """After checkpoint ``seq_id`` (journal ``position``): drop the records a restart no

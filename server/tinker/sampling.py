@@ -1,4 +1,5 @@
-"""The SDK's sampling calls: sampling sessions and ``asample``, on the front's plumbing.
+"""The SDK's sampling calls: snapshots, sampling sessions and ``asample``, on the front's
+plumbing.
 
 A sample runs outside the training sequence, on the weights of its sampler's snapshot (see
 ``samplers`` and ``snapshots``), so when it runs does not change what it draws; the front logs
@@ -10,10 +11,12 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING, Any
 
+from trainwire.client.outcomes import OperationSpec
 from trainwire.server.model_loading import resolve_under
+from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.ordering import digest
-from trainwire.server.tinker.samplers import Sampler
+from trainwire.server.tinker.samplers import Sampler, snapshot_export
 from trainwire.server.tinker.snapshots import SnapshotWeights, sample_from
 
 if TYPE_CHECKING:
@@ -21,10 +24,34 @@ if TYPE_CHECKING:
 
 
 class SamplingRoutes:
-    """``create_sampling_session`` and ``asample`` for one front."""
+    """``save_weights_for_sampler``, ``create_sampling_session`` and ``asample`` for one front."""
 
     def __init__(self, front: TinkerFront) -> None:
         self.front = front
+
+    def save_weights_for_sampler(self, body: dict[str, Any]) -> str:
+        """A snapshot of the live weights for sampling clients: a training call (it takes its
+        seq_id) that writes the trainable weights as an export of the run."""
+        front = self.front
+        model_id, name = str(body.get("model_id")), body.get("path")
+        session_id = front.require_model(model_id).session_id
+        seq_id = body.get("seq_id")
+        export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
+        check_name(export, "save_weights_for_sampler path")
+
+        def call(key: str) -> dict[str, Any]:
+            front.host.export_weights(export, OperationSpec(key))
+            if name:
+                path = f"tinker://{model_id}/sampler_weights/{name}"
+                front.samplers.snapshot(None, path, front.model_name(), export, seq_id)
+                return {"type": "save_weights_for_sampler", "path": path}
+            sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
+            pruned = front.samplers.snapshot(sampling_id, None, front.model_name(), export, seq_id)
+            if pruned:
+                front.host.read_only(lambda _: self.remove_exports(pruned))
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
+
+        return front.submit("save_weights_for_sampler", body, model_id, seq_id, call)
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         front = self.front
