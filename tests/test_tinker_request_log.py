@@ -88,3 +88,36 @@ def test_a_restarted_server_answers_an_old_request_id_and_refuses_its_reuse(
             f"{api}/session_heartbeat", json={"session_id": session_id}, headers=headers
         )
         assert beat.status_code == 200  # the SDK's session outlives the restart
+
+
+def test_a_restart_behind_the_compacted_log_refuses_to_go_on_rather_than_skip_calls(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    headers = {"X-API-Key": KEY}
+    state_dir = tmp_path / "state"
+
+    def saved(api: str, model_id: str, seq_id: int, name: str) -> dict:
+        save = {"model_id": model_id, "seq_id": seq_id, "path": name}
+        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
+        return httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        session_id = httpx.post(f"{api}/create_session", json={}, headers=headers).json()
+        model = {"session_id": session_id["session_id"], "base_model": "llama"}
+        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
+        model_id = model_id["model_id"]
+        for seq_id, name in enumerate(("early", "late"), 1):
+            assert "path" in saved(api, model_id, seq_id, name)
+        run_id = handle.session_host.info().run_id
+    log = (state_dir / "tinker" / LOG_FILE).read_text()
+    assert '"route":"save_weights","seq":1' not in log  # compacted at "late"
+    late = state_dir / "runs" / run_id / "checkpoints" / "late" / "model.safetensors"
+    late.write_bytes(late.read_bytes()[:100])  # recovery falls back to "early"
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        request_id = {"request_id": f"{model_id}/2"}  # kept in the log, replayed
+        answer = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+        assert answer["category"] == "server"
+        assert "cannot go on exactly once" in answer["error"]
+        assert handle.session_host.info().restored_checkpoint == "early"
