@@ -17,7 +17,7 @@ import pytest
 import tinker
 from service_fixtures import connect, wait_for
 from tinker import types
-from tinker_loops import KEY, SENTENCES, supervised_datum
+from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
 
 from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.server.tinker.request_log import LOG_FILE
@@ -75,6 +75,13 @@ def sdk_loop(base_url: str, between: Callable[[int], None], steps: int = 5) -> l
     """An RL-and-SL loop as the SDK's docs write it; ``between(step)`` runs after each step's
     forward_backward and optim_step were sent, before their results are awaited."""
     service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
+    try:
+        return run_loop(service, between, steps)
+    finally:
+        close_quietly(service)
+
+
+def run_loop(service: tinker.ServiceClient, between: Callable[[int], None], steps: int) -> list:
     training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
     tokenizer = training_client.get_tokenizer()
     prompt = tokenizer.encode("the cat")

@@ -143,3 +143,27 @@ def test_the_tokenizer_id_the_sdk_loads_is_configurable(
         training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
         assert training_client.get_info().model_data.tokenizer_id == "org/tokenizer"
         service.close("success").result()
+
+
+def test_named_sampler_weights_keep_their_snapshot_and_their_name(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    import tinker
+
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+        tokenizer = training_client.get_tokenizer()
+        prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+        path = training_client.save_weights_for_sampler("first").result().path
+        sampler = service.create_sampling_client(model_path=path)
+        before = sampler.sample(prompt, 2, params).result()
+        datum = supervised_datum(tokenizer, SENTENCES[1])
+        training_client.forward_backward([datum], "cross_entropy").result()
+        training_client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        later = service.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
+        assert [s.logprobs for s in later.sequences] == [s.logprobs for s in before.sequences]
+        with pytest.raises(tinker.RequestFailedError, match="exist already"):
+            training_client.save_weights_for_sampler("first").result()
+        service.close("success").result()

@@ -17,8 +17,13 @@ KEY = "tml-trainwire-test-key"
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "birds sing in the morning"]
 
 
+_OPEN_CLIENTS: dict[int, list[tinker.ServiceClient]] = {}  # per server handle
+
+
 @contextlib.contextmanager
 def tinker_server(state_dir: Path, model_root: Path, **options: Any) -> Iterator[ServerHandle]:
+    """A server with the Tinker front; the SDK clients made by ``service_client`` are closed
+    before it stops."""
     handle = serve(
         listen="127.0.0.1:0",
         state_dir=state_dir,
@@ -28,14 +33,28 @@ def tinker_server(state_dir: Path, model_root: Path, **options: Any) -> Iterator
         tinker_token=KEY,
         **options,
     )
+    _OPEN_CLIENTS[id(handle)] = []
     try:
         yield handle
     finally:
+        for client in _OPEN_CLIENTS.pop(id(handle)):
+            close_quietly(client)
         handle.stop(grace=10)
 
 
 def service_client(handle: ServerHandle, key: str = KEY) -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=handle.tinker.base_url, api_key=key)
+    client = tinker.ServiceClient(base_url=handle.tinker.base_url, api_key=key)
+    _OPEN_CLIENTS[id(handle)].append(client)
+    return client
+
+
+def close_quietly(client: tinker.ServiceClient) -> None:
+    """Stop a ServiceClient's heartbeats and retries (closing twice is harmless). A client left
+    open retries against a stopped server, and the SDK's retry jitter draws from Python's global
+    ``random``, which an in-process TrainingSession's RNG owns: later tests would lose their
+    bit-equality."""
+    with contextlib.suppress(Exception):
+        client.close("success").result(timeout=30)
 
 
 @contextlib.contextmanager

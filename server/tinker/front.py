@@ -183,7 +183,8 @@ class TinkerFront:
                 (self.directory / "model.json").unlink(missing_ok=True)
                 self.model = None
             self.sessions.discard(session_id)
-            self.log.compact({"kind": "session", "session_id": s} for s in sorted(self.sessions))
+            sessions = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
+            self.log.compact(lambda _: sessions)
 
     # -- the model -----------------------------------------------------------------------------
 
@@ -355,9 +356,9 @@ class TinkerFront:
             head = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
             head += self.samplers.records()
             head.append({"kind": "resume", "next_seq": seq_id, "position": position})
-            kept = compacted(self.log.records, seq_id, self.futures.delivered, head)
-            if kept is not None:
-                self.log.compact(kept)
+            self.log.compact(
+                lambda records: compacted(records, seq_id, self.futures.delivered, head)
+            )
 
     # -- sampling ------------------------------------------------------------------------------
 

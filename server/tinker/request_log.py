@@ -19,7 +19,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,17 +140,23 @@ class RequestLog:
         """``append`` and ``sync``: the record is durable when this returns."""
         self.sync(self.append(record))
 
-    def compact(self, keep: Iterable[dict[str, Any]]) -> None:
-        """Replace the file by ``keep`` (durably, atomically: a crash leaves old or new)."""
-        kept = list(keep)
-        temporary = self.path.with_suffix(".tmp")
-        with temporary.open("wb") as file:
-            for record in kept:
-                file.write(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
-                file.write(b"\n")
-            file.flush()
-            os.fsync(file.fileno())
+    def compact(
+        self, choose: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]
+    ) -> bool:
+        """Replace the file by ``choose(records)`` (None: keep it as it is), durably and
+        atomically: a crash leaves the old file or the new. No record is appended meanwhile, so
+        none is lost between choosing and replacing. True when it was replaced."""
         with self._sync_lock, self._lock:
+            kept = choose(list(self.records))
+            if kept is None:
+                return False
+            temporary = self.path.with_suffix(".tmp")
+            with temporary.open("wb") as file:
+                for record in kept:
+                    file.write(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
+                    file.write(b"\n")
+                file.flush()
+                os.fsync(file.fileno())
             self._file.close()
             temporary.replace(self.path)
             directory = os.open(self.path.parent, os.O_RDONLY)
@@ -160,8 +166,9 @@ class RequestLog:
                 os.close(directory)
             self._file = self.path.open("ab")
             self.records = kept
-            self._synced = self._written  # what was not kept is gone on purpose
+            self._synced = self._written  # the kept records are durable, the others gone on purpose
         logger.info("%s compacted to %d records", self.path, len(kept))
+        return True
 
     def close(self) -> None:
         with self._lock:

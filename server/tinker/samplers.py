@@ -72,7 +72,7 @@ class Samplers:
                 sampling_id or "", base_model, path, export, seq, self.weights_version
             )
             if path:
-                self._named.setdefault(path, sampler)
+                self._named[path] = sampler
                 return []
             assert sampling_id is not None
             self._sessions.setdefault(sampling_id, sampler)
@@ -81,6 +81,10 @@ class Samplers:
             pruned = self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             del self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
+
+    def named(self, path: str) -> bool:
+        with self._lock:
+            return path in self._named
 
     def create_from(self, sampling_id: str, base_model: str, model_path: str | None) -> Sampler:
         """A sampling session on a named snapshot, or on the base model (``model_path`` None)."""

@@ -12,6 +12,7 @@ import shutil
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec
+from trainwire.server.errors import FailedPrecondition
 from trainwire.server.model_loading import resolve_under
 from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
@@ -39,10 +40,15 @@ class SamplingRoutes:
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
         check_name(export, "save_weights_for_sampler path")
 
+        path = f"tinker://{model_id}/sampler_weights/{name}"
+
         def call(key: str) -> dict[str, Any]:
+            if name and front.samplers.named(path):  # its clients must keep their weights
+                raise FailedPrecondition(
+                    f"sampler weights {path!r} exist already; save under a new name"
+                )
             front.host.export_weights(export, OperationSpec(key))
             if name:
-                path = f"tinker://{model_id}/sampler_weights/{name}"
                 front.samplers.snapshot(None, path, front.model_name(), export, seq_id)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
