@@ -38,7 +38,8 @@ def test_supervised_loop_loss_falls_and_repeats_bit_for_bit(
 def test_rl_loop_sample_logprobs_are_the_trainers_bit_for_bit(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with lora_training(tmp_path / "state", model_root) as (_, training_client, tokenizer):
+    with lora_training(tmp_path / "state", model_root) as run:
+        training_client, tokenizer = run.training, run.tokenizer
         for step, loss_fn in enumerate(("importance_sampling", "ppo")):
             sampled, trained, _ = rl_step(training_client, tokenizer, loss_fn, seed=step)
             # A group trains as one padded batch, whose kernels round differently from a batch of
@@ -53,7 +54,8 @@ def test_rl_loop_sample_logprobs_are_the_trainers_bit_for_bit(
 def test_compute_logprobs_equal_forward_and_custom_loss_trains(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with lora_training(tmp_path / "state", model_root) as (_, training_client, tokenizer):
+    with lora_training(tmp_path / "state", model_root) as run:
+        training_client, tokenizer = run.training, run.tokenizer
         datum = supervised_datum(tokenizer, SENTENCES[0])
         forward = training_client.forward([datum], "cross_entropy").result()
         sampling_client = training_client.save_weights_and_get_sampling_client().result()
@@ -97,9 +99,8 @@ def test_refusals_are_clear_and_change_nothing(
 ) -> None:
     import tinker
 
-    with tinker_server(tmp_path / "state", model_root) as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+    with lora_training(tmp_path / "state", model_root) as run:
+        handle, service, training_client = run.handle, run.service, run.training
         with pytest.raises(tinker.BadRequestError, match="one server, one model"):
             service.create_lora_training_client(base_model="llama", rank=4).result()
         with pytest.raises(tinker.BadRequestError, match="beta2"):
@@ -111,7 +112,8 @@ def test_refusals_are_clear_and_change_nothing(
 def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with lora_training(tmp_path / "state", model_root) as (handle, training_client, tokenizer):
+    with lora_training(tmp_path / "state", model_root) as run:
+        handle, training_client, tokenizer = run.handle, run.training, run.tokenizer
         prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
         old = training_client.save_weights_and_get_sampling_client().result()
@@ -133,16 +135,14 @@ def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
 def test_the_tokenizer_id_the_sdk_loads_is_configurable(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    with tinker_server(tmp_path / "a", model_root) as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        assert training_client.get_info().model_data.tokenizer_id == str(tiny_llama.resolve())
-        service.close("success").result()
-    with tinker_server(tmp_path / "b", model_root, tinker_tokenizer_id="org/tokenizer") as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        assert training_client.get_info().model_data.tokenizer_id == "org/tokenizer"
-        service.close("success").result()
+    for name, options, expected in (
+        ("default", {}, str(tiny_llama.resolve())),
+        ("named", {"tinker_tokenizer_id": "org/tokenizer"}, "org/tokenizer"),
+    ):
+        with tinker_server(tmp_path / name, model_root, **options) as handle:
+            service = service_client(handle)
+            training = service.create_lora_training_client(base_model="llama", rank=4).result()
+            assert training.get_info().model_data.tokenizer_id == expected
 
 
 def test_named_sampler_weights_keep_their_snapshot_and_their_name(
@@ -150,10 +150,8 @@ def test_named_sampler_weights_keep_their_snapshot_and_their_name(
 ) -> None:
     import tinker
 
-    with tinker_server(tmp_path / "state", model_root) as handle:
-        service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        tokenizer = training_client.get_tokenizer()
+    with lora_training(tmp_path / "state", model_root) as run:
+        service, training_client, tokenizer = run.service, run.training, run.tokenizer
         prompt = types.ModelInput.from_ints(tokenizer.encode("the cat"))
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
         path = training_client.save_weights_for_sampler("first").result().path
@@ -166,4 +164,3 @@ def test_named_sampler_weights_keep_their_snapshot_and_their_name(
         assert [s.logprobs for s in later.sequences] == [s.logprobs for s in before.sequences]
         with pytest.raises(tinker.RequestFailedError, match="exist already"):
             training_client.save_weights_for_sampler("first").result()
-        service.close("success").result()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,15 +58,22 @@ def close_quietly(client: tinker.ServiceClient) -> None:
         client.close("success").result(timeout=30)
 
 
+@dataclasses.dataclass(frozen=True)
+class SdkRun:
+    """A server and a rank-4 LoRA training client on the tiny llama, from the real SDK."""
+
+    handle: ServerHandle
+    service: tinker.ServiceClient
+    training: Any  # tinker.TrainingClient
+    tokenizer: Any
+
+
 @contextlib.contextmanager
-def lora_training(state_dir: Path, model_root: Path) -> Iterator[tuple[ServerHandle, Any, Any]]:
-    """A server, a rank-4 LoRA training client on the tiny llama and its tokenizer; the
-    ServiceClient closes at the end."""
-    with tinker_server(state_dir, model_root) as handle:
+def lora_training(state_dir: Path, model_root: Path, **options: Any) -> Iterator[SdkRun]:
+    with tinker_server(state_dir, model_root, **options) as handle:
         service = service_client(handle)
-        training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
-        yield handle, training_client, training_client.get_tokenizer()
-        service.close("success").result()
+        training = service.create_lora_training_client(base_model="llama", rank=4).result()
+        yield SdkRun(handle, service, training, training.get_tokenizer())
 
 
 def supervised_datum(tokenizer: Any, text: str) -> types.Datum:
