@@ -121,3 +121,24 @@ def test_a_restart_behind_the_compacted_log_refuses_to_go_on_rather_than_skip_ca
         assert answer["category"] == "server"
         assert "cannot go on exactly once" in answer["error"]
         assert handle.session_host.info().restored_checkpoint == "early"
+
+
+def test_closing_another_session_keeps_the_models_requests(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    headers = {"X-API-Key": KEY}
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        owner = httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
+        other = httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
+        model = {"session_id": owner, "base_model": "llama"}
+        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
+        save = {"model_id": model_id["model_id"], "seq_id": 1, "path": "kept"}
+        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
+        assert httpx.post(f"{api}/sessions/{other}/finish", headers=headers).status_code == 200
+    with tinker_server(state_dir, model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        answer = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+        assert answer["path"].endswith("/weights/kept")
+        assert handle.session_host.info().state == "open"

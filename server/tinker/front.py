@@ -177,12 +177,14 @@ class TinkerFront:
         """The SDK closed its ServiceClient: its model's run closes (a new one may be created)."""
         self.require_session(session_id)
         with self._lock:
-            model = self.model
-            if model is not None and model.session_id == session_id:
-                self.host.close()
-                (self.directory / "model.json").unlink(missing_ok=True)
-                self.model = None
             self.sessions.discard(session_id)
+            model = self.model
+            if model is None or model.session_id != session_id:
+                return  # the log keeps its record: a session known after a restart is harmless
+            self.host.close()
+            (self.directory / "model.json").unlink(missing_ok=True)
+            self.model = None
+            self.samplers = Samplers()  # its sampling clients end with it
             sessions = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
             self.log.compact(lambda _: sessions)
 
