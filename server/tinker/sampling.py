@@ -39,16 +39,15 @@ class SamplingRoutes:
         seq_id = body.get("seq_id")
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
         check_name(export, "save_weights_for_sampler path")
-
-        path = f"tinker://{model_id}/sampler_weights/{name}"
+        path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
 
         def call(key: str) -> dict[str, Any]:
-            if name and front.samplers.named(path):  # its clients must keep their weights
+            if path and front.samplers.named(path):  # its clients must keep their weights
                 raise FailedPrecondition(
                     f"sampler weights {path!r} exist already; save under a new name"
                 )
             front.host.export_weights(export, OperationSpec(key))
-            if name:
+            if path:
                 front.samplers.snapshot(None, path, front.model_name(), export, seq_id)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
