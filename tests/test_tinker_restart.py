@@ -105,9 +105,11 @@ def run_loop(service: tinker.ServiceClient, between: Callable[[int], None], step
                     },
                 )
             )
+        scored_now = training_client.forward(data, "cross_entropy")  # a call the journal skips
         fwd_bwd = training_client.forward_backward(data, "cross_entropy")
         optim = training_client.optim_step(types.AdamParams(learning_rate=1e-2))
         between(step)
+        seen.append(scored_now.result().metrics["loss:sum"])
         output = fwd_bwd.result()
         seen.append([list(seq.tokens) for seq in result.sequences])
         seen.append([out["logprobs"].tolist() for out in output.loss_fn_outputs])
@@ -119,9 +121,12 @@ def run_loop(service: tinker.ServiceClient, between: Callable[[int], None], step
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("when", ["accepted", "in-flight"])
 def test_a_server_killed_mid_loop_answers_the_sdks_polls_as_an_uninterrupted_run(
-    tmp_path: Path, model_root: Path, tiny_llama: Path
+    tmp_path: Path, model_root: Path, tiny_llama: Path, when: str
 ) -> None:
+    """``accepted``: the kill comes once the step's optim_step is in the request log (its poll
+    is pending); ``in-flight``: at once, while the SDK may still be sending (it re-sends)."""
     started: list[TinkerServeProcess] = []
     try:
         port = free_port()
@@ -144,9 +149,8 @@ def test_a_server_killed_mid_loop_answers_the_sdks_polls_as_an_uninterrupted_run
         def kill_and_restart(step: int) -> None:
             if step != 3:  # after the checkpoint at step 2: the calls since are rolled back
                 return
-            # The optim_step is accepted but not yet awaited. Each step's calls are three
-            # (save_weights_for_sampler, forward_backward, optim_step), plus the save at step 2.
-            wait_for(logged(state_dir, "optim_step", 3 * (step + 1) + 1), 60)
+            if when == "accepted":  # four calls a step (sampler, forward, fwd_bwd, optim) + save
+                wait_for(logged(state_dir, "optim_step", 4 * (step + 1) + 1), 60)
             first.kill()
             second = TinkerServeProcess(crash_dir, state_dir, model_root, port, "second")
             started.append(second)

@@ -131,7 +131,8 @@ class TinkerFront:
     def _await_recovery(self) -> None:
         """Let submitted calls run once the host restored its run (at once when none)."""
         self.host.recover()  # queued behind serve()'s own recovery: returns once it is done
-        position = self.host.info().position
+        last = self.host.journal.last() if self.host.journal is not None else None
+        position = last.position if last is not None else 0  # Info would hash the whole state
         if position < self._resume_position:
             self._cannot_replay = (
                 f"the engine restored position {position}, before the checkpoint the request log "
