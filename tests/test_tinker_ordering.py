@@ -41,6 +41,20 @@ def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> 
     order.stop()
 
 
+def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> None:
+    release, drained = threading.Event(), threading.Event()
+    order = SeqOrder(lambda job: job(), max_held=2)
+    order.run_unordered(release.wait)  # the runner is busy with this one
+    order.run_unordered(lambda: None)
+    order.run_unordered(drained.set)
+    with pytest.raises(ResourceExhausted, match="calls wait to run; retry later"):
+        order.check_room()
+    release.set()
+    assert drained.wait(5)
+    order.check_room()  # room again once they ran
+    order.stop()
+
+
 def _request(tokens: list[int], targets: list[int]) -> pb.ForwardBackwardRequest:
     message = pb.ForwardBackwardRequest(model_id="m", seq_id=1, loss_fn="cross_entropy")
     datum = message.data.add()

@@ -389,6 +389,8 @@ class TinkerFront:
         with self._lock:
             if self.futures.known(request_id):
                 return False
+            if self._replayed is None:  # a restart takes back all it accepted before
+                self.order.check_room()
             ticket = self._record({"kind": "sample", "request_id": request_id, "body": body})
             self.futures.add(request_id)
             self.order.run_unordered(job)

@@ -87,6 +87,12 @@ class SeqOrder:
             self._release(model_id)
             return True
 
+    def check_room(self) -> None:
+        """ResourceExhausted when ``max_held`` jobs already wait to run (a flood of samples)."""
+        with self._lock:
+            if len(self._ready) >= self._max_held:
+                raise ResourceExhausted(f"{len(self._ready)} calls wait to run; retry later")
+
     def run_unordered(self, job: Job) -> None:
         """Queue a job outside any model's sequence (sampling), behind what is ready now."""
         with self._lock:
