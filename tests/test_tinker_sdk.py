@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from tinker import types
@@ -78,7 +79,6 @@ def test_compute_logprobs_equal_forward_and_custom_loss_trains(
 def test_a_wrong_or_missing_key_is_refused(
     tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import httpx
     import tinker
 
     monkeypatch.delenv("TINKER_API_KEY", raising=False)
@@ -107,6 +107,13 @@ def test_refusals_are_clear_and_change_nothing(
             training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
         info = handle.session_host.info()
         assert info.position == 0 and info.step == 0
+        prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
+        sample = {"sampling_session_id": "nope", "seq_id": 1, "prompt": prompt}
+        sample["sampling_params"] = {"max_tokens": 2}
+        url = f"{handle.tinker.base_url}/api/v1/asample"
+        response = httpx.post(url, json=sample, headers={"X-API-Key": KEY})
+        assert response.status_code == 404
+        assert "create a sampling client first" in response.json()["detail"]
 
 
 def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(

@@ -37,7 +37,6 @@ from trainwire.server.tinker.model import (
     ModelRecord,
     check_adam_params,
     checkpoint_name,
-    run_id_for,
 )
 from trainwire.server.tinker.model import training_config as config_of
 from trainwire.server.tinker.ordering import SeqOrder, digest
@@ -76,6 +75,7 @@ class TinkerFront:
         self._lock = threading.RLock()  # orders request records with their submission
         self._replayed: dict[str, Outcome] | None = None  # recorded results, while replaying
         self._resume_position = 0
+        self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
         self.model = ModelRecord.load(self.directory)
         if self.model is not None:
             self.sessions.add(self.model.session_id)
@@ -118,6 +118,7 @@ class TinkerFront:
             logger.info("Tinker front: %d request records read back", len(records))
 
     def _resubmit(self, routes: dict[str, Callable[..., Any]], record: dict[str, Any]) -> None:
+        self._resubmitted.add(record["request_id"])
         try:
             if record["kind"] == "sample":
                 self.sampling.asample(record["body"])
@@ -127,6 +128,11 @@ class TinkerFront:
             routes[record["route"]](*args)
         except TrainwireError as error:  # its model was closed before the crash
             logger.warning("Tinker front: %s not replayed: %s", record["request_id"], error)
+
+    def replay_pending(self) -> bool:
+        """Whether a call submitted again at start is unanswered yet (it may create a sampler)."""
+        self._resubmitted = {r for r in self._resubmitted if self.futures.pending(r)}
+        return self._replayed is not None or bool(self._resubmitted)
 
     def _await_recovery(self) -> None:
         """Let submitted calls run once the host restored its run (at once when none)."""
@@ -206,14 +212,8 @@ class TinkerFront:
                     f"this server already trains model {self.model.model_id!r} (one server, one "
                     "model): close that ServiceClient first, or start another server"
                 )
-            record = ModelRecord(
-                model_id,
-                run_id_for(model_id),
-                session_id,
-                config.model,
-                self.tokenizer_id or str(model_dir),
-                config.lora.r if config.lora else None,
-            )
+            tokenizer_id = self.tokenizer_id or str(model_dir)
+            record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self.host.open(record.run_id, config)
             record.save(self.directory)
             self.model = record

@@ -65,6 +65,10 @@ class FutureStore:
         with self._lock:
             return request_id in self._outcomes
 
+    def pending(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._outcomes and self._outcomes[request_id] is None
+
     def delivered(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._delivered

@@ -40,6 +40,13 @@ class ModelRecord:
     tokenizer_id: str
     lora_rank: int | None
 
+    @classmethod
+    def new(
+        cls, model_id: str, session_id: str, config: TrainingConfig, tokenizer_id: str
+    ) -> ModelRecord:
+        rank = config.lora.r if config.lora else None
+        return cls(model_id, run_id_for(model_id), session_id, config.model, tokenizer_id, rank)
+
     def save(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         temporary = directory / (MODEL_FILE + ".tmp")

@@ -73,6 +73,8 @@ class SamplingRoutes:
         """The request id of a sample call and its sequences' ids, at once."""
         request = codec.decode_sample(body)
         request_id = f"{request.sampling_session_id}/{request.seq_id}"
+        if not self.front.replay_pending():  # after a restart, a replayed call may create it
+            self.front.samplers.get(request.sampling_session_id)  # unknown: 404 at once
 
         def call() -> bytes:
             # Looked up when it runs: after a restart, the call that creates it runs first.
