@@ -5,7 +5,8 @@ A sampling client samples the weights of its snapshot, never weights trained aft
 while the trainer has not changed its weights since, samples read the live weights at no cost,
 afterwards they swap the export in for the call. Disk stays bounded: the newest
 ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a ``path``, are
-kept until the model closes); sampling an older one is refused with a clear error.
+never pruned); sampling an older one is refused with a clear error. Closing the model forgets
+its sampling sessions.
 
 ``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
 process. A restarted front starts it at 1, so a snapshot restored from the request log, whose
