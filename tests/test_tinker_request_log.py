@@ -3,12 +3,15 @@ restart needs, and a restarted server knows every request id it handed out."""
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
 
 import httpx
 import pytest
 from tinker_loops import KEY, tinker_server
 
+from trainwire.server.errors import ResourceExhausted
 from trainwire.server.tinker.futures import Done, Failed
 from trainwire.server.tinker.request_log import (
     LOG_FILE,
@@ -33,6 +36,31 @@ def test_records_come_back_in_order_and_a_torn_last_one_is_dropped(tmp_path: Pat
     again.write(result_record("m/2", Done(b"\x01bytes")))
     again.close()
     assert outcome_of(RequestLog(tmp_path).records[-1]) == Done(b"\x01bytes")
+
+
+def test_a_full_disk_refuses_the_request_and_leaves_no_half_record(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = RequestLog(tmp_path)
+    log.write(call_record("optim_step", "m/1", 1, {"seq_id": 1}, None))
+    before = (tmp_path / LOG_FILE).read_bytes()
+    real_write = os.write
+    calls = []
+
+    def half_then_full(fd: int, data: bytes) -> int:
+        calls.append(len(data))
+        if len(calls) == 1:
+            return real_write(fd, bytes(data[: len(data) // 2]))  # a short write, then ENOSPC
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", half_then_full)
+    with pytest.raises(ResourceExhausted, match="disk is full"):
+        log.append(call_record("optim_step", "m/2", 2, {"seq_id": 2}, None))
+    monkeypatch.setattr(os, "write", real_write)
+    assert (tmp_path / LOG_FILE).read_bytes() == before
+    assert log.write_result("m/3", Done({"ok": 1})) == Done({"ok": 1})
+    log.close()
+    assert [r["request_id"] for r in RequestLog(tmp_path).records] == ["m/1", "m/3"]
 
 
 def test_a_corrupt_record_before_the_last_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:

@@ -46,7 +46,6 @@ from trainwire.server.tinker.request_log import (
     compacted,
     decode_body,
     outcome_of,
-    result_record,
 )
 from trainwire.server.tinker.samplers import Samplers
 from trainwire.server.tinker.sampling import SamplingRoutes
@@ -164,7 +163,7 @@ class TinkerFront:
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
         """Resolve a future, writing its outcome to the log first unless already durable."""
         if not durable:
-            self.log.write(result_record(request_id, outcome))
+            outcome = self.log.write_result(request_id, outcome)
         self.futures.resolve(request_id, outcome)
 
     # -- sessions ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ what a restart still needs: requests since the latest checkpoint and results not
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainwire.server.errors import ResourceExhausted
 from trainwire.server.tinker.futures import Done, Failed, Outcome
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,10 @@ class RequestLog:
         self._written = 0  # records written (flushed to the OS)
         self._synced = 0  # records known durable
         self.records = self._read()
-        self._file = self.path.open("ab")
+        self._fd = self._open()
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def _read(self) -> list[dict[str, Any]]:
         if not self.path.is_file():
@@ -119,8 +124,18 @@ class RequestLog:
         """Write ``record`` (not yet durable); returns its ticket for ``sync``."""
         line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode() + b"\n"
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
+            start = os.lseek(self._fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self._fd, view) :]
+            except OSError as error:
+                os.ftruncate(self._fd, start)  # no half record for later ones to follow
+                if error.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise ResourceExhausted(
+                        "the disk is full: the request is not accepted"
+                    ) from None
+                raise
             self._written += 1
             self.records.append(record)
             return self._written
@@ -132,13 +147,23 @@ class RequestLog:
                 return
             with self._lock:
                 covered = self._written
-                fd = self._file.fileno()
+                fd = self._fd
             os.fsync(fd)
             self._synced = covered
 
     def write(self, record: dict[str, Any]) -> None:
         """``append`` and ``sync``: the record is durable when this returns."""
         self.sync(self.append(record))
+
+    def write_result(self, request_id: str, outcome: Outcome) -> Outcome:
+        """Write a result durably; what a poll may then see: the outcome, or a server error if
+        it could not be written (a restart runs its call again)."""
+        try:
+            self.write(result_record(request_id, outcome))
+        except (OSError, ResourceExhausted) as error:
+            logger.error("the result of %s was not recorded: %s", request_id, error)
+            return Failed(f"the result could not be recorded durably ({error})", "server")
+        return outcome
 
     def compact(
         self, choose: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]
@@ -157,14 +182,14 @@ class RequestLog:
                     file.write(b"\n")
                 file.flush()
                 os.fsync(file.fileno())
-            self._file.close()
+            os.close(self._fd)
             temporary.replace(self.path)
             directory = os.open(self.path.parent, os.O_RDONLY)
             try:
                 os.fsync(directory)
             finally:
                 os.close(directory)
-            self._file = self.path.open("ab")
+            self._fd = self._open()
             self.records = kept
             self._synced = self._written  # the kept records are durable, the others gone on purpose
         logger.info("%s compacted to %d records", self.path, len(kept))
@@ -172,4 +197,4 @@ class RequestLog:
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            os.close(self._fd)
