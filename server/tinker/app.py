@@ -23,6 +23,7 @@ from trainwire.server.errors import (
     Unavailable,
 )
 from trainwire.server.tinker.auth import RequireKey
+from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.futures import PROTOBUF, Done
 
@@ -49,9 +50,13 @@ def create_app(
 
     app.add_middleware(RequireKey, token=token)
 
-    @app.exception_handler(Exception)
     async def refuse(request: Request, error: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=status_of(error))
+
+    # The caller's errors are answered quietly; anything else is a 500 with its traceback logged.
+    app.add_exception_handler(TrainwireError, refuse)
+    app.add_exception_handler(ValueError, refuse)
+    app.add_exception_handler(Exception, refuse)
 
     async def body(request: Request) -> dict[str, Any]:
         data = await request.json()
@@ -74,7 +79,7 @@ def create_app(
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        front.require_session(str((await body(request)).get("session_id")))
+        front.require_session(get_str(await body(request), "session_id", "") or "")
         return {"type": "session_heartbeat"}
 
     @app.post(f"{API}/telemetry")
@@ -94,7 +99,7 @@ def create_app(
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return front.require_model(str((await body(request)).get("model_id"))).info()
+        return front.require_model(get_str(await body(request), "model_id", "") or "").info()
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
@@ -142,7 +147,7 @@ def create_app(
 
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        request_id = str((await body(request)).get("request_id"))
+        request_id = get_str(await body(request), "request_id", "") or ""
         try:
             outcome = await front.futures.wait(request_id, poll_hold_s)
         except KeyError:

@@ -20,6 +20,15 @@ from tinker.proto import tinker_public_pb2 as pb
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, ResourceExhausted
+from trainwire.server.tinker.fields import (
+    get_bool,
+    get_dict,
+    get_float,
+    get_int,
+    get_list,
+    get_str,
+    int_list,
+)
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
@@ -206,41 +215,52 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
     for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
         if body.get(name) is not None:
             problems.append(f"{name} is not supported")
-    if not body.get("sampling_session_id"):
+    sampling_session_id = get_str(body, "sampling_session_id")
+    if not sampling_session_id:
         problems.append("sampling_session_id is missing: create a sampling session first")
-    params = body.get("sampling_params") or {}
+    params = get_dict(body, "sampling_params") or {}
     stop = params.get("stop")
-    if isinstance(stop, str) or (stop and not all(isinstance(s, int) for s in stop)):
+    if isinstance(stop, str) or (
+        isinstance(stop, list)
+        and not all(isinstance(s, int) and not isinstance(s, bool) for s in stop)
+    ):
         problems.append("stop strings are not supported: give stop token ids")
+    elif stop is not None and not isinstance(stop, list):
+        problems.append(f"sampling_params.stop must be a list of token ids, got {stop!r:.40}")
     elif stop is not None and len(stop) == 0:
         problems.append("stop=[] (no EOS stop) is not supported; give max_tokens instead")
-    prompt = _prompt_tokens(body.get("prompt") or {}, problems)
-    max_tokens = params.get("max_tokens")
+    prompt = _prompt_tokens(get_dict(body, "prompt") or {}, problems)
+    max_tokens = get_int(params, "max_tokens")
     if max_tokens is None:
         problems.append("sampling_params.max_tokens is required")
     if problems:
         raise InvalidArgument("asample: " + "; ".join(problems))
-    top_k = int(params.get("top_k", -1))
+    assert sampling_session_id is not None and max_tokens is not None
+    top_k = get_int(params, "top_k", -1)
     return SampleCall(
-        sampling_session_id=str(body["sampling_session_id"]),
-        seq_id=int(body.get("seq_id") or 0),
+        sampling_session_id=sampling_session_id,
+        seq_id=get_int(body, "seq_id", 0) or 0,
         prompt=tuple(prompt),
-        num_samples=int(body.get("num_samples", 1)),
-        max_tokens=int(max_tokens),
-        temperature=float(params.get("temperature", 1.0)),
-        top_p=float(params.get("top_p", 1.0)),
-        top_k=0 if top_k == -1 else top_k,  # the SDK's -1 is trainwire's 0: keep every token
+        num_samples=get_int(body, "num_samples", 1) or 0,
+        max_tokens=max_tokens,
+        temperature=get_float(params, "temperature", 1.0) or 0.0,
+        top_p=get_float(params, "top_p", 1.0) or 0.0,
+        top_k=0 if top_k == -1 else top_k or 0,  # the SDK's -1 is trainwire's 0: keep every token
         stop_tokens=tuple(stop or ()),
-        seed=params.get("seed"),
-        prompt_logprobs=bool(body.get("prompt_logprobs")),
+        seed=get_int(params, "seed"),
+        prompt_logprobs=get_bool(body, "prompt_logprobs"),
     )
 
 
 def _prompt_tokens(prompt: Mapping[str, Any], problems: list[str]) -> list[int]:
     tokens: list[int] = []
-    for chunk in prompt.get("chunks") or ():
+    for chunk in get_list(prompt, "chunks") or ():
+        if not isinstance(chunk, dict):
+            raise InvalidArgument(f"asample: prompt.chunks holds {chunk!r:.40}, not an object")
         if chunk.get("type", "encoded_text") != "encoded_text":
-            problems.append(f"prompt: {chunk.get('type')} chunks are not supported; send tokens")
+            problems.append(
+                f"prompt: {chunk.get('type')!r:.40} chunks are not supported; send tokens"
+            )
             continue
-        tokens.extend(int(t) for t in chunk.get("tokens") or ())
+        tokens.extend(int_list(get_list(chunk, "tokens") or [], "prompt chunk tokens"))
     return tokens

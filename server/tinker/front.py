@@ -31,6 +31,7 @@ from trainwire.server.host import SessionHost
 from trainwire.server.model_loading import resolve_under
 from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
+from trainwire.server.tinker.fields import get_bool, get_int, get_str
 from trainwire.server.tinker.futures import Done, Failed, FutureStore, Outcome, run_to_outcome
 from trainwire.server.tinker.losses import elementwise_loss
 from trainwire.server.tinker.model import (
@@ -198,13 +199,13 @@ class TinkerFront:
 
     def create_model(self, body: dict[str, Any]) -> str:
         """Open the server's one run for this model; its request id resolves at once."""
-        session_id = str(body.get("session_id", ""))
+        session_id = get_str(body, "session_id", "") or ""
         self.require_session(session_id)
         config = config_of(body)
         model_dir = resolve_under(self.host.model_root, config.model, "base_model")
         if not model_dir.is_dir():
             raise NotFound(f"create_model: no model {config.model!r} under the model root")
-        model_id = f"{session_id}:train:{int(body.get('model_seq_id', 0))}"
+        model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
                 raise FailedPrecondition(
@@ -248,7 +249,7 @@ class TinkerFront:
         the request is durable in the log. A ``keyed`` call's success is the journal's to keep;
         every other outcome is logged before a poll sees it."""
         self.require_model(model_id)
-        if not isinstance(seq_id, int) or seq_id < 1:
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq_id!r}")
         request_id = f"{model_id}/{seq_id}"
         recorded = self._replayed.get(request_id) if self._replayed is not None else None
@@ -319,12 +320,13 @@ class TinkerFront:
             }
             return {"type": "optim_step", "metrics": metrics}
 
-        return self.submit("optim_step", body, str(body.get("model_id")), body.get("seq_id"), call)
+        model_id = get_str(body, "model_id", "") or ""
+        return self.submit("optim_step", body, model_id, body.get("seq_id"), call)
 
     def save_weights(self, body: dict[str, Any]) -> str:
         model_id, name, seq_id = (
-            str(body.get("model_id")),
-            str(body.get("path") or ""),
+            get_str(body, "model_id", "") or "",
+            get_str(body, "path", "") or "",
             body.get("seq_id"),
         )
         check_name(name, "save_weights path")
@@ -337,9 +339,9 @@ class TinkerFront:
         return self.submit("save_weights", body, model_id, seq_id, call)
 
     def load_weights(self, body: dict[str, Any]) -> str:
-        model_id = str(body.get("model_id"))
-        name = checkpoint_name(str(body.get("path", "")), model_id, "weights")
-        with_optimizer = bool(body.get("optimizer"))
+        model_id = get_str(body, "model_id", "") or ""
+        name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
+        with_optimizer = get_bool(body, "optimizer")
 
         def call(key: str) -> dict[str, Any]:
             if with_optimizer:  # the engine restores a full state only into a fresh session

@@ -10,13 +10,13 @@ The schedule is constant: every SDK ``optim_step`` names its own learning rate.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from trainwire.client.config import LoraSettings, TrainingConfig
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
 
 # Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
 # "LoRA Without Regret" recipe: a good learning rate then barely depends on the rank).
@@ -81,28 +81,28 @@ def run_id_for(model_id: str) -> str:
 
 def training_config(body: dict[str, Any]) -> TrainingConfig:
     """A ``CreateModelRequest`` as the run's config; InvalidArgument for what cannot be served."""
-    base_model = body.get("base_model")
-    if not isinstance(base_model, str) or not base_model:
+    base_model = get_str(body, "base_model")
+    if not base_model:
         raise InvalidArgument("create_model: base_model is required (a model under --model-root)")
-    optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+    optimizer = get_str(get_dict(body, "optimizer_config") or {}, "type", "adamw")
     if optimizer != "adamw":
         raise InvalidArgument(f"create_model: optimizer {optimizer!r}; this server runs adamw")
-    lora = body.get("lora_config")
+    lora = get_dict(body, "lora_config")
     seed = 0
     settings = None
     if lora is not None:
-        rank = lora.get("rank")
-        if not isinstance(rank, int) or rank < 1:
+        rank = get_int(lora, "rank")
+        if rank is None or rank < 1:
             raise InvalidArgument(f"create_model: lora_config.rank must be >= 1, got {rank!r}")
         targets = (
-            (ATTENTION_MODULES if lora.get("train_attn", True) else ())
-            + (MLP_MODULES if lora.get("train_mlp", True) else ())
-            + (UNEMBED_MODULES if lora.get("train_unembed", True) else ())
+            (ATTENTION_MODULES if get_bool(lora, "train_attn", True) else ())
+            + (MLP_MODULES if get_bool(lora, "train_mlp", True) else ())
+            + (UNEMBED_MODULES if get_bool(lora, "train_unembed", True) else ())
         )
         if not targets:
             raise InvalidArgument("create_model: train at least one of attn, mlp, unembed")
         settings = LoraSettings(r=rank, alpha=LORA_ALPHA, target_modules=targets)
-        seed = int(lora.get("seed") or 0)
+        seed = get_int(lora, "seed", 0) or 0
     return TrainingConfig(
         model=base_model,
         lora=settings,
@@ -123,24 +123,23 @@ def check_adam_params(body: dict[str, Any]) -> float:
     differs from the run's (the engine cannot change them per update)."""
     if body.get("optimizer_params") is not None:
         raise InvalidArgument("optim_step: this server runs adamw; send AdamParams")
-    params = body.get("adam_params") or body.get("optim_params")
-    if not isinstance(params, dict):
+    params = get_dict(body, "adam_params") or get_dict(body, "optim_params")
+    if params is None:
         raise InvalidArgument("optim_step: adam_params is required")
-    learning_rate = params.get("learning_rate", 1e-4)
-    if not isinstance(learning_rate, (int, float)) or not math.isfinite(learning_rate):
-        raise InvalidArgument(f"optim_step: learning_rate must be a number, got {learning_rate!r}")
+    learning_rate = get_float(params, "learning_rate", 1e-4)
+    assert learning_rate is not None
     expected = {**ADAM_DEFAULTS, "grad_clip_norm": 0.0}
     different = [
         f"{name}={params[name]!r} (this run uses {value!r})"
         for name, value in expected.items()
-        if name in params and float(params[name]) != value
+        if get_float(params, name, value) != value
     ]
     if different:
         raise InvalidArgument(
             "optim_step: this server fixes the optimizer at the SDK's AdamParams defaults; "
             f"not supported: {', '.join(different)}. Change only learning_rate per step."
         )
-    return float(learning_rate)
+    return learning_rate
 
 
 def checkpoint_name(path: str, model_id: str, kind: str) -> str:

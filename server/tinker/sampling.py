@@ -16,6 +16,7 @@ from trainwire.server.errors import FailedPrecondition
 from trainwire.server.model_loading import resolve_under
 from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
+from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.ordering import digest
 from trainwire.server.tinker.samplers import Sampler, snapshot_export
 from trainwire.server.tinker.snapshots import SnapshotWeights, sample_from
@@ -34,7 +35,7 @@ class SamplingRoutes:
         """A snapshot of the live weights for sampling clients: a training call (it takes its
         seq_id) that writes the trainable weights as an export of the run."""
         front = self.front
-        model_id, name = str(body.get("model_id")), body.get("path")
+        model_id, name = get_str(body, "model_id", "") or "", get_str(body, "path")
         session_id = front.require_model(model_id).session_id
         seq_id = body.get("seq_id")
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
@@ -50,7 +51,7 @@ class SamplingRoutes:
             if path:
                 front.samplers.snapshot(None, path, front.model_name(), export, seq_id)
                 return {"type": "save_weights_for_sampler", "path": path}
-            sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
+            sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
             pruned = front.samplers.snapshot(sampling_id, None, front.model_name(), export, seq_id)
             if pruned:
                 front.host.read_only(lambda _: self.remove_exports(pruned))
@@ -60,11 +61,11 @@ class SamplingRoutes:
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         front = self.front
-        session_id = str(body.get("session_id", ""))
+        session_id = get_str(body, "session_id", "") or ""
         front.require_session(session_id)
-        sampling_id = f"{session_id}:sample:{body.get('sampling_session_seq_id')}"
+        sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
         sampler = front.samplers.create_from(
-            sampling_id, front.model_name(), body.get("model_path")
+            sampling_id, front.model_name(), get_str(body, "model_path")
         )
         front.record(sampler.record())  # a restart knows it before any sample asks for it
         return sampling_id

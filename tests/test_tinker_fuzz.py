@@ -1,0 +1,144 @@
+"""A fuzzer over the Tinker front's routes: JSON bodies whose fields hold hostile values (and
+random protobuf bytes for forward_backward) against a live server with a model open. After
+every request: no 500, an answer in time, and, if it was refused, the session exactly as before.
+
+``TRAINWIRE_FUZZ_EXAMPLES`` sizes the run as for the gRPC fuzzer (default 40 per test).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from tinker_loops import KEY, tinker_server
+
+EXAMPLES = int(os.environ.get("TRAINWIRE_FUZZ_EXAMPLES", "40"))
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    derandomize=os.environ.get("TRAINWIRE_FUZZ_RANDOM") is None,
+)
+REFUSALS = {400, 401, 404, 413, 422, 429}
+TALLY: collections.Counter[int] = collections.Counter()  # status codes seen
+HEADERS = {"X-API-Key": KEY}
+
+HOSTILE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from(["", "..", "../escape", "a/b", "tinker://x/weights/y", "\x00", "é" * 40]),
+    st.text(max_size=12),
+    st.lists(st.integers(-5, 600), max_size=6),
+    st.dictionaries(st.text(max_size=6), st.integers(-3, 3), max_size=3),
+)
+
+ROUTES: dict[str, tuple[str, ...]] = {
+    "session_heartbeat": ("session_id",),
+    "create_model": ("session_id", "base_model", "lora_config", "model_seq_id"),
+    "get_info": ("model_id",),
+    "optim_step": ("model_id", "seq_id", "adam_params", "optimizer_params"),
+    "save_weights": ("model_id", "seq_id", "path"),
+    "load_weights": ("model_id", "seq_id", "path", "optimizer"),
+    "save_weights_for_sampler": ("model_id", "seq_id", "path", "sampling_session_seq_id"),
+    "create_sampling_session": ("session_id", "sampling_session_seq_id", "model_path"),
+    "asample": (
+        "sampling_session_id",
+        "seq_id",
+        "num_samples",
+        "prompt",
+        "sampling_params",
+        "prompt_logprobs",
+    ),
+    "retrieve_future": ("request_id",),
+}
+
+
+@pytest.fixture(scope="module")
+def front(
+    tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama: Path
+) -> Iterator[dict[str, Any]]:
+    with tinker_server(tmp_path_factory.mktemp("fuzz") / "state", model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+        client = httpx.Client(base_url=api, headers=HEADERS, timeout=60)
+        session_id = client.post("/create_session", json={}).json()["session_id"]
+        model = {"session_id": session_id, "base_model": "llama", "lora_config": {"rank": 4}}
+        model_id = client.post("/create_model", json=model).json()["model_id"]
+        sampler = {"session_id": session_id, "sampling_session_seq_id": 0}
+        sampling_id = client.post("/create_sampling_session", json=sampler).json()
+        valid = {
+            "session_id": session_id,
+            "model_id": model_id,
+            "sampling_session_id": sampling_id["sampling_session_id"],
+        }
+        yield {"handle": handle, "client": client, "valid": valid}
+        client.close()
+
+
+def state_of(handle: Any) -> tuple[Any, ...]:
+    info = handle.session_host.info()
+    return info.position, info.step, info.state_digest, info.last_operation_key
+
+
+def check(front: dict[str, Any], response_of: Any) -> None:
+    before = state_of(front["handle"])
+    response = response_of()
+    TALLY[response.status_code] += 1
+    assert response.status_code != 500, response.text
+    assert response.status_code == 200 or response.status_code in REFUSALS, response.text
+    if response.status_code != 200:
+        assert "detail" in response.json()
+        assert state_of(front["handle"]) == before
+
+
+@st.composite
+def bodies(draw: st.DrawFn, valid: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    route = draw(st.sampled_from(sorted(ROUTES)))
+    body = {}
+    for name in ROUTES[route]:
+        choice = draw(st.sampled_from(["valid", "hostile", "missing"]))
+        if choice == "hostile":
+            body[name] = draw(HOSTILE)
+        elif choice == "valid" and name in valid:
+            body[name] = valid[name]
+    return route, body
+
+
+@FUZZ
+@given(data=st.data())
+def test_json_routes_refuse_hostile_fields_cleanly(front: dict[str, Any], data) -> None:
+    route, body = data.draw(bodies(front["valid"]))
+    check(front, lambda: front["client"].post(f"/{route}", json=body))
+
+
+@FUZZ
+@given(
+    raw=st.binary(max_size=512),
+    encoding=st.sampled_from(["", "zstd", "gzip", "identity"]),
+)
+def test_forward_backward_refuses_garbage_bytes_cleanly(
+    front: dict[str, Any], raw: bytes, encoding: str
+) -> None:
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": encoding}
+    check(front, lambda: front["client"].post("/forward_backward", content=raw, headers=headers))
+
+
+def test_a_non_object_body_is_refused(front: dict[str, Any]) -> None:
+    for body in ([1, 2], "text", 3):
+        check(front, lambda body=body: front["client"].post("/optim_step", json=body))
+    bad_json = {"Content-Type": "application/json"}
+    check(front, lambda: front["client"].post("/save_weights", content=b"{", headers=bad_json))
+
+
+def test_the_fuzzer_reached_refusals_and_accepted_calls(front: dict[str, Any]) -> None:
+    """Runs after the others: a fuzzer that never got past validation proves little."""
+    assert TALLY[200] > 0 and TALLY[400] > 0 and TALLY[404] > 0, TALLY
+    assert front["handle"].session_host.info().state == "open"  # still serving
