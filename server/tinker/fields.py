@@ -8,7 +8,7 @@ field or JSON null reads as ``default``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from trainwire.server.errors import InvalidArgument
@@ -20,65 +20,58 @@ def _refuse(name: str, expected: str, value: Any) -> InvalidArgument:
     return InvalidArgument(f"{name} must be {expected}, got {shown}")
 
 
-def get_str(body: Mapping[str, Any], name: str, default: str | None = None) -> str | None:
+def _read(
+    body: Mapping[str, Any], name: str, default: Any, accepts: Callable[[Any], bool], what: str
+) -> Any:
     value = body.get(name)
     if value is None:
         return default
-    if not isinstance(value, str):
-        raise _refuse(name, "a string", value)
+    if not accepts(value):
+        raise _refuse(name, what, value)
     return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an integer past float's range
+        return False
+
+
+def get_str(body: Mapping[str, Any], name: str, default: str | None = None) -> str | None:
+    return _read(body, name, default, lambda v: isinstance(v, str), "a string")
 
 
 def get_int(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _refuse(name, "an integer", value)
-    return value
+    return _read(body, name, default, _is_int, "an integer")
 
 
 def get_float(body: Mapping[str, Any], name: str, default: float | None = None) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _refuse(name, "a number", value)
-    if not math.isfinite(value):
-        raise _refuse(name, "a finite number", value)
-    return float(value)
+    value = _read(body, name, default, _is_number, "a finite number")
+    return None if value is None else float(value)
 
 
 def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise _refuse(name, "true or false", value)
-    return value
+    return _read(body, name, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def get_dict(body: Mapping[str, Any], name: str) -> dict[str, Any] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise _refuse(name, "an object", value)
-    return value
+    return _read(body, name, None, lambda v: isinstance(v, dict), "an object")
 
 
 def get_list(body: Mapping[str, Any], name: str) -> list[Any] | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, list):
-        raise _refuse(name, "a list", value)
-    return value
+    return _read(body, name, None, lambda v: isinstance(v, list), "a list")
 
 
 def int_list(values: list[Any], name: str) -> list[int]:
     """Every item an integer (token ids)."""
     for value in values:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not _is_int(value):
             raise _refuse(f"every item of {name}", "an integer", value)
     return values
