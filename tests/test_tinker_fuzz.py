@@ -34,6 +34,7 @@ HOSTILE = st.one_of(
     st.none(),
     st.booleans(),
     st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, -(10**400), 2**63, -1, 0]),
     st.floats(allow_nan=False, allow_infinity=False),
     st.sampled_from(["", "..", "../escape", "a/b", "tinker://x/weights/y", "\x00", "é" * 40]),
     st.text(max_size=12),
