@@ -105,8 +105,15 @@ def test_refusals_are_clear_and_change_nothing(
             service.create_lora_training_client(base_model="llama", rank=4).result()
         with pytest.raises(tinker.BadRequestError, match="beta2"):
             training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
+        with pytest.raises(tinker.BadRequestError, match="save_weights path name"):
+            training_client.save_state("../escape").result()
         info = handle.session_host.info()
         assert info.position == 0 and info.step == 0
+        # The refused calls took their seq_ids: the calls numbered after them are not held.
+        datum = supervised_datum(run.tokenizer, SENTENCES[0])
+        training_client.forward_backward([datum], "cross_entropy").result(timeout=60)
+        training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+        assert handle.session_host.info().step == 1
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
         sample = {"sampling_session_id": "nope", "seq_id": 1, "prompt": prompt}
         sample["sampling_params"] = {"max_tokens": 2}

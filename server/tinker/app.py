@@ -105,19 +105,19 @@ def create_app(
     async def forward_backward(request: Request) -> dict[str, Any]:
         raw = await request.body()
         encoding = request.headers.get("content-encoding", "")
-        return future(await run_in_threadpool(front.forward_backward, raw, encoding))
+        return future(await run_in_threadpool(front.training.forward_backward, raw, encoding))
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.optim_step, await body(request)))
+        return future(await run_in_threadpool(front.training.optim_step, await body(request)))
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.save_weights, await body(request)))
+        return future(await run_in_threadpool(front.training.save_weights, await body(request)))
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.load_weights, await body(request)))
+        return future(await run_in_threadpool(front.training.load_weights, await body(request)))
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:

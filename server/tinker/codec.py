@@ -49,6 +49,11 @@ class ForwardBackwardCall:
 
 def decode_forward_backward(body: bytes, content_encoding: str = "") -> ForwardBackwardCall:
     """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd) as trainwire values."""
+    return forward_backward_call(parse_forward_backward(body, content_encoding))
+
+
+def parse_forward_backward(body: bytes, content_encoding: str = "") -> pb.ForwardBackwardRequest:
+    """The message itself (its model_id and seq_id are known from here on), not yet checked."""
     if content_encoding.strip().lower() == "zstd":
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(body)
@@ -64,6 +69,11 @@ def decode_forward_backward(body: bytes, content_encoding: str = "") -> ForwardB
         message.ParseFromString(body)
     except Exception as error:  # protobuf raises DecodeError, a plain Exception subclass
         raise InvalidArgument(f"forward_backward: not a ForwardBackwardRequest: {error}") from None
+    return message
+
+
+def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
+    """A parsed request's data and loss as trainwire values; InvalidArgument naming the datum."""
     if not message.data:
         raise InvalidArgument("forward_backward: no data; send at least one Datum")
     examples = tuple(_example(i, datum) for i, datum in enumerate(message.data))

@@ -25,19 +25,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, TrainwireError
 from trainwire.server.host import SessionHost
 from trainwire.server.model_loading import resolve_under
-from trainwire.server.state_dir import check_name
-from trainwire.server.tinker import codec
-from trainwire.server.tinker.fields import get_bool, get_int, get_str
-from trainwire.server.tinker.futures import Done, Failed, FutureStore, Outcome, run_to_outcome
-from trainwire.server.tinker.losses import elementwise_loss
+from trainwire.server.tinker.fields import get_int, get_str
+from trainwire.server.tinker.futures import (
+    USER_ERRORS,
+    Done,
+    Failed,
+    FutureStore,
+    Outcome,
+    run_to_outcome,
+)
 from trainwire.server.tinker.model import (
     ModelRecord,
-    check_adam_params,
-    checkpoint_name,
 )
 from trainwire.server.tinker.model import training_config as config_of
 from trainwire.server.tinker.ordering import SeqOrder, digest
@@ -50,6 +51,7 @@ from trainwire.server.tinker.request_log import (
 )
 from trainwire.server.tinker.samplers import Samplers
 from trainwire.server.tinker.sampling import SamplingRoutes
+from trainwire.server.tinker.training import TrainingRoutes
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class TinkerFront:
         self.samplers = Samplers(restarted=bool(self.log.records))
         self.sessions: set[str] = set()
         self.sampling = SamplingRoutes(self)
+        self.training = TrainingRoutes(self)
         self._lock = threading.RLock()  # orders request records with their submission
         self._replayed: dict[str, Outcome] | None = None  # recorded results, while replaying
         self._resume_position = 0
@@ -94,10 +97,10 @@ class TinkerFront:
         """Rebuild sessions, samplers and futures from the log; submit every unanswered call."""
         self._replayed = {r["request_id"]: outcome_of(r) for r in records if r["kind"] == "result"}
         routes: dict[str, Callable[..., Any]] = {
-            "forward_backward": self.forward_backward,
-            "optim_step": self.optim_step,
-            "save_weights": self.save_weights,
-            "load_weights": self.load_weights,
+            "forward_backward": self.training.forward_backward,
+            "optim_step": self.training.optim_step,
+            "save_weights": self.training.save_weights,
+            "load_weights": self.training.load_weights,
             "save_weights_for_sampler": self.sampling.save_weights_for_sampler,
         }
         try:
@@ -126,7 +129,7 @@ class TinkerFront:
             body = decode_body(record["body"])
             args = (body, record["encoding"]) if "encoding" in record else (body,)
             routes[record["route"]](*args)
-        except TrainwireError as error:  # its model was closed before the crash
+        except (TrainwireError, ValueError) as error:  # refused again, or its model was closed
             logger.warning("Tinker front: %s not replayed: %s", record["request_id"], error)
 
     def replay_pending(self) -> bool:
@@ -240,23 +243,32 @@ class TinkerFront:
         body: dict[str, Any] | bytes,
         model_id: str,
         seq_id: Any,
-        call: Callable[[str], Any],
+        prepare: Callable[[], Callable[[str], Any]],
         *,
         encoding: str | None = None,
         keyed: bool = True,
     ) -> str:
-        """Queue ``call(operation_key)`` as ``seq_id`` of ``model_id``; its request id, once
-        the request is durable in the log. A ``keyed`` call's success is the journal's to keep;
-        every other outcome is logged before a poll sees it."""
+        """Queue ``prepare()``'s call as ``seq_id`` of ``model_id``; its request id, once the
+        request is durable in the log. A ``keyed`` call's success is the journal's to keep;
+        every other outcome is logged before a poll sees it. ``prepare`` checks the request: if
+        it refuses it, the refusal is raised (HTTP 400) and still takes the seq_id, answered as
+        that failure to a poll or a re-send, so the calls numbered after it are not held."""
         self.require_model(model_id)
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq_id!r}")
         request_id = f"{model_id}/{seq_id}"
         recorded = self._replayed.get(request_id) if self._replayed is not None else None
+        try:
+            call, refusal = prepare(), None
+        except USER_ERRORS as error:
+            call, refusal = None, error
 
         def job() -> None:
             if recorded is not None:
                 self.futures.resolve(request_id, recorded)
+                return
+            if call is None:
+                self._finish(request_id, Failed(str(refusal), "user"), durable=False)
                 return
             outcome = self._run(lambda: call(request_id))
             # Encoding the response (and logging it) happens behind: the next call runs now.
@@ -271,6 +283,8 @@ class TinkerFront:
             self.order.submit(model_id, seq_id, payload_digest, job)
         if ticket is not None:
             self.log.sync(ticket)
+        if refusal is not None:
+            raise refusal
         return request_id
 
     def _run(self, call: Callable[[], Any]) -> Outcome:
@@ -278,82 +292,7 @@ class TinkerFront:
             return Failed(self._cannot_replay, "server")
         return run_to_outcome(call)
 
-    def forward_backward(self, body: bytes, content_encoding: str) -> str:
-        request = codec.decode_forward_backward(body, content_encoding)
-        loss = (request.loss_fn, request.loss_fn_config)
-        examples = request.examples
-
-        def call(key: str) -> Callable[[], bytes]:
-            if request.forward_only:
-                outcome: Any = self.host.forward(examples, loss)
-            else:
-                outcome = self.host.forward_backward(examples, OperationSpec(key), loss)
-
-            def encode() -> bytes:
-                config = request.loss_fn_config
-                losses = elementwise_loss(request.loss_fn, config, examples, outcome)
-                return codec.encode_forward_backward_output(
-                    outcome.logprobs, losses, outcome.metrics
-                )
-
-            return encode
-
-        return self.submit(
-            "forward_backward",
-            body,
-            request.model_id,
-            request.seq_id,
-            call,
-            encoding=content_encoding,
-            keyed=not request.forward_only,
-        )
-
-    def optim_step(self, body: dict[str, Any]) -> str:
-        learning_rate = check_adam_params(body)
-
-        def call(key: str) -> dict[str, Any]:
-            outcome = self.host.optim_step(OperationSpec(key), learning_rate=learning_rate)
-            self.samplers.weights_changed()
-            metrics = {
-                "learning_rate:mean": outcome.learning_rate,
-                "grad_norm:mean": outcome.grad_norm,
-            }
-            return {"type": "optim_step", "metrics": metrics}
-
-        model_id = get_str(body, "model_id", "") or ""
-        return self.submit("optim_step", body, model_id, body.get("seq_id"), call)
-
-    def save_weights(self, body: dict[str, Any]) -> str:
-        model_id, name, seq_id = (
-            get_str(body, "model_id", "") or "",
-            get_str(body, "path", "") or "",
-            body.get("seq_id"),
-        )
-        check_name(name, "save_weights path")
-
-        def call(key: str) -> dict[str, Any]:
-            outcome = self.host.save_state(name, OperationSpec(key))
-            self._compact_at(seq_id, outcome.position)
-            return {"type": "save_weights", "path": f"tinker://{model_id}/weights/{name}"}
-
-        return self.submit("save_weights", body, model_id, seq_id, call)
-
-    def load_weights(self, body: dict[str, Any]) -> str:
-        model_id = get_str(body, "model_id", "") or ""
-        name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
-        with_optimizer = get_bool(body, "optimizer")
-
-        def call(key: str) -> dict[str, Any]:
-            if with_optimizer:  # the engine restores a full state only into a fresh session
-                self.host.load_state(name, OperationSpec(key))
-            else:
-                self.host.load_weights(WeightsSource("checkpoint", name), OperationSpec(key))
-            self.samplers.weights_changed()
-            return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
-
-        return self.submit("load_weights", body, model_id, body.get("seq_id"), call)
-
-    def _compact_at(self, seq_id: int, position: int) -> None:
+    def compact_at(self, seq_id: int, position: int) -> None:
         """After checkpoint ``seq_id`` (journal ``position``): drop the records a restart no
         longer needs, if every call before it has been answered to the SDK."""
         with self._lock:

@@ -9,6 +9,7 @@ the request before answering its id and the result before a poll sees it.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec
@@ -35,29 +36,35 @@ class SamplingRoutes:
         """A snapshot of the live weights for sampling clients: a training call (it takes its
         seq_id) that writes the trainable weights as an export of the run."""
         front = self.front
-        model_id, name = get_str(body, "model_id", "") or "", get_str(body, "path")
+        model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
         session_id = front.require_model(model_id).session_id
-        seq_id = body.get("seq_id")
-        export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
-        check_name(export, "save_weights_for_sampler path")
-        path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
 
-        def call(key: str) -> dict[str, Any]:
-            if path and front.samplers.named(path):  # its clients must keep their weights
-                raise FailedPrecondition(
-                    f"sampler weights {path!r} exist already; save under a new name"
-                )
-            front.host.export_weights(export, OperationSpec(key))
-            if path:
-                front.samplers.snapshot(None, path, front.model_name(), export, seq_id)
-                return {"type": "save_weights_for_sampler", "path": path}
-            sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
-            pruned = front.samplers.snapshot(sampling_id, None, front.model_name(), export, seq_id)
-            if pruned:
-                front.host.read_only(lambda _: self.remove_exports(pruned))
-            return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
+        def prepare() -> Callable[[str], dict[str, Any]]:
+            name = get_str(body, "path")
+            export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
+            check_name(export, "save_weights_for_sampler path")
+            path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
+            sampling_seq = get_int(body, "sampling_session_seq_id")
 
-        return front.submit("save_weights_for_sampler", body, model_id, seq_id, call)
+            def call(key: str) -> dict[str, Any]:
+                if path and front.samplers.named(path):  # its clients must keep their weights
+                    raise FailedPrecondition(
+                        f"sampler weights {path!r} exist already; save under a new name"
+                    )
+                front.host.export_weights(export, OperationSpec(key))
+                model_name = front.model_name()
+                if path:
+                    front.samplers.snapshot(None, path, model_name, export, seq_id)
+                    return {"type": "save_weights_for_sampler", "path": path}
+                sampling_id = f"{session_id}:sample:{sampling_seq}"
+                pruned = front.samplers.snapshot(sampling_id, None, model_name, export, seq_id)
+                if pruned:
+                    front.host.read_only(lambda _: self.remove_exports(pruned))
+                return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
+
+            return call
+
+        return front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
 
     def create_sampling_session(self, body: dict[str, Any]) -> str:
         front = self.front
