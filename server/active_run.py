@@ -72,6 +72,14 @@ def forward_backward_payload(examples: Examples, loss: LossChoice) -> dict[str, 
     return payload
 
 
+def optim_step_payload(learning_rate: float | None, sum_microbatches: bool) -> dict[str, Any]:
+    """What an OptimStep key is bound to (a step with the defaults digests as it always has)."""
+    payload: dict[str, Any] = {} if learning_rate is None else {"learning_rate": learning_rate}
+    if sum_microbatches:
+        payload["sum_microbatches"] = True
+    return payload
+
+
 def check_weights_source(source: outcomes.WeightsSource, model_root: Path | None) -> Path | None:
     """Refuse a bad source before queueing; a model path comes back resolved under the root."""
     if source.kind in ("checkpoint", "export"):
@@ -263,8 +271,8 @@ class ActiveRun:
             return {**fields, "loss": result.loss, "logprobs": logprobs, "metrics": metrics}
         return {**fields, "loss": result}
 
-    def optim_step(self, learning_rate: float | None) -> Fields:
-        r = self.session.optim_step(learning_rate=learning_rate)
+    def optim_step(self, learning_rate: float | None, sum_microbatches: bool = False) -> Fields:
+        r = self.session.optim_step(learning_rate=learning_rate, sum_microbatches=sum_microbatches)
         return {"step": r.step, "learning_rate": r.learning_rate, "grad_norm": r.grad_norm}
 
     def save_state(self, name: str, applying: Applying) -> Fields:

@@ -36,6 +36,7 @@ from trainwire.server.active_run import (
     LossChoice,
     check_weights_source,
     forward_backward_payload,
+    optim_step_payload,
     wait_durable,
 )
 from trainwire.server.device import resolve_device
@@ -244,12 +245,15 @@ class SessionHost:
         )
 
     def optim_step(
-        self, op: OperationSpec, learning_rate: float | None = None
+        self, op: OperationSpec, learning_rate: float | None = None, sum_microbatches: bool = False
     ) -> outcomes.OptimStepOutcome:
         check_learning_rate(learning_rate)
-        payload = {} if learning_rate is None else {"learning_rate": learning_rate}
+        payload = optim_step_payload(learning_rate, sum_microbatches)
         return self._keyed(
-            kinds.OPTIM_STEP, op, payload, lambda run, _: run.optim_step(learning_rate)
+            kinds.OPTIM_STEP,
+            op,
+            payload,
+            lambda r, _: r.optim_step(learning_rate, sum_microbatches),
         )
 
     def sample(self, prompt_tokens: Sequence[int], **params: Any) -> list[outcomes.Sample]:
@@ -265,16 +269,13 @@ class SessionHost:
 
     def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
-        payload = {"name": name}
         return self._keyed(
-            kinds.SAVE_STATE, op, payload, lambda run, applying: run.save_state(name, applying)
+            kinds.SAVE_STATE, op, {"name": name}, lambda r, applying: r.save_state(name, applying)
         )
 
     def load_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
         check_name(name, "checkpoint")
-        return self._keyed(
-            kinds.LOAD_STATE, op, {"name": name}, lambda run, _: run.load_state(name)
-        )
+        return self._keyed(kinds.LOAD_STATE, op, {"name": name}, lambda r, _: r.load_state(name))
 
     def load_weights(self, source: outcomes.WeightsSource, op: OperationSpec) -> OperationOutcome:
         """From a checkpoint or export of this run, or a model path under the model root."""

@@ -96,8 +96,7 @@ class TrainingSession:
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
         self.sampler = Sampler.for_model(self.model, self.tokenizer)
         self.optimizer = build_optimizer(self.model, config)
-        # Which parameters train never changes after set up; walking a LoRA model's modules
-        # for them costs milliseconds a step.
+        # Fixed after set up: walking a LoRA model's modules for them costs milliseconds a step.
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._training_mode: bool | None = None  # the mode this session last set; see below
         self.loss_hook = loss_hook(config)
@@ -113,9 +112,8 @@ class TrainingSession:
         return list(self._trainable)
 
     def _set_training(self, training: bool) -> None:
-        # Module.train() walks every module (milliseconds a step for a LoRA model), so only on a
-        # change. The top module's flag alone is no witness: PEFT's wrapper starts in training
-        # mode around a base model in eval mode. So the session remembers what it set.
+        # Module.train() walks every module (milliseconds a step under LoRA): only on a change. The
+        # top flag is no witness (PEFT's wrapper trains around a base in eval mode): remember it.
         if self._training_mode != training or self.model.training != training:
             self.model.train(training)
             self._training_mode = training
@@ -189,11 +187,14 @@ class TrainingSession:
             vocab_size=self.sampler.vocab_size,
         )
 
-    def optim_step(self, *, learning_rate: float | None = None) -> StepResult:
+    def optim_step(
+        self, *, learning_rate: float | None = None, sum_microbatches: bool = False
+    ) -> StepResult:
         """Apply one update: renormalize, clip, step AdamW, zero grads.
 
         The rate is the schedule's, or ``learning_rate`` for this update when given (online
-        loops pick their own); the schedule's position advances either way.
+        loops pick their own); the schedule's position advances either way. The microbatches'
+        gradients are averaged, or added with ``sum_microbatches`` (Tinker's semantics).
         """
         check_learning_rate(learning_rate)
         with self._guard.operation():
@@ -206,13 +207,12 @@ class TrainingSession:
                 rate = learning_rate_at(self.step, self.config, self.max_steps)
             except ValueError as error:
                 raise InvalidArgument(str(error)) from None
-            if learning_rate is not None:
-                rate = float(learning_rate)
+            rate = rate if learning_rate is None else float(learning_rate)
             with self._guard.breaks_on_failure("optim_step"):
                 grad_norm = apply_update(
                     self.optimizer,
                     self._trainable,
-                    accumulated=self.accumulated,
+                    accumulated=1 if sum_microbatches else self.accumulated,
                     max_grad_norm=self.config.max_grad_norm,
                     rate=rate,
                 )

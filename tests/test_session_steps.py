@@ -86,6 +86,19 @@ def test_steps_equal_a_plain_hand_written_loop_with_partial_accumulation(
         assert torch.equal(engine[name], parameter), name
 
 
+def test_sum_microbatches_adds_the_gradients_instead_of_averaging_them(llama_config) -> None:
+    """Tinker's semantics: twice the same microbatch is twice its gradient, (g + g), exactly."""
+    config = llama_config(lora=LoraSettings(r=4, alpha=8), max_grad_norm=None)
+    summed, averaged = (TrainingSession(config, max_steps=3) for _ in range(2))
+    for session in (summed, averaged):
+        session.forward_backward(TEXTS[:3])
+        session.forward_backward(TEXTS[:3])
+    total = summed.optim_step(sum_microbatches=True)
+    mean = averaged.optim_step()
+    assert total.grad_norm == 2 * mean.grad_norm
+    assert summed.state_digest() != averaged.state_digest()
+
+
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, alpha=8)], ids=["full", "lora"])
 def test_pending_gradients_are_renormalized_by_the_microbatches_held(llama_config, lora) -> None:
     """Twice the same microbatch, then an update, equals that microbatch once: (g + g) / 2 = g."""

@@ -178,3 +178,17 @@ def test_named_sampler_weights_keep_their_snapshot_and_their_name(
         assert [s.logprobs for s in later.sequences] == [s.logprobs for s in before.sequences]
         with pytest.raises(tinker.RequestFailedError, match="exist already"):
             training_client.save_weights_for_sampler("first").result()
+
+
+def test_optim_step_adds_the_gradients_of_every_forward_backward_as_tinker_does(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    norms = []
+    for calls in (1, 2):
+        with lora_training(tmp_path / f"calls-{calls}", model_root) as run:
+            datum = supervised_datum(run.tokenizer, SENTENCES[2])
+            for _ in range(calls):
+                run.training.forward_backward([datum], "cross_entropy").result()
+            step = run.training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+            norms.append(step.metrics["grad_norm:mean"])
+    assert norms[1] == 2 * norms[0]  # (g + g), not (g + g) / 2

@@ -75,7 +75,10 @@ class TrainingRoutes:
             learning_rate = check_adam_params(body)
 
             def call(key: str) -> dict[str, Any]:
-                outcome = front.host.optim_step(OperationSpec(key), learning_rate=learning_rate)
+                # Tinker adds the gradients of every forward_backward since the last step.
+                outcome = front.host.optim_step(
+                    OperationSpec(key), learning_rate=learning_rate, sum_microbatches=True
+                )
                 front.samplers.weights_changed()
                 metrics = {
                     "learning_rate:mean": outcome.learning_rate,
