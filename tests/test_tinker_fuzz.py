@@ -14,10 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tinker.proto import tinker_public_pb2 as pb
 from tinker_loops import KEY, tinker_server
+
+from trainwire.server.tinker.codec import INPUT_FIELDS
 
 EXAMPLES = int(os.environ.get("TRAINWIRE_FUZZ_EXAMPLES", "40"))
 FUZZ = settings(
@@ -137,6 +141,51 @@ def test_a_non_object_body_is_refused(front: dict[str, Any]) -> None:
         check(front, lambda body=body: front["client"].post("/optim_step", json=body))
     bad_json = {"Content-Type": "application/json"}
     check(front, lambda: front["client"].post("/save_weights", content=b"{", headers=bad_json))
+
+
+DTYPES = [pb.DTYPE_INT64, pb.DTYPE_INT32, pb.DTYPE_FLOAT32, 0, 99]
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> pb.Tensor:
+    tensor = pb.Tensor(dtype=draw(st.sampled_from(DTYPES)))
+    values = draw(st.lists(st.integers(-5, 2**31 - 1), max_size=8))
+    kind = draw(st.sampled_from(["dense", "sparse"]))
+    tensor.shape.extend(draw(st.lists(st.integers(-3, 10**12), max_size=3)))
+    if kind == "dense":
+        tensor.dense = np.asarray(values, np.int64).tobytes()[: draw(st.integers(0, 80))]
+    else:
+        tensor.sparse_csr.values = np.asarray(values, np.int64).tobytes()
+        crow = draw(st.lists(st.integers(-3, 12), max_size=5))
+        tensor.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
+        cols = draw(st.lists(st.integers(-3, 10**6), max_size=8))
+        tensor.sparse_csr.col_indices = np.asarray(cols, np.int64).tobytes()
+    return tensor
+
+
+@st.composite
+def forward_backward_requests(draw: st.DrawFn, model_id: str) -> bytes:
+    message = pb.ForwardBackwardRequest(
+        model_id=draw(st.sampled_from([model_id, "nope", ""])),
+        seq_id=draw(st.integers(0, 10**6)),
+        loss_fn=draw(st.sampled_from(["cross_entropy", "importance_sampling", "ppo", "bogus"])),
+        forward_only=draw(st.booleans()),
+    )
+    for _ in range(draw(st.integers(0, 3))):
+        datum = message.data.add()
+        tokens = draw(st.lists(st.integers(-5, 10**6), max_size=6))
+        datum.model_input.add().encoded_text.tokens = np.asarray(tokens, np.int32).tobytes()
+        for name in draw(st.lists(st.sampled_from((*INPUT_FIELDS, "mask")), max_size=3)):
+            datum.loss_fn_inputs[name].CopyFrom(draw(tensors()))
+    return message.SerializeToString()
+
+
+@FUZZ
+@given(data=st.data())
+def test_forward_backward_refuses_hostile_datums_cleanly(front: dict[str, Any], data) -> None:
+    raw = data.draw(forward_backward_requests(front["valid"]["model_id"]))
+    headers = {"Content-Type": "application/x-protobuf"}
+    check(front, lambda: front["client"].post("/forward_backward", content=raw, headers=headers))
 
 
 def test_the_fuzzer_reached_refusals_and_accepted_calls(front: dict[str, Any]) -> None:

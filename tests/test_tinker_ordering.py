@@ -78,3 +78,28 @@ def test_forward_backward_bodies_decode_plain_and_zstd_and_bad_ones_are_refused(
         decode_forward_backward(_request([1, 2], [2, 3, 4]).SerializeToString())
     with pytest.raises(InvalidArgument, match="not a ForwardBackwardRequest"):
         decode_forward_backward(b"\xff\xff\xff")
+
+
+@pytest.mark.parametrize(
+    ("shape", "crow", "cols", "message"),
+    [
+        ([2, 10**12], [0, 1, 1], [5], "at most"),  # refused before a 14 TiB allocation
+        ([-1], [], [], "at most"),
+        ([2, 3], [0, 1, 1], [7], "inconsistent sparse"),  # a column past the shape
+        ([2, 3], [0, 2, 1], [0], "inconsistent sparse"),  # row offsets going back
+    ],
+    ids=["huge", "negative", "column-out-of-range", "offsets-backwards"],
+)
+def test_a_hostile_tensor_shape_is_refused_before_anything_is_allocated(
+    shape, crow, cols, message
+) -> None:
+    request = _request([5, 6], [6, 7])
+    tensor = request.data[0].loss_fn_inputs["target_tokens"]
+    tensor.ClearField("dense")
+    tensor.shape[:] = shape
+    if crow:
+        tensor.sparse_csr.values = np.asarray([1] * len(cols), np.int64).tobytes()
+        tensor.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
+        tensor.sparse_csr.col_indices = np.asarray(cols, np.int64).tobytes()
+    with pytest.raises(InvalidArgument, match=message):
+        decode_forward_backward(request.SerializeToString())

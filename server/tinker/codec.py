@@ -32,6 +32,7 @@ from trainwire.server.tinker.fields import (
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
+MAX_TENSOR_VALUES = 1 << 20  # per loss_fn_input, checked before anything is allocated
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -132,6 +133,8 @@ def _dense(what: str, tensor: pb.Tensor) -> np.ndarray:
     if dtype is None:
         raise InvalidArgument(f"{what}: dtype {pb.DType.Name(tensor.dtype)} is not supported")
     shape = list(tensor.shape)
+    if any(size < 0 for size in shape) or math.prod(shape) > MAX_TENSOR_VALUES:
+        raise InvalidArgument(f"{what}: shape {shape}; at most {MAX_TENSOR_VALUES} values")
     if tensor.HasField("sparse_csr"):
         if len(shape) != 2:
             raise InvalidArgument(f"{what}: a sparse tensor needs a 2-D shape, got {shape}")
@@ -139,7 +142,14 @@ def _dense(what: str, tensor: pb.Tensor) -> np.ndarray:
         values = np.frombuffer(csr.values, dtype=dtype)
         crow = np.frombuffer(csr.crow_indices, dtype=np.int64)
         cols = np.frombuffer(csr.col_indices, dtype=np.int64)
-        if len(crow) != shape[0] + 1 or len(cols) != len(values):
+        if (
+            len(crow) != shape[0] + 1
+            or len(cols) != len(values)
+            or crow[0] != 0
+            or crow[-1] != len(values)
+            or np.any(np.diff(crow) < 0)
+            or np.any((cols < 0) | (cols >= shape[1]))
+        ):
             raise InvalidArgument(f"{what}: inconsistent sparse CSR indices")
         dense = np.zeros(shape, dtype=dtype)
         for row in range(shape[0]):
