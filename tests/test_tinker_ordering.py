@@ -10,6 +10,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
+from trainwire.server.request_limits import MAX_EXAMPLES, MAX_TOKENS
 from trainwire.server.tinker.codec import decode_forward_backward
 from trainwire.server.tinker.ordering import SeqOrder
 
@@ -102,4 +103,17 @@ def test_a_hostile_tensor_shape_is_refused_before_anything_is_allocated(
         tensor.sparse_csr.crow_indices = np.asarray(crow, np.int64).tobytes()
         tensor.sparse_csr.col_indices = np.asarray(cols, np.int64).tobytes()
     with pytest.raises(InvalidArgument, match=message):
+        decode_forward_backward(request.SerializeToString())
+
+
+def test_too_many_datums_or_tokens_are_refused_before_they_are_decoded() -> None:
+    request = _request([5, 6], [6, 7])
+    for _ in range(MAX_EXAMPLES):
+        request.data.add().CopyFrom(request.data[0])
+    with pytest.raises(InvalidArgument, match=f"at most {MAX_EXAMPLES}"):
+        decode_forward_backward(request.SerializeToString())
+    request = _request([5, 6], [6, 7])
+    tokens = np.zeros(MAX_TOKENS + 1, np.int32).tobytes()
+    request.data[0].model_input[0].encoded_text.tokens = tokens
+    with pytest.raises(InvalidArgument, match=f"{MAX_TOKENS + 1} tokens"):
         decode_forward_backward(request.SerializeToString())

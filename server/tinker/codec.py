@@ -20,6 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, ResourceExhausted
+from trainwire.server.request_limits import MAX_EXAMPLES, MAX_TOKENS
 from trainwire.server.tinker.fields import (
     get_bool,
     get_dict,
@@ -32,7 +33,7 @@ from trainwire.server.tinker.fields import (
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
-MAX_TENSOR_VALUES = 1 << 20  # per loss_fn_input, checked before anything is allocated
+MAX_TENSOR_VALUES = MAX_TOKENS  # per loss_fn_input, checked before anything is allocated
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -77,6 +78,13 @@ def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackward
     """A parsed request's data and loss as trainwire values; InvalidArgument naming the datum."""
     if not message.data:
         raise InvalidArgument("forward_backward: no data; send at least one Datum")
+    if len(message.data) > MAX_EXAMPLES:
+        raise InvalidArgument(
+            f"forward_backward: {len(message.data)} datums; at most {MAX_EXAMPLES}"
+        )
+    tokens = sum(len(c.encoded_text.tokens) // 4 for d in message.data for c in d.model_input)
+    if tokens > MAX_TOKENS:  # counted from the bytes, before a list is built
+        raise InvalidArgument(f"forward_backward: {tokens} tokens; at most {MAX_TOKENS}")
     examples = tuple(_example(i, datum) for i, datum in enumerate(message.data))
     return ForwardBackwardCall(
         message.model_id,
