@@ -188,6 +188,22 @@ def test_forward_backward_refuses_hostile_datums_cleanly(front: dict[str, Any], 
     check(front, lambda: front["client"].post("/forward_backward", content=raw, headers=headers))
 
 
+def test_a_body_past_its_bound_is_refused_as_it_arrives(
+    front: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from trainwire.server.tinker import limits
+
+    monkeypatch.setattr(limits, "MAX_JSON_BYTES", 1000)
+    body = b'{"session_id": "' + b"x" * 2000 + b'"}'
+    # With its Content-Length declared, and chunked (no length: counted as it arrives).
+    for route, content in (("/session_heartbeat", body), ("/save_weights", iter([body]))):
+        before = state_of(front["handle"])
+        response = front["client"].post(route, content=content)
+        assert response.status_code == 413
+        assert "over 1000 bytes" in response.json()["detail"]
+        assert state_of(front["handle"]) == before
+
+
 def test_the_fuzzer_reached_refusals_and_accepted_calls(front: dict[str, Any]) -> None:
     """Runs after the others: a fuzzer that never got past validation proves little."""
     assert TALLY[200] > 0 and TALLY[400] > 0 and TALLY[404] > 0, TALLY

@@ -2,8 +2,8 @@
 
 Every route that writes the front's request log (an fsync) runs on a worker thread, never on
 the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
-or 404 with ``detail`` saying what to do; a wrong key 401; a full queue 429 and a restoring
-server 503 (the SDK retries both).
+or 404 with ``detail`` saying what to do; a body past its bound 413 (see ``limits``); a wrong
+key 401; a full queue 429 and a restoring server 503 (the SDK retries both).
 Errors of a call that was accepted come back through its future as ``{"error", "category"}``.
 """
 
@@ -26,12 +26,15 @@ from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.futures import PROTOBUF, Done
+from trainwire.server.tinker.limits import BodyTooLarge, LimitBody
 
 API = "/api/v1"
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
 
 
 def status_of(error: Exception) -> int:
+    if isinstance(error, BodyTooLarge):
+        return 413
     if isinstance(error, NotFound):
         return 404
     if isinstance(error, ResourceExhausted):
@@ -48,7 +51,8 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
 
-    app.add_middleware(RequireKey, token=token)
+    app.add_middleware(LimitBody)
+    app.add_middleware(RequireKey, token=token)  # added last: runs first, before any body is read
 
     async def refuse(request: Request, error: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=status_of(error))
