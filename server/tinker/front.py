@@ -130,7 +130,7 @@ class TinkerFront:
             args = (body, record["encoding"]) if "encoding" in record else (body,)
             routes[record["route"]](*args)
         except (TrainwireError, ValueError) as error:  # refused again, or its model was closed
-            logger.warning("Tinker front: %s not replayed: %s", record["request_id"], error)
+            logger.info("Tinker front: %s refused again: %s", record["request_id"], error)
 
     def replay_pending(self) -> bool:
         """Whether a call submitted again at start is unanswered yet (it may create a sampler)."""
