@@ -236,3 +236,10 @@ def test_text_examples_are_deterministic_and_include_completions() -> None:
 def test_example_helpers_refuse_a_negative_count(helper) -> None:
     with pytest.raises(ValueError, match="count must be a non-negative integer"):
         helper(-1)
+
+
+def test_free_port_never_hands_out_a_port_twice() -> None:
+    from trainwire.testing import free_port
+
+    ports = [free_port() for _ in range(500)]
+    assert len(set(ports)) == len(ports)

@@ -36,14 +36,22 @@ __all__ = [
 ]
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()  # by free_port, in this process
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that was free on ``host`` just now, for a server started as another process.
 
     An in-process server binds port 0 and reports its port; a ``trainwire serve`` subprocess (or a
     server restarted on the same address) needs its port before it starts, so one is picked here.
     Another process could take it in between; on loopback in a test that does not happen in
-    practice.
+    practice. Within this process no port is handed out twice (a dispatch test once got the same
+    port for two of its servers).
     """
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    while True:  # the kernel may hand the same free port out twice in a row; this never does
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if (host, port) not in _HANDED_OUT:
+            _HANDED_OUT.add((host, port))
+            return port
