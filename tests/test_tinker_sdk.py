@@ -192,3 +192,15 @@ def test_optim_step_adds_the_gradients_of_every_forward_backward_as_tinker_does(
             step = run.training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
             norms.append(step.metrics["grad_norm:mean"])
     assert norms[1] == 2 * norms[0]  # (g + g), not (g + g) / 2
+
+
+def test_capabilities_list_the_model_roots_models_and_health_answers(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        models = {m.model_name: m for m in service.get_server_capabilities().supported_models}
+        assert models["llama"].sampleable and models["llama"].trainable
+        assert models["llama"].max_context_length > 0
+        health = httpx.get(f"{handle.tinker.base_url}/api/v1/healthz", headers={"X-API-Key": KEY})
+        assert health.json() == {"status": "ok"}

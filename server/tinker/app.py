@@ -27,6 +27,7 @@ from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.futures import PROTOBUF, Done
 from trainwire.server.tinker.limits import BodyTooLarge, LimitBody
+from trainwire.server.tinker.model import supported_models
 
 API = "/api/v1"
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
@@ -75,6 +76,16 @@ def create_app(
     async def client_config() -> dict[str, Any]:
         # The defaults, with JWT exchange and server-side custom losses off (neither exists here).
         return {"pjwt_auth_enabled": False, "custom_loss_server_side": False}
+
+    @app.get(f"{API}/healthz")
+    async def healthz() -> JSONResponse:
+        if front.host.phase in ("restoring", "failed"):
+            return JSONResponse({"detail": f"the session is {front.host.phase}"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get(f"{API}/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return {"supported_models": supported_models(front.host.model_root)}
 
     @app.post(f"{API}/create_session")
     async def create_session() -> dict[str, Any]:

@@ -148,3 +148,27 @@ def checkpoint_name(path: str, model_id: str, kind: str) -> str:
     if not path.startswith(prefix) or len(path) == len(prefix):
         raise InvalidArgument(f"path {path!r}: this server loads {prefix}<name> paths only")
     return path[len(prefix) :]
+
+
+def supported_models(model_root: Path | None) -> list[dict[str, Any]]:
+    """The SDK's ``SupportedModel`` list: each model directory right under the model root
+    (``base_model`` names it), causal LMs sampleable, with its positions as context length.
+    Without a model root any local path may be opened, so none is listed."""
+    if model_root is None or not model_root.is_dir():
+        return []
+    models = []
+    for directory in sorted(p for p in model_root.iterdir() if (p / "config.json").is_file()):
+        try:
+            config = json.loads((directory / "config.json").read_text())
+        except ValueError:
+            continue  # not a model this server could load either
+        architectures = config.get("architectures") or []
+        models.append(
+            {
+                "model_name": directory.name,
+                "max_context_length": config.get("max_position_embeddings"),
+                "trainable": True,
+                "sampleable": any(str(a).endswith("ForCausalLM") for a in architectures),
+            }
+        )
+    return models
