@@ -204,3 +204,17 @@ def test_capabilities_list_the_model_roots_models_and_health_answers(
         assert models["llama"].max_context_length > 0
         health = httpx.get(f"{handle.tinker.base_url}/api/v1/healthz", headers={"X-API-Key": KEY})
         assert health.json() == {"status": "ok"}
+
+
+def test_a_training_client_from_state_is_refused_with_the_reason(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    import tinker
+
+    with lora_training(tmp_path / "state", model_root) as run:
+        datum = supervised_datum(run.tokenizer, SENTENCES[0])
+        run.training.forward_backward([datum], "cross_entropy").result()
+        path = run.training.save_state("kept").result().path
+        with pytest.raises(tinker.APIStatusError, match="one server trains one model"):
+            run.service.create_training_client_from_state(path).result()
+        run.training.load_state(path).result()  # into the model that saved it: served

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
+from trainwire.server.errors import FailedPrecondition
 from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
@@ -110,6 +111,12 @@ class TrainingRoutes:
     def load_weights(self, body: dict[str, Any]) -> str:
         front = self.front
         model_id = get_str(body, "model_id", "") or ""
+        if not model_id and body.get("session_id") is not None:
+            raise FailedPrecondition(
+                "create_training_client_from_state is not served here: one server trains one "
+                "model, and a checkpoint loads into the model that saved it "
+                "(training_client.load_state)"
+            )
 
         def prepare() -> Call:
             name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
