@@ -170,3 +170,33 @@ def test_closing_another_session_keeps_the_models_requests(
         answer = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
         assert answer["path"].endswith("/weights/kept")
         assert handle.session_host.info().state == "open"
+
+
+def test_a_model_whose_client_went_silent_gives_way_to_a_new_one(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from trainwire.server.tinker import front
+
+    monkeypatch.setattr(front, "SESSION_LAPSE_S", 2.0)
+    headers = {"X-API-Key": KEY}
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        api = f"{handle.tinker.base_url}/api/v1"
+
+        def create_model(session_id: str) -> httpx.Response:
+            model = {"session_id": session_id, "base_model": "llama"}
+            return httpx.post(f"{api}/create_model", json=model, headers=headers)
+
+        old, new = (
+            httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
+            for _ in range(2)
+        )
+        old_model = create_model(old).json()["model_id"]
+        refused = create_model(new)
+        assert refused.status_code == 400 and "sends nothing for 2 s" in refused.json()["detail"]
+        time.sleep(2.2)  # the old client sends nothing: no request, no heartbeat
+        assert create_model(new).status_code == 200
+        info = httpx.post(f"{api}/get_info", json={"model_id": old_model}, headers=headers)
+        assert info.status_code == 404
+        assert handle.session_host.info().run_id != old_model.replace(":", "-")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,7 @@ from trainwire.server.tinker.training import TrainingRoutes
 logger = logging.getLogger(__name__)
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
+SESSION_LAPSE_S = 60.0  # a client silent this long (six missed heartbeats) gives up its model
 
 
 class TinkerFront:
@@ -73,6 +75,8 @@ class TinkerFront:
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="tinker-finish")  # in order
         self.samplers = Samplers(restarted=bool(self.log.records))
         self.sessions: set[str] = set()
+        self._seen: dict[str, float] = {}  # session → when it last sent a request (monotonic)
+        self._started = time.monotonic()
         self.sampling = SamplingRoutes(self)
         self.training = TrainingRoutes(self)
         self._lock = threading.RLock()  # orders request records with their submission
@@ -177,11 +181,19 @@ class TinkerFront:
         with self._lock:
             self.sessions.add(session_id)
             self.log.write({"kind": "session", "session_id": session_id})
+        self._seen[session_id] = time.monotonic()
         return session_id
 
     def require_session(self, session_id: str) -> None:
+        """NotFound for a session this server does not know; a known one counts as alive."""
         if session_id not in self.sessions:
             raise NotFound(f"no session {session_id!r} on this server; create_session first")
+        self._seen[session_id] = time.monotonic()
+
+    def _lapsed(self, session_id: str) -> bool:
+        """No request and no heartbeat (the SDK sends one every 10 s) for SESSION_LAPSE_S;
+        after a restart, counted from the restart."""
+        return time.monotonic() - self._seen.get(session_id, self._started) > SESSION_LAPSE_S
 
     def finish_session(self, session_id: str) -> None:
         """The SDK closed its ServiceClient: its model's run closes (a new one may be created)."""
@@ -191,12 +203,16 @@ class TinkerFront:
             model = self.model
             if model is None or model.session_id != session_id:
                 return  # the log keeps its record: a session known after a restart is harmless
-            self.host.close()
-            (self.directory / "model.json").unlink(missing_ok=True)
-            self.model = None
-            self.samplers = Samplers()  # its sampling clients end with it
-            sessions = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
-            self.log.compact(lambda _: sessions)
+            self._close_model()
+
+    def _close_model(self) -> None:
+        """Close the model's run (its files stay) and forget what the request log kept for it."""
+        self.host.close()
+        (self.directory / "model.json").unlink(missing_ok=True)
+        self.model = None
+        self.samplers = Samplers()  # its sampling clients end with it
+        sessions = [{"kind": "session", "session_id": s} for s in sorted(self.sessions)]
+        self.log.compact(lambda _: sessions)
 
     # -- the model -----------------------------------------------------------------------------
 
@@ -211,15 +227,25 @@ class TinkerFront:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
-                raise FailedPrecondition(
-                    f"this server already trains model {self.model.model_id!r} (one server, one "
-                    "model): close that ServiceClient first, or start another server"
+                if not self._lapsed(self.model.session_id):
+                    raise FailedPrecondition(
+                        f"this server already trains model {self.model.model_id!r} (one server, "
+                        "one model): close that ServiceClient first, or start another server (a "
+                        f"model whose client sends nothing for {SESSION_LAPSE_S:.0f} s is closed "
+                        "when another asks)"
+                    )
+                logger.warning(
+                    "Tinker front: model %s closed: its client sent nothing for %.0f s",
+                    self.model.model_id,
+                    SESSION_LAPSE_S,
                 )
+                self._close_model()
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self.host.open(record.run_id, config)
             record.save(self.directory)
             self.model = record
+        self._seen[session_id] = time.monotonic()  # loading the model took a while
         return self._resolve_create(model_id)
 
     def _resolve_create(self, model_id: str) -> str:
