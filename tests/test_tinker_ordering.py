@@ -11,7 +11,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from trainwire.server.request_limits import MAX_EXAMPLES, MAX_TOKENS
-from trainwire.server.tinker.codec import decode_forward_backward
+from trainwire.server.tinker.codec import forward_backward_call, parse_forward_backward
 from trainwire.server.tinker.ordering import SeqOrder
 
 
@@ -54,6 +54,11 @@ def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> 
     assert drained.wait(5)
     order.check_room()  # room again once they ran
     order.stop()
+
+
+def decode_forward_backward(body: bytes, content_encoding: str = ""):
+    """What the front does with a body: parse it, then check and convert its data."""
+    return forward_backward_call(parse_forward_backward(body, content_encoding))
 
 
 def _request(tokens: list[int], targets: list[int]) -> pb.ForwardBackwardRequest:

@@ -49,13 +49,9 @@ class ForwardBackwardCall:
     examples: tuple[TokenExample, ...]
 
 
-def decode_forward_backward(body: bytes, content_encoding: str = "") -> ForwardBackwardCall:
-    """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd) as trainwire values."""
-    return forward_backward_call(parse_forward_backward(body, content_encoding))
-
-
 def parse_forward_backward(body: bytes, content_encoding: str = "") -> pb.ForwardBackwardRequest:
-    """The message itself (its model_id and seq_id are known from here on), not yet checked."""
+    """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd), not yet checked: its
+    model_id and seq_id are known from here on (``forward_backward_call`` checks the rest)."""
     if content_encoding.strip().lower() == "zstd":
         try:
             reader = zstandard.ZstdDecompressor().stream_reader(body)
