@@ -6,12 +6,14 @@ from __future__ import annotations
 import errno
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.errors import ResourceExhausted
+from trainwire.server.grpc_server import ServerHandle
 from trainwire.server.tinker.futures import Done, Failed
 from trainwire.server.tinker.request_log import (
     LOG_FILE,
@@ -87,65 +89,69 @@ def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples
     assert compacted(records, 3, {"m/1", "s/1"}.__contains__, head) is None  # m/2 unpolled
 
 
+class FrontApi:
+    """Raw HTTP calls to a server's Tinker front, as the SDK makes them."""
+
+    def __init__(self, handle: ServerHandle) -> None:
+        self.base = f"{handle.tinker.base_url}/api/v1"
+
+    def post(self, route: str, body: Any = None) -> httpx.Response:
+        return httpx.post(f"{self.base}/{route}", json=body, headers={"X-API-Key": KEY})
+
+    def session(self) -> str:
+        return self.post("create_session", {}).json()["session_id"]
+
+    def create_model(self, session_id: str) -> httpx.Response:
+        return self.post("create_model", {"session_id": session_id, "base_model": "llama"})
+
+    def model(self) -> tuple[str, str]:
+        """A new session and its model: (session id, model id)."""
+        session_id = self.session()
+        return session_id, self.create_model(session_id).json()["model_id"]
+
+    def result(self, request_id: dict[str, Any]) -> dict[str, Any]:
+        return self.post("retrieve_future", request_id).json()
+
+
 def test_a_restarted_server_answers_an_old_request_id_and_refuses_its_reuse(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    headers = {"X-API-Key": KEY}
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        session_id = httpx.post(f"{api}/create_session", json={}, headers=headers).json()
-        session_id = session_id["session_id"]
-        model = {"session_id": session_id, "base_model": "llama", "lora_config": {"rank": 4}}
-        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
-        model_id = model_id["model_id"]
+        api = FrontApi(handle)
+        session_id, model_id = api.model()
         save = {"model_id": model_id, "seq_id": 1, "path": "first"}
-        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
-        first = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+        request_id = api.post("save_weights", save).json()
+        first = api.result(request_id)
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        again = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
-        assert again == first and first["path"].endswith("/weights/first")
-        resent = httpx.post(f"{api}/save_weights", json=save, headers=headers)
+        api = FrontApi(handle)
+        assert api.result(request_id) == first and first["path"].endswith("/weights/first")
+        resent = api.post("save_weights", save)
         assert resent.json() == request_id  # a re-send finds its request, nothing runs twice
         assert handle.session_host.info().position == 1
-        other = {**save, "path": "second"}
-        refused = httpx.post(f"{api}/save_weights", json=other, headers=headers)
+        refused = api.post("save_weights", {**save, "path": "second"})
         assert refused.status_code == 400 and "another payload" in refused.json()["detail"]
-        beat = httpx.post(
-            f"{api}/session_heartbeat", json={"session_id": session_id}, headers=headers
-        )
+        beat = api.post("session_heartbeat", {"session_id": session_id})
         assert beat.status_code == 200  # the SDK's session outlives the restart
 
 
 def test_a_restart_behind_the_compacted_log_refuses_to_go_on_rather_than_skip_calls(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    headers = {"X-API-Key": KEY}
     state_dir = tmp_path / "state"
-
-    def saved(api: str, model_id: str, seq_id: int, name: str) -> dict:
-        save = {"model_id": model_id, "seq_id": seq_id, "path": name}
-        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
-        return httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
-
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        session_id = httpx.post(f"{api}/create_session", json={}, headers=headers).json()
-        model = {"session_id": session_id["session_id"], "base_model": "llama"}
-        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
-        model_id = model_id["model_id"]
+        api = FrontApi(handle)
+        _, model_id = api.model()
         for seq_id, name in enumerate(("early", "late"), 1):
-            assert "path" in saved(api, model_id, seq_id, name)
+            save = {"model_id": model_id, "seq_id": seq_id, "path": name}
+            assert "path" in api.result(api.post("save_weights", save).json())
         run_id = handle.session_host.info().run_id
     log = (state_dir / "tinker" / LOG_FILE).read_text()
     assert '"route":"save_weights","seq":1' not in log  # compacted at "late"
     late = state_dir / "runs" / run_id / "checkpoints" / "late" / "model.safetensors"
     late.write_bytes(late.read_bytes()[:100])  # recovery falls back to "early"
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        request_id = {"request_id": f"{model_id}/2"}  # kept in the log, replayed
-        answer = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
+        answer = FrontApi(handle).result({"request_id": f"{model_id}/2"})  # kept, replayed
         assert answer["category"] == "server"
         assert "cannot go on exactly once" in answer["error"]
         assert handle.session_host.info().restored_checkpoint == "early"
@@ -154,21 +160,16 @@ def test_a_restart_behind_the_compacted_log_refuses_to_go_on_rather_than_skip_ca
 def test_closing_another_session_keeps_the_models_requests(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    headers = {"X-API-Key": KEY}
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        owner = httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
-        other = httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
-        model = {"session_id": owner, "base_model": "llama"}
-        model_id = httpx.post(f"{api}/create_model", json=model, headers=headers).json()
-        save = {"model_id": model_id["model_id"], "seq_id": 1, "path": "kept"}
-        request_id = httpx.post(f"{api}/save_weights", json=save, headers=headers).json()
-        assert httpx.post(f"{api}/sessions/{other}/finish", headers=headers).status_code == 200
+        api = FrontApi(handle)
+        other = api.session()
+        _, model_id = api.model()
+        save = {"model_id": model_id, "seq_id": 1, "path": "kept"}
+        request_id = api.post("save_weights", save).json()
+        assert api.post(f"sessions/{other}/finish").status_code == 200
     with tinker_server(state_dir, model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-        answer = httpx.post(f"{api}/retrieve_future", json=request_id, headers=headers).json()
-        assert answer["path"].endswith("/weights/kept")
+        assert FrontApi(handle).result(request_id)["path"].endswith("/weights/kept")
         assert handle.session_host.info().state == "open"
 
 
@@ -180,23 +181,13 @@ def test_a_model_whose_client_went_silent_gives_way_to_a_new_one(
     from trainwire.server.tinker import front
 
     monkeypatch.setattr(front, "SESSION_LAPSE_S", 2.0)
-    headers = {"X-API-Key": KEY}
     with tinker_server(tmp_path / "state", model_root) as handle:
-        api = f"{handle.tinker.base_url}/api/v1"
-
-        def create_model(session_id: str) -> httpx.Response:
-            model = {"session_id": session_id, "base_model": "llama"}
-            return httpx.post(f"{api}/create_model", json=model, headers=headers)
-
-        old, new = (
-            httpx.post(f"{api}/create_session", json={}, headers=headers).json()["session_id"]
-            for _ in range(2)
-        )
-        old_model = create_model(old).json()["model_id"]
-        refused = create_model(new)
+        api = FrontApi(handle)
+        _, old_model = api.model()
+        new = api.session()
+        refused = api.create_model(new)
         assert refused.status_code == 400 and "sends nothing for 2 s" in refused.json()["detail"]
         time.sleep(2.2)  # the old client sends nothing: no request, no heartbeat
-        assert create_model(new).status_code == 200
-        info = httpx.post(f"{api}/get_info", json={"model_id": old_model}, headers=headers)
-        assert info.status_code == 404
+        assert api.create_model(new).status_code == 200
+        assert api.post("get_info", {"model_id": old_model}).status_code == 404
         assert handle.session_host.info().run_id != old_model.replace(":", "-")

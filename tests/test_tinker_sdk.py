@@ -19,6 +19,7 @@ from tinker_loops import (
     supervised_datum,
     supervised_loop,
     tinker_server,
+    train_step,
 )
 
 
@@ -110,9 +111,7 @@ def test_refusals_are_clear_and_change_nothing(
         info = handle.session_host.info()
         assert info.position == 0 and info.step == 0
         # The refused calls took their seq_ids: the calls numbered after them are not held.
-        datum = supervised_datum(run.tokenizer, SENTENCES[0])
-        training_client.forward_backward([datum], "cross_entropy").result(timeout=60)
-        training_client.optim_step(types.AdamParams(learning_rate=1e-3)).result(timeout=60)
+        train_step(run, SENTENCES[0], learning_rate=1e-3)
         assert handle.session_host.info().step == 1
         prompt = {"chunks": [{"type": "encoded_text", "tokens": [5, 6]}]}
         sample = {"sampling_session_id": "nope", "seq_id": 1, "prompt": prompt}
@@ -132,9 +131,7 @@ def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
         params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=3)
         old = training_client.save_weights_and_get_sampling_client().result()
         before = old.sample(prompt, 2, params).result()
-        datum = supervised_datum(tokenizer, SENTENCES[0])
-        training_client.forward_backward([datum], "cross_entropy").result()
-        training_client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        train_step(run, SENTENCES[0])
         digest = handle.session_host.info().state_digest
         again = old.sample(prompt, 2, params).result()
         new = training_client.save_weights_and_get_sampling_client().result()
@@ -171,9 +168,7 @@ def test_named_sampler_weights_keep_their_snapshot_and_their_name(
         path = training_client.save_weights_for_sampler("first").result().path
         sampler = service.create_sampling_client(model_path=path)
         before = sampler.sample(prompt, 2, params).result()
-        datum = supervised_datum(tokenizer, SENTENCES[1])
-        training_client.forward_backward([datum], "cross_entropy").result()
-        training_client.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+        train_step(run, SENTENCES[1])
         later = service.create_sampling_client(model_path=path).sample(prompt, 2, params).result()
         assert [s.logprobs for s in later.sequences] == [s.logprobs for s in before.sequences]
         with pytest.raises(tinker.RequestFailedError, match="exist already"):

@@ -84,6 +84,14 @@ def supervised_datum(tokenizer: Any, text: str) -> types.Datum:
     )
 
 
+def train_step(run: SdkRun, text: str, learning_rate: float = 5e-2) -> None:
+    """One supervised forward_backward + optim_step on ``text``, awaited (bounded: a held call
+    fails the test instead of hanging it)."""
+    datum = supervised_datum(run.tokenizer, text)
+    run.training.forward_backward([datum], "cross_entropy").result(timeout=60)
+    run.training.optim_step(types.AdamParams(learning_rate=learning_rate)).result(timeout=60)
+
+
 def supervised_loop(service: tinker.ServiceClient, steps: int = 4) -> list[float]:
     """The docs' SL loop: build data, forward_backward, optim_step, await, log the loss."""
     training_client = service.create_lora_training_client(base_model="llama", rank=4).result()

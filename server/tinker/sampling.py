@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec
-from trainwire.server.errors import FailedPrecondition
+from trainwire.server.errors import FailedPrecondition, NotFound
 from trainwire.server.model_loading import resolve_under
 from trainwire.server.state_dir import check_name
 from trainwire.server.tinker import codec
@@ -125,7 +125,9 @@ class SamplingRoutes:
         front = self.front
         if front.samplers.is_live(sampler):
             return SnapshotWeights(live=True)
-        model = front.require_model(front.model.model_id if front.model else "")
+        model = front.model
+        if model is None:
+            raise NotFound("no model on this server: its sampling clients ended with it")
         if sampler.export is not None:
             run = front.host.state_dir.run(model.run_id)
             return SnapshotWeights(live=False, export=run.export(sampler.export))
