@@ -25,8 +25,8 @@ from pathlib import Path
 from trainwire.client import ManagedTrainingPlan, SessionClient, TrainingConfig
 from trainwire.client.artifacts import write_run_artifacts
 from trainwire.client.controller import Controller
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port, make_tiny_model, tiny_text_examples
 
 CHECKPOINT_EVERY = 10

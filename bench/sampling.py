@@ -34,7 +34,7 @@ from common import run_on_device  # bench/common.py
 from engine import QWEN2_05B, synchronize, write_model  # bench/engine.py
 
 from trainwire.client import TrainingConfig
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import make_tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "trainwire" / "data" / "corpus.txt"

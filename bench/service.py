@@ -35,8 +35,8 @@ import grpc
 
 from trainwire.client import InputExample, SessionClient, TrainingConfig, chunks
 from trainwire.server import TrainingSession, serve
-from trainwire.server.journal import Journal
-from trainwire.server.state_dir import CHUNK_BYTES
+from trainwire.server.service.journal import Journal
+from trainwire.server.service.state_dir import CHUNK_BYTES
 from trainwire.testing import make_tiny_model, tiny_text_examples
 from trainwire.v1 import session_pb2 as pb
 

@@ -2,7 +2,7 @@
 
 Importing the package stays light (no torch, no gRPC): ``TrainingSession``, ``ManagedTraining``
 and ``SessionHost`` load on first use, and ``serve(...)`` imports the gRPC server
-(``trainwire.server.grpc_server``) when called.
+(``trainwire.server.grpc.serve``) when called.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainwire.server.grpc_server import ServerHandle
-    from trainwire.server.host import SessionHost
-    from trainwire.server.managed import ManagedTraining
-    from trainwire.server.session import TrainingSession
+    from trainwire.server.engine.managed import ManagedTraining
+    from trainwire.server.engine.session import TrainingSession
+    from trainwire.server.grpc.serve import ServerHandle
+    from trainwire.server.service.host import SessionHost
 
 _LAZY = {
-    "TrainingSession": "trainwire.server.session",
-    "ManagedTraining": "trainwire.server.managed",
-    "SessionHost": "trainwire.server.host",
+    "TrainingSession": "trainwire.server.engine.session",
+    "ManagedTraining": "trainwire.server.engine.managed",
+    "SessionHost": "trainwire.server.service.host",
 }
 
 __all__ = ["ManagedTraining", "SessionHost", "TrainingSession", "serve"]
@@ -27,9 +27,9 @@ __all__ = ["ManagedTraining", "SessionHost", "TrainingSession", "serve"]
 
 def serve(*args: Any, **kwargs: Any) -> ServerHandle:
     """Start a trainwire server and return its handle (``.port``, ``.stop()``); the arguments are
-    ``trainwire.server.grpc_server.serve``'s (``listen, state_dir, model_root=None, device=None,
+    ``trainwire.server.grpc.serve.serve``'s (``listen, state_dir, model_root=None, device=None,
     token=None``, then TLS, limits and interceptors by keyword)."""
-    from trainwire.server.grpc_server import serve as start
+    from trainwire.server.grpc.serve import serve as start
 
     return start(*args, **kwargs)
 

@@ -46,7 +46,7 @@ from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
 
 if TYPE_CHECKING:  # the host imports torch; the fixtures import it when a test asks for one
-    from trainwire.server.host import SessionHost
+    from trainwire.server.service.host import SessionHost
 
 SMALL_SETTINGS: dict[str, Any] = {
     "batch_size": 3,
@@ -141,7 +141,7 @@ def small_lora() -> LoraSettings:
 
 @pytest.fixture
 def make_host(tmp_path: Path, model_root: Path) -> Iterator[Callable[..., SessionHost]]:
-    from trainwire.server.host import SessionHost
+    from trainwire.server.service.host import SessionHost
 
     hosts = []
 

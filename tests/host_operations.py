@@ -6,7 +6,7 @@ from __future__ import annotations
 from service_fixtures import TEXTS, microbatches
 
 from trainwire.client.outcomes import OperationSpec
-from trainwire.server.host import SessionHost
+from trainwire.server.service.host import SessionHost
 
 BATCHES = microbatches(TEXTS)
 

@@ -25,8 +25,8 @@ import pytest
 from plans import sentiment_plan
 
 from trainwire.client import ManagedTrainingPlan, write_manifest
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port
 
 RUN_ID = "chaos"

@@ -11,8 +11,8 @@ from service_fixtures import connect, running_server
 from trainwire.client import LoraSettings
 from trainwire.client.controller import Controller
 from trainwire.server import serve
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port
 
 

@@ -15,8 +15,8 @@ from service_fixtures import running_server
 from trainwire.cli import main
 from trainwire.client import ManagedTrainingPlan, SessionClient, write_manifest
 from trainwire.client.dispatch import Dispatcher, run_id_for
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port, tiny_sentiment_examples, tiny_text_examples
 
 

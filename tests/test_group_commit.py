@@ -10,7 +10,7 @@ import pytest
 from host_operations import BATCHES, op
 
 from trainwire.server.errors import FailedPrecondition, Unavailable
-from trainwire.server.journal import Journal, JournalEntry
+from trainwire.server.service.journal import Journal, JournalEntry
 
 
 def entry(key: str, position: int) -> JournalEntry:

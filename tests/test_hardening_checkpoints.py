@@ -19,7 +19,7 @@ import pytest
 
 from trainwire.client import files
 from trainwire.client.files import atomic_directory
-from trainwire.server.state_dir import StateDirectory
+from trainwire.server.service.state_dir import StateDirectory
 
 
 def _write_version(folder: Path, content: str) -> None:

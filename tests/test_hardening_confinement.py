@@ -14,7 +14,7 @@ from host_operations import op, run_ops
 
 from trainwire.client.outcomes import WeightsSource
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.server.state_dir import list_export_files
+from trainwire.server.service.state_dir import list_export_files
 
 
 def _link_outside(folder, outside) -> None:
@@ -101,7 +101,7 @@ def test_a_model_file_linked_outside_the_model_root_is_refused(
         host.load_weights(WeightsSource("model_path", "linked-out"), op("lw", 0))
     assert str(tmp_path) not in str(refused.value)
     assert str(model_root) not in str(refused.value)
-    from trainwire.server.session import TrainingSession
+    from trainwire.server.engine.session import TrainingSession
 
     with pytest.raises(InvalidArgument, match="links outside the model root"):
         TrainingSession(llama_config(model="linked-out"), model_root=model_root)

@@ -15,7 +15,7 @@ import pytest
 from safetensors import SafetensorError
 from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 
-from trainwire.server import session_checkpoint
+from trainwire.server.engine import session_checkpoint
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "

@@ -16,6 +16,8 @@ from host_operations import BATCHES, op, run_ops
 from service_fixtures import REVIEWS
 
 from trainwire.client import outcomes
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session_checkpoint import read_extra
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -24,9 +26,7 @@ from trainwire.server.errors import (
     PositionMismatch,
     Unavailable,
 )
-from trainwire.server.servicer import config_from_json
-from trainwire.server.session import TrainingSession
-from trainwire.server.session_checkpoint import read_extra
+from trainwire.server.grpc.servicer import config_from_json
 
 
 def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, host_config):

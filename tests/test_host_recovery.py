@@ -14,7 +14,7 @@ from trainwire.client import outcomes
 from trainwire.server.errors import (
     Unavailable,
 )
-from trainwire.server.host import SessionHost
+from trainwire.server.service.host import SessionHost
 
 
 def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same_digest(

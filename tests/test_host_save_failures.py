@@ -9,7 +9,7 @@ import sqlite3
 from host_operations import BATCHES, op
 
 from trainwire.client import files
-from trainwire.server.journal import Journal
+from trainwire.server.service.journal import Journal
 
 
 def test_a_save_whose_directory_fsync_fails_after_the_rename_counts_as_applied(

@@ -1,7 +1,7 @@
 """`trainwire inspect` on a session checkpoint and on an export."""
 
 from trainwire.cli import main
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_text_examples
 
 

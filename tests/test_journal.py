@@ -6,7 +6,7 @@ import sqlite3
 
 import pytest
 
-from trainwire.server.journal import Journal, JournalEntry
+from trainwire.server.service.journal import Journal, JournalEntry
 
 
 def entry(key: str, position: int, **result) -> JournalEntry:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from trainwire.client.tokens import TokenExample, is_token_batch
+from trainwire.server.engine.losses import LOSSES, TokenInputs, require_inputs, resolve_loss
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.losses import LOSSES, TokenInputs, require_inputs, resolve_loss
 
 
 def _inputs(n: int = 64, seed: int = 0):

@@ -4,8 +4,8 @@ import pytest
 from plans import drive_plan, sentiment_plan
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_text_examples
 
 

@@ -18,8 +18,8 @@ from service_fixtures import (
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
 from trainwire.client.controller import Controller
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)

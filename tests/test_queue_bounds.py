@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 
-from trainwire.server.executor import DEFAULT_MAX_QUEUED
+from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
 
 
 def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(

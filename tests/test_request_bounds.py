@@ -7,9 +7,9 @@ import pytest
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import InputExample, TokenExample
-from trainwire.server import request_limits
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.session import TrainingSession
+from trainwire.server.service import request_limits
 
 
 @pytest.fixture

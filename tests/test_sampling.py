@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import InputExample, LoraSettings, TokenExample
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)

@@ -11,7 +11,7 @@ import pytest
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.retry import RetryPolicy, call_with_retry, position_from_error
-from trainwire.server import journal as journal_records
+from trainwire.server.service import journal as journal_records
 from trainwire.v1 import session_pb2 as pb
 
 
@@ -196,8 +196,8 @@ def test_the_server_package_imports_torch_only_once_the_engine_is_touched():
 def test_the_server_package_exports_load_lazily_and_serve_is_callable():
     import trainwire.server
     from trainwire.server import ManagedTraining, SessionHost, TrainingSession, serve
-    from trainwire.server.host import SessionHost as HostClass
-    from trainwire.server.managed import ManagedTraining as ManagedClass
+    from trainwire.server.engine.managed import ManagedTraining as ManagedClass
+    from trainwire.server.service.host import SessionHost as HostClass
 
     assert (ManagedTraining, SessionHost) == (ManagedClass, HostClass)
     assert TrainingSession is trainwire.server.TrainingSession
@@ -212,7 +212,11 @@ def test_the_engine_and_the_host_import_neither_grpc_nor_protobuf():
         "import sys, {module}\n"
         "print(sorted(m for m in ('grpc', 'grpc_health', 'google.protobuf') if m in sys.modules))"
     )
-    for module in ("trainwire.server.session", "trainwire.server.host", "trainwire.client.plan"):
+    for module in (
+        "trainwire.server.engine.session",
+        "trainwire.server.service.host",
+        "trainwire.client.plan",
+    ):
         done = subprocess.run(
             [sys.executable, "-c", probe.format(module=module)],
             capture_output=True,
@@ -223,7 +227,7 @@ def test_the_engine_and_the_host_import_neither_grpc_nor_protobuf():
         assert done.stdout.strip() == "[]", (module, done.stdout)
     # The probe sees grpc when it is there.
     done = subprocess.run(
-        [sys.executable, "-c", probe.format(module="trainwire.server.servicer")],
+        [sys.executable, "-c", probe.format(module="trainwire.server.grpc.servicer")],
         capture_output=True,
         text=True,
         timeout=120,

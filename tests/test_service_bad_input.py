@@ -12,7 +12,7 @@ import pytest
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import InputExample, SessionClient
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 
 TOKEN = "s3cret-token"
 MAX_MESSAGE_BYTES = 256 * 1024

@@ -28,9 +28,9 @@ from service_fixtures import (
 from trainwire.client import outcomes, wire
 from trainwire.client.retry import position_from_error
 from trainwire.client.session_client import DownloadError
-from trainwire.server.grpc_server import SERVICE_NAME
-from trainwire.server.journal import Journal
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.grpc.serve import SERVICE_NAME
+from trainwire.server.service.journal import Journal
 
 
 @pytest.fixture

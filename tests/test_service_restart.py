@@ -13,7 +13,7 @@ import pytest
 from service_fixtures import TEXTS, apply_remote, connect, training_ops, wait_for
 
 from trainwire.client import outcomes
-from trainwire.server.journal import Journal
+from trainwire.server.service.journal import Journal
 
 TOKEN = "restart-token"
 

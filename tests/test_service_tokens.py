@@ -7,7 +7,7 @@ import pytest
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import LoraSettings, SessionClient, TokenExample, forward_backward_custom
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)

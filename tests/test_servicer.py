@@ -18,8 +18,8 @@ from trainwire.server.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from trainwire.server.servicer import TrainingSessionServicer
-from trainwire.server.state_dir import list_export_files
+from trainwire.server.grpc.servicer import TrainingSessionServicer
+from trainwire.server.service.state_dir import list_export_files
 from trainwire.v1 import session_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["TrainingSessionService"]

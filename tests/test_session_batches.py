@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from trainwire.client import InputExample
-from trainwire.server.batching import IGNORE_INDEX
+from trainwire.server.engine.batching import IGNORE_INDEX
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.session import TrainingSession
 from trainwire.testing import SENTIMENT_LABELS, tiny_sentiment_examples
 
 PROMPT = "Question: what is 1 plus 2? Answer:"

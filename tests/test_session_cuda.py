@@ -16,8 +16,8 @@ from plans import drive_plan
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trainwire.client import ManagedTrainingPlan
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition
-from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 # cuBLAS reads this when it initializes; deterministic algorithms refuse to run without it.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from trainwire.server.rng import RngState
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.rng import RngState
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_text_examples
 
 TEXTS = tiny_text_examples(6)

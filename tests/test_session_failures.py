@@ -10,8 +10,8 @@ import torch
 from plans import drive_plan
 
 from trainwire.client import ManagedTrainingPlan
+from trainwire.server.engine.session import LossHook, TrainingSession
 from trainwire.server.errors import FailedPrecondition, ResourceExhausted
-from trainwire.server.session import LossHook, TrainingSession
 from trainwire.testing import tiny_text_examples
 
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from trainwire.client import TrainingConfig
-from trainwire.server import session as session_module
+from trainwire.server.engine import session as session_module
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument, NotFound
-from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_text_examples
 
 TEXTS = tiny_text_examples(6)

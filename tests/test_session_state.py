@@ -17,9 +17,9 @@ from plans import drive_plan
 from safetensors.torch import load_file
 
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
-from trainwire.server import session_checkpoint as ckpt
+from trainwire.server.engine import session_checkpoint as ckpt
+from trainwire.server.engine.session import LossHook, TrainingSession
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.session import LossHook, TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 # 11 examples in batches of 3 give 4 microbatches an epoch (the last holds 2); with accumulation 3

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainwire.server import session_checkpoint as ckpt
+from trainwire.server.engine import session_checkpoint as ckpt
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
-from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_text_examples
 
 

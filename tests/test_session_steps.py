@@ -16,9 +16,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
+from trainwire.server.engine.optimization import learning_rate_at, parameter_groups
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition
-from trainwire.server.optimization import learning_rate_at, parameter_groups
-from trainwire.server.session import TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 TEXTS = tiny_text_examples(6)

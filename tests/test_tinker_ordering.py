@@ -10,7 +10,7 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
-from trainwire.server.request_limits import MAX_EXAMPLES, MAX_TOKENS
+from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 from trainwire.server.tinker.codec import forward_backward_call, parse_forward_backward
 from trainwire.server.tinker.ordering import SeqOrder
 

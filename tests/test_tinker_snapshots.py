@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from trainwire.client import LoraSettings
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition
-from trainwire.server.session import TrainingSession
 from trainwire.server.tinker.snapshots import SnapshotWeights, sample_from
 from trainwire.testing import tiny_token_examples
 

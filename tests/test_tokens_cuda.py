@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_token_examples
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

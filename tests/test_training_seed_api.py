@@ -291,7 +291,7 @@ def test_a_resume_into_another_model_names_every_difference(lora_run, bert_run):
 
 
 def test_the_seeds_usage_examples_run_unchanged(tmp_path, monkeypatch, bert_classifier_config):
-    from trainwire.server.session import TrainingSession
+    from trainwire.server.engine.session import TrainingSession
     from trainwire.server.training import ManifestModule
 
     monkeypatch.chdir(tmp_path)

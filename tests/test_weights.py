@@ -18,11 +18,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainwire.client import LoraSettings
-from trainwire.server import session_checkpoint as ckpt
-from trainwire.server import weights
-from trainwire.server.digest import update_with_tensors
+from trainwire.server.engine import session_checkpoint as ckpt
+from trainwire.server.engine import weights
+from trainwire.server.engine.digest import update_with_tensors
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
-from trainwire.server.session import TrainingSession
 from trainwire.testing import make_tiny_model, tiny_sentiment_examples, tiny_text_examples
 
 TASKS = ["causal-lm", "sequence-classification"]

@@ -19,8 +19,8 @@ from plans import drive_plan
 
 from trainwire.client import ManagedTrainingPlan, write_plan_manifest
 from trainwire.client.results import TrainingResult
-from trainwire.server.managed import ManagedTraining
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.managed import ManagedTraining
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.training.run import train
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 

@@ -20,7 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, ResourceExhausted
-from trainwire.server.request_limits import MAX_EXAMPLES, MAX_TOKENS
+from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 from trainwire.server.tinker.fields import (
     get_bool,
     get_dict,

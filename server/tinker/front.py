@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, TrainwireError
-from trainwire.server.host import SessionHost
-from trainwire.server.model_loading import resolve_under
+from trainwire.server.paths import resolve_under
+from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.futures import (
     USER_ERRORS,

@@ -8,7 +8,7 @@ import time
 
 import uvicorn
 
-from trainwire.server.host import SessionHost
+from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.app import create_app
 from trainwire.server.tinker.auth import check_token
 from trainwire.server.tinker.front import TinkerFront

@@ -1,6 +1,6 @@
 """Each target's loss (``elementwise_loss`` in the SDK's output), from the logprobs the engine
 returned and the datum's inputs, through the engine's own loss functions
-(``trainwire.server.losses``): the same terms, token by token, whose sum is ``loss:sum``.
+(``trainwire.server.engine.losses``): the same terms, token by token, whose sum is ``loss:sum``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from trainwire.client.tokens import TokenExample
-from trainwire.server.losses import TokenInputs, resolve_loss
+from trainwire.server.engine.losses import TokenInputs, resolve_loss
 
 
 def elementwise_loss(

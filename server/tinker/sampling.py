@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, NotFound
-from trainwire.server.model_loading import resolve_under
-from trainwire.server.state_dir import check_name
+from trainwire.server.paths import resolve_under
+from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.ordering import digest

@@ -20,9 +20,9 @@ import torch
 
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.weights import plan_weights_load
 from trainwire.server.errors import FailedPrecondition
-from trainwire.server.session import TrainingSession
-from trainwire.server.weights import plan_weights_load
 
 
 @dataclass(frozen=True)

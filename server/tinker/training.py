@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import FailedPrecondition
-from trainwire.server.state_dir import check_name
+from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.losses import elementwise_loss

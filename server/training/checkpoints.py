@@ -31,7 +31,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from trainwire.client.files import write_bytes_atomic
 
 if TYPE_CHECKING:
-    from trainwire.server.session import TrainingSession
+    from trainwire.server.engine.session import TrainingSession
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_NAME = "last"

@@ -31,7 +31,7 @@ from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
 from trainwire.client.replay import RunState, StepOutcome, run_microbatch, training_result
 from trainwire.client.results import TrainingResult
-from trainwire.server.session import StepResult, TrainingSession
+from trainwire.server.engine.session import StepResult, TrainingSession
 from trainwire.server.training.checkpoints import (
     RECORD_FORMAT,
     RECORD_KEY,

@@ -26,7 +26,7 @@ from trainwire.client.overrides import checked_config_overrides, config_with_ove
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.replay import RunState, training_result
 from trainwire.client.results import TrainingResult
-from trainwire.server.session import TrainingSession
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.training.callbacks import StopOnInterrupt
 from trainwire.server.training.checkpoints import (
     CHECKPOINT_DIR,

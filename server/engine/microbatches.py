@@ -16,12 +16,12 @@ import torch
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.tokens import DEFAULT_LOSS, is_token_batch
-from trainwire.server.batching import Batch, BatchEncoder
+from trainwire.server.engine.batching import Batch, BatchEncoder
+from trainwire.server.engine.loss_hook import LossHook
+from trainwire.server.engine.losses import LossSpec, require_inputs, resolve_loss
+from trainwire.server.engine.session_results import ForwardResult, Prediction, TokenOutput
+from trainwire.server.engine.token_batches import TokenBatch, encode_token_batch
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.loss_hook import LossHook
-from trainwire.server.losses import LossSpec, require_inputs, resolve_loss
-from trainwire.server.session_results import ForwardResult, Prediction, TokenOutput
-from trainwire.server.token_batches import TokenBatch, encode_token_batch
 
 
 @dataclass

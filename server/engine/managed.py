@@ -24,8 +24,8 @@ from trainwire.client.replay import (
     training_result,
 )
 from trainwire.client.results import TrainingResult
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.server.session import TrainingSession
 
 MANAGED_KEY = "managed"
 BEST_CHECKPOINT = "best"
@@ -144,7 +144,7 @@ class ManagedTraining:
 
     def load_state(self, path: str | Path) -> None:
         """Resume from a managed checkpoint into this run's fresh session."""
-        from trainwire.server.session_checkpoint import read_extra
+        from trainwire.server.engine.session_checkpoint import read_extra
 
         saved = read_extra(Path(path)).get(MANAGED_KEY)
         if saved is None:

@@ -22,24 +22,28 @@ import torch
 from trainwire.client.config import InputExample, TrainingConfig, is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server import session_checkpoint as ckpt
-from trainwire.server import weights
-from trainwire.server.batching import BatchEncoder
-from trainwire.server.device import refuse_unsupported_setups, resolve_device, resolve_dtype
-from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.server.loss_hook import LossHook, LossHookFactory
-from trainwire.server.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
-from trainwire.server.model_loading import load_session_model, load_tokenizer, resolve_model_dir
-from trainwire.server.operation_guard import OperationGuard, refuse_out_of_memory
-from trainwire.server.optimization import (
+from trainwire.server.engine import session_checkpoint as ckpt
+from trainwire.server.engine import weights
+from trainwire.server.engine.batching import BatchEncoder
+from trainwire.server.engine.device import refuse_unsupported_setups, resolve_device, resolve_dtype
+from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
+from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
+from trainwire.server.engine.model_loading import (
+    load_session_model,
+    load_tokenizer,
+    resolve_model_dir,
+)
+from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
+from trainwire.server.engine.optimization import (
     apply_update,
     build_optimizer,
     check_learning_rate,
     learning_rate_at,
 )
-from trainwire.server.rng import RngState
-from trainwire.server.sampling import Sampler, SamplingParams
-from trainwire.server.session_results import ForwardResult, StepResult, TokenOutput
+from trainwire.server.engine.rng import RngState
+from trainwire.server.engine.sampling import Sampler, SamplingParams
+from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 logger = logging.getLogger(__name__)
 

@@ -16,16 +16,21 @@ import torch
 
 from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
-from trainwire.server.digest import update_with_tensors
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
-from trainwire.server.model_loading import MODEL_CONFIG_FILE
-from trainwire.server.session_checkpoint import (
+from trainwire.server.engine.digest import update_with_tensors
+from trainwire.server.engine.model_loading import MODEL_CONFIG_FILE
+from trainwire.server.engine.session_checkpoint import (
     MODEL_FILE,
     is_session_checkpoint,
     read_provenance,
     read_session_json,
 )
-from trainwire.server.tensor_files import copy_into, describe_mismatches, load_tensors, write_json
+from trainwire.server.engine.tensor_files import (
+    copy_into,
+    describe_mismatches,
+    load_tensors,
+    write_json,
+)
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 
 EXPORT_FORMAT = "trainwire.export/v1"
 EXPORT_FILE = "trainwire_export.json"

@@ -30,8 +30,11 @@ from trainwire.client import outcomes
 from trainwire.client.config import InputExample
 from trainwire.client.outcomes import OperationOutcome, OperationSpec
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import AlreadyExists, InvalidArgument, NotFound, PositionMismatch
-from trainwire.server.journal import (
+from trainwire.server.paths import resolve_under
+from trainwire.server.service.journal import (
     EXPORT_WEIGHTS,
     OUTCOME_TYPES,
     Journal,
@@ -39,17 +42,14 @@ from trainwire.server.journal import (
     outcome_from_record,
     outcome_record,
 )
-from trainwire.server.model_loading import resolve_under
-from trainwire.server.recovery import (
+from trainwire.server.service.recovery import (
     checkpoint_extra,
     latest_checkpoint,
     prune_checkpoints,
     restore_into,
     written_by,
 )
-from trainwire.server.session import TrainingSession
-from trainwire.server.session_results import TokenOutput
-from trainwire.server.state_dir import RunDirectory, RunSpec, check_name, list_export_files
+from trainwire.server.service.state_dir import RunDirectory, RunSpec, check_name, list_export_files
 
 logger = logging.getLogger(__name__)
 

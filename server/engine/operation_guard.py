@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from trainwire.server.engine.rng import RngState, preserved_global_rng
 from trainwire.server.errors import FailedPrecondition, ResourceExhausted, is_out_of_memory
-from trainwire.server.rng import RngState, preserved_global_rng
 
 logger = logging.getLogger(__name__)
 

@@ -25,8 +25,12 @@ from trainwire.client import outcomes
 from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationOutcome, OperationSpec, SessionInfo
 from trainwire.client.tokens import DEFAULT_LOSS
-from trainwire.server import journal as kinds
-from trainwire.server.active_run import (
+from trainwire.server.engine.device import resolve_device
+from trainwire.server.engine.optimization import check_learning_rate
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from trainwire.server.service import journal as kinds
+from trainwire.server.service.active_run import (
     ActiveRun,
     Applying,
     Durable,
@@ -39,15 +43,11 @@ from trainwire.server.active_run import (
     optim_step_payload,
     wait_durable,
 )
-from trainwire.server.device import resolve_device
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
-from trainwire.server.executor import SessionExecutor
-from trainwire.server.journal import Journal, check_operation_key, payload_digest
-from trainwire.server.optimization import check_learning_rate
-from trainwire.server.position_gate import PositionGate
-from trainwire.server.request_limits import check_batch, check_texts, check_token_lists
-from trainwire.server.session import TrainingSession
-from trainwire.server.state_dir import (
+from trainwire.server.service.executor import SessionExecutor
+from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
+from trainwire.server.service.position_gate import PositionGate
+from trainwire.server.service.request_limits import check_batch, check_texts, check_token_lists
+from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
     StateDirectory,

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session_checkpoint import read_extra, verify_checkpoint
 from trainwire.server.errors import InvalidArgument, NotFound
-from trainwire.server.journal import SAVE_STATE, Journal, JournalEntry
-from trainwire.server.session import TrainingSession
-from trainwire.server.session_checkpoint import read_extra, verify_checkpoint
-from trainwire.server.state_dir import RunDirectory
+from trainwire.server.service.journal import SAVE_STATE, Journal, JournalEntry
+from trainwire.server.service.state_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig
-from trainwire.server.batching import Batch
+from trainwire.server.engine.batching import Batch
+from trainwire.server.engine.losses import LossOutput, LossSpec
+from trainwire.server.engine.token_batches import TokenBatch, target_logprobs
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.losses import LossOutput, LossSpec
-from trainwire.server.token_batches import TokenBatch, target_logprobs
 
 
 class LossHook:
@@ -47,7 +47,7 @@ class LossHook:
     ) -> tuple[LossOutput, torch.Tensor]:
         """A token batch's loss and the flat logprobs of its targets (``batch.mask`` order).
 
-        The default runs the named loss function (``trainwire.server.losses``) on the model's
+        The default runs the named loss function (``trainwire.server.engine.losses``) on the model's
         logprobs; a subclass may add terms or state, as ``compute_loss`` may for text.
         """
         logp = target_logprobs(model, batch)[batch.mask]

@@ -34,8 +34,8 @@ from typing import Any
 from trainwire.client.files import clean_leftovers, write_text_atomic
 from trainwire.client.outcomes import ExportedFile
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.server.journal import JOURNAL_FILE
 from trainwire.server.paths import links_under, resolve_inside, symlink_between
+from trainwire.server.service.journal import JOURNAL_FILE
 
 logger = logging.getLogger(__name__)
 

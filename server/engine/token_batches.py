@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from trainwire.client.tokens import FLOAT_FIELDS, TokenExample
+from trainwire.server.engine.losses import TokenInputs
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.losses import TokenInputs
 
 
 @dataclass

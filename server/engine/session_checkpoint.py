@@ -31,21 +31,21 @@ import torch
 
 from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
-from trainwire.server.digest import update_with_tensors
+from trainwire.server.engine.digest import update_with_tensors
+from trainwire.server.engine.rng import RngState, preserved_global_rng
+from trainwire.server.engine.tensor_files import (
+    copy_into,
+    describe_mismatches,
+    load_tensors,
+    save_tensors,
+    write_json,
+)
 from trainwire.server.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     is_disk_full,
-)
-from trainwire.server.rng import RngState, preserved_global_rng
-from trainwire.server.tensor_files import (
-    copy_into,
-    describe_mismatches,
-    load_tensors,
-    save_tensors,
-    write_json,
 )
 
 CHECKPOINT_FORMAT = "trainwire.checkpoint/v1"

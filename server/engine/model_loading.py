@@ -12,44 +12,9 @@ import torch
 
 from trainwire.client.config import LoraSettings, TrainingConfig
 from trainwire.server.errors import InvalidArgument, NotFound
-from trainwire.server.paths import links_leaving, resolve_inside
+from trainwire.server.paths import resolve_under
 
 MODEL_CONFIG_FILE = "config.json"
-
-
-def resolve_under(root: Path | None, name: str, what: str) -> Path:
-    """``name`` as a path inside ``root`` (any local path when there is no root).
-
-    Symlinks are resolved first (``paths.resolve_inside``), so a link cannot lead outside the
-    root either, and nor can a link inside the directory: every one must stay in the real root
-    (a Hugging Face cache's snapshot-to-blob links do). Messages name paths as the caller gave
-    them, never where the server keeps them.
-    """
-    if not name:
-        raise InvalidArgument(f"{what}: empty path")
-    try:
-        return _confined_model_path(root, name, what)
-    except (OSError, ValueError) as error:  # too long, a NUL byte, a loop of links
-        if isinstance(error, InvalidArgument):
-            raise
-        reason = getattr(error, "strerror", None) or str(error)
-        raise InvalidArgument(f"{what} {name[:100]!r} is not a usable path ({reason})") from None
-
-
-def _confined_model_path(root: Path | None, name: str, what: str) -> Path:
-    if root is None:
-        return Path(name).expanduser().resolve()
-    candidate = resolve_inside(root, name)
-    if candidate is None:
-        raise InvalidArgument(f"{what} {name[:100]!r} resolves outside the model root; refused")
-    if candidate.is_dir():
-        leaving = links_leaving(root, candidate)
-        if leaving:
-            raise InvalidArgument(
-                f"{what} {name!r}: {leaving[0].relative_to(candidate)} links outside the model "
-                "root; refused. Copy the file into the model root instead of linking it"
-            )
-    return candidate
 
 
 def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:

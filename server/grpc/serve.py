@@ -24,8 +24,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from trainwire.client.files import Pem, read_pem
-from trainwire.server.host import SessionHost
-from trainwire.server.servicer import TrainingSessionServicer, add_to_server
+from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
+from trainwire.server.service.host import SessionHost
 from trainwire.v1 import session_pb2
 
 logger = logging.getLogger(__name__)

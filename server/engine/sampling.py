@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
+from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.token_batches import encode_token_batch, target_logprobs
 
 STOP, LENGTH = "stop", "length"  # Sample.stop_reason
 

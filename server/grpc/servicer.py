@@ -20,8 +20,6 @@ from google.protobuf.message import DecodeError
 
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import TrainingConfig
-from trainwire.server import journal as kinds
-from trainwire.server.active_run import Examples, LossChoice
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -33,8 +31,10 @@ from trainwire.server.errors import (
     Unavailable,
     exhaustion_advice,
 )
-from trainwire.server.host import SessionHost
-from trainwire.server.state_dir import check_name, read_export_files
+from trainwire.server.service import journal as kinds
+from trainwire.server.service.active_run import Examples, LossChoice
+from trainwire.server.service.host import SessionHost
+from trainwire.server.service.state_dir import check_name, read_export_files
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 
