@@ -6,7 +6,9 @@ from __future__ import annotations
 from service_fixtures import TEXTS, microbatches
 
 from trainwire.client.outcomes import OperationSpec
+from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.requests import ForwardBackwardRequest, OptimStepRequest
 
 BATCHES = microbatches(TEXTS)
 
@@ -20,6 +22,12 @@ def run_ops(host: SessionHost, start: int, pairs: int) -> list[object]:
     outcomes = []
     for position in range(start, start + 2 * pairs, 2):
         batch = BATCHES[(position // 2) % len(BATCHES)]
-        outcomes.append(host.forward_backward(batch, op(f"k{position}", position)))
-        outcomes.append(host.optim_step(op(f"k{position + 1}", position + 1)))
+        outcomes.append(
+            host.apply(
+                ops.FORWARD_BACKWARD, ForwardBackwardRequest(batch), op(f"k{position}", position)
+            )
+        )
+        outcomes.append(
+            host.apply(ops.OPTIM_STEP, OptimStepRequest(), op(f"k{position + 1}", position + 1))
+        )
     return outcomes

@@ -10,7 +10,9 @@ import pytest
 from host_operations import BATCHES, op
 
 from trainwire.server.errors import FailedPrecondition, Unavailable
+from trainwire.server.service import operations as ops
 from trainwire.server.service.journal import Journal, JournalEntry
+from trainwire.server.service.requests import ForwardBackwardRequest
 
 
 def entry(key: str, position: int) -> JournalEntry:
@@ -53,10 +55,14 @@ def test_the_next_operation_runs_while_the_last_ones_commit_waits_and_neither_re
     release, _ = held_writes(host.journal, monkeypatch)
     results: dict[str, object] = {}
     first = threading.Thread(
-        target=lambda: results.update(a=host.forward_backward(BATCHES[0], op("a", 0)))
+        target=lambda: results.update(
+            a=host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0))
+        )
     )
     second = threading.Thread(
-        target=lambda: results.update(b=host.forward_backward(BATCHES[1], op("b", 1)))
+        target=lambda: results.update(
+            b=host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("b", 1))
+        )
     )
     first.start()
     deadline = time.monotonic() + 30
@@ -82,6 +88,6 @@ def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(h
 
     monkeypatch.setattr(host.journal, "_write", broken)
     with pytest.raises(FailedPrecondition, match=r"could not record 'a'.*restart the server"):
-        host.forward_backward(BATCHES[0], op("a", 0))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0))
     with pytest.raises(Unavailable, match="cannot serve its session"):
-        host.forward_backward(BATCHES[1], op("b", 1))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("b", 1))

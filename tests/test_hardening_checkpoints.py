@@ -19,6 +19,8 @@ import pytest
 
 from trainwire.client import files
 from trainwire.client.files import atomic_directory
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import CheckpointRequest
 from trainwire.server.service.state_dir import StateDirectory
 
 
@@ -183,9 +185,9 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_newest_intact_one(
     from host_operations import op, run_ops
 
     run_ops(host, 0, 1)
-    intact = host.save_state("early", op("save-early", 2))
+    intact = host.apply(ops.SAVE_STATE, CheckpointRequest("early"), op("save-early", 2))
     run_ops(host, 3, 1)
-    host.save_state("late", op("save-late", 5))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("late"), op("save-late", 5))
     host.release()
     late = host.state_dir.run("run").checkpoint("late")
     damage(late / file)
@@ -212,7 +214,7 @@ def test_recovery_with_every_checkpoint_damaged_starts_from_the_beginning_and_sa
     from host_operations import op, run_ops
 
     run_ops(host, 0, 1)
-    host.save_state("only", op("save", 2))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("only"), op("save", 2))
     host.release()
     _truncate(host.state_dir.run("run").checkpoint("only") / "gradients.safetensors")
 

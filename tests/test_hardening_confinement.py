@@ -14,6 +14,12 @@ from host_operations import op, run_ops
 
 from trainwire.client.outcomes import WeightsSource
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ExportWeightsRequest,
+    LoadWeightsRequest,
+)
 from trainwire.server.service.state_dir import list_export_files
 
 
@@ -40,8 +46,10 @@ def test_a_linked_folder_of_the_state_directory_is_refused_and_nothing_lands_out
     before = _files(outside)
 
     calls = {
-        "checkpoints": [lambda: host.save_state("c1", op("save", 2))],
-        "exports": [lambda: host.export_weights("e1", op("export", 2))],
+        "checkpoints": [lambda: host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))],
+        "exports": [
+            lambda: host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("e1"), op("export", 2))
+        ],
     }
     for call in calls.get(linked, calls["checkpoints"] + calls["exports"]):
         with pytest.raises(FailedPrecondition, match="is a symbolic link") as refused:
@@ -54,15 +62,19 @@ def test_a_linked_folder_of_the_state_directory_is_refused_and_nothing_lands_out
 @pytest.mark.parametrize("source", ["load_state", "checkpoint", "export_from"])
 def test_a_file_linked_out_of_a_checkpoint_is_refused(host, tmp_path, source):
     run_ops(host, 0, 1)
-    host.save_state("c1", op("save", 2))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))
     checkpoint = host.state_dir.run("run").checkpoint("c1")
     outside = tmp_path / "outside.safetensors"
     shutil.move(checkpoint / "model.safetensors", outside)
     os.symlink(outside, checkpoint / "model.safetensors")
     calls = {
-        "load_state": lambda: host.load_state("c1", op("load", 3)),
-        "checkpoint": lambda: host.load_weights(WeightsSource("checkpoint", "c1"), op("lw", 3)),
-        "export_from": lambda: host.export_weights("e", op("e", 3), checkpoint="c1"),
+        "load_state": lambda: host.apply(ops.LOAD_STATE, CheckpointRequest("c1"), op("load", 3)),
+        "checkpoint": lambda: host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("checkpoint", "c1")), op("lw", 3)
+        ),
+        "export_from": lambda: host.apply(
+            ops.EXPORT_WEIGHTS, ExportWeightsRequest("e", "c1"), op("e", 3)
+        ),
     }
     with pytest.raises(FailedPrecondition, match=r"holds a symbolic link.*model\.safetensors"):
         calls[source]()
@@ -70,7 +82,7 @@ def test_a_file_linked_out_of_a_checkpoint_is_refused(host, tmp_path, source):
 
 
 def test_an_export_file_linked_outside_is_never_listed_or_sent(host, tmp_path):
-    host.export_weights("e1", op("export", 0))
+    host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("e1"), op("export", 0))
     export = host.state_dir.run("run").export("e1")
     secret = tmp_path / "secret.txt"
     secret.write_text("server secret")
@@ -98,7 +110,11 @@ def test_a_model_file_linked_outside_the_model_root_is_refused(
     os.symlink(outside, model / "model.safetensors")
 
     with pytest.raises(InvalidArgument, match="links outside the model root") as refused:
-        host.load_weights(WeightsSource("model_path", "linked-out"), op("lw", 0))
+        host.apply(
+            ops.LOAD_WEIGHTS,
+            LoadWeightsRequest(WeightsSource("model_path", "linked-out")),
+            op("lw", 0),
+        )
     assert str(tmp_path) not in str(refused.value)
     assert str(model_root) not in str(refused.value)
     from trainwire.server.engine.session import TrainingSession
@@ -116,7 +132,9 @@ def test_links_that_stay_inside_the_model_root_load(host, tiny_llama, model_root
     shutil.move(model / "model.safetensors", blobs / "weights")
     os.symlink(os.path.relpath(blobs / "weights", model), model / "model.safetensors")
 
-    loaded = host.load_weights(WeightsSource("model_path", "cache-like"), op("lw", 0))
+    loaded = host.apply(
+        ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("model_path", "cache-like")), op("lw", 0)
+    )
     assert loaded.position == 1
 
 
@@ -126,5 +144,7 @@ def test_an_unusable_model_path_is_invalid_argument_without_server_paths(host, m
     with pytest.raises(
         InvalidArgument, match=r"not a usable path|outside the model root"
     ) as refused:
-        host.load_weights(WeightsSource("model_path", name), op("lw", 0))
+        host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("model_path", name)), op("lw", 0)
+        )
     assert str(model_root) not in str(refused.value)

@@ -27,6 +27,14 @@ from trainwire.server.errors import (
     Unavailable,
 )
 from trainwire.server.grpc.servicer import config_from_json
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ExportWeightsRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    OptimStepRequest,
+)
 
 
 def test_open_is_idempotent_for_the_same_run_config_steps_and_plan(host, host_config):
@@ -80,17 +88,19 @@ def test_operations_before_open_are_failed_precondition(make_host):
     host = make_host()
 
     with pytest.raises(FailedPrecondition, match="call Open first"):
-        host.forward_backward(BATCHES[0], op("k"))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k"))
     with pytest.raises(FailedPrecondition, match="call Open first"):
-        host.forward(BATCHES[0])
+        host.apply(ops.FORWARD, ForwardRequest(BATCHES[0]))
 
 
 def test_a_retried_key_returns_the_recorded_result_without_running_again(host):
-    first = host.forward_backward(BATCHES[0], op("k1", 0, digest=True))
-    host.optim_step(op("k2", 1))
+    first = host.apply(
+        ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0, digest=True)
+    )
+    host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k2", 1))
     digest = host.info().state_digest
 
-    again = host.forward_backward(BATCHES[0], op("k1", 0))
+    again = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0))
 
     assert again == dataclasses.replace(first, replayed=True)  # the digest it recorded, too
     assert host.info().position == 2 and host.info().state_digest == digest
@@ -98,22 +108,22 @@ def test_a_retried_key_returns_the_recorded_result_without_running_again(host):
 
 
 def test_a_reused_key_with_another_payload_is_already_exists(host):
-    host.forward_backward(BATCHES[0], op("k1"))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1"))
     digest = host.info().state_digest
 
     with pytest.raises(AlreadyExists, match="'k1' was already used for another ForwardBackward"):
-        host.forward_backward(BATCHES[1], op("k1"))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k1"))
     with pytest.raises(AlreadyExists):
-        host.optim_step(op("k1"))
+        host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k1"))
     assert host.info().state_digest == digest and host.info().position == 1
 
 
 def test_a_position_mismatch_names_the_real_position_and_changes_nothing(host):
-    host.forward_backward(BATCHES[0], op("k1", 0))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0))
     digest = host.info().state_digest
 
     with pytest.raises(PositionMismatch, match="the session is at position 1") as raised:
-        host.forward_backward(BATCHES[1], op("k2", 0))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k2", 0))
 
     assert raised.value.position == 1
     assert host.info().state_digest == digest
@@ -124,29 +134,31 @@ def test_an_engine_error_is_not_journaled_and_moves_nothing(host):
     digest = host.info().state_digest
 
     with pytest.raises(InvalidArgument, match="empty batch"):
-        host.forward_backward([], op("k1", 0))
+        host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest([]), op("k1", 0))
     with pytest.raises(FailedPrecondition, match="run forward_backward first"):
-        host.optim_step(op("k1", 0))
+        host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k1", 0))
 
     assert host.info().position == 0 and host.info().state_digest == digest
     assert host.journal.entries() == []
 
 
 def test_the_digest_is_computed_only_when_asked(host):
-    plain = host.forward_backward(BATCHES[0], op("k1"))
-    asked = host.forward_backward(BATCHES[1], op("k2", digest=True))
+    plain = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1"))
+    asked = host.apply(
+        ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k2", digest=True)
+    )
 
     assert plain.state_digest == ""
     assert asked.state_digest == host.info().state_digest
     # A replay of the last operation may still ask: the state is the one it left.
-    assert host.forward_backward(BATCHES[1], op("k2", digest=True)).state_digest == (
-        asked.state_digest
-    )
+    assert host.apply(
+        ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k2", digest=True)
+    ).state_digest == (asked.state_digest)
 
 
 def test_save_state_records_where_the_session_stands_in_the_checkpoint(host):
-    host.forward_backward(BATCHES[0], op("k1"))
-    saved = host.save_state("c1", op("k2"))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1"))
+    saved = host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("k2"))
 
     server = read_extra(host.state_dir.run("run").checkpoint("c1"))["server"]
 
@@ -156,7 +168,7 @@ def test_save_state_records_where_the_session_stands_in_the_checkpoint(host):
 
 def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host, host_config):
     run_ops(host, 0, 1)
-    host.save_state("c1", op("save"))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save"))
     closed = host.close()
 
     assert closed.state == outcomes.CLOSED and host.info() == closed
@@ -167,22 +179,22 @@ def test_a_closed_run_keeps_its_files_and_a_new_run_starts_fresh_beside_it(host,
     assert (opened.created, opened.position, opened.run_id) == (True, 0, "run2")
     assert host.state_dir.run("run").checkpoint("c1").is_dir()
     with pytest.raises(NotFound):  # the other run's checkpoint is not this run's
-        host.load_state("c1", op("load"))
+        host.apply(ops.LOAD_STATE, CheckpointRequest("c1"), op("load"))
 
 
 def test_export_from_a_checkpoint_leaves_the_live_state_alone(host):
     run_ops(host, 0, 1)
-    host.save_state("c1", op("save"))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save"))
     run_ops(host, 3, 1)
     digest = host.info().state_digest
 
-    exported = host.export_weights("best", op("export"), checkpoint="c1")
+    exported = host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("best", "c1"), op("export"))
 
     assert host.info().state_digest == digest
     assert exported.format == outcomes.FORMAT_FULL and exported.directory.is_dir()
     assert {f.path for f in exported.files} >= {"config.json", "model.safetensors"}
     with pytest.raises(NotFound, match="no checkpoint named 'nope'"):
-        host.export_weights("other", op("export2"), checkpoint="nope")
+        host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("other", "nope"), op("export2"))
 
 
 def test_shutdown_refuses_new_operations_and_lets_the_one_in_flight_commit(host):
@@ -198,14 +210,16 @@ def test_shutdown_refuses_new_operations_and_lets_the_one_in_flight_commit(host)
     session.forward_backward = slow
     results = []
     worker = threading.Thread(
-        target=lambda: results.append(host.forward_backward(BATCHES[0], op("k1")))
+        target=lambda: results.append(
+            host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1"))
+        )
     )
     worker.start()
     assert started.wait(10)
 
     host.begin_shutdown()
     with pytest.raises(Unavailable, match="shutting down"):
-        host.optim_step(op("k2"))
+        host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k2"))
     assert not host.wait_idle(0.05)
     release.set()
     worker.join(10)
@@ -226,7 +240,9 @@ def test_the_same_key_sent_concurrently_runs_once(host):
 
     def send() -> None:
         barrier.wait(10)
-        outcomes.append(host.forward_backward(BATCHES[0], op("same", 0)))
+        outcomes.append(
+            host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("same", 0))
+        )
 
     threads = [threading.Thread(target=send) for _ in range(6)]
     for thread in threads:
@@ -247,7 +263,7 @@ def test_classification_forward_reports_predictions_in_label_order(
     host.open("cls", config, 4)
     local = TrainingSession(config, device="cpu", max_steps=4)
 
-    remote = host.forward(REVIEWS[:4])
+    remote = host.apply(ops.FORWARD, ForwardRequest(REVIEWS[:4]))
     expected = local.forward(REVIEWS[:4])
 
     assert remote.loss == expected.loss

@@ -14,19 +14,31 @@ from trainwire.client.outcomes import WeightsSource
 from trainwire.server.errors import (
     InvalidArgument,
 )
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ExportWeightsRequest,
+    LoadWeightsRequest,
+)
 
 
 @pytest.mark.parametrize("name", ["../escape", "a/b", "..", ".hidden", "", "x" * 129, "a b"])
 def test_odd_names_are_refused_before_anything_runs(host, name):
     calls = [
-        lambda: host.save_state(name, op("k")),
-        lambda: host.load_state(name, op("k")),
-        lambda: host.export_weights(name, op("k")),
-        lambda: host.load_weights(WeightsSource("checkpoint", name), op("k")),
-        lambda: host.load_weights(WeightsSource("export", name), op("k")),
+        lambda: host.apply(ops.SAVE_STATE, CheckpointRequest(name), op("k")),
+        lambda: host.apply(ops.LOAD_STATE, CheckpointRequest(name), op("k")),
+        lambda: host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest(name), op("k")),
+        lambda: host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("checkpoint", name)), op("k")
+        ),
+        lambda: host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("export", name)), op("k")
+        ),
     ]
     if name:  # an empty checkpoint means "the live state"
-        calls.append(lambda: host.export_weights("ok", op("k"), checkpoint=name))
+        calls.append(
+            lambda: host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("ok", name), op("k"))
+        )
     for call in calls:
         with pytest.raises(InvalidArgument, match="is not allowed: use 1-128 characters"):
             call()
@@ -39,16 +51,24 @@ def test_symlinks_cannot_lead_out_of_the_state_directory(host, tmp_path):
     os.symlink(outside, host.state_dir.run("run").checkpoints / "evil")
 
     with pytest.raises(InvalidArgument, match="resolves outside"):
-        host.save_state("evil", op("k"))
+        host.apply(ops.SAVE_STATE, CheckpointRequest("evil"), op("k"))
     assert list(outside.iterdir()) == []
 
 
 def test_model_paths_resolve_under_the_model_root(host, tiny_llama):
     with pytest.raises(InvalidArgument, match="outside the model root"):
-        host.load_weights(WeightsSource("model_path", "../../etc"), op("k1"))
+        host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("model_path", "../../etc")), op("k1")
+        )
     with pytest.raises(InvalidArgument, match="outside the model root"):
-        host.load_weights(WeightsSource("model_path", "/etc"), op("k1"))
+        host.apply(
+            ops.LOAD_WEIGHTS, LoadWeightsRequest(WeightsSource("model_path", "/etc")), op("k1")
+        )
 
-    loaded = host.load_weights(WeightsSource("model_path", tiny_llama.name), op("k1", 0))
+    loaded = host.apply(
+        ops.LOAD_WEIGHTS,
+        LoadWeightsRequest(WeightsSource("model_path", tiny_llama.name)),
+        op("k1", 0),
+    )
 
     assert loaded.position == 1

@@ -8,13 +8,20 @@ from host_operations import BATCHES, op
 
 from trainwire.client import outcomes
 from trainwire.server.errors import NotFound
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ExportWeightsRequest,
+    ForwardBackwardRequest,
+    LoadWeightsRequest,
+)
 
 
 def test_an_export_of_a_forgotten_timeline_is_removed_and_replayed_identically(host, make_host):
-    host.forward_backward(BATCHES[0], op("fb-1", 0))
-    host.save_state("c", op("save", 1))
-    host.forward_backward(BATCHES[1], op("fb-2", 2))
-    exported = host.export_weights("e", op("export", 3))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("fb-1", 0))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c"), op("save", 1))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("fb-2", 2))
+    exported = host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("e"), op("export", 3))
     export_dir = exported.directory
     first_files = exported.files
     host.release()  # a crash: fb-2 and the export are after the checkpoint
@@ -23,7 +30,11 @@ def test_an_export_of_a_forgotten_timeline_is_removed_and_replayed_identically(h
     assert restarted.info().position == 2
     assert not export_dir.exists()
     with pytest.raises(NotFound):
-        restarted.load_weights(outcomes.WeightsSource("export", "e"), op("load-e", 2))
-    restarted.forward_backward(BATCHES[1], op("fb-2", 2))
-    again = restarted.export_weights("e", op("export", 3))
+        restarted.apply(
+            ops.LOAD_WEIGHTS,
+            LoadWeightsRequest(outcomes.WeightsSource("export", "e")),
+            op("load-e", 2),
+        )
+    restarted.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("fb-2", 2))
+    again = restarted.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("e"), op("export", 3))
     assert not again.replayed and again.files == first_files

@@ -14,16 +14,22 @@ from trainwire.client import outcomes
 from trainwire.server.errors import (
     Unavailable,
 )
+from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ForwardBackwardRequest,
+    OptimStepRequest,
+)
 
 
 def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same_digest(
     host, make_host
 ):
     run_ops(host, 0, 2)
-    host.save_state("early", op("save-early", 4))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("early"), op("save-early", 4))
     run_ops(host, 5, 1)
-    saved = host.save_state("late", op("save-late", 7))
+    saved = host.apply(ops.SAVE_STATE, CheckpointRequest("late"), op("save-late", 7))
     uninterrupted = run_ops(host, 8, 2)
     final = host.info()
     host.release()  # the "crash": nothing is closed, the run stays recorded open
@@ -37,7 +43,9 @@ def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same
         "save-late",
     )
     assert info.state_digest == saved.state_digest and info.step == saved.step
-    assert restarted.forward_backward(BATCHES[1], op("k2", 99)).replayed  # before: answered
+    assert restarted.apply(
+        ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k2", 99)
+    ).replayed  # before: answered
     replayed = run_ops(restarted, 8, 2)
     assert [o.replayed for o in replayed] == [False] * 4  # rolled back: they ran again
     assert replayed == uninterrupted
@@ -46,7 +54,7 @@ def test_a_restarted_host_restores_its_latest_checkpoint_and_replays_to_the_same
 
 def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_host):
     run_ops(host, 0, 1)
-    saved = host.save_state("c1", op("save", 2))
+    saved = host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))
     host.release()
     db = sqlite3.connect(host.state_dir.run("run").journal_path)
     with db:  # as if the server died between the checkpoint's rename and the journal commit
@@ -56,9 +64,9 @@ def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_
     restarted = make_host()
 
     assert restarted.info().position == 3
-    assert restarted.save_state("c1", op("save", 2)) == outcomes.CheckpointOutcome(
-        "save", 3, True, saved.state_digest, name="c1", step=1
-    )
+    assert restarted.apply(
+        ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2)
+    ) == outcomes.CheckpointOutcome("save", 3, True, saved.state_digest, name="c1", step=1)
 
 
 def test_recovery_without_a_checkpoint_starts_fresh_at_position_zero(host, make_host):
@@ -79,7 +87,7 @@ def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
     host, tmp_path, model_root
 ):
     run_ops(host, 0, 1)
-    host.save_state("c1", op("save", 2))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))
     host.release()
     serving: list[bool] = []
 
@@ -89,7 +97,7 @@ def test_a_host_on_a_state_dir_with_an_open_run_restores_before_it_serves(
     try:
         assert restarted.info().state == outcomes.RESTORING and restarted.info().run_id == "run"
         with pytest.raises(Unavailable, match="restoring"):
-            restarted.optim_step(op("k"))
+            restarted.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k"))
         restarted.recover()
 
         assert serving == [False, True]

@@ -9,13 +9,15 @@ import sqlite3
 from host_operations import BATCHES, op
 
 from trainwire.client import files
+from trainwire.server.service import operations as ops
 from trainwire.server.service.journal import Journal
+from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 
 
 def test_a_save_whose_directory_fsync_fails_after_the_rename_counts_as_applied(
     host, make_host, monkeypatch
 ):
-    host.forward_backward(BATCHES[0], op("fb-1", 0))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("fb-1", 0))
     checkpoints = host.state_dir.run("run").checkpoint("c").parent
     real_fsync = files.fsync_directory
 
@@ -25,10 +27,10 @@ def test_a_save_whose_directory_fsync_fails_after_the_rename_counts_as_applied(
         real_fsync(directory)
 
     monkeypatch.setattr(files, "fsync_directory", failing_fsync)
-    saved = host.save_state("c", op("save", 1))
+    saved = host.apply(ops.SAVE_STATE, CheckpointRequest("c"), op("save", 1))
     monkeypatch.setattr(files, "fsync_directory", real_fsync)
     assert saved.position == 2 and (checkpoints / "c").is_dir()
-    after = host.forward_backward(BATCHES[1], op("fb-2", 2))
+    after = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("fb-2", 2))
     assert after.position == 3
     host.release()  # a crash
 
@@ -37,15 +39,15 @@ def test_a_save_whose_directory_fsync_fails_after_the_rename_counts_as_applied(
     assert (info.position, info.restored_checkpoint) == (2, "c")
     entries = restarted.journal.entries()
     assert [(e.position, e.operation_key) for e in entries] == [(1, "fb-1"), (2, "save")]
-    again = restarted.forward_backward(BATCHES[1], op("fb-2", 2))
+    again = restarted.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("fb-2", 2))
     assert (again.position, again.loss, again.replayed) == (3, after.loss, False)
 
 
 def test_recovery_keeps_one_operation_per_position_when_a_journal_holds_two(host, make_host):
     """A journal written before saves counted as applied: the save's checkpoint is at position
     2 and another operation was journaled at 2 too. The checkpoint wins; the other runs again."""
-    host.forward_backward(BATCHES[0], op("fb-1", 0))
-    host.save_state("c", op("save", 1))
+    host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("fb-1", 0))
+    host.apply(ops.SAVE_STATE, CheckpointRequest("c"), op("save", 1))
     journal = host.journal
     entry = journal.lookup("save")
     host.release()

@@ -5,6 +5,8 @@ from __future__ import annotations
 from host_operations import BATCHES, op
 
 from trainwire.cli import build_parser, serve_settings
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 
 
 def names(host) -> list[str]:
@@ -16,8 +18,14 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best(make_host, host_config)
     host.open("run", host_config, 10, "sha256:plan")
     position = 0
     for name in ("step-1", "best", "step-2", "step-3", "step-4"):
-        host.forward_backward(BATCHES[position % len(BATCHES)], op(f"fb-{name}", position))
-        saved = host.save_state(name, op(f"save-{name}", position + 1))
+        host.apply(
+            ops.FORWARD_BACKWARD,
+            ForwardBackwardRequest(BATCHES[position % len(BATCHES)]),
+            op(f"fb-{name}", position),
+        )
+        saved = host.apply(
+            ops.SAVE_STATE, CheckpointRequest(name), op(f"save-{name}", position + 1)
+        )
         position = saved.position
     assert names(host) == ["best", "step-3", "step-4"]
     final = host.info()
@@ -31,7 +39,7 @@ def test_a_run_keeps_its_newest_checkpoints_and_its_best(make_host, host_config)
 
 def test_without_retention_every_checkpoint_stays(host):
     for index in range(3):
-        host.save_state(f"c{index}", op(f"save-{index}", index))
+        host.apply(ops.SAVE_STATE, CheckpointRequest(f"c{index}"), op(f"save-{index}", index))
     assert names(host) == ["c0", "c1", "c2"]
 
 

@@ -19,6 +19,7 @@ from trainwire.server.errors import (
     Unavailable,
 )
 from trainwire.server.grpc.servicer import TrainingSessionServicer
+from trainwire.server.service import operations as ops
 from trainwire.server.service.state_dir import list_export_files
 from trainwire.v1 import session_pb2 as pb
 
@@ -62,11 +63,11 @@ def test_forward_backward_decodes_examples_and_the_operation():
 
     assert code == grpc.StatusCode.OK
     assert wire.forward_backward_from_proto(response) == outcome
-    ((name, (examples, operation, loss), _),) = host.calls
-    assert name == "forward_backward"
-    assert examples == [InputExample("a"), InputExample("b", completion=" c")]
-    assert operation == outcomes.OperationSpec("k", 2, True)
-    assert loss == ("cross_entropy", {})
+    ((name, (operation, request, op), _),) = host.calls
+    assert (name, operation) == ("apply", ops.FORWARD_BACKWARD)
+    assert request.examples == [InputExample("a"), InputExample("b", completion=" c")]
+    assert op == outcomes.OperationSpec("k", 2, True)
+    assert (request.loss_fn, request.loss_fn_config) == ("cross_entropy", {})
 
 
 def test_an_absent_expected_position_stays_absent():
@@ -74,7 +75,7 @@ def test_an_absent_expected_position_stays_absent():
 
     invoke(host, "OptimStep", pb.OptimStepRequest(operation=pb.Operation(operation_key="k")))
 
-    assert host.calls[0][1][0] == outcomes.OperationSpec("k", None, False)
+    assert host.calls[0][1][2] == outcomes.OperationSpec("k", None, False)
 
 
 @pytest.mark.parametrize(
@@ -117,7 +118,7 @@ def test_load_weights_needs_exactly_one_source():
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "set one source" in details
 
     invoke(host, "LoadWeights", pb.LoadWeightsRequest(export_name="e"))
-    assert host.calls[-1][1][0] == outcomes.WeightsSource("export", "e")
+    assert host.calls[-1][1][1].source == outcomes.WeightsSource("export", "e")
 
 
 def test_info_before_open_reports_idle():

@@ -31,8 +31,8 @@ from trainwire.server.errors import (
     Unavailable,
     exhaustion_advice,
 )
-from trainwire.server.service import journal as kinds
-from trainwire.server.service.active_run import Examples, LossChoice
+from trainwire.server.service import operations as ops
+from trainwire.server.service import requests
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.state_dir import check_name, read_export_files
 from trainwire.v1 import session_pb2 as pb
@@ -110,14 +110,17 @@ def max_steps_from_proto(max_steps: int) -> int | None:
 
 def batch_from_proto(
     request: pb.ForwardRequest | pb.ForwardBackwardRequest,
-) -> tuple[Examples, LossChoice]:
+    request_type: type[requests.ForwardRequest],
+) -> requests.ForwardRequest:
     """A request's examples (text or tokens, never both) and its loss; ValueError when bad."""
     if request.examples and request.token_examples:
         raise InvalidArgument("send examples or token_examples, not both")
-    loss = wire.loss_spec_from_proto(request.loss)
+    loss_fn, loss_fn_config = wire.loss_spec_from_proto(request.loss)
     if request.token_examples:
-        return wire.token_examples_from_proto(request.token_examples), loss
-    return wire.examples_from_proto(request.examples), loss
+        examples: requests.Examples = wire.token_examples_from_proto(request.token_examples)
+    else:
+        examples = wire.examples_from_proto(request.examples)
+    return request_type(examples, loss_fn, loss_fn_config)
 
 
 class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
@@ -159,72 +162,74 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         info = self._run(context, "Info", "", self.session_host.info)
         return pb.InfoResponse(info=wire.session_info_to_proto(info))
 
-    def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
-        def call() -> outcomes.ForwardOutcome:
-            return self.session_host.forward(*batch_from_proto(request))
+    def _apply(
+        self,
+        context: grpc.ServicerContext,
+        operation: ops.Operation[Any],
+        decode: Callable[[], Any],
+        op: outcomes.OperationSpec | None = None,
+    ) -> Any:
+        """Decode (inside the call, so a bad request is its status), then the operation table."""
+        key = "" if op is None else op.key
+        return self._run(
+            context, operation.kind, key, lambda: self.session_host.apply(operation, decode(), op)
+        )
 
-        return wire.forward_to_proto(self._run(context, "Forward", "", call))
+    def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
+        decode = partial(batch_from_proto, request, requests.ForwardRequest)
+        return wire.forward_to_proto(self._apply(context, ops.FORWARD, decode))
 
     def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
         op = wire.operation_from_proto(request.operation)
-
-        def call() -> outcomes.ForwardBackwardOutcome:
-            examples, loss = batch_from_proto(request)
-            return self.session_host.forward_backward(examples, op, loss)
-
-        return wire.forward_backward_to_proto(
-            self._run(context, kinds.FORWARD_BACKWARD, op.key, call)
-        )
+        decode = partial(batch_from_proto, request, requests.ForwardBackwardRequest)
+        outcome = self._apply(context, ops.FORWARD_BACKWARD, decode, op)
+        return wire.forward_backward_to_proto(outcome)
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         op = wire.operation_from_proto(request.operation)
         rate = request.learning_rate if request.HasField("learning_rate") else None
-        call = partial(self.session_host.optim_step, op, rate)
-        return wire.optim_step_to_proto(self._run(context, kinds.OPTIM_STEP, op.key, call))
+        decode = partial(requests.OptimStepRequest, rate)
+        return wire.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
-        call = partial(self.session_host.sample, **wire.sample_request_from_proto(request))
-        return wire.samples_to_proto(self._run(context, "Sample", "", call))
+        decode = partial(requests.SampleRequest, **wire.sample_request_from_proto(request))
+        return wire.samples_to_proto(self._apply(context, ops.SAMPLE, decode))
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         texts, special = list(request.texts), request.add_special_tokens
-        call = partial(self.session_host.tokenize, texts, add_special_tokens=special)
-        token_lists = self._run(context, "Tokenize", "", call)
+        decode = partial(requests.TokenizeRequest, texts, special)
+        token_lists = self._apply(context, ops.TOKENIZE, decode)
         return pb.TokenizeResponse(token_lists=wire.token_lists_to_proto(token_lists))
 
     def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         token_lists = wire.token_lists_from_proto(request.token_lists)
-        texts = self._run(
-            context, "Detokenize", "", partial(self.session_host.detokenize, token_lists)
-        )
-        return pb.DetokenizeResponse(texts=texts)
+        decode = partial(requests.DetokenizeRequest, token_lists)
+        return pb.DetokenizeResponse(texts=self._apply(context, ops.DETOKENIZE, decode))
 
     def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
         op = wire.operation_from_proto(request.operation)
-        call = partial(self.session_host.save_state, request.name, op)
-        return wire.save_state_to_proto(self._run(context, kinds.SAVE_STATE, op.key, call))
+        decode = partial(requests.CheckpointRequest, request.name)
+        return wire.save_state_to_proto(self._apply(context, ops.SAVE_STATE, decode, op))
 
     def LoadState(self, request: pb.LoadStateRequest, context) -> pb.LoadStateResponse:
         op = wire.operation_from_proto(request.operation)
-        call = partial(self.session_host.load_state, request.name, op)
-        return wire.load_state_to_proto(self._run(context, kinds.LOAD_STATE, op.key, call))
+        decode = partial(requests.CheckpointRequest, request.name)
+        return wire.load_state_to_proto(self._apply(context, ops.LOAD_STATE, decode, op))
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
         op = wire.operation_from_proto(request.operation)
 
-        def call() -> outcomes.OperationOutcome:
-            return self.session_host.load_weights(wire.weights_source_from_proto(request), op)
+        def decode() -> requests.LoadWeightsRequest:
+            return requests.LoadWeightsRequest(wire.weights_source_from_proto(request))
 
-        return wire.load_weights_to_proto(self._run(context, kinds.LOAD_WEIGHTS, op.key, call))
+        return wire.load_weights_to_proto(self._apply(context, ops.LOAD_WEIGHTS, decode, op))
 
     def ExportWeights(
         self, request: pb.ExportWeightsRequest, context
     ) -> Iterator[pb.ExportWeightsResponse]:
         op = wire.operation_from_proto(request.operation)
-        call = partial(
-            self.session_host.export_weights, request.name, op, checkpoint=request.checkpoint
-        )
-        outcome = self._run(context, kinds.EXPORT_WEIGHTS, op.key, call)
+        decode = partial(requests.ExportWeightsRequest, request.name, request.checkpoint)
+        outcome = self._apply(context, ops.EXPORT_WEIGHTS, decode, op)
         yield wire.export_result_to_proto(outcome)
         if not request.download:
             return
@@ -295,7 +300,7 @@ def add_to_server(servicer: TrainingSessionServicer, server: grpc.Server) -> Non
             _refusing_undecodable(getattr(servicer, method.name)),
             request_deserializer=_decoding(getattr(pb, method.input_type.name)),
             response_serializer=chunks.serialize_export_item
-            if method.name == kinds.EXPORT_WEIGHTS
+            if method.name == ops.EXPORT_WEIGHTS.kind
             else response.SerializeToString,
         )
     server.add_generic_rpc_handlers(

@@ -17,36 +17,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from trainwire.client import outcomes
 from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import OperationOutcome, OperationSpec, SessionInfo
-from trainwire.client.tokens import DEFAULT_LOSS
+from trainwire.client.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
-from trainwire.server.engine.optimization import check_learning_rate
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
-from trainwire.server.service import journal as kinds
 from trainwire.server.service.active_run import (
     ActiveRun,
-    Applying,
     Durable,
-    Examples,
-    Fields,
     JournalCommitFailed,
-    LossChoice,
-    check_weights_source,
-    forward_backward_payload,
-    optim_step_payload,
     wait_durable,
 )
 from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
+from trainwire.server.service.operations import Operation
 from trainwire.server.service.position_gate import PositionGate
-from trainwire.server.service.request_limits import check_batch, check_texts, check_token_lists
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -58,7 +48,7 @@ from trainwire.server.service.state_dir import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RunCall = Callable[[ActiveRun, Applying], Fields]  # a keyed operation's engine call
+RequestT = TypeVar("RequestT")
 
 
 class SessionHost:
@@ -227,76 +217,30 @@ class SessionHost:
 
     # -- operations ------------------------------------------------------------------------------
 
-    def forward(
-        self, examples: Examples, loss: LossChoice = (DEFAULT_LOSS, {})
-    ) -> outcomes.ForwardOutcome:
-        check_batch(examples)
-        return self._serialized(lambda: self._require_active().forward(examples, loss))
+    def apply(
+        self, operation: Operation[RequestT], request: RequestT, op: OperationSpec | None = None
+    ) -> Any:
+        """Run ``operation`` (an entry of ``operations.OPERATIONS``) on ``request``: the one way
+        every transport reaches the engine.
 
-    def forward_backward(
-        self, examples: Examples, op: OperationSpec, loss: LossChoice = (DEFAULT_LOSS, {})
-    ) -> outcomes.ForwardBackwardOutcome:
-        """Every field of the request is in the payload digest: the same key with other
-        examples, another loss or other loss settings is ALREADY_EXISTS."""
-        check_batch(examples)
-        payload = forward_backward_payload(examples, loss)
-        return self._keyed(
-            kinds.FORWARD_BACKWARD, op, payload, lambda run, _: run.forward_backward(examples, loss)
-        )
-
-    def optim_step(
-        self, op: OperationSpec, learning_rate: float | None = None, sum_microbatches: bool = False
-    ) -> outcomes.OptimStepOutcome:
-        check_learning_rate(learning_rate)
-        payload = optim_step_payload(learning_rate, sum_microbatches)
-        return self._keyed(
-            kinds.OPTIM_STEP,
-            op,
-            payload,
-            lambda r, _: r.optim_step(learning_rate, sum_microbatches),
-        )
-
-    def sample(self, prompt_tokens: Sequence[int], **params: Any) -> list[outcomes.Sample]:
-        return self.read_only(lambda session: session.sample(prompt_tokens, **params))
-
-    def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool) -> list[list[int]]:
-        check_texts(texts)
-        return self.read_only(lambda s: s.tokenize(texts, add_special_tokens=add_special_tokens))
-
-    def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
-        check_token_lists(token_lists)
-        return self.read_only(lambda session: session.detokenize(token_lists))
-
-    def save_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
-        check_name(name, "checkpoint")
-        return self._keyed(
-            kinds.SAVE_STATE, op, {"name": name}, lambda r, applying: r.save_state(name, applying)
-        )
-
-    def load_state(self, name: str, op: OperationSpec) -> outcomes.CheckpointOutcome:
-        check_name(name, "checkpoint")
-        return self._keyed(kinds.LOAD_STATE, op, {"name": name}, lambda r, _: r.load_state(name))
-
-    def load_weights(self, source: outcomes.WeightsSource, op: OperationSpec) -> OperationOutcome:
-        """From a checkpoint or export of this run, or a model path under the model root."""
-        model_path = check_weights_source(source, self.model_root)
-        payload = {"kind": source.kind, "value": source.value}
-        return self._keyed(
-            kinds.LOAD_WEIGHTS, op, payload, lambda run, _: run.load_weights(source, model_path)
-        )
-
-    def export_weights(
-        self, name: str, op: OperationSpec, *, checkpoint: str = ""
-    ) -> outcomes.ExportOutcome:
-        """Write export ``name`` (from ``checkpoint``'s weights when given); ``directory`` is it."""
-        check_name(name, "export")
-        if checkpoint:
-            check_name(checkpoint, "checkpoint")
-        payload = {"name": name, "checkpoint": checkpoint}
-        outcome = self._keyed(
-            kinds.EXPORT_WEIGHTS, op, payload, lambda run, _: run.export_weights(name, checkpoint)
-        )
-        return dataclasses.replace(outcome, directory=self._require_active().run.export(name))
+        The request is checked before anything is queued. A keyed operation needs ``op`` (its
+        key and expected position) and takes ``ActiveRun.apply_keyed``'s path; its caller hears
+        of it once its journal entry is on disk. A read takes no ``op`` and runs on the
+        executor behind everything queued before it, so it never sees weights mid-update.
+        """
+        if not isinstance(request, operation.request_type):
+            raise TypeError(
+                f"{operation.kind} takes a {operation.request_type.__name__}, "
+                f"not a {type(request).__name__}"
+            )
+        operation.check(request, self.model_root)
+        if operation.keyed:
+            if op is None:
+                raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
+            return self._keyed(operation, request, op)
+        if op is not None:
+            raise TypeError(f"{operation.kind} is a read: it takes no operation key")
+        return self._serialized(lambda: operation.apply(self._require_active(), request, None))
 
     # -- the executor ------------------------------------------------------------------------------
 
@@ -322,14 +266,15 @@ class SessionHost:
         read (Sample, Tokenize) never sees weights in the middle of an update."""
         return self._serialized(lambda: call(self._require_active().session))
 
-    def _keyed(self, kind: str, op: OperationSpec, payload: dict[str, Any], call: RunCall) -> Any:
+    def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
         check_operation_key(op.key)
-        digest = payload_digest(kind, payload)
+        assert operation.payload is not None
+        digest = payload_digest(operation.kind, operation.payload(request))
         self._refuse_if_unavailable()
         self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
         with self._gate.running(op.expected_position):
-            outcome, durable = self._serialized(self._apply_keyed, kind, op, digest, call)
+            outcome, durable = self._serialized(self._apply_keyed, operation, request, op, digest)
         try:
             wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
         except JournalCommitFailed as error:
@@ -339,11 +284,11 @@ class SessionHost:
         return outcome
 
     def _apply_keyed(
-        self, kind: str, op: OperationSpec, digest: str, call: RunCall
-    ) -> tuple[OperationOutcome, Durable]:
+        self, operation: Operation[Any], request: Any, op: OperationSpec, digest: str
+    ) -> tuple[Any, Durable]:
         active = self._require_active()
         try:
-            applied = active.apply_keyed(kind, op, digest, lambda a: call(active, a))
+            applied = active.apply_keyed(operation, request, op, digest)
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the

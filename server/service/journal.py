@@ -6,7 +6,8 @@ queued together in one transaction (group commit), and its Future completes once
 disk; ``commit`` waits for that. The active run looks a key up before
 running anything (same payload → the journaled result; other payload → ALREADY_EXISTS) and commits
 each applied operation with its position. An entry's ``result`` is the operation's outcome in the
-JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back.
+JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back. An entry's ``kind``
+is its operation's (``operations.OPERATIONS``); the journal stores it and never interprets it.
 
 A restart rolls the session back to its latest checkpoint; the entries after it are marked
 ``rolled_back`` rather than deleted, so their keys run again when the controller replays them (the
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainwire.client import outcomes
 from trainwire.client.config import canonical_json, sha256_fingerprint
 from trainwire.client.outcomes import ExportedFile, OperationOutcome
 from trainwire.server.errors import InvalidArgument
@@ -35,23 +35,6 @@ JOURNAL_FILE = "journal.sqlite3"
 MAX_KEY_CHARS = 1024
 SCHEMA_VERSION = 1
 OutcomeT = TypeVar("OutcomeT", bound=OperationOutcome)
-
-# The state-changing operation kinds, spelled as their RPCs: an entry's ``kind``.
-FORWARD_BACKWARD = "ForwardBackward"
-OPTIM_STEP = "OptimStep"
-SAVE_STATE = "SaveState"
-LOAD_STATE = "LoadState"
-LOAD_WEIGHTS = "LoadWeights"
-EXPORT_WEIGHTS = "ExportWeights"
-# What each kind's journaled result is read back as.
-OUTCOME_TYPES: dict[str, type[OperationOutcome]] = {
-    FORWARD_BACKWARD: outcomes.ForwardBackwardOutcome,
-    OPTIM_STEP: outcomes.OptimStepOutcome,
-    SAVE_STATE: outcomes.CheckpointOutcome,
-    LOAD_STATE: outcomes.CheckpointOutcome,
-    LOAD_WEIGHTS: OperationOutcome,
-    EXPORT_WEIGHTS: outcomes.ExportOutcome,
-}
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS operations (

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, NotFound
 from trainwire.server.paths import resolve_under
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import ExportWeightsRequest
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_int, get_str
@@ -51,7 +53,8 @@ class SamplingRoutes:
                     raise FailedPrecondition(
                         f"sampler weights {path!r} exist already; save under a new name"
                     )
-                front.host.export_weights(export, OperationSpec(key))
+                snapshot = ExportWeightsRequest(export)
+                front.host.apply(ops.EXPORT_WEIGHTS, snapshot, OperationSpec(key))
                 model_name = front.model_name()
                 if path:
                     front.samplers.snapshot(None, path, model_name, export, seq_id)

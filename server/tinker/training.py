@@ -13,6 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import FailedPrecondition
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadWeightsRequest,
+    OptimStepRequest,
+)
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
@@ -44,9 +52,11 @@ class TrainingRoutes:
 
             def call(key: str) -> Callable[[], bytes]:
                 if forward_only:
-                    outcome: Any = host.forward(examples, loss)
+                    forward = ForwardRequest(examples, *loss)
+                    outcome: Any = host.apply(ops.FORWARD, forward)
                 else:
-                    outcome = host.forward_backward(examples, OperationSpec(key), loss)
+                    batch = ForwardBackwardRequest(examples, *loss)
+                    outcome = host.apply(ops.FORWARD_BACKWARD, batch, OperationSpec(key))
 
                 def encode() -> bytes:  # behind: the next call runs meanwhile
                     config = request.loss_fn_config
@@ -77,9 +87,8 @@ class TrainingRoutes:
 
             def call(key: str) -> dict[str, Any]:
                 # Tinker adds the gradients of every forward_backward since the last step.
-                outcome = front.host.optim_step(
-                    OperationSpec(key), learning_rate=learning_rate, sum_microbatches=True
-                )
+                step = OptimStepRequest(learning_rate, sum_microbatches=True)
+                outcome = front.host.apply(ops.OPTIM_STEP, step, OperationSpec(key))
                 front.samplers.weights_changed()
                 metrics = {
                     "learning_rate:mean": outcome.learning_rate,
@@ -100,7 +109,8 @@ class TrainingRoutes:
             name = check_name(get_str(body, "path", "") or "", "save_weights path")
 
             def call(key: str) -> dict[str, Any]:
-                outcome = front.host.save_state(name, OperationSpec(key))
+                save = CheckpointRequest(name)
+                outcome = front.host.apply(ops.SAVE_STATE, save, OperationSpec(key))
                 front.compact_at(seq_id, outcome.position)
                 return {"type": "save_weights", "path": f"tinker://{model_id}/weights/{name}"}
 
@@ -124,10 +134,11 @@ class TrainingRoutes:
 
             def call(key: str) -> dict[str, Any]:
                 if with_optimizer:  # the engine restores a full state only into a fresh session
-                    front.host.load_state(name, OperationSpec(key))
+                    load = CheckpointRequest(name)
+                    front.host.apply(ops.LOAD_STATE, load, OperationSpec(key))
                 else:
-                    source = WeightsSource("checkpoint", name)
-                    front.host.load_weights(source, OperationSpec(key))
+                    weights = LoadWeightsRequest(WeightsSource("checkpoint", name))
+                    front.host.apply(ops.LOAD_WEIGHTS, weights, OperationSpec(key))
                 front.samplers.weights_changed()
                 return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 

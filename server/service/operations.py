@@ -1,0 +1,361 @@
+"""The one table of operations: what each thing a client can ask of the session is, in one place.
+
+Every transport (the gRPC servicer, the Tinker front) decodes its request into one of the typed
+requests below and calls ``SessionHost.apply(operation, request, spec)``; nothing else reaches the
+engine. An ``Operation`` says, for one kind:
+
+- ``request_type``: the typed request a transport builds;
+- ``check``: what is refused before anything is queued (names, bounds, the model root);
+- ``payload``: what a key is bound to: digested and journaled, so the same key with another
+  payload is ALREADY_EXISTS. ``None`` marks a read, which changes nothing and takes no key;
+- ``apply``: the engine call, on the executor; a keyed one returns its outcome's fields beyond
+  key and position, a read returns its result;
+- ``outcome_type``: what a keyed operation's journaled result is read back as;
+- ``complete``: where the caller's outcome needs more than the journal keeps (an export's
+  directory on this side), applied to fresh and replayed outcomes alike.
+
+A new operation is one entry here (and its request type in ``requests``); a new field of a
+request is one field of its request type, read in its ``payload`` and ``apply`` here, and decoded
+by each transport's codec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from trainwire.client import outcomes
+from trainwire.client.outcomes import OperationOutcome
+from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
+from trainwire.server.engine.optimization import check_learning_rate
+from trainwire.server.engine.session_results import TokenOutput
+from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.paths import resolve_under
+from trainwire.server.service.request_limits import check_batch, check_texts, check_token_lists
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    DetokenizeRequest,
+    ExportWeightsRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadWeightsRequest,
+    OptimStepRequest,
+    SampleRequest,
+    TokenizeRequest,
+)
+from trainwire.server.service.run_checkpoints import (
+    checkpoint_extra,
+    prune_checkpoints,
+    written_by,
+)
+from trainwire.server.service.state_dir import check_name, list_export_files
+
+if TYPE_CHECKING:
+    from trainwire.server.service.active_run import ActiveRun, Applying
+
+logger = logging.getLogger(__name__)
+
+RequestT = TypeVar("RequestT")
+Fields = dict[str, Any]  # a keyed outcome's fields beyond its key and position
+# Checkpoints retention never removes: the controller keeps its best weights under this name.
+KEPT_CHECKPOINT_NAMES = ("best",)
+
+
+@dataclass(frozen=True)
+class Operation(Generic[RequestT]):
+    """One kind of operation; see the module docstring for what each field means."""
+
+    kind: str  # as its RPC spells it; a journal entry's ``kind``
+    request_type: type[RequestT]
+    check: Callable[[RequestT, Path | None], None]  # (request, the model root)
+    apply: Callable[[ActiveRun, RequestT, Applying | None], Any]
+    payload: Callable[[RequestT], dict[str, Any]] | None = None
+    outcome_type: type[OperationOutcome] = OperationOutcome
+    complete: Callable[[ActiveRun, RequestT, Any], Any] | None = None
+
+    @property
+    def keyed(self) -> bool:
+        """Whether it changes the session: it then takes an operation key and a position."""
+        return self.payload is not None
+
+
+# -- checks: before anything is queued ---------------------------------------------------------
+
+
+def _check_batch(request: ForwardRequest, _root: Path | None) -> None:
+    check_batch(request.examples)
+
+
+def _check_optim_step(request: OptimStepRequest, _root: Path | None) -> None:
+    check_learning_rate(request.learning_rate)
+
+
+def _check_checkpoint(request: CheckpointRequest, _root: Path | None) -> None:
+    check_name(request.name, "checkpoint")
+
+
+def _check_weights_source(request: LoadWeightsRequest, model_root: Path | None) -> None:
+    """A checkpoint or export name, or a model path that resolves under the model root."""
+    source = request.source
+    if source.kind in ("checkpoint", "export"):
+        check_name(source.value, source.kind)
+    elif source.kind == "model_path":
+        resolve_under(model_root, source.value, "model path")
+    else:
+        raise InvalidArgument(
+            f"weights source {source.kind!r}: use {outcomes.WEIGHTS_SOURCE_KINDS}"
+        )
+
+
+def _check_export(request: ExportWeightsRequest, _root: Path | None) -> None:
+    check_name(request.name, "export")
+    if request.checkpoint:
+        check_name(request.checkpoint, "checkpoint")
+
+
+def _check_nothing(_request: object, _root: Path | None) -> None:
+    """Sampling settings are the engine's to check (it knows the vocabulary and the limits)."""
+
+
+def _check_texts(request: TokenizeRequest, _root: Path | None) -> None:
+    check_texts(request.texts)
+
+
+def _check_token_lists(request: DetokenizeRequest, _root: Path | None) -> None:
+    check_token_lists(request.token_lists)
+
+
+# -- payloads: what a key is bound to ------------------------------------------------------------
+
+
+def _forward_backward_payload(request: ForwardBackwardRequest) -> dict[str, Any]:
+    """Text batches digest as they always have; token batches add the loss and its settings,
+    so another loss under the same key is refused."""
+    named = {"loss_fn": request.loss_fn, "loss_fn_config": dict(request.loss_fn_config)}
+    examples = request.examples
+    if examples and isinstance(examples[0], TokenExample):
+        return {"token_examples": [example.to_dict() for example in examples], **named}
+    payload: dict[str, Any] = {"examples": [example.to_dict() for example in examples]}
+    if named != {"loss_fn": DEFAULT_LOSS, "loss_fn_config": {}}:
+        payload.update(named)  # refused by the engine; never replayed as the plain batch
+    return payload
+
+
+def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
+    """A step with the defaults digests as it always has: ``{}``."""
+    payload: dict[str, Any] = {}
+    if request.learning_rate is not None:
+        payload["learning_rate"] = request.learning_rate
+    if request.sum_microbatches:
+        payload["sum_microbatches"] = True
+    return payload
+
+
+def _checkpoint_payload(request: CheckpointRequest) -> dict[str, Any]:
+    return {"name": request.name}
+
+
+def _load_weights_payload(request: LoadWeightsRequest) -> dict[str, Any]:
+    return {"kind": request.source.kind, "value": request.source.value}
+
+
+def _export_payload(request: ExportWeightsRequest) -> dict[str, Any]:
+    return {"name": request.name, "checkpoint": request.checkpoint}
+
+
+# -- applies: the engine calls, on the executor ---------------------------------------------------
+
+
+def _token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:
+    return tuple(tuple(row) for row in result.logprobs), dict(result.metrics)
+
+
+def _forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
+    result = run.session.forward(
+        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
+    )
+    if isinstance(result, TokenOutput):
+        return outcomes.ForwardOutcome(result.loss, (), *_token_fields(result))
+    predictions = tuple(outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions)
+    return outcomes.ForwardOutcome(result.loss, predictions)
+
+
+def _forward_backward(
+    run: ActiveRun, request: ForwardBackwardRequest, _: Applying | None
+) -> Fields:
+    session = run.session
+    result = session.forward_backward(
+        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
+    )
+    fields: Fields = {"token_count": session.last_token_count}
+    if isinstance(result, TokenOutput):
+        logprobs, metrics = _token_fields(result)
+        return {**fields, "loss": result.loss, "logprobs": logprobs, "metrics": metrics}
+    return {**fields, "loss": result}
+
+
+def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -> Fields:
+    result = run.session.optim_step(
+        learning_rate=request.learning_rate, sum_microbatches=request.sum_microbatches
+    )
+    rate, grad_norm = result.learning_rate, result.grad_norm
+    return {"step": result.step, "learning_rate": rate, "grad_norm": grad_norm}
+
+
+def _save_state(run: ActiveRun, request: CheckpointRequest, applying: Applying | None) -> Fields:
+    """The checkpoint carries its own journal entry: recovery restores it and re-commits it."""
+    assert applying is not None
+    session, name = run.session, request.name
+    fields = {"state_digest": session.state_digest(), "name": name, "step": session.step}
+    entry = applying.entry(applying.outcome(fields))
+    path = run.run.checkpoint(name)
+    try:
+        session.save_state(path, extra=checkpoint_extra(run.spec.run_id, entry))
+    except Exception:
+        if not written_by(path, entry):
+            raise  # nothing became visible: the save did not happen
+        # The checkpoint is in place (a step after its rename failed, e.g. the directory's
+        # fsync): recovery would restore it at this position, so the save counts as applied.
+        logger.exception("save_state %r failed after its checkpoint was in place", name)
+    if run.keep_checkpoints:
+        protected = {name, *KEPT_CHECKPOINT_NAMES}
+        prune_checkpoints(run.run, run.spec.run_id, run.keep_checkpoints, protected)
+    return fields
+
+
+def _load_state(run: ActiveRun, request: CheckpointRequest, _: Applying | None) -> Fields:
+    run.session.load_state(run.run.checkpoint(request.name))
+    run.restored_checkpoint = request.name
+    return {"name": request.name, "step": run.session.step}
+
+
+def _load_weights(run: ActiveRun, request: LoadWeightsRequest, _: Applying | None) -> Fields:
+    """From this run's checkpoint or export, or a model path under the model root (resolved
+    again here: the check refused a bad one before queueing, this reads where it points now)."""
+    source = request.source
+    if source.kind == "checkpoint":
+        path = run.run.checkpoint(source.value)
+    elif source.kind == "export":
+        path = run.run.export(source.value)
+    else:
+        path = resolve_under(run.model_root, source.value, "model path")
+    run.session.load_weights(path)
+    return {}
+
+
+def _export_weights(run: ActiveRun, request: ExportWeightsRequest, _: Applying | None) -> Fields:
+    target = run.run.export(request.name)
+    if request.checkpoint:
+        source = run.run.checkpoint(request.checkpoint)
+        if not source.is_dir():
+            raise NotFound(f"no checkpoint named {request.checkpoint!r}; save_state it first")
+        run.session.export_checkpoint_weights(source, target)
+    else:
+        run.session.export_weights(target)
+    adapter = run.spec.config.get("lora") is not None
+    return {
+        "name": request.name,
+        "format": outcomes.FORMAT_ADAPTER if adapter else outcomes.FORMAT_FULL,
+        "files": list_export_files(target),
+    }
+
+
+def _export_directory(
+    run: ActiveRun, request: ExportWeightsRequest, outcome: outcomes.ExportOutcome
+) -> outcomes.ExportOutcome:
+    """The export's directory on this side, which the gRPC transport streams files from."""
+    return dataclasses.replace(outcome, directory=run.run.export(request.name))
+
+
+def _sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> list[outcomes.Sample]:
+    return run.session.sample(
+        request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        num_samples=request.num_samples,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        stop_tokens=request.stop_tokens,
+        seed=request.seed,
+    )
+
+
+def _tokenize(run: ActiveRun, request: TokenizeRequest, _: Applying | None) -> list[list[int]]:
+    return run.session.tokenize(request.texts, add_special_tokens=request.add_special_tokens)
+
+
+def _detokenize(run: ActiveRun, request: DetokenizeRequest, _: Applying | None) -> list[str]:
+    return run.session.detokenize(request.token_lists)
+
+
+# -- the table ---------------------------------------------------------------------------------
+
+FORWARD = Operation("Forward", ForwardRequest, _check_batch, _forward)
+FORWARD_BACKWARD = Operation(
+    "ForwardBackward",
+    ForwardBackwardRequest,
+    _check_batch,
+    _forward_backward,
+    _forward_backward_payload,
+    outcomes.ForwardBackwardOutcome,
+)
+OPTIM_STEP = Operation(
+    "OptimStep",
+    OptimStepRequest,
+    _check_optim_step,
+    _optim_step,
+    _optim_step_payload,
+    outcomes.OptimStepOutcome,
+)
+SAVE_STATE = Operation(
+    "SaveState",
+    CheckpointRequest,
+    _check_checkpoint,
+    _save_state,
+    _checkpoint_payload,
+    outcomes.CheckpointOutcome,
+)
+LOAD_STATE = Operation(
+    "LoadState",
+    CheckpointRequest,
+    _check_checkpoint,
+    _load_state,
+    _checkpoint_payload,
+    outcomes.CheckpointOutcome,
+)
+LOAD_WEIGHTS = Operation(
+    "LoadWeights", LoadWeightsRequest, _check_weights_source, _load_weights, _load_weights_payload
+)
+EXPORT_WEIGHTS = Operation(
+    "ExportWeights",
+    ExportWeightsRequest,
+    _check_export,
+    _export_weights,
+    _export_payload,
+    outcomes.ExportOutcome,
+    complete=_export_directory,
+)
+SAMPLE = Operation("Sample", SampleRequest, _check_nothing, _sample)
+TOKENIZE = Operation("Tokenize", TokenizeRequest, _check_texts, _tokenize)
+DETOKENIZE = Operation("Detokenize", DetokenizeRequest, _check_token_lists, _detokenize)
+
+OPERATIONS: dict[str, Operation[Any]] = {
+    operation.kind: operation
+    for operation in (
+        FORWARD,
+        FORWARD_BACKWARD,
+        OPTIM_STEP,
+        SAVE_STATE,
+        LOAD_STATE,
+        LOAD_WEIGHTS,
+        EXPORT_WEIGHTS,
+        SAMPLE,
+        TOKENIZE,
+        DETOKENIZE,
+    )
+}
+"""Every operation by kind; a keyed one's kind is what its journal entries record."""

@@ -1,0 +1,84 @@
+"""The typed requests of the operation table (``operations``): what a transport decodes into.
+
+Plain frozen dataclasses, one per kind of request, named after the RPC they come from; a field
+added here is read by its operation's payload and apply, and decoded by each transport's codec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from trainwire.client import outcomes
+from trainwire.client.config import InputExample
+from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
+
+Examples = Sequence[InputExample] | Sequence[TokenExample]
+
+
+@dataclass(frozen=True)
+class ForwardRequest:
+    """A batch scored without gradients: text examples, or token examples with a loss."""
+
+    examples: Examples
+    loss_fn: str = DEFAULT_LOSS
+    loss_fn_config: Mapping[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ForwardBackwardRequest(ForwardRequest):
+    """A microbatch whose gradients accumulate (the same fields as a forward)."""
+
+
+@dataclass(frozen=True)
+class OptimStepRequest:
+    """One update: ``learning_rate`` replaces the schedule's for it; ``sum_microbatches`` adds
+    the microbatches' gradients instead of averaging them (Tinker's semantics)."""
+
+    learning_rate: float | None = None
+    sum_microbatches: bool = False
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    """SaveState or LoadState of the run's checkpoint ``name``."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class LoadWeightsRequest:
+    source: outcomes.WeightsSource
+
+
+@dataclass(frozen=True)
+class ExportWeightsRequest:
+    """Write export ``name``: the live weights, or ``checkpoint``'s when one is named."""
+
+    name: str
+    checkpoint: str = ""
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Continuations of ``prompt_tokens`` (the engine's ``sample`` arguments)."""
+
+    prompt_tokens: Sequence[int]
+    max_tokens: int
+    num_samples: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_tokens: Sequence[int] = ()
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    texts: Sequence[str]
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest:
+    token_lists: Sequence[Sequence[int]]

@@ -1,0 +1,153 @@
+"""A run's checkpoints as the service sees them: the journal entry each one carries, which one is
+the latest intact one, and retention.
+
+A SaveState checkpoint carries its own journal entry in its ``extra`` (``checkpoint_extra``):
+the run, its position, the key and payload digest of the SaveState that wrote it, and that
+operation's result. Recovery (``recovery``) restores the latest one and aligns the journal with it.
+
+A checkpoint is trusted only once verified (``session_checkpoint.verify_checkpoint``: its files
+load and hash to the digest it was written with), so one damaged latest checkpoint costs the
+operations since the newest intact one (the controller replays them), never the whole run.
+Verifying reads the chosen checkpoint once more than the restore does; a restart is rare, and a
+restore of other bits than the journal recorded is worse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainwire.server.engine.session_checkpoint import read_extra, verify_checkpoint
+from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.service.journal import JournalEntry
+from trainwire.server.service.state_dir import RunDirectory
+
+logger = logging.getLogger(__name__)
+
+SERVER_EXTRA_KEY = "server"  # the checkpoint extra's key the server owns; others stay untouched
+
+
+def written_by(path: Path, entry: JournalEntry) -> bool:
+    """Whether the checkpoint at ``path`` is the one ``entry``'s SaveState wrote (it is visible
+    to recovery, whatever failed after its rename)."""
+    try:
+        server = read_extra(path).get(SERVER_EXTRA_KEY)
+    except (NotFound, InvalidArgument, OSError):
+        return False
+    return isinstance(server, dict) and (server.get("operation_key"), server.get("position")) == (
+        entry.operation_key,
+        entry.position,
+    )
+
+
+def checkpoint_extra(run_id: str, entry: JournalEntry) -> dict[str, Any]:
+    """The ``extra`` a SaveState checkpoint is written with: ``entry``, the SaveState's own."""
+    return {
+        SERVER_EXTRA_KEY: {
+            "run_id": run_id,
+            "position": entry.position,
+            "operation_key": entry.operation_key,
+            "payload_sha256": entry.payload_sha256,
+            "result": entry.result,
+        }
+    }
+
+
+@dataclass(frozen=True)
+class RestorePoint:
+    """A checkpoint of this run and what its SaveState recorded (``position``, ``operation_key``,
+    ``payload_sha256``, ``result``)."""
+
+    path: Path
+    server: dict[str, Any]
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over as damaged
+
+    @property
+    def position(self) -> int:
+        return int(self.server["position"])
+
+    def entry(self, kind: str) -> JournalEntry:
+        """The journal entry of the SaveState (journaled as ``kind``) that wrote this checkpoint."""
+        server = self.server
+        return JournalEntry(
+            server["operation_key"], kind, server["payload_sha256"], self.position, server["result"]
+        )
+
+
+def latest_checkpoint(
+    run: RunDirectory, run_id: str, *, damaged: list[str] | None = None
+) -> RestorePoint | None:
+    """The run's newest intact checkpoint: the highest position whose files verify.
+
+    Checkpoints of other runs are skipped. A damaged one (a truncated file, bits that no longer
+    hash to its recorded digest) is passed over for the next older one, with a warning, and
+    left on disk for a look; the returned point lists what it passed over in ``skipped``, and
+    so does ``damaged`` (when given), also when none is left to restore.
+    """
+    candidates = []
+    for path in run.checkpoint_paths():
+        try:
+            server = read_extra(path).get(SERVER_EXTRA_KEY)
+        except (NotFound, InvalidArgument) as error:
+            logger.warning("ignoring checkpoint %s: %s", path.name, error)
+            continue
+        if not isinstance(server, dict) or server.get("run_id") != run_id:
+            logger.warning("ignoring checkpoint %s: not a checkpoint of run %s", path.name, run_id)
+            continue
+        candidates.append(RestorePoint(path, server))
+    skipped: list[str] = []
+    # Newest first; at one position (never two, but a tampered directory) the first name wins.
+    for point in sorted(candidates, key=lambda p: -p.position):
+        try:
+            verify_checkpoint(point.path)
+        except (NotFound, InvalidArgument) as error:
+            logger.error(
+                "checkpoint %s is damaged (%s); trying an older one", point.path.name, error
+            )
+            skipped.append(point.path.name)
+            continue
+        if skipped:
+            logger.warning(
+                "restored %s instead of the damaged %s: the journal rolls back to its position %d",
+                point.path.name,
+                ", ".join(skipped),
+                point.position,
+            )
+        if damaged is not None:
+            damaged.extend(skipped)
+        return dataclasses.replace(point, skipped=tuple(skipped))
+    if skipped:
+        logger.error("every checkpoint is damaged (%s): starting from the beginning", skipped)
+    if damaged is not None:
+        damaged.extend(skipped)
+    return None
+
+
+def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[str]) -> list[str]:
+    """Remove this run's checkpoints beyond the ``keep`` newest (by recorded position), sparing
+    ``protected`` names; returns the names removed.
+
+    Right after a SaveState nothing journaled comes after the newest checkpoint, so no replay
+    needs an older one; older intact ones are only the fallback for a damaged newest (keep 2 or
+    more for that). Other runs' checkpoints and unreadable folders are left alone.
+    """
+    points = []
+    for path in run.checkpoint_paths():
+        try:
+            server = read_extra(path).get(SERVER_EXTRA_KEY)
+        except (NotFound, InvalidArgument):
+            continue
+        if isinstance(server, dict) and server.get("run_id") == run_id:
+            points.append(RestorePoint(path, server))
+    removed = []
+    for point in sorted(points, key=lambda p: -p.position)[keep:]:
+        if point.path.name not in protected:
+            shutil.rmtree(point.path)
+            removed.append(point.path.name)
+    if removed:
+        logger.info("retention: removed checkpoints %s (keeping the %d newest)", removed, keep)
+    return removed
