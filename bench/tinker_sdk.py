@@ -34,7 +34,7 @@ import torch
 from tinker import types
 
 from trainwire.client import SessionClient, TokenExample
-from trainwire.server.grpc.serve import ServerHandle, serve
+from trainwire.server.process import ServerHandle, serve
 from trainwire.server.tinker.model import training_config
 from trainwire.testing import free_port, make_tiny_model, tiny_text_examples
 

@@ -16,7 +16,7 @@ import grpc
 
 from trainwire.client import InputExample, SessionClient
 from trainwire.client.retry import RetryPolicy
-from trainwire.server.grpc.serve import ServerHandle, serve
+from trainwire.server.process import ServerHandle, serve
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 
 FAST_RETRY = RetryPolicy(max_attempts=5, initial_backoff_s=0.01, max_backoff_s=0.1)

@@ -122,7 +122,7 @@ def test_a_config_nested_past_the_parsers_depth_is_invalid_argument(guarded):
 @pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "10.1.2.3:0", "worker-0:0"])
 def test_a_server_listening_beyond_loopback_needs_a_model_root(tmp_path, listen, capsys):
     from trainwire.cli import main
-    from trainwire.server.grpc.serve import serve
+    from trainwire.server.process import serve
 
     with pytest.raises(ValueError, match="--model-root is required"):
         serve(listen=listen, state_dir=tmp_path / "state", device="cpu")
@@ -133,7 +133,7 @@ def test_a_server_listening_beyond_loopback_needs_a_model_root(tmp_path, listen,
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0"])
 def test_a_loopback_server_may_open_any_local_path(tmp_path, listen):
-    from trainwire.server.grpc.serve import serve
+    from trainwire.server.process import serve
 
     handle = serve(listen=listen, state_dir=tmp_path / "state", device="cpu")
     handle.stop(grace=5)

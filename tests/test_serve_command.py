@@ -3,7 +3,7 @@
 import pytest
 
 from trainwire.cli import build_parser, main, serve_settings
-from trainwire.server.grpc.serve import DEFAULT_MAX_MESSAGE_BYTES
+from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse(*extra):

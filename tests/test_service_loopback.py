@@ -29,7 +29,7 @@ from trainwire.client import outcomes, wire
 from trainwire.client.retry import position_from_error
 from trainwire.client.session_client import DownloadError
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.grpc.serve import SERVICE_NAME
+from trainwire.server.grpc.listener import SERVICE_NAME
 from trainwire.server.service.journal import Journal
 
 

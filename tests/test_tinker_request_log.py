@@ -13,7 +13,7 @@ import pytest
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.errors import ResourceExhausted
-from trainwire.server.grpc.serve import ServerHandle
+from trainwire.server.process import ServerHandle
 from trainwire.server.tinker.futures import Done, Failed
 from trainwire.server.tinker.request_log import (
     LOG_FILE,

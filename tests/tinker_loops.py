@@ -12,7 +12,7 @@ from typing import Any
 import tinker
 from tinker import types
 
-from trainwire.server.grpc.serve import ServerHandle, serve
+from trainwire.server.process import ServerHandle, serve
 
 KEY = "tml-trainwire-test-key"
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "birds sing in the morning"]

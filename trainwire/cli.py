@@ -145,7 +145,8 @@ def command_train(args: argparse.Namespace) -> int:
 
 
 # The server tunables ``trainwire serve --set KEY=VALUE`` may change, with their types: the one
-# way to set them (their defaults live beside the server, in trainwire.server.grpc.serve).
+# way to set them (their defaults live beside the server: trainwire.server.process and
+# trainwire.server.grpc.listener).
 SERVE_SETTINGS = {
     "max_message_bytes": int,
     "max_workers": int,
@@ -156,11 +157,8 @@ SERVE_SETTINGS = {
 
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The server tunables: the defaults, then ``--set`` overrides (unknown keys are refused)."""
-    from trainwire.server.grpc.serve import (
-        DEFAULT_MAX_MESSAGE_BYTES,
-        DEFAULT_MAX_WORKERS,
-        DEFAULT_STOP_GRACE_S,
-    )
+    from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
+    from trainwire.server.process import DEFAULT_STOP_GRACE_S
 
     settings: dict[str, Any] = {
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
@@ -181,7 +179,7 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
 def command_serve(args: argparse.Namespace) -> int:
     """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0."""
     from trainwire.client.files import write_text_atomic
-    from trainwire.server.grpc.serve import serve
+    from trainwire.server.process import serve
 
     settings = serve_settings(args)
     token = _read_token(args.token_file) if args.token_file else None

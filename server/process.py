@@ -1,0 +1,186 @@
+"""One server process: the session host with both transports attached, and its graceful stop.
+
+``serve(...)`` (``trainwire.server.serve`` and ``trainwire serve``) builds, in this order: the
+gRPC listener (binding its port first, so a taken port fails before the state directory is
+touched), the session host (which takes the state directory), the Tinker front when asked, and
+then restores a run left open in the background (health NOT_SERVING meanwhile). Both transports
+reach the engine only through the host's operation table. ``ServerHandle.stop`` (which
+``trainwire serve`` calls on SIGTERM) lets the operation in flight finish and commit; new ones are
+UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from trainwire.client.files import Pem
+from trainwire.server.grpc.listener import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_WORKERS,
+    GrpcListener,
+)
+from trainwire.server.service.host import SessionHost
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_STOP_GRACE_S = 60.0
+
+
+class ServerHandle:
+    """A running server: ``port``, ``session_host``, ``stop()`` and ``wait()``."""
+
+    def __init__(self, grpc_listener: GrpcListener, session_host: SessionHost) -> None:
+        self.grpc_listener = grpc_listener
+        self.session_host = session_host
+        self.address = grpc_listener.address
+        self.port = grpc_listener.port
+        self._stopped = threading.Event()
+        self._stop_lock = threading.Lock()
+        self.tinker: Any = None  # the Tinker front's TinkerListener, when serve() started one
+
+    @property
+    def target(self) -> str:
+        """A loopback-friendly ``HOST:PORT`` a client can dial."""
+        return self.address
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop gracefully: refuse new operations, let the one in flight finish and commit.
+
+        Args:
+            grace: seconds to wait for the operation in flight; None waits until it finishes.
+        """
+        with self._stop_lock:
+            if self._stopped.is_set():
+                return
+            if self.tinker is not None:
+                self.tinker.stop()
+            self.session_host.begin_shutdown()
+            self.grpc_listener.enter_graceful_shutdown()
+            if not self.session_host.wait_idle(grace):
+                logger.warning("the operation in flight did not finish within %.1fs", grace)
+            self.grpc_listener.stop(1.0 if grace is None else grace)
+            self.session_host.release()
+            self._stopped.set()
+            logger.info("server on port %d stopped", self.port)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the server is stopped; False if ``timeout`` passed first."""
+        return self._stopped.wait(timeout)
+
+
+def serve(
+    listen: str,
+    state_dir: str | Path,
+    model_root: str | Path | None = None,
+    device: str | None = None,
+    token: str | None = None,
+    *,
+    tls_cert: Pem | None = None,
+    tls_key: Pem | None = None,
+    tls_client_ca: Pem | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_workers: int = DEFAULT_MAX_WORKERS,
+    keep_checkpoints: int | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tinker_listen: str | None = None,
+    tinker_token: str | None = None,
+    tinker_tokenizer_id: str | None = None,
+) -> ServerHandle:
+    """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
+
+    It answers at once: a session left open in ``state_dir`` is restored in the background
+    (health NOT_SERVING meanwhile). ``tls_*`` take PEM bytes or file paths; ``tls_client_ca``
+    requires client certificates signed by it. ``interceptors`` run after the token check.
+    ``keep_checkpoints`` turns retention on: a run keeps its K newest checkpoints (and ``best``).
+    ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
+    (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send;
+    ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
+    a path the client can read; None: the model's directory on this host).
+    """
+    refuse_open_model_paths(model_root, listen, tinker_listen)
+    listener = GrpcListener(
+        listen,
+        token=token,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        tls_client_ca=tls_client_ca,
+        max_message_bytes=max_message_bytes,
+        max_workers=max_workers,
+        interceptors=interceptors,
+    )
+    try:
+        session_host = SessionHost(
+            state_dir,
+            model_root=model_root,
+            device=device,
+            on_serving=listener.set_serving,
+            keep_checkpoints=keep_checkpoints,
+        )
+    except BaseException:
+        listener.stop(None)  # release the port of a refused start
+        raise
+    listener.set_serving(session_host.phase not in ("restoring", "failed"))
+    listener.attach(session_host)
+    logger.info(
+        "listening on %s (%s%s, state dir %s, device %s)",
+        listener.address,
+        listener.tls,
+        ", token required" if token else "",
+        session_host.state_dir.root,
+        session_host.device,
+    )
+    handle = ServerHandle(listener, session_host)
+    if tinker_listen is not None:
+        handle.tinker = _start_tinker(
+            session_host, listener, tinker_listen, tinker_token, tinker_tokenizer_id
+        )
+    threading.Thread(target=session_host.recover, name="trainwire-recover", daemon=True).start()
+    return handle
+
+
+def _start_tinker(
+    session_host: SessionHost,
+    listener: GrpcListener,
+    listen: str,
+    token: str | None,
+    tokenizer_id: str | None,
+) -> Any:
+    """The Tinker front on the same host; a refused start stops what was started before it."""
+    from trainwire.server.tinker.listener import TinkerListener  # the optional extra
+
+    try:
+        return TinkerListener(session_host, listen, token=token, tokenizer_id=tokenizer_id)
+    except BaseException:
+        listener.stop(None)
+        session_host.release()
+        raise
+
+
+def is_loopback(listen: str) -> bool:
+    """``HOST:PORT`` names a loopback host (``localhost``, 127.0.0.0/8, ``::1``)."""
+    host = listen.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name or a wildcard: reachable from elsewhere
+
+
+def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None) -> None:
+    """A server reachable beyond loopback must confine model paths: without a model root, any
+    client could have it open any local directory, and its messages would name server paths."""
+    exposed = [listen for listen in listens if listen is not None and not is_loopback(listen)]
+    if model_root is None and exposed:
+        raise ValueError(
+            f"--model-root is required when listening beyond loopback ({', '.join(exposed)}): "
+            "without it a client could open any path on this machine. Give the directory that "
+            "holds the models (model paths then resolve under it), or listen on 127.0.0.1"
+        )
