@@ -21,6 +21,7 @@ from trainwire.server.errors import FailedPrecondition, ResourceExhausted, is_ou
 
 logger = logging.getLogger(__name__)
 
+# The RNG generators are process-wide; sessions take turns with them (see ``session_rng``).
 _GLOBAL_RNG_LOCK = threading.RLock()
 
 
@@ -38,7 +39,8 @@ class OperationGuard:
     @contextlib.contextmanager
     def session_rng(self, *, keep: bool = True) -> Iterator[None]:
         """Run with the session's RNG installed; keep what it drew only if the block succeeds
-        (and ``keep``)."""
+        (and ``keep``). The generators are process-wide, so one lock serializes every session's
+        use of them: sessions on two threads never draw from each other's state."""
         with _GLOBAL_RNG_LOCK, preserved_global_rng():
             self.rng.install()
             yield

@@ -6,14 +6,20 @@ training RNG). Then each sample's logprobs are recomputed by ``target_logprobs``
 alone, the very code ``forward`` runs, because logprobs read off an incremental decode (or a
 padded batch) differ from a full forward in the last bits, and an on-policy importance ratio
 must be exactly 1.
+
+Which weights a sample reads is the caller's choice (``SampleWeights``): the live ones, an export
+of the run, or the base model. Putting other weights in for one call, and the live bits back
+after, is ``weight_swap``'s job; this module only ever reads the model it is given.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +32,53 @@ from trainwire.server.engine.token_batches import encode_token_batch, target_log
 from trainwire.server.errors import InvalidArgument
 
 STOP, LENGTH = "stop", "length"  # Sample.stop_reason
+
+
+@dataclass(frozen=True)
+class SampleWeights:
+    """Which weights ``TrainingSession.sample`` and ``prompt_logprobs`` read.
+
+    ``SampleWeights()`` (``LIVE_WEIGHTS``): the live weights, as trained so far. ``export``: a
+    weights directory of this run (what ``export_weights`` wrote; a session checkpoint loads
+    too), read and checked as ``load_weights`` would before any live tensor changes.
+    ``base_model=True`` (``BASE_MODEL``): the model the run started from, before any training:
+    under LoRA the model with its adapter disabled (the base weights the adapter trains on, as
+    ``load_weights`` may have seeded them), in full the model directory the session loaded.
+
+    The session passes ``SampleWeights.of(value)`` of what the caller gave: None (live), a path
+    (an export), or one of these.
+    """
+
+    export: Path | None = None
+    base_model: bool = False
+
+    def __post_init__(self) -> None:
+        if self.export is not None:
+            if self.base_model:
+                raise InvalidArgument("weights: an export or the base model, not both")
+            object.__setattr__(self, "export", Path(self.export))
+
+    @property
+    def live(self) -> bool:
+        return self.export is None and not self.base_model
+
+    @classmethod
+    def of(cls, weights: SampleWeights | str | os.PathLike[str] | None) -> SampleWeights:
+        """The selection ``weights`` names: None is the live weights, a path an export."""
+        if weights is None:
+            return LIVE_WEIGHTS
+        if isinstance(weights, SampleWeights):
+            return weights
+        if isinstance(weights, (str, os.PathLike)) and str(weights):
+            return cls(export=Path(weights))
+        raise InvalidArgument(
+            "weights must be None (the live weights), the path of an export of this run, or "
+            f"BASE_MODEL; got {weights!r}"
+        )
+
+
+LIVE_WEIGHTS = SampleWeights()
+BASE_MODEL = SampleWeights(base_model=True)
 
 
 @dataclass(frozen=True)
@@ -51,14 +104,7 @@ class SamplingParams:
 
     def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
         """InvalidArgument naming every bad argument at once."""
-        problems = []
-        if not prompt:
-            problems.append("prompt_tokens is empty: give at least one token")
-        elif len(prompt) > limits.max_prompt_tokens:
-            problems.append(f"the prompt has {len(prompt)} tokens; the limit is "
-                            f"{limits.max_prompt_tokens}")  # fmt: skip
-        if _bad_ids(prompt, vocab_size):
-            problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
+        problems = prompt_problems(prompt, vocab_size, limits)
         if _bad_ids(self.stop_tokens, vocab_size):
             problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
@@ -77,6 +123,19 @@ class SamplingParams:
             problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         if problems:
             raise InvalidArgument("sample: " + "; ".join(problems))
+
+
+def prompt_problems(prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> list[str]:
+    """What is wrong with a prompt to sample or score: empty, too long, ids outside the vocab."""
+    problems = []
+    if not prompt:
+        problems.append("prompt_tokens is empty: give at least one token")
+    elif len(prompt) > limits.max_prompt_tokens:
+        problems.append(f"the prompt has {len(prompt)} tokens; the limit is "
+                        f"{limits.max_prompt_tokens}")  # fmt: skip
+    if _bad_ids(prompt, vocab_size):
+        problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
+    return problems
 
 
 class Sampler:
@@ -124,6 +183,23 @@ class Sampler:
                 scored[key] = self.logprobs(model, prompt, key, device)
             samples.append(Sample(key, scored[key], reason))
         return samples
+
+    def check_prompt(self, prompt: Sequence[int]) -> None:
+        """InvalidArgument naming every problem of a prompt to score, before any work."""
+        problems = prompt_problems(prompt, self.vocab_size, self.limits)
+        if problems:
+            raise InvalidArgument("prompt_logprobs: " + "; ".join(problems))
+
+    def prompt_logprobs(self, model: torch.nn.Module, prompt: Sequence[int]) -> list[float]:
+        """Each prompt token's logprob given the tokens before it, NaN for the first (nothing
+        precedes it): ``logprobs``' pass, so the rest are bit for bit what ``forward`` gives for
+        ``TokenExample(prompt[:-1], prompt[1:])``. Called as ``sample`` is (lock, eval mode, no
+        gradients)."""
+        self.check_prompt(prompt)
+        if len(prompt) < 2:
+            return [math.nan]
+        device = next(model.parameters()).device
+        return [math.nan, *self.logprobs(model, prompt[:1], prompt[1:], device)]
 
     def logprobs(
         self,

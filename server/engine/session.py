@@ -4,15 +4,24 @@ Lifecycle: set up (load the model, wrap it in LoRA, build the optimizer) → ope
 forward_backward, optim_step) → save / export → close. Every path that trains (in-process, gRPC,
 controller, Lightning) drives this one class, so they all produce the same bits.
 
-What it returns lives in ``session_results``, the per-batch loss in ``loss_hook`` and the checkpoint
-format in ``session_checkpoint``; the results and ``LossHook`` import from here too.
+The class holds the session's state and runs its operations; the work lives by job beside it:
+what it returns in ``session_results``, the per-batch loss in ``loss_hook``, the sampler in
+``sampling`` and sampling the weights a caller selects (other weights swapped in for one call) in
+``session_sampling``; its digest, checkpoints and weights in and out in ``session_persistence``,
+the checkpoint format in ``session_checkpoint`` and ``session_restore``. The results and
+``LossHook`` import from here too.
+
+Every operation runs inside the session's ``OperationGuard`` (``operation_guard``): its lock, its
+own RNG installed around the operation, and its health (a failure midway marks it broken until a
+``load_state``). That is why every change of the model's weights, even one undone within the same
+call (sampling an old export), happens in the engine under that guard, never in the service or a
+front that drives it.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +31,8 @@ import torch
 from trainwire.client.config import InputExample, TrainingConfig, is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine import session_checkpoint as ckpt
-from trainwire.server.engine import weights
+from trainwire.server.engine import session_persistence as persistence
+from trainwire.server.engine import session_sampling
 from trainwire.server.engine.batching import BatchEncoder
 from trainwire.server.engine.device import refuse_unsupported_setups, resolve_device, resolve_dtype
 from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
@@ -41,8 +50,10 @@ from trainwire.server.engine.optimization import (
     learning_rate_at,
 )
 from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.sampling import Sampler, SamplingParams
+from trainwire.server.engine.sampling import Sampler, SampleWeights, SamplingParams
+from trainwire.server.engine.session_checkpoint import CheckpointContents
 from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
+from trainwire.server.engine.weights import base_model_fingerprint
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 logger = logging.getLogger(__name__)
@@ -100,15 +111,16 @@ class TrainingSession:
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
         self.sampler = Sampler.for_model(self.model, self.tokenizer)
         self.optimizer = build_optimizer(self.model, config)
-        # Fixed after set up: walking a LoRA model's modules for them costs milliseconds a step.
+        # Which parameters train never changes after set up; walking a LoRA model's modules
+        # for them costs milliseconds a step.
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
         self._training_mode: bool | None = None  # the mode this session last set; see below
         self.loss_hook = loss_hook(config)
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
-        self._digest_cache: tuple[int, str] | None = None
-        self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
+        self._digests = persistence.StateDigests(self._guard)
+        self.base_fingerprint = base_model_fingerprint(self.model, self.config)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -116,8 +128,9 @@ class TrainingSession:
         return list(self._trainable)
 
     def _set_training(self, training: bool) -> None:
-        # Module.train() walks every module (milliseconds a step under LoRA): only on a change. The
-        # top flag is no witness (PEFT's wrapper trains around a base in eval mode): remember it.
+        # Module.train() walks every module (milliseconds a step for a LoRA model), so only on a
+        # change. The top module's flag alone is no witness: PEFT's wrapper starts in training
+        # mode around a base model in eval mode. So the session remembers what it set.
         if self._training_mode != training or self.model.training != training:
             self.model.train(training)
             self._training_mode = training
@@ -236,24 +249,38 @@ class TrainingSession:
         top_k: int = 0,
         stop_tokens: Sequence[int] = (),
         seed: int = 0,
+        weights: SampleWeights | str | os.PathLike[str] | None = None,
     ) -> list[Sample]:
-        """Continuations of ``prompt_tokens`` from the live weights (LoRA included).
+        """Continuations of ``prompt_tokens`` from the live weights (LoRA included), or from the
+        weights ``weights`` selects (``SampleWeights``): a path is an export of this run, say a
+        snapshot the trainer has moved past, and ``BASE_MODEL`` the model before any training.
 
         ``temperature=0`` is greedy. A sample ends after a stop token or EOS (kept, ``"stop"``)
         or after ``max_tokens`` (``"length"``). Its logprobs are the model's own at temperature
-        1, bit for bit what ``forward`` gives for prompt plus sample as one TokenExample. Nothing
-        changes: the digest and the training RNG are untouched; the same weights and arguments
-        give the same samples.
+        1, bit for bit what ``forward`` gives for prompt plus sample as one TokenExample (under
+        those weights). Nothing changes: the digest and the training RNG are untouched, and
+        other weights are checked before any live tensor changes and put back bit for bit
+        afterwards; the same weights and arguments give the same samples. A missing export is
+        ``FailedPrecondition``.
         """
         params = SamplingParams(
             max_tokens, num_samples, temperature, top_p, top_k, tuple(stop_tokens), seed
         )
-        with self._guard.operation(changes_state=False):
-            if self.config.task != "causal-lm":
-                raise InvalidArgument(f"sampling needs a causal-lm session, not {self.config.task}")
-            self._set_training(False)
-            with torch.no_grad():
-                return self.sampler.sample(self.model, list(prompt_tokens), params)
+        selected = SampleWeights.of(weights)
+        return session_sampling.sample(self, list(prompt_tokens), params, selected)
+
+    def prompt_logprobs(
+        self,
+        prompt_tokens: Sequence[int],
+        *,
+        weights: SampleWeights | str | os.PathLike[str] | None = None,
+    ) -> list[float]:
+        """Each prompt token's logprob given the tokens before it, under the weights ``weights``
+        selects (as ``sample``'s): NaN for the first token (nothing precedes it), then bit for
+        bit what ``forward`` gives for ``TokenExample(prompt[:-1], prompt[1:])`` under those
+        weights. Changes nothing, as ``sample``."""
+        selected = SampleWeights.of(weights)
+        return session_sampling.prompt_logprobs(self, list(prompt_tokens), selected)
 
     def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, with this session's tokenizer."""
@@ -278,127 +305,61 @@ class TrainingSession:
         return self._guard.rng
 
     def state_digest(self) -> str:
-        """sha256 over the whole continuation state (parameters, optimizer moments, schedule
-        position, pending gradients, accumulation counter, RNG, loss-hook state): equal digests
-        mean equal continuations. Cached per state version."""
+        """sha256 over the whole continuation state: parameters, optimizer moments, schedule
+        position, pending gradients, accumulation counter, RNG and loss-hook state.
+
+        Equal digests mean equal continuations. Cached per state version: hashing reads every
+        tensor, and ``Info`` reports it after every operation.
+        """
         with self._guard.lock:
-            return self._state_digest_held()
+            return self._digests.held(self._contents)
 
     def known_state_digest(self) -> str:
         """The digest if it is cached for the current state, else "" (no lock, no hashing)."""
-        cache = self._digest_cache
-        return cache[1] if cache is not None and cache[0] == self._guard.version else ""
+        return self._digests.known()
 
     def drop_digest_cache(self) -> None:
         """Forget the cached digest, as an operation does (benchmarks time its computation)."""
         with self._guard.lock:
-            self._digest_cache = None
+            self._digests.drop()
 
-    def _state_digest_held(self, contents: ckpt.CheckpointContents | None = None) -> str:
-        """``state_digest`` for a caller that holds the lock, or a helper thread working for it
-        (a checkpoint hashes its ``contents`` while it writes them)."""
-        value = self.known_state_digest() or (contents or self._contents()).state_digest()
-        self._digest_cache = (self._guard.version, value)
-        return value
-
-    def checkpoint_contents(self) -> ckpt.CheckpointContents:
+    def checkpoint_contents(self) -> CheckpointContents:
         """Everything ``save_state`` writes, as live tensors (call it between operations)."""
         with self._guard.lock:
             return self._contents()
 
-    def _contents(self) -> ckpt.CheckpointContents:
-        return ckpt.CheckpointContents(
-            config=self.config,
-            device_type=self.device.type,
-            step=self.step,
-            accumulated=self.accumulated,
-            max_steps=self.max_steps,
-            base_model_fingerprint=self.base_fingerprint,
-            loss_hook=type(self.loss_hook).__name__,
-            rng=self._guard.rng,
-            parameters=dict(self.model.named_parameters()),
-            optimizer=ckpt.optimizer_state_tensors(self.optimizer),
-            gradients=self.pending_gradients(),
-            loss_hook_state=self.loss_hook.session_state_dict(),
-        )
+    def _contents(self) -> CheckpointContents:
+        return persistence.checkpoint_contents(self)
 
     def save_state(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write the complete continuation state to a checkpoint directory, atomically.
 
-        ``extra`` (JSON) rides along; managed runs keep their cursor and history there.
+        ``extra`` (JSON) rides along; managed runs keep their cursor and history there. A broken
+        session refuses: its tensors may be half changed.
         """
-        with self._guard.lock:
-            self._guard.refuse_if_broken("cannot save an unusable session")
-            contents = self._contents()
-            digest = functools.partial(self._state_digest_held, contents)
-            ckpt.write_checkpoint(Path(path), contents, digest, extra or {})
+        persistence.save_state(self, Path(path), extra or {})
 
     def load_state(self, path: str | Path) -> dict[str, Any]:
-        """Restore everything into this fresh (or just restored) session; returns ``extra``."""
-        with self._guard.lock:
-            if not self.is_fresh and self._guard.broken is None:
-                raise FailedPrecondition(
-                    f"load_state needs a fresh session; this one has applied {self._guard.version} "
-                    f"operation(s) (step {self.step}). Open a new session to restore"
-                )
-            live = dict(self.model.named_parameters())
-            restored = ckpt.read_checkpoint(
-                Path(path),
-                config=self.config,
-                device_type=self.device.type,
-                max_steps=self.max_steps,
-                live=live,
-                optimizer=self.optimizer,
-            )
-            self._apply_restored(restored, live)
-            self._guard.restored()
-            return restored.extra
+        """Restore everything into this fresh (or just restored) session; returns ``extra``.
 
-    def _apply_restored(self, restored: ckpt.RestoredState, live: dict[str, Any]) -> None:
-        # Everything is read and checked; now apply it (the hook first: it may still refuse).
-        self.loss_hook.load_session_state_dict(restored.loss_hook_state)
-        # Half restored: refuse everything until a load_state succeeds (a retry still works).
-        with self._guard.breaks_on_failure("load_state"):
-            restored.apply_tensors(live, self.optimizer)
-        for name, parameter in live.items():
-            parameter.grad = restored.gradients.get(name)
-        self.step = restored.step
-        self.accumulated = restored.accumulated
-        self.base_fingerprint = restored.base_model_fingerprint
-        self._guard.rng = restored.rng
+        A broken session may be restored too (that is the way back). The checkpoint is read and
+        checked completely first, so a refused one changes nothing.
+        """
+        return persistence.load_state(self, Path(path))
 
     def load_weights(self, path: str | Path) -> None:
         """Copy weights only, from a session checkpoint, a native model or a PEFT adapter.
 
         The optimizer, schedule and RNG stay this run's. A full model seeds a LoRA session's base
-        weights (the adapters stay fresh).
+        weights (the adapters stay fresh). The source is checked completely before any live
+        tensor changes; a failure midway marks the session broken.
         """
-        with self._guard.operation():
-            # Read and check everything first; then apply, and a failure midway (out of memory,
-            # say) marks the session unusable rather than leaving half the weights copied.
-            load = weights.plan_weights_load(
-                self.model, Path(path), self.config, self.base_fingerprint
-            )
-            with self._guard.breaks_on_failure("load_weights"):
-                load.apply(self.model)
-            self.base_fingerprint = weights.base_model_fingerprint(self.model, self.config)
-            self._guard.changed()
+        persistence.load_weights(self, Path(path))
 
     def export_weights(self, path: str | Path) -> None:
         """Write a directory ``transformers`` (full) or ``peft`` (adapter) loads, atomically."""
-        with self._guard.lock:
-            self._guard.refuse_if_broken("cannot export an unusable session")
-            provenance = {
-                "base_model_fingerprint": self.base_fingerprint,
-                "step": self.step,
-                "state_digest": self.state_digest(),
-            }
-            weights.write_export(Path(path), self.model, self.tokenizer, self.config, provenance)
+        persistence.export_weights(self, Path(path))
 
     def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
         """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
-        with self._guard.lock:
-            detached = copy.deepcopy(self.model).to("cpu")
-            weights.export_checkpoint(
-                Path(checkpoint), Path(path), detached, self.tokenizer, self.config
-            )
+        persistence.export_checkpoint_weights(self, Path(checkpoint), Path(path))

@@ -1,0 +1,162 @@
+"""A session's samples and prompt logprobs, from the weights the caller selects.
+
+``TrainingSession.sample`` and ``prompt_logprobs`` delegate here. Both are read-only operations
+under the session's guard (its lock, its RNG put back afterwards, refused while it is broken),
+and both may read weights other than the live ones (``SampleWeights``): an export of the run, say
+a snapshot the trainer has since moved past, or the base model. The engine owns every change of
+its weights, so it swaps them in itself, inside that guard, and no other operation ever sees the
+swap. The order is what makes that safe:
+
+1. The request is checked, then the weights' source is read completely and checked
+   (``plan_weights_load``: names, shapes, dtypes, adapter settings, base model), all before a
+   live tensor changes, so a refused request or source (missing, another model's, damaged)
+   changes nothing.
+2. The live bits of every parameter the load may write are copied aside before the load: running
+   out of memory there changes nothing either.
+3. The load goes in, the sampler reads the model, and the live bits go back in a ``finally``,
+   whatever happened in between. Only a failure of that restore leaves the model holding other
+   weights than the session's state says it has, so only it marks the session broken (it refuses
+   everything until a ``load_state``).
+
+The session's state version does not move: the bits afterwards are the bits before, so the cached
+state digest stays true. The base model under LoRA is the model with its adapter disabled: no
+copy at all. What the other sources cost, per call: a copy of the trainable weights in memory (the
+adapter under LoRA, the whole model in full) and reading the source.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainwire.client.config import TrainingConfig
+from trainwire.client.outcomes import Sample
+from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
+from trainwire.server.engine.sampling import SampleWeights, SamplingParams
+from trainwire.server.engine.tensor_files import copy_into
+from trainwire.server.engine.weights import (
+    WeightsLoad,
+    plan_native_load,
+    plan_weights_load,
+    read_native_model_tensors,
+)
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
+
+if TYPE_CHECKING:
+    from trainwire.server.engine.session import TrainingSession
+
+
+def sample(
+    session: TrainingSession, prompt: list[int], params: SamplingParams, selected: SampleWeights
+) -> list[Sample]:
+    sampler = session.sampler
+    # Checked before any weights are read (the sampler checks it again: a cheap repeat).
+    check = functools.partial(params.check, prompt, sampler.vocab_size, sampler.limits)
+    with _reading(session, selected, check):
+        return sampler.sample(session.model, prompt, params)
+
+
+def prompt_logprobs(
+    session: TrainingSession, prompt: list[int], selected: SampleWeights
+) -> list[float]:
+    with _reading(session, selected, lambda: session.sampler.check_prompt(prompt)):
+        return session.sampler.prompt_logprobs(session.model, prompt)
+
+
+@contextlib.contextmanager
+def _reading(
+    session: TrainingSession, selected: SampleWeights, check: Callable[[], None]
+) -> Iterator[None]:
+    """The session's read-only operation with ``selected``'s weights in the model (the
+    module's order: the request checked, the source checked, the swap, the live bits back)."""
+    guard = session._guard
+    with guard.operation(changes_state=False):
+        if session.config.task != "causal-lm":
+            raise InvalidArgument(f"sampling needs a causal-lm session, not {session.config.task}")
+        check()
+        swap = weights_for_reading(
+            session.model,
+            selected,
+            config=session.config,
+            base_fingerprint=session.base_fingerprint,
+            base_model_dir=session.model_dir,
+            guard=guard,
+        )
+        session._set_training(False)
+        # Innermost, so an out-of-memory error is reported only after the live bits are back.
+        with swap, torch.no_grad(), refuse_out_of_memory("sample"):
+            yield
+
+
+def weights_for_reading(
+    model: torch.nn.Module,
+    selected: SampleWeights,
+    *,
+    config: TrainingConfig,
+    base_fingerprint: str | None,
+    base_model_dir: Path,
+    guard: OperationGuard,
+) -> contextlib.AbstractContextManager[None]:
+    """A context in which ``model`` holds ``selected``'s weights.
+
+    The source is read and checked now, when this is called; the weights go in when the context
+    is entered and the live bits come back when it exits. Call it inside the session's
+    ``guard.operation(changes_state=False)``, and only read the model within.
+    """
+    if selected.live:
+        return contextlib.nullcontext()
+    if selected.base_model and config.lora is not None:
+        return _adapter_disabled(model, guard)
+    if selected.base_model:
+        # The directory the session loaded, read as a native model (whatever else it holds).
+        tensors = read_native_model_tensors(base_model_dir)
+        return _swapped_in(model, WeightsLoad(pairs=plan_native_load(model, tensors)), guard)
+    assert selected.export is not None
+    if not selected.export.is_dir():
+        # Named by its directory, never by the server's path: clients read this message.
+        raise FailedPrecondition(
+            f"no weights to sample at {selected.export.name!r}: that export of this run was "
+            "removed (an old snapshot pruned, say) or never written; nothing changed. Export the "
+            "weights again and sample that, or sample the live weights"
+        )
+    load = plan_weights_load(model, selected.export, config, base_fingerprint)
+    return _swapped_in(model, load, guard)
+
+
+@contextlib.contextmanager
+def _swapped_in(model: torch.nn.Module, load: WeightsLoad, guard: OperationGuard) -> Iterator[None]:
+    """``load`` in the model for the block; every live bit it may have written back afterwards."""
+    # What the load may write: its pairs' live tensors, or for an adapter (no pairs) the adapter's
+    # own parameters, which are the ones that train (modules_to_save included).
+    targets = {id(p): p for p in model.parameters() if p.requires_grad}
+    targets.update({id(live): live for live, _ in load.pairs})
+    with refuse_out_of_memory("sample"):  # nothing has changed yet
+        saved = [(parameter, parameter.detach().clone()) for parameter in targets.values()]
+    try:
+        # Out of memory midway through the load still changes nothing in the end: the finally
+        # below puts every live bit back before the error reaches the caller.
+        with refuse_out_of_memory("sample"):
+            load.apply(model)
+        yield
+    finally:
+        with guard.breaks_on_failure("sample (putting the live weights back)"):
+            copy_into(saved)
+
+
+@contextlib.contextmanager
+def _adapter_disabled(model: torch.nn.Module, guard: OperationGuard) -> Iterator[None]:
+    """The LoRA model without its adapter for the block (PEFT's ``disable_adapter``)."""
+    disabled = model.disable_adapter()
+    disabled.__enter__()
+    try:
+        yield
+    finally:
+        # Enabling the adapter again is what gives the live weights back: a failure there is a
+        # failure to restore them. A failure in the block, by contrast, must not break anything.
+        with guard.breaks_on_failure("sample (enabling the adapter again)"):
+            disabled.__exit__(None, None, None)
