@@ -156,7 +156,14 @@ def _start_tinker(
     from trainwire.server.tinker.listener import TinkerListener  # the optional extra
 
     try:
-        return TinkerListener(session_host, listen, token=token, tokenizer_id=tokenizer_id)
+        return TinkerListener(
+            session_host,
+            listen,
+            state_dir=session_host.state_dir.root,
+            model_root=session_host.model_root,
+            token=token,
+            tokenizer_id=tokenizer_id,
+        )
     except BaseException:
         listener.stop(None)
         session_host.release()

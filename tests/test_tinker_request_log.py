@@ -15,36 +15,36 @@ from tinker_loops import KEY, tinker_server
 from trainwire.server.errors import ResourceExhausted
 from trainwire.server.process import ServerHandle
 from trainwire.server.tinker.futures import Done, Failed
-from trainwire.server.tinker.request_log import (
-    LOG_FILE,
-    RequestLog,
-    call_record,
-    compacted,
-    outcome_of,
-    result_record,
+from trainwire.server.tinker.records import (
+    CallRecord,
+    ResultRecord,
+    ResumeRecord,
+    SampleRecord,
+    SessionRecord,
 )
+from trainwire.server.tinker.request_log import LOG_FILE, RequestLog, compacted
 
 
 def test_records_come_back_in_order_and_a_torn_last_one_is_dropped(tmp_path: Path) -> None:
     log = RequestLog(tmp_path)
-    log.write(call_record("optim_step", "m/1", 1, {"seq_id": 1}, None))
-    log.write(call_record("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
+    log.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
+    log.write(CallRecord("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
     log.close()
     with (tmp_path / LOG_FILE).open("ab") as file:
         file.write(b'{"kind": "call", "rou')  # the crash came mid-write
     again = RequestLog(tmp_path)
-    assert [r["request_id"] for r in again.records] == ["m/1", "m/2"]
+    assert [r.request_id for r in again.records] == ["m/1", "m/2"]
     assert (tmp_path / LOG_FILE).read_bytes().endswith(b"}\n")  # the torn bytes are cut off
-    again.write(result_record("m/2", Done(b"\x01bytes")))
+    again.write(ResultRecord("m/2", Done(b"\x01bytes")))
     again.close()
-    assert outcome_of(RequestLog(tmp_path).records[-1]) == Done(b"\x01bytes")
+    assert RequestLog(tmp_path).records[-1] == ResultRecord("m/2", Done(b"\x01bytes"))
 
 
 def test_a_full_disk_refuses_the_request_and_leaves_no_half_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     log = RequestLog(tmp_path)
-    log.write(call_record("optim_step", "m/1", 1, {"seq_id": 1}, None))
+    log.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
     before = (tmp_path / LOG_FILE).read_bytes()
     real_write = os.write
     calls = []
@@ -57,35 +57,36 @@ def test_a_full_disk_refuses_the_request_and_leaves_no_half_record(
 
     monkeypatch.setattr(os, "write", half_then_full)
     with pytest.raises(ResourceExhausted, match="disk is full"):
-        log.append(call_record("optim_step", "m/2", 2, {"seq_id": 2}, None))
+        log.append(CallRecord("optim_step", "m/2", 2, {"seq_id": 2}))
     monkeypatch.setattr(os, "write", real_write)
     assert (tmp_path / LOG_FILE).read_bytes() == before
     assert log.write_result("m/3", Done({"ok": 1})) == Done({"ok": 1})
     log.close()
-    assert [r["request_id"] for r in RequestLog(tmp_path).records] == ["m/1", "m/3"]
+    assert [r.request_id for r in RequestLog(tmp_path).records] == ["m/1", "m/3"]
 
 
 def test_a_corrupt_record_before_the_last_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
-    (tmp_path / LOG_FILE).write_bytes(b'{"kind": "session"}\nnot json\n{"kind": "session"}\n')
+    session = b'{"kind": "session", "session_id": "tw-1"}\n'
+    (tmp_path / LOG_FILE).write_bytes(session + b"not json\n" + session)
     with pytest.raises(ValueError, match="record 2 is corrupt"):
         RequestLog(tmp_path)
 
 
 def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples() -> None:
     records = [
-        call_record("optim_step", "m/1", 1, {}, None),
-        call_record("forward_backward", "m/2", 2, b"x", ""),
-        result_record("m/2", Failed("bad loss", "user")),
-        {"kind": "sample", "request_id": "s/1", "body": {}},
-        {"kind": "sample", "request_id": "s/2", "body": {}},
-        result_record("s/2", Done(b"y")),
-        call_record("save_weights", "m/3", 3, {}, None),
-        call_record("optim_step", "m/4", 4, {}, None),
+        CallRecord("optim_step", "m/1", 1, {}),
+        CallRecord("forward_backward", "m/2", 2, b"x", ""),
+        ResultRecord("m/2", Failed("bad loss", "user")),
+        SampleRecord("s/1", {}),
+        SampleRecord("s/2", {}),
+        ResultRecord("s/2", Done(b"y")),
+        CallRecord("save_weights", "m/3", 3, {}),
+        CallRecord("optim_step", "m/4", 4, {}),
     ]
-    head = [{"kind": "resume", "next_seq": 3, "position": 2}]
+    head = [SessionRecord("tw-1"), ResumeRecord(3, 2)]
     delivered = {"m/1", "m/2", "s/1"}
     kept = compacted(records, 3, delivered.__contains__, head)
-    assert kept == [head[0], records[4], records[5], records[6], records[7]]
+    assert kept == [*head, records[4], records[5], records[6], records[7]]
     assert compacted(records, 3, {"m/1", "s/1"}.__contains__, head) is None  # m/2 unpolled
 
 
@@ -178,9 +179,9 @@ def test_a_model_whose_client_went_silent_gives_way_to_a_new_one(
 ) -> None:
     import time
 
-    from trainwire.server.tinker import front
+    from trainwire.server.tinker import model_slot
 
-    monkeypatch.setattr(front, "SESSION_LAPSE_S", 2.0)
+    monkeypatch.setattr(model_slot, "SESSION_LAPSE_S", 2.0)
     with tinker_server(tmp_path / "state", model_root) as handle:
         api = FrontApi(handle)
         _, old_model = api.model()

@@ -1,75 +1,33 @@
-"""Sampling a snapshot the trainer has moved past: the snapshot's samples, bit for bit, and every
-live bit back afterwards (full weights and LoRA, in process)."""
+"""Sampling a snapshot the trainer has moved past, through the real SDK: the snapshot's samples,
+and a clear refusal once an unnamed snapshot was pruned. (The engine's side, every live bit back
+after other weights were sampled, is tests/test_session_snapshot_sampling.py.)"""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
+from tinker import types
+from tinker_loops import SENTENCES, lora_training, train_step
 
-from trainwire.client import LoraSettings
-from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition
-from trainwire.server.tinker.snapshots import SnapshotWeights, sample_from
-from trainwire.testing import tiny_token_examples
-
-NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
-OPTIONS = {"max_tokens": 8, "num_samples": 3, "temperature": 1.0, "seed": 7}
+from trainwire.server.tinker.samplers import KEEP_UNNAMED_SNAPSHOTS
 
 
-@pytest.fixture(params=["full", "lora"])
-def session(request, llama_config) -> TrainingSession:
-    lora = NO_DROPOUT_LORA if request.param == "lora" else None
-    return TrainingSession(llama_config(lora=lora, lr_scheduler="constant"), device="cpu")
-
-
-def train_a_step(session: TrainingSession) -> None:
-    session.forward_backward(tiny_token_examples(4, vocab_size=len(session.tokenizer)))
-    session.optim_step(learning_rate=5e-2)
-
-
-def draw(session: TrainingSession, weights: SnapshotWeights, prompt: tuple[int, ...]):
-    """Samples and prompt logprobs, the first prompt logprob (NaN: no context) left out."""
-    samples, scored = sample_from(session, weights, prompt, prompt_logprobs=True, **OPTIONS)
-    assert scored is not None and math.isnan(scored[0])
-    return samples, scored[1:]
-
-
-def test_an_old_snapshot_samples_as_it_did_and_the_live_bits_come_back(
-    session: TrainingSession, tmp_path: Path
+def test_an_unnamed_snapshot_samples_as_it_did_until_it_is_pruned(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    prompt = tuple(session.tokenize(["the movie was"])[0])
-    live = SnapshotWeights(live=True)
-    at_snapshot = draw(session, live, prompt)
-    session.export_weights(tmp_path / "snapshot")
-    train_a_step(session)
-    trained_digest = session.state_digest()
-    trained = draw(session, live, prompt)
-    assert trained[1] != at_snapshot[1]  # the step changed the model's logprobs
+    import tinker
 
-    assert draw(session, SnapshotWeights(live=False, export=tmp_path / "snapshot"), prompt) == (
-        at_snapshot
-    )
-    assert session.state_digest() == trained_digest
-    assert draw(session, live, prompt) == trained
-
-
-def test_the_base_model_samples_as_before_any_training(
-    session: TrainingSession, tiny_llama: Path
-) -> None:
-    prompt = tuple(session.tokenize(["the movie was"])[0])
-    before = draw(session, SnapshotWeights(live=True), prompt)
-    train_a_step(session)
-    trained_digest = session.state_digest()
-    base = SnapshotWeights(live=False, base_model=tiny_llama)
-    assert draw(session, base, prompt) == before
-    assert session.state_digest() == trained_digest
-
-
-def test_a_pruned_snapshot_is_refused_with_the_fix(session: TrainingSession, tmp_path: Path):
-    gone = SnapshotWeights(live=False, export=tmp_path / "sampler-seq-3")
-    digest = session.state_digest()
-    with pytest.raises(FailedPrecondition, match=r"pruned.*save_weights_and_get_sampling_client"):
-        draw(session, gone, (1, 2, 3))
-    assert session.state_digest() == digest
+    with lora_training(tmp_path / "state", model_root) as run:
+        prompt = types.ModelInput.from_ints(run.tokenizer.encode("the cat"))
+        params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=5)
+        first = run.training.save_weights_and_get_sampling_client().result()
+        before = first.sample(prompt, 2, params).result()
+        train_step(run, SENTENCES[1])  # the live weights are no longer the snapshot
+        again = first.sample(prompt, 2, params).result()
+        assert [s.tokens for s in again.sequences] == [s.tokens for s in before.sequences]
+        assert [s.logprobs for s in again.sequences] == [s.logprobs for s in before.sequences]
+        for _ in range(KEEP_UNNAMED_SNAPSHOTS):
+            run.training.save_weights_and_get_sampling_client().result()
+        with pytest.raises(tinker.RequestFailedError, match=r"pruned.*save_weights_and_get"):
+            first.sample(prompt, 2, params).result()

@@ -193,7 +193,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
         decode = partial(requests.SampleRequest, **wire.sample_request_from_proto(request))
-        return wire.samples_to_proto(self._apply(context, ops.SAMPLE, decode))
+        return wire.samples_to_proto(self._apply(context, ops.SAMPLE, decode).samples)
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         texts, special = list(request.texts), request.add_special_tokens

@@ -206,13 +206,21 @@ class SessionHost:
         self._executor.release(release)
 
     @property
+    def position(self) -> int:
+        """The open run's position (state-changing operations applied; 0 when none is open), at
+        no cost: ``info()`` would hash the whole state to give its digest too."""
+        return 0 if self._active is None else self._active.position
+
+    @property
     def journal(self) -> Journal | None:
-        """The open run's journal (None when no run is open)."""
+        """The open run's journal (None when no run is open); for inspection only: operations
+        go through ``apply``."""
         return None if self._active is None else self._active.journal
 
     @property
     def session(self) -> TrainingSession | None:
-        """The open run's engine (None when no run is open)."""
+        """The open run's engine (None when no run is open); for inspection only: operations
+        go through ``apply``, and nothing outside the host changes the engine."""
         return None if self._active is None else self._active.session
 
     # -- operations ------------------------------------------------------------------------------
@@ -260,11 +268,6 @@ class SessionHost:
             return call(*args)
 
         return self._executor.run(job, bounded=refusable)
-
-    def read_only(self, call: Callable[[TrainingSession], T]) -> T:
-        """``call(session)`` on the executor, behind every operation queued before it, so a
-        read (Sample, Tokenize) never sees weights in the middle of an update."""
-        return self._serialized(lambda: call(self._require_active().session))
 
     def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""

@@ -1,21 +1,23 @@
 """The one table of operations: what each thing a client can ask of the session is, in one place.
 
 Every transport (the gRPC servicer, the Tinker front) decodes its request into one of the typed
-requests below and calls ``SessionHost.apply(operation, request, spec)``; nothing else reaches the
-engine. An ``Operation`` says, for one kind:
+requests (``requests``) and calls ``SessionHost.apply(operation, request, spec)``; nothing else
+reaches the engine. An ``Operation`` says, for one kind:
 
 - ``request_type``: the typed request a transport builds;
 - ``check``: what is refused before anything is queued (names, bounds, the model root);
 - ``payload``: what a key is bound to: digested and journaled, so the same key with another
-  payload is ALREADY_EXISTS. ``None`` marks a read, which changes nothing and takes no key;
+  payload is ALREADY_EXISTS. ``None`` marks an unkeyed operation, which changes no continuation
+  state (a read, or removing snapshot exports) and takes no key;
 - ``apply``: the engine call, on the executor; a keyed one returns its outcome's fields beyond
   key and position, a read returns its result;
 - ``outcome_type``: what a keyed operation's journaled result is read back as;
 - ``complete``: where the caller's outcome needs more than the journal keeps (an export's
   directory on this side), applied to fresh and replayed outcomes alike.
 
-A new operation is one entry here (and its request type in ``requests``); a new field of a
-request is one field of its request type, read in its ``payload`` and ``apply`` here, and decoded
+The keyed operations' checks, payloads and engine calls are below; the unkeyed ones' are in
+``reads``. A new operation is one entry here (and its request type in ``requests``); a new field
+of a request is one field of its request type, read in its ``payload`` and ``apply``, and decoded
 by each transport's codec.
 """
 
@@ -35,10 +37,12 @@ from trainwire.server.engine.optimization import check_learning_rate
 from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
-from trainwire.server.service.request_limits import check_batch, check_texts, check_token_lists
+from trainwire.server.service import reads
+from trainwire.server.service.request_limits import check_batch
 from trainwire.server.service.requests import (
     CheckpointRequest,
     DetokenizeRequest,
+    DiscardExportsRequest,
     ExportWeightsRequest,
     ForwardBackwardRequest,
     ForwardRequest,
@@ -117,18 +121,6 @@ def _check_export(request: ExportWeightsRequest, _root: Path | None) -> None:
         check_name(request.checkpoint, "checkpoint")
 
 
-def _check_nothing(_request: object, _root: Path | None) -> None:
-    """Sampling settings are the engine's to check (it knows the vocabulary and the limits)."""
-
-
-def _check_texts(request: TokenizeRequest, _root: Path | None) -> None:
-    check_texts(request.texts)
-
-
-def _check_token_lists(request: DetokenizeRequest, _root: Path | None) -> None:
-    check_token_lists(request.token_lists)
-
-
 # -- payloads: what a key is bound to ------------------------------------------------------------
 
 
@@ -170,20 +162,6 @@ def _export_payload(request: ExportWeightsRequest) -> dict[str, Any]:
 # -- applies: the engine calls, on the executor ---------------------------------------------------
 
 
-def _token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:
-    return tuple(tuple(row) for row in result.logprobs), dict(result.metrics)
-
-
-def _forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
-    result = run.session.forward(
-        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
-    )
-    if isinstance(result, TokenOutput):
-        return outcomes.ForwardOutcome(result.loss, (), *_token_fields(result))
-    predictions = tuple(outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions)
-    return outcomes.ForwardOutcome(result.loss, predictions)
-
-
 def _forward_backward(
     run: ActiveRun, request: ForwardBackwardRequest, _: Applying | None
 ) -> Fields:
@@ -193,7 +171,7 @@ def _forward_backward(
     )
     fields: Fields = {"token_count": session.last_token_count}
     if isinstance(result, TokenOutput):
-        logprobs, metrics = _token_fields(result)
+        logprobs, metrics = reads.token_fields(result)
         return {**fields, "loss": result.loss, "logprobs": logprobs, "metrics": metrics}
     return {**fields, "loss": result}
 
@@ -271,30 +249,9 @@ def _export_directory(
     return dataclasses.replace(outcome, directory=run.run.export(request.name))
 
 
-def _sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> list[outcomes.Sample]:
-    return run.session.sample(
-        request.prompt_tokens,
-        max_tokens=request.max_tokens,
-        num_samples=request.num_samples,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        stop_tokens=request.stop_tokens,
-        seed=request.seed,
-    )
-
-
-def _tokenize(run: ActiveRun, request: TokenizeRequest, _: Applying | None) -> list[list[int]]:
-    return run.session.tokenize(request.texts, add_special_tokens=request.add_special_tokens)
-
-
-def _detokenize(run: ActiveRun, request: DetokenizeRequest, _: Applying | None) -> list[str]:
-    return run.session.detokenize(request.token_lists)
-
-
 # -- the table ---------------------------------------------------------------------------------
 
-FORWARD = Operation("Forward", ForwardRequest, _check_batch, _forward)
+FORWARD = Operation("Forward", ForwardRequest, _check_batch, reads.forward)
 FORWARD_BACKWARD = Operation(
     "ForwardBackward",
     ForwardBackwardRequest,
@@ -339,9 +296,12 @@ EXPORT_WEIGHTS = Operation(
     outcomes.ExportOutcome,
     complete=_export_directory,
 )
-SAMPLE = Operation("Sample", SampleRequest, _check_nothing, _sample)
-TOKENIZE = Operation("Tokenize", TokenizeRequest, _check_texts, _tokenize)
-DETOKENIZE = Operation("Detokenize", DetokenizeRequest, _check_token_lists, _detokenize)
+SAMPLE = Operation("Sample", SampleRequest, reads.check_sample, reads.sample)
+DISCARD_EXPORTS = Operation(
+    "DiscardExports", DiscardExportsRequest, reads.check_discard, reads.discard_exports
+)
+TOKENIZE = Operation("Tokenize", TokenizeRequest, reads.check_tokenize, reads.tokenize)
+DETOKENIZE = Operation("Detokenize", DetokenizeRequest, reads.check_detokenize, reads.detokenize)
 
 OPERATIONS: dict[str, Operation[Any]] = {
     operation.kind: operation
@@ -354,6 +314,7 @@ OPERATIONS: dict[str, Operation[Any]] = {
         LOAD_WEIGHTS,
         EXPORT_WEIGHTS,
         SAMPLE,
+        DISCARD_EXPORTS,
         TOKENIZE,
         DETOKENIZE,
     )

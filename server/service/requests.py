@@ -61,7 +61,12 @@ class ExportWeightsRequest:
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """Continuations of ``prompt_tokens`` (the engine's ``sample`` arguments)."""
+    """Continuations of ``prompt_tokens`` (the engine's ``sample`` arguments).
+
+    The weights sampled are the live ones, or those of the run's export ``export`` (a snapshot
+    the trainer may have moved past), or with ``base_model`` the model before any training.
+    ``prompt_logprobs`` also scores the prompt under the same weights, in the same operation.
+    """
 
     prompt_tokens: Sequence[int]
     max_tokens: int
@@ -71,6 +76,17 @@ class SampleRequest:
     top_k: int = 0
     stop_tokens: Sequence[int] = ()
     seed: int = 0
+    export: str = ""
+    base_model: bool = False
+    prompt_logprobs: bool = False
+
+
+@dataclass(frozen=True)
+class DiscardExportsRequest:
+    """Remove the run's exports ``names`` (snapshots no sampler needs any more); a missing one
+    is no error."""
+
+    names: Sequence[str]
 
 
 @dataclass(frozen=True)

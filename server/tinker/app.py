@@ -1,4 +1,5 @@
-"""The HTTP routes the Tinker SDK calls, each a thin wrapper over ``TinkerFront``.
+"""The HTTP routes the Tinker SDK calls: each reads the body and calls its route function
+(``training_routes``, ``sampling_routes``) or the model slot.
 
 Every route that writes the front's request log (an fsync) runs on a worker thread, never on
 the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
@@ -22,6 +23,7 @@ from trainwire.server.errors import (
     TrainwireError,
     Unavailable,
 )
+from trainwire.server.tinker import sampling_routes, training_routes
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
@@ -79,22 +81,23 @@ def create_app(
 
     @app.get(f"{API}/healthz")
     async def healthz() -> JSONResponse:
-        if front.host.phase in ("restoring", "failed"):
-            return JSONResponse({"detail": f"the session is {front.host.phase}"}, status_code=503)
+        phase = front.host.phase
+        if phase in ("restoring", "failed"):
+            return JSONResponse({"detail": f"the session is {phase}"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        return {"supported_models": supported_models(front.host.model_root)}
+        return {"supported_models": supported_models(front.model_root)}
 
     @app.post(f"{API}/create_session")
     async def create_session() -> dict[str, Any]:
-        session_id = await run_in_threadpool(front.create_session)
+        session_id = await run_in_threadpool(front.models.create_session)
         return {"type": "create_session", "session_id": session_id}
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        front.require_session(get_str(await body(request), "session_id", "") or "")
+        front.models.require_session(get_str(await body(request), "session_id", "") or "")
         return {"type": "session_heartbeat"}
 
     @app.post(f"{API}/telemetry")
@@ -103,46 +106,58 @@ def create_app(
 
     @app.post(f"{API}/sessions/{{session_id}}/finish")
     async def finish(session_id: str) -> dict[str, Any]:
-        await run_in_threadpool(front.finish_session, session_id)
+        await run_in_threadpool(front.models.finish_session, session_id)
         return {}
 
     @app.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
         data = await body(request)
-        request_id = await run_in_threadpool(front.create_model, data)
-        return future(request_id, model_id=front.model.model_id if front.model else None)
+        request_id = await run_in_threadpool(front.models.create_model, data)
+        model = front.models.model
+        return future(request_id, model_id=model.model_id if model else None)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        return front.require_model(get_str(await body(request), "model_id", "") or "").info()
+        model_id = get_str(await body(request), "model_id", "") or ""
+        return front.models.require_model(model_id).info()
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         raw = await request.body()
         encoding = request.headers.get("content-encoding", "")
-        return future(await run_in_threadpool(front.training.forward_backward, raw, encoding))
+        return future(
+            await run_in_threadpool(training_routes.forward_backward, front, raw, encoding)
+        )
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.training.optim_step, await body(request)))
+        return future(
+            await run_in_threadpool(training_routes.optim_step, front, await body(request))
+        )
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.training.save_weights, await body(request)))
+        return future(
+            await run_in_threadpool(training_routes.save_weights, front, await body(request))
+        )
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict[str, Any]:
-        return future(await run_in_threadpool(front.training.load_weights, await body(request)))
+        return future(
+            await run_in_threadpool(training_routes.load_weights, front, await body(request))
+        )
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
         data = await body(request)
-        return future(await run_in_threadpool(front.sampling.save_weights_for_sampler, data))
+        return future(
+            await run_in_threadpool(sampling_routes.save_weights_for_sampler, front, data)
+        )
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
         data = await body(request)
-        sampling_id = await run_in_threadpool(front.sampling.create_sampling_session, data)
+        sampling_id = await run_in_threadpool(sampling_routes.create_sampling_session, front, data)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
     @app.get(f"{API}/samplers/{{sampling_id}}")
@@ -157,14 +172,14 @@ def create_app(
     @app.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
         data = await body(request)
-        request_id, sequence_ids = await run_in_threadpool(front.sampling.asample, data)
+        request_id, sequence_ids = await run_in_threadpool(sampling_routes.asample, front, data)
         return future(request_id, sample_sequence_ids=sequence_ids)
 
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         request_id = get_str(await body(request), "request_id", "") or ""
         try:
-            outcome = await front.futures.wait(request_id, poll_hold_s)
+            outcome = await front.sequencer.futures.wait(request_id, poll_hold_s)
         except KeyError:
             raise NotFound(f"no request {request_id!r} on this server") from None
         if outcome is None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.app import create_app
 from trainwire.server.tinker.auth import check_token
-from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.startup import start_front, stop_front
 
 logger = logging.getLogger(__name__)
 START_TIMEOUT_S = 30.0
@@ -25,6 +26,8 @@ class TinkerListener:
         host: SessionHost,
         listen: str,
         *,
+        state_dir: Path,
+        model_root: Path | None,
         token: str | None = None,
         tokenizer_id: str | None = None,
     ) -> None:
@@ -32,7 +35,7 @@ class TinkerListener:
         address, sep, port = listen.rpartition(":")
         if not sep or not address or not port.isdigit():
             raise ValueError(f"--tinker-listen takes HOST:PORT (port 0 picks one), got {listen!r}")
-        self.front = TinkerFront(host, tokenizer_id=tokenizer_id)
+        self.front = start_front(host, state_dir, model_root=model_root, tokenizer_id=tokenizer_id)
         app = create_app(self.front, token=token)
         config = uvicorn.Config(
             app, host=address, port=int(port), log_level="warning", lifespan="off"
@@ -58,4 +61,4 @@ class TinkerListener:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
-        self.front.stop()
+        stop_front(self.front)

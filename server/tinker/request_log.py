@@ -7,14 +7,14 @@ before a poll can see it. A restarted front reads the records back in order: a r
 final; a call without one is submitted again, and since the engine restarted from its latest
 checkpoint, the keyed calls since then run again (the journal answers the ones before it).
 
-One JSON object per line. A line torn by the crash (the write was never made durable, so its
-request id was never handed out) is dropped. ``compact`` rewrites the file atomically, keeping
-what a restart still needs: requests since the latest checkpoint and results not yet delivered.
+One JSON object per line, a typed record each (``records``). A line torn by the crash (the write
+was never made durable, so its request id was never handed out) is dropped. ``compact`` rewrites
+the file atomically, keeping what a restart still needs: requests since the latest checkpoint and
+results not yet delivered.
 """
 
 from __future__ import annotations
 
-import base64
 import errno
 import json
 import logging
@@ -22,69 +22,37 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from trainwire.server.errors import ResourceExhausted
-from trainwire.server.tinker.futures import Done, Failed, Outcome
+from trainwire.server.tinker.futures import Failed, Outcome
+from trainwire.server.tinker.records import (
+    CallRecord,
+    Record,
+    ResultRecord,
+    SampleRecord,
+    record_from_json,
+)
 
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "requests.jsonl"
 
 
-def encode_body(body: dict[str, Any] | bytes) -> dict[str, Any]:
-    """A request or result body as JSON: objects as they are, bytes (protobuf) as base64."""
-    if isinstance(body, bytes):
-        return {"bytes": base64.b64encode(body).decode("ascii")}
-    return {"json": body}
-
-
-def decode_body(value: dict[str, Any]) -> dict[str, Any] | bytes:
-    return base64.b64decode(value["bytes"]) if "bytes" in value else value["json"]
-
-
-def call_record(
-    route: str, request_id: str, seq_id: int, body: dict[str, Any] | bytes, encoding: str | None
-) -> dict[str, Any]:
-    """An accepted training call, as ``TinkerFront``'s route ``route`` takes it again."""
-    record = {"kind": "call", "route": route, "request_id": request_id, "seq": seq_id}
-    record["body"] = encode_body(body)
-    if encoding is not None:
-        record["encoding"] = encoding
-    return record
-
-
-def result_record(request_id: str, outcome: Outcome) -> dict[str, Any]:
-    if isinstance(outcome, Failed):
-        return {"kind": "result", "request_id": request_id, **outcome.body()}
-    return {"kind": "result", "request_id": request_id, "body": encode_body(outcome.body)}
-
-
-def outcome_of(record: dict[str, Any]) -> Outcome:
-    """``result_record``'s outcome back."""
-    if "error" in record:
-        return Failed(record["error"], record["category"])
-    return Done(decode_body(record["body"]))
-
-
 def compacted(
-    records: list[dict[str, Any]],
-    seq_id: int,
-    delivered: Callable[[str], bool],
-    head: list[dict[str, Any]],
-) -> list[dict[str, Any]] | None:
+    records: list[Record], seq_id: int, delivered: Callable[[str], bool], head: list[Record]
+) -> list[Record] | None:
     """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, samplers,
     where to resume), the calls from ``seq_id`` on, and samples not yet delivered, with their
     results. None while a call before the checkpoint is undelivered: its poll may still come."""
-    calls = [r for r in records if r["kind"] == "call"]
-    before = [r["request_id"] for r in calls if r["seq"] < seq_id]
+    calls = [r for r in records if isinstance(r, CallRecord)]
+    before = [r.request_id for r in calls if r.seq < seq_id]
     if not before or not all(delivered(request_id) for request_id in before):
         return None
-    since = {r["request_id"] for r in calls if r["seq"] >= seq_id}  # the engine replays these
-    samples = {r["request_id"] for r in records if r["kind"] == "sample"}
+    since = {r.request_id for r in calls if r.seq >= seq_id}  # the engine replays these
+    samples = {r.request_id for r in records if isinstance(r, SampleRecord)}
     kept = since | {request_id for request_id in samples if not delivered(request_id)}
-    body = [r for r in records if r["kind"] in ("call", "sample", "result")]
-    return head + [r for r in body if r["request_id"] in kept]
+    requests = [r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)]
+    return head + [r for r in requests if r.request_id in kept]
 
 
 class RequestLog:
@@ -103,7 +71,7 @@ class RequestLog:
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
-    def _read(self) -> list[dict[str, Any]]:
+    def _read(self) -> list[Record]:
         if not self.path.is_file():
             return []
         data = self.path.read_bytes()
@@ -115,14 +83,14 @@ class RequestLog:
         records = []
         for number, line in enumerate(data[:complete].splitlines(), 1):
             try:
-                records.append(json.loads(line))
-            except ValueError:
+                records.append(record_from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{self.path}: record {number} is corrupt") from None
         return records
 
-    def append(self, record: dict[str, Any]) -> int:
+    def append(self, record: Record) -> int:
         """Write ``record`` (not yet durable); returns its ticket for ``sync``."""
-        line = json.dumps(record, sort_keys=True, separators=(",", ":")).encode() + b"\n"
+        line = _line(record)
         with self._lock:
             start = os.lseek(self._fd, 0, os.SEEK_END)
             try:
@@ -151,7 +119,7 @@ class RequestLog:
             os.fsync(fd)
             self._synced = covered
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: Record) -> None:
         """``append`` and ``sync``: the record is durable when this returns."""
         self.sync(self.append(record))
 
@@ -159,15 +127,13 @@ class RequestLog:
         """Write a result durably; what a poll may then see: the outcome, or a server error if
         it could not be written (a restart runs its call again)."""
         try:
-            self.write(result_record(request_id, outcome))
+            self.write(ResultRecord(request_id, outcome))
         except (OSError, ResourceExhausted) as error:
             logger.error("the result of %s was not recorded: %s", request_id, error)
             return Failed(f"the result could not be recorded durably ({error})", "server")
         return outcome
 
-    def compact(
-        self, choose: Callable[[list[dict[str, Any]]], list[dict[str, Any]] | None]
-    ) -> bool:
+    def compact(self, choose: Callable[[list[Record]], list[Record] | None]) -> bool:
         """Replace the file by ``choose(records)`` (None: keep it as it is), durably and
         atomically: a crash leaves the old file or the new. No record is appended meanwhile, so
         none is lost between choosing and replacing. True when it was replaced."""
@@ -178,8 +144,7 @@ class RequestLog:
             temporary = self.path.with_suffix(".tmp")
             with temporary.open("wb") as file:
                 for record in kept:
-                    file.write(json.dumps(record, sort_keys=True, separators=(",", ":")).encode())
-                    file.write(b"\n")
+                    file.write(_line(record))
                 file.flush()
                 os.fsync(file.fileno())
             os.close(self._fd)
@@ -198,3 +163,8 @@ class RequestLog:
     def close(self) -> None:
         with self._lock:
             os.close(self._fd)
+
+
+def _line(record: Record) -> bytes:
+    """One record as the one line of JSON the file holds."""
+    return json.dumps(record.to_json(), sort_keys=True, separators=(",", ":")).encode() + b"\n"

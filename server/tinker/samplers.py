@@ -1,12 +1,12 @@
 """Sampling sessions: which weights a SamplingClient samples.
 
 A sampling client samples the weights of its snapshot, never weights trained after it. Each
-``save_weights_for_sampler`` writes its snapshot as an export of the run (see ``snapshots``);
-while the trainer has not changed its weights since, samples read the live weights at no cost,
-afterwards they swap the export in for the call. Disk stays bounded: the newest
-``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a ``path``, are
-never pruned); sampling an older one is refused with a clear error. Closing the model forgets
-its sampling sessions.
+``save_weights_for_sampler`` writes its snapshot as an export of the run (see
+``sampling_routes``); while the trainer has not changed its weights since, samples read the live
+weights at no cost, afterwards the engine swaps the export in for the call. Disk stays bounded:
+the newest ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a
+``path``, are never pruned); sampling an older one is refused with a clear error. Closing the
+model forgets its sampling sessions.
 
 ``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
 process. A restarted front starts it at 1, so a snapshot restored from the request log, whose
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from trainwire.server.errors import NotFound
+from trainwire.server.tinker.records import Record, SamplerRecord, UnnamedSnapshotsRecord
 
 KEEP_UNNAMED_SNAPSHOTS = 8
 SNAPSHOT_PREFIX = "sampler-"
@@ -39,11 +39,11 @@ class Sampler:
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
 
-    def record(self) -> dict[str, Any]:
+    def record(self, *, named: bool = False) -> SamplerRecord:
         """What the request log keeps of it (the version is this process's only)."""
         fields = asdict(self)
         del fields["weights_version"]
-        return {"kind": "sampler", **fields}
+        return SamplerRecord(**fields, named=named)
 
 
 class Samplers:
@@ -83,6 +83,14 @@ class Samplers:
             del self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
 
+    def pruned(self, sampler: Sampler) -> bool:
+        """Whether ``sampler``'s unnamed snapshot is past the newest ``KEEP_UNNAMED_SNAPSHOTS``
+        (its export removed)."""
+        with self._lock:
+            return sampler.export is not None and (
+                sampler.model_path is None and sampler.export not in self._unnamed
+            )
+
     def named(self, path: str) -> bool:
         with self._lock:
             return path in self._named
@@ -121,23 +129,23 @@ class Samplers:
 
     # -- the request log -------------------------------------------------------------------------
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self) -> list[Record]:
         """Every sampling session and named snapshot, for a compacted request log."""
         with self._lock:
-            named = [{**s.record(), "named": True} for s in self._named.values()]
+            named: list[Record] = [s.record(named=True) for s in self._named.values()]
             sessions = [s.record() for s in self._sessions.values()]
-            order = [{"kind": "unnamed_snapshots", "exports": list(self._unnamed)}]
-            return named + sessions + order
+            return [*named, *sessions, UnnamedSnapshotsRecord(tuple(self._unnamed))]
 
-    def restore(self, record: dict[str, Any]) -> None:
+    def restore(self, record: SamplerRecord | UnnamedSnapshotsRecord) -> None:
         """Take back one of ``records``' entries (or a logged sampling session)."""
         with self._lock:
-            if record["kind"] == "unnamed_snapshots":
-                self._unnamed = list(record["exports"])
+            if isinstance(record, UnnamedSnapshotsRecord):
+                self._unnamed = list(record.exports)
                 return
-            fields = {k: v for k, v in record.items() if k not in ("kind", "named")}
+            fields = asdict(record)
+            del fields["named"]
             sampler = Sampler(**fields)
-            if record.get("named"):
+            if record.named:
                 self._named[sampler.model_path or ""] = sampler
             else:
                 self._sessions[sampler.sampling_session_id] = sampler

@@ -1,0 +1,113 @@
+"""The unkeyed operations of the table (``operations``): reads, and removing snapshot exports.
+
+They change no continuation state, so they take no operation key and are never journaled; they
+still run on the executor, behind every operation queued before them, so a read never sees
+weights in the middle of an update and an export is never removed while a sample reads it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainwire.client import outcomes
+from trainwire.server.engine.sampling import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
+from trainwire.server.engine.session_results import TokenOutput
+from trainwire.server.errors import InvalidArgument
+from trainwire.server.service.request_limits import check_texts, check_token_lists
+from trainwire.server.service.requests import (
+    DetokenizeRequest,
+    DiscardExportsRequest,
+    ForwardRequest,
+    SampleRequest,
+    TokenizeRequest,
+)
+from trainwire.server.service.state_dir import check_name
+
+if TYPE_CHECKING:
+    from trainwire.server.service.active_run import ActiveRun, Applying
+
+
+def token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:
+    """A token batch's logprobs (a tuple per example) and metrics, as the outcomes hold them."""
+    return tuple(tuple(row) for row in result.logprobs), dict(result.metrics)
+
+
+def forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
+    result = run.session.forward(
+        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
+    )
+    if isinstance(result, TokenOutput):
+        return outcomes.ForwardOutcome(result.loss, (), *token_fields(result))
+    predictions = tuple(outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions)
+    return outcomes.ForwardOutcome(result.loss, predictions)
+
+
+def check_tokenize(request: TokenizeRequest, _root: Path | None) -> None:
+    check_texts(request.texts)
+
+
+def check_detokenize(request: DetokenizeRequest, _root: Path | None) -> None:
+    check_token_lists(request.token_lists)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A sample request's samples, and its prompt's logprobs when it asked for them."""
+
+    samples: list[outcomes.Sample]
+    prompt_logprobs: list[float] | None = None
+
+
+def check_sample(request: SampleRequest, _root: Path | None) -> None:
+    """The export's name; the sampling settings are the engine's to check (it knows the
+    vocabulary and the limits)."""
+    if request.export:
+        check_name(request.export, "export")
+        if request.base_model:
+            raise InvalidArgument("sample: an export or the base model, not both")
+
+
+def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> SampleResult:
+    """Samples (and the prompt's logprobs) under the weights the request selects; the engine
+    swaps other weights in and back itself, inside its guard."""
+    session = run.session
+    if request.export:
+        weights = SampleWeights(export=run.run.export(request.export))
+    else:
+        weights = BASE_MODEL if request.base_model else LIVE_WEIGHTS
+    samples = session.sample(
+        request.prompt_tokens,
+        max_tokens=request.max_tokens,
+        num_samples=request.num_samples,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        stop_tokens=request.stop_tokens,
+        seed=request.seed,
+        weights=weights,
+    )
+    if not request.prompt_logprobs:
+        return SampleResult(samples)
+    return SampleResult(samples, session.prompt_logprobs(request.prompt_tokens, weights=weights))
+
+
+def check_discard(request: DiscardExportsRequest, _root: Path | None) -> None:
+    for name in request.names:
+        check_name(name, "export")
+
+
+def discard_exports(run: ActiveRun, request: DiscardExportsRequest, _: Applying | None) -> None:
+    """On the executor, so no sample is reading them; exports change no continuation state."""
+    for name in request.names:
+        shutil.rmtree(run.run.export(name), ignore_errors=True)
+
+
+def tokenize(run: ActiveRun, request: TokenizeRequest, _: Applying | None) -> list[list[int]]:
+    return run.session.tokenize(request.texts, add_special_tokens=request.add_special_tokens)
+
+
+def detokenize(run: ActiveRun, request: DetokenizeRequest, _: Applying | None) -> list[str]:
+    return run.session.detokenize(request.token_lists)

@@ -1,0 +1,157 @@
+"""The model slot: which run the SDK's one model is, and the SDK sessions that may use it.
+
+One server trains one model. ``create_model`` opens the host's run for it (``ModelRecord`` keeps
+what ``get_info`` answers, across restarts); closing the ServiceClient that created it closes the
+run (its files stay) and ends its sampling sessions. A model whose client sent nothing for
+``SESSION_LAPSE_S`` (six missed heartbeats: the script died) gives way to another client's
+``create_model`` instead of holding the server until a restart.
+
+State changes come before the records that log them, so a compaction that reads this state (see
+``Sequencer.compact_at``) never drops a record of something it does not also keep.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainwire.server.errors import FailedPrecondition, NotFound
+from trainwire.server.paths import resolve_under
+from trainwire.server.service.host import SessionHost
+from trainwire.server.tinker.fields import get_int, get_str
+from trainwire.server.tinker.futures import Done
+from trainwire.server.tinker.model import MODEL_FILE, ModelRecord, training_config
+from trainwire.server.tinker.records import Record, SessionRecord
+from trainwire.server.tinker.samplers import Samplers
+from trainwire.server.tinker.sequencer import Sequencer
+
+logger = logging.getLogger(__name__)
+
+SESSION_LAPSE_S = 60.0  # a client silent this long (six missed heartbeats) gives up its model
+
+
+class ModelSlot:
+    """The SDK sessions, the one model (``model``) and its sampling sessions (``samplers``)."""
+
+    def __init__(
+        self,
+        host: SessionHost,
+        sequencer: Sequencer,
+        directory: Path,
+        *,
+        model_root: Path | None,
+        tokenizer_id: str | None,
+    ) -> None:
+        self.host = host
+        self.sequencer = sequencer
+        self.directory = directory
+        self.model_root = model_root
+        self.tokenizer_id = tokenizer_id
+        self.samplers = Samplers(restarted=bool(sequencer.log.records))
+        self.sessions: set[str] = set()
+        self._seen: dict[str, float] = {}  # session → when it last sent a request (monotonic)
+        self._started = time.monotonic()
+        self._lock = threading.Lock()  # one create_model or close at a time
+        self.model = ModelRecord.load(directory)
+        if self.model is not None:
+            self.sessions.add(self.model.session_id)
+            self._resolve_create(self.model.model_id)
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        session_id = f"tw-{uuid.uuid4().hex[:16]}"
+        self.sessions.add(session_id)
+        self.sequencer.record(SessionRecord(session_id))
+        self._seen[session_id] = time.monotonic()
+        return session_id
+
+    def require_session(self, session_id: str) -> None:
+        """NotFound for a session this server does not know; a known one counts as alive."""
+        if session_id not in self.sessions:
+            raise NotFound(f"no session {session_id!r} on this server; create_session first")
+        self._seen[session_id] = time.monotonic()
+
+    def session_records(self) -> list[Record]:
+        """What a compacted request log starts with: every session this server knows."""
+        return [SessionRecord(session_id) for session_id in sorted(self.sessions)]
+
+    def _lapsed(self, session_id: str) -> bool:
+        """No request and no heartbeat (the SDK sends one every 10 s) for SESSION_LAPSE_S;
+        after a restart, counted from the restart."""
+        return time.monotonic() - self._seen.get(session_id, self._started) > SESSION_LAPSE_S
+
+    def finish_session(self, session_id: str) -> None:
+        """The SDK closed its ServiceClient: its model's run closes (a new one may be created)."""
+        self.require_session(session_id)
+        with self._lock:
+            self.sessions.discard(session_id)
+            model = self.model
+            if model is None or model.session_id != session_id:
+                return  # the log keeps its record: a session known after a restart is harmless
+            self._close_model()
+
+    # -- the model -----------------------------------------------------------------------------
+
+    def create_model(self, body: dict[str, Any]) -> str:
+        """Open the server's one run for this model; its request id resolves at once."""
+        session_id = get_str(body, "session_id", "") or ""
+        self.require_session(session_id)
+        config = training_config(body)
+        model_dir = resolve_under(self.model_root, config.model, "base_model")
+        if not model_dir.is_dir():
+            raise NotFound(f"create_model: no model {config.model!r} under the model root")
+        model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
+        with self._lock:
+            if self.model is not None and self.model.model_id != model_id:
+                self._give_way(self.model)
+            tokenizer_id = self.tokenizer_id or str(model_dir)
+            record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
+            self.host.open(record.run_id, config)
+            record.save(self.directory)
+            self.model = record
+        self._seen[session_id] = time.monotonic()  # loading the model took a while
+        return self._resolve_create(model_id)
+
+    def _give_way(self, model: ModelRecord) -> None:
+        """Close ``model`` for another client's, if its own client went silent; else refuse."""
+        if not self._lapsed(model.session_id):
+            raise FailedPrecondition(
+                f"this server already trains model {model.model_id!r} (one server, one model): "
+                "close that ServiceClient first, or start another server (a model whose client "
+                f"sends nothing for {SESSION_LAPSE_S:.0f} s is closed when another asks)"
+            )
+        logger.warning(
+            "Tinker front: model %s closed: its client sent nothing for %.0f s",
+            model.model_id,
+            SESSION_LAPSE_S,
+        )
+        self._close_model()
+
+    def _close_model(self) -> None:
+        """Close the model's run (its files stay) and forget what the request log kept for it."""
+        self.host.close()
+        (self.directory / MODEL_FILE).unlink(missing_ok=True)
+        self.model = None
+        self.samplers = Samplers()  # its sampling clients end with it
+        self.sequencer.forget_all_but(self.session_records)
+
+    def _resolve_create(self, model_id: str) -> str:
+        self.sequencer.order.start_model(model_id)
+        request_id = f"{model_id}/create"
+        self.sequencer.resolve_now(request_id, Done({"model_id": model_id, "type": "create_model"}))
+        return request_id
+
+    def require_model(self, model_id: str) -> ModelRecord:
+        model = self.model
+        if model is None or model.model_id != model_id:
+            raise NotFound(f"no model {model_id!r} on this server; create_model first")
+        return model
+
+    def model_name(self) -> str:
+        model = self.model
+        return model.base_model if model is not None else ""

@@ -1,0 +1,153 @@
+"""The request log's records, typed: what the Tinker front writes down so a restart loses nothing.
+
+Each record is a frozen dataclass; ``to_json`` gives the one JSON object a line of the log holds
+(its ``kind`` names the record type, and is written here only) and ``record_from_json`` reads it
+back. The JSON form is the log's file format: it stays readable across versions.
+
+- ``SessionRecord``: an SDK session the server created.
+- ``SamplerRecord``: a sampling session, or (``named``) named sampler weights.
+- ``UnnamedSnapshotsRecord``: which unnamed snapshot exports exist, oldest first.
+- ``ResumeRecord``: where a compacted log resumes: the next seq_id and the journal position of
+  the checkpoint it was compacted at.
+- ``CallRecord``: an accepted training call, as its route takes it again.
+- ``SampleRecord``: an accepted sample request.
+- ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from trainwire.server.tinker.futures import Done, Failed, Outcome
+
+Body = dict[str, Any] | bytes  # a JSON request or result, or protobuf bytes
+
+
+def encode_body(body: Body) -> dict[str, Any]:
+    """A request or result body as JSON: objects as they are, bytes (protobuf) as base64."""
+    if isinstance(body, bytes):
+        return {"bytes": base64.b64encode(body).decode("ascii")}
+    return {"json": body}
+
+
+def decode_body(value: dict[str, Any]) -> Body:
+    return base64.b64decode(value["bytes"]) if "bytes" in value else value["json"]
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    session_id: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "session", "session_id": self.session_id}
+
+
+@dataclass(frozen=True)
+class SamplerRecord:
+    """A sampling session (or, ``named``, sampler weights saved under a tinker path)."""
+
+    sampling_session_id: str
+    base_model: str
+    model_path: str | None
+    export: str | None
+    snapshot_seq: int
+    named: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        fields = asdict(self)
+        if not self.named:
+            del fields["named"]
+        return {"kind": "sampler", **fields}
+
+
+@dataclass(frozen=True)
+class UnnamedSnapshotsRecord:
+    exports: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "unnamed_snapshots", "exports": list(self.exports)}
+
+
+@dataclass(frozen=True)
+class ResumeRecord:
+    next_seq: int
+    position: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "resume", "next_seq": self.next_seq, "position": self.position}
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    """An accepted training call: ``route`` takes ``body`` (and ``encoding``) again."""
+
+    route: str
+    request_id: str
+    seq: int
+    body: Body
+    encoding: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        record = {"kind": "call", "route": self.route, "request_id": self.request_id}
+        record.update(seq=self.seq, body=encode_body(self.body))
+        if self.encoding is not None:
+            record["encoding"] = self.encoding
+        return record
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    request_id: str
+    body: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "sample", "request_id": self.request_id, "body": self.body}
+
+
+@dataclass(frozen=True)
+class ResultRecord:
+    request_id: str
+    outcome: Outcome
+
+    def to_json(self) -> dict[str, Any]:
+        if isinstance(self.outcome, Failed):
+            return {"kind": "result", "request_id": self.request_id, **self.outcome.body()}
+        body = encode_body(self.outcome.body)
+        return {"kind": "result", "request_id": self.request_id, "body": body}
+
+
+Record = (
+    SessionRecord
+    | SamplerRecord
+    | UnnamedSnapshotsRecord
+    | ResumeRecord
+    | CallRecord
+    | SampleRecord
+    | ResultRecord
+)
+
+
+def record_from_json(data: dict[str, Any]) -> Record:
+    """One line of the log back as its record; ValueError for a kind this server never wrote."""
+    kind = data.get("kind")
+    if kind == "session":
+        return SessionRecord(data["session_id"])
+    if kind == "sampler":
+        fields = {k: v for k, v in data.items() if k != "kind"}
+        return SamplerRecord(**fields)
+    if kind == "unnamed_snapshots":
+        return UnnamedSnapshotsRecord(tuple(data["exports"]))
+    if kind == "resume":
+        return ResumeRecord(data["next_seq"], data["position"])
+    if kind == "call":
+        body, encoding = decode_body(data["body"]), data.get("encoding")
+        return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)
+    if kind == "sample":
+        return SampleRecord(data["request_id"], data["body"])
+    if kind == "result":
+        if "error" in data:
+            return ResultRecord(data["request_id"], Failed(data["error"], data["category"]))
+        return ResultRecord(data["request_id"], Done(decode_body(data["body"])))
+    raise ValueError(f"a request-log record of unknown kind {kind!r}")

@@ -1,0 +1,127 @@
+"""The SDK's sampling calls, as plain functions: snapshots, sampling sessions and ``asample``.
+
+A sampling client samples the weights of its snapshot, never weights trained after it
+(``samplers``). ``save_weights_for_sampler`` is a training call (it takes its seq_id) that writes
+the trainable weights as an export of the run; a sample then names that export to the host's
+``Sample`` operation, and the engine swaps it in for the call, unless the trainer has not changed
+its weights since (then the live weights are the snapshot, at no cost). A sample runs outside the
+training sequence, so when it runs does not change what it draws; the sequencer logs the request
+before answering its id and the result before a poll sees it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainwire.client.outcomes import OperationSpec
+from trainwire.server.errors import FailedPrecondition, NotFound
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    DiscardExportsRequest,
+    ExportWeightsRequest,
+    SampleRequest,
+)
+from trainwire.server.service.state_dir import check_name
+from trainwire.server.tinker import codec
+from trainwire.server.tinker.fields import get_int, get_str
+from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.ordering import digest
+from trainwire.server.tinker.samplers import Sampler, snapshot_export
+from trainwire.server.tinker.sequencer import Call
+
+
+def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
+    """A snapshot of the live weights for sampling clients, named (``path``) or for a new
+    sampling session; unnamed snapshots past the newest few are removed."""
+    model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
+    session_id = front.models.require_model(model_id).session_id
+
+    def prepare() -> Call:
+        name = get_str(body, "path")
+        export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
+        check_name(export, "save_weights_for_sampler path")
+        path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
+        sampling_seq = get_int(body, "sampling_session_seq_id")
+
+        def call(key: str) -> dict[str, Any]:
+            samplers = front.samplers
+            if path and samplers.named(path):  # its clients must keep their weights
+                raise FailedPrecondition(
+                    f"sampler weights {path!r} exist already; save under a new name"
+                )
+            front.host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), OperationSpec(key))
+            model_name = front.models.model_name()
+            if path:
+                samplers.snapshot(None, path, model_name, export, seq_id)
+                return {"type": "save_weights_for_sampler", "path": path}
+            sampling_id = f"{session_id}:sample:{sampling_seq}"
+            pruned = samplers.snapshot(sampling_id, None, model_name, export, seq_id)
+            if pruned:
+                front.host.apply(ops.DISCARD_EXPORTS, DiscardExportsRequest(pruned))
+            return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
+
+        return call
+
+    return front.sequencer.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
+
+
+def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
+    """A sampling session on named sampler weights, or on the base model."""
+    session_id = get_str(body, "session_id", "") or ""
+    front.models.require_session(session_id)
+    sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
+    sampler = front.samplers.create_from(
+        sampling_id, front.models.model_name(), get_str(body, "model_path")
+    )
+    front.sequencer.record(sampler.record())  # a restart knows it before any sample asks
+    return sampling_id
+
+
+def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
+    """The request id of a sample call and its sequences' ids, at once."""
+    request = codec.decode_sample(body)
+    request_id = f"{request.sampling_session_id}/{request.seq_id}"
+    if not front.sequencer.replay_pending():  # after a restart, a replayed call may create it
+        front.samplers.get(request.sampling_session_id)  # unknown: 404 at once
+
+    def call() -> bytes:
+        # Looked up when it runs: after a restart, the call that creates it runs first.
+        sampler = front.samplers.get(request.sampling_session_id)
+        seed = request.seed
+        if seed is None:  # the same loop twice draws the same samples
+            seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
+        sample = SampleRequest(
+            request.prompt,
+            max_tokens=request.max_tokens,
+            num_samples=request.num_samples,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            stop_tokens=request.stop_tokens,
+            seed=seed,
+            prompt_logprobs=request.prompt_logprobs,
+            **_weights_of(front, sampler),
+        )
+        result = front.host.apply(ops.SAMPLE, sample)
+        return codec.encode_sample_response(result.samples, result.prompt_logprobs)
+
+    front.sequencer.submit_unordered(request_id, body, call)
+    return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
+
+
+def _weights_of(front: TinkerFront, sampler: Sampler) -> dict[str, Any]:
+    """Which weights ``sampler`` reads now, as ``SampleRequest`` fields: the live ones while
+    they are its snapshot, else its snapshot's export, or the base model."""
+    if front.samplers.is_live(sampler):
+        return {}
+    if front.models.model is None:
+        raise NotFound("no model on this server: its sampling clients ended with it")
+    if front.samplers.pruned(sampler):
+        raise FailedPrecondition(
+            f"the snapshot {sampler.export!r} of this sampling client was pruned (the server "
+            "keeps the newest unnamed snapshots only); call "
+            "save_weights_and_get_sampling_client() again, or save it under a name"
+        )
+    if sampler.export is not None:
+        return {"export": sampler.export}
+    return {"base_model": True}

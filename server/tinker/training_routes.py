@@ -1,0 +1,155 @@
+"""The SDK's training calls, as plain functions: decode, call the host's operation table, encode.
+
+Each route reads the call's ``(model_id, seq_id)`` and hands the sequencer a ``prepare`` closure:
+it checks the rest of the request and returns the call, which the sequencer runs in seq_id order
+with the request id as its operation key. A refused request still takes its seq_id (the SDK has
+already numbered the calls after it), so the calls behind it are not held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from trainwire.client.outcomes import OperationSpec, WeightsSource
+from trainwire.server.errors import FailedPrecondition
+from trainwire.server.service import operations as ops
+from trainwire.server.service.requests import (
+    CheckpointRequest,
+    ForwardBackwardRequest,
+    ForwardRequest,
+    LoadWeightsRequest,
+    OptimStepRequest,
+)
+from trainwire.server.service.state_dir import check_name
+from trainwire.server.tinker import codec
+from trainwire.server.tinker.fields import get_bool, get_str
+from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.losses import elementwise_loss
+from trainwire.server.tinker.model import check_adam_params, checkpoint_name
+from trainwire.server.tinker.records import Record
+from trainwire.server.tinker.sequencer import Call
+
+
+def _model_id(body: dict[str, Any]) -> str:
+    return get_str(body, "model_id", "") or ""
+
+
+def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> str:
+    """``forward_backward`` (or, ``forward_only``, a forward): keyed by its request id."""
+    message = codec.parse_forward_backward(body, content_encoding)
+    front.models.require_model(message.model_id)
+    forward_only = message.forward_only
+
+    def prepare() -> Call:
+        request = codec.forward_backward_call(message)
+        examples, loss = request.examples, (request.loss_fn, request.loss_fn_config)
+
+        def call(key: str) -> Callable[[], bytes]:
+            if forward_only:
+                outcome: Any = front.host.apply(ops.FORWARD, ForwardRequest(examples, *loss))
+            else:
+                batch = ForwardBackwardRequest(examples, *loss)
+                outcome = front.host.apply(ops.FORWARD_BACKWARD, batch, OperationSpec(key))
+
+            def encode() -> bytes:  # behind: the next call runs meanwhile
+                losses = elementwise_loss(request.loss_fn, loss[1], examples, outcome)
+                return codec.encode_forward_backward_output(
+                    outcome.logprobs, losses, outcome.metrics
+                )
+
+            return encode
+
+        return call
+
+    return front.sequencer.submit(
+        "forward_backward",
+        body,
+        message.model_id,
+        message.seq_id,
+        prepare,
+        encoding=content_encoding,
+        keyed=not forward_only,
+    )
+
+
+def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
+    """One update at the step's own learning rate; Tinker adds the gradients of every
+    forward_backward since the last step (``sum_microbatches``)."""
+    model_id = _model_id(body)
+    front.models.require_model(model_id)
+
+    def prepare() -> Call:
+        learning_rate = check_adam_params(body)
+
+        def call(key: str) -> dict[str, Any]:
+            step = OptimStepRequest(learning_rate, sum_microbatches=True)
+            outcome = front.host.apply(ops.OPTIM_STEP, step, OperationSpec(key))
+            front.samplers.weights_changed()
+            metrics = {
+                "learning_rate:mean": outcome.learning_rate,
+                "grad_norm:mean": outcome.grad_norm,
+            }
+            return {"type": "optim_step", "metrics": metrics}
+
+        return call
+
+    return front.sequencer.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
+
+
+def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
+    """A checkpoint of the full state; the request log is compacted behind it."""
+    model_id, seq_id = _model_id(body), body.get("seq_id")
+    front.models.require_model(model_id)
+
+    def prepare() -> Call:
+        name = check_name(get_str(body, "path", "") or "", "save_weights path")
+
+        def call(key: str) -> dict[str, Any]:
+            saved = front.host.apply(ops.SAVE_STATE, CheckpointRequest(name), OperationSpec(key))
+            _compact_at(front, seq_id, saved.position)
+            return {"type": "save_weights", "path": f"tinker://{model_id}/weights/{name}"}
+
+        return call
+
+    return front.sequencer.submit("save_weights", body, model_id, seq_id, prepare)
+
+
+def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
+    """After the checkpoint of ``seq_id`` at journal ``position``: a restart needs only the
+    sessions and samplers, and the calls since."""
+
+    def head() -> list[Record]:
+        return [*front.models.session_records(), *front.samplers.records()]
+
+    front.sequencer.compact_at(seq_id, position, head)
+
+
+def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
+    """This model's checkpoint: its weights, or (``optimizer``) the full state."""
+    model_id = _model_id(body)
+    if not model_id and body.get("session_id") is not None:
+        raise FailedPrecondition(
+            "create_training_client_from_state is not served here: one server trains one "
+            "model, and a checkpoint loads into the model that saved it "
+            "(training_client.load_state)"
+        )
+    front.models.require_model(model_id)
+
+    def prepare() -> Call:
+        name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
+        with_optimizer = get_bool(body, "optimizer")
+
+        def call(key: str) -> dict[str, Any]:
+            op = OperationSpec(key)
+            if with_optimizer:  # the engine restores a full state only into a fresh session
+                front.host.apply(ops.LOAD_STATE, CheckpointRequest(name), op)
+            else:
+                source = WeightsSource("checkpoint", name)
+                front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source), op)
+            front.samplers.weights_changed()
+            return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
+
+        return call
+
+    return front.sequencer.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
