@@ -244,7 +244,7 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
         assert started.wait(30)
         stopper = threading.Thread(target=handle.stop, kwargs={"grace": 30})
         stopper.start()
-        wait_for(lambda: handle.session_host._shutting_down)
+        wait_for(lambda: handle.session_host.lifecycle.shutting_down)
 
         with pytest.raises(grpc.RpcError) as refused:
             client.optim_step(operation_key="k2")

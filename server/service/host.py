@@ -1,16 +1,17 @@
 """The session host: one TrainingSession behind a durable journal, one operation at a time.
 
-Plain Python, no gRPC: the servicer decodes requests into typed values; tests drive this class.
-Lifecycle: idle → (Open) open → (Close) closed → (Open of a new run id) open ... A server started
-on a state directory that holds an open run is ``restoring`` until ``recover()`` has reopened it
-from its latest checkpoint (``failed`` if that goes wrong); the layout is in ``state_dir``.
+Plain Python, no gRPC: each transport decodes its requests into the typed requests of the
+operation table (``operations``) and calls ``apply``; tests drive this class. Its phases (idle,
+restoring, open, closed, failed) are the ``Lifecycle``'s; a server started on a state directory
+that holds an open run is ``restoring`` until ``recover()`` has reopened it from its latest
+checkpoint; the layout on disk is in ``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the one executor thread and takes ``ActiveRun.apply_keyed``'s path
 (journal, position, engine, commit), moving the session's *position* (operations applied) by one;
-its caller hears of it once its commit is on disk. The host checks names and keys first, and owns
-what a failure means for the lifecycle: a session broken midway, or a journal that could not
-commit, fails the server (a restart restores the latest checkpoint; see ``recovery``).
+its caller hears of it once its commit is on disk. The host checks requests and keys first, and
+owns what a failure means for the lifecycle: a session broken midway, or a journal that could
+not commit, fails the server (a restart restores the latest checkpoint; see ``recovery``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, Unavailable
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -35,6 +36,7 @@ from trainwire.server.service.active_run import (
 )
 from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
+from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import Operation
 from trainwire.server.service.position_gate import PositionGate
 from trainwire.server.service.state_dir import (
@@ -76,7 +78,7 @@ class SessionHost:
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
         self.state_dir = StateDirectory(state_dir)  # held by this host until release()
-        self.on_serving = on_serving
+        self.lifecycle = Lifecycle(on_serving)
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
@@ -85,15 +87,17 @@ class SessionHost:
         self._snapshot: SessionInfo | None = None  # as of the last finished operation
         self._gate = PositionGate(lambda: self._active.position if self._active else 0)
         self._closed_info: SessionInfo | None = None
-        self._failure = ""
-        self._shutting_down = False
-        self.phase = outcomes.IDLE
         open_runs = self.state_dir.open_runs()
         self._pending = open_runs[0] if len(open_runs) == 1 else None
         if self._pending is not None:
-            self.phase = outcomes.RESTORING
+            self.lifecycle.phase = outcomes.RESTORING
         elif open_runs:
             self._fail(f"{len(open_runs)} runs are recorded open: {[r.run_id for r in open_runs]}")
+
+    @property
+    def phase(self) -> str:
+        """``idle``, ``restoring``, ``open``, ``closed`` or ``failed`` (see ``lifecycle``)."""
+        return self.lifecycle.phase
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -104,9 +108,9 @@ class SessionHost:
     def _recover(self) -> None:
         spec = self._pending
         if spec is None:
-            self._set_serving(self.phase != outcomes.FAILED)
+            self.lifecycle.set_serving(self.phase != outcomes.FAILED)
             return
-        self._set_serving(False)
+        self.lifecycle.set_serving(False)
         try:
             session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
             self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
@@ -118,8 +122,8 @@ class SessionHost:
             return
         finally:
             self._pending = None
-        self.phase = outcomes.OPEN
-        self._set_serving(True)
+        self.lifecycle.phase = outcomes.OPEN
+        self.lifecycle.set_serving(True)
 
     def open(
         self,
@@ -140,21 +144,21 @@ class SessionHost:
         if self.phase == outcomes.OPEN:
             refuse_another_run(self._require_active().spec, spec)
             return outcomes.OpenOutcome.from_info(self._require_active().info(), created=False)
-        self._refuse_unless(outcomes.IDLE, outcomes.CLOSED)
+        self.lifecycle.require(outcomes.IDLE, outcomes.CLOSED)
         run = self.state_dir.run(run_id)
         if run.exists():
             raise FailedPrecondition(
                 f"run {run_id!r} was closed on this server; open a new run id to train again"
             )
-        self._set_serving(False)
+        self.lifecycle.set_serving(False)
         try:
             session = self._new_session(config, spec.max_steps)
         finally:
-            self._set_serving(True)
+            self.lifecycle.set_serving(True)
         run.write_spec(spec)  # only once the session loaded: a refused config leaves none
         self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
         self._active.keep_checkpoints = self.keep_checkpoints
-        self.phase = outcomes.OPEN
+        self.lifecycle.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
         return outcomes.OpenOutcome.from_info(self._active.info(), created=True)
 
@@ -169,7 +173,8 @@ class SessionHost:
         info = active.info(state=outcomes.CLOSED)
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
-        self._active, self._closed_info, self.phase = None, info, outcomes.CLOSED
+        self._active, self._closed_info = None, info
+        self.lifecycle.phase = outcomes.CLOSED
         self._snapshot = None
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
@@ -188,8 +193,7 @@ class SessionHost:
 
     def begin_shutdown(self) -> None:
         """Refuse new operations (UNAVAILABLE); the one in flight finishes and commits."""
-        self._shutting_down = True
-        self._set_serving(False)
+        self.lifecycle.begin_shutdown()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no operation runs; False if ``timeout_s`` passed first."""
@@ -259,12 +263,12 @@ class SessionHost:
         down; Info, Close and the restore itself always run.
         """
         if refusable:
-            self._refuse_if_unavailable()
+            self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
             # Checked again when its turn comes: callers queued behind the last one are refused.
             if refusable:
-                self._refuse_if_unavailable()
+                self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
         return self._executor.run(job, bounded=refusable)
@@ -274,7 +278,7 @@ class SessionHost:
         check_operation_key(op.key)
         assert operation.payload is not None
         digest = payload_digest(operation.kind, operation.payload(request))
-        self._refuse_if_unavailable()
+        self.lifecycle.refuse_if_unavailable()
         self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
         with self._gate.running(op.expected_position):
             outcome, durable = self._serialized(self._apply_keyed, operation, request, op, digest)
@@ -283,7 +287,7 @@ class SessionHost:
         except JournalCommitFailed as error:
             # The engine moved on but the journal did not: only a restart makes them agree.
             self._fail(str(error))
-            raise FailedPrecondition(f"{self._failure}; restart the server") from None
+            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
         return outcome
 
     def _apply_keyed(
@@ -309,27 +313,9 @@ class SessionHost:
         )
 
     def _require_active(self) -> ActiveRun:
-        self._refuse_unless(outcomes.OPEN)
+        self.lifecycle.require(outcomes.OPEN)
         assert self._active is not None
         return self._active
-
-    def _refuse_unless(self, *phases: str) -> None:
-        if self.phase in phases:
-            return
-        if self.phase == outcomes.RESTORING:
-            raise Unavailable("the server is restoring its session after a restart; retry shortly")
-        if self.phase == outcomes.FAILED:
-            # A restart restores the latest checkpoint: callers retry until it has happened.
-            raise Unavailable(f"the server cannot serve its session: {self._failure}")
-        if self.phase == outcomes.CLOSED:
-            raise FailedPrecondition("the session was closed; Open a new run id first")
-        raise FailedPrecondition("no session is open; call Open first")
-
-    def _refuse_if_unavailable(self) -> None:
-        if self._shutting_down:
-            raise Unavailable("the server is shutting down; retry against its replacement")
-        if self.phase == outcomes.RESTORING:
-            raise Unavailable("the server is restoring its session after a restart; retry shortly")
 
     def _idle_info(self) -> SessionInfo:
         if self.phase == outcomes.CLOSED and self._closed_info is not None:
@@ -338,11 +324,4 @@ class SessionHost:
         return SessionInfo(run_id=run_id, device=str(self.device), state=self.phase)
 
     def _fail(self, message: str) -> None:
-        self._failure = message
-        self.phase = outcomes.FAILED
-        self._set_serving(False)
-        logger.error("session unusable: %s", message)
-
-    def _set_serving(self, serving: bool) -> None:
-        if self.on_serving is not None:
-            self.on_serving(serving and not self._shutting_down and self.phase != outcomes.FAILED)
+        self.lifecycle.fail(message)
