@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+BEST_CHECKPOINT = "best"
+"""The name the best weights are kept under (a checkpoint, locally or on the server), which
+checkpoint retention never removes."""
+
 
 @dataclass
 class SelectionState:

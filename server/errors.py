@@ -1,13 +1,14 @@
 """The session's exception hierarchy, one class per gRPC status a user can cause.
 
 Each class also inherits the built-in a Python caller would expect (``ValueError`` for bad
-input, ``RuntimeError`` for the wrong state), so the engine reads as plain Python, and the
-servicer maps them to status codes in one place.
+input, ``RuntimeError`` for the wrong state), so the engine reads as plain Python; ``STATUSES``
+maps them to gRPC and HTTP statuses in one place, for both transports.
 """
 
 from __future__ import annotations
 
 import errno
+from dataclasses import dataclass
 
 
 class TrainwireError(Exception):
@@ -45,6 +46,49 @@ class ResourceExhausted(TrainwireError, RuntimeError):
 
 class Unavailable(TrainwireError, RuntimeError):
     """Restoring or shutting down; retry later (UNAVAILABLE)."""
+
+
+class RequestTooLarge(InvalidArgument):
+    """A request body past a transport's bound, refused before it is read (HTTP 413)."""
+
+
+@dataclass(frozen=True)
+class Status:
+    """What a failed call is answered with on each transport: a gRPC status code's name and an
+    HTTP status."""
+
+    grpc: str
+    http: int
+
+
+# The one map from errors to statuses, first match wins: the project's own classes, then the
+# built-ins a library may raise. The Tinker SDK retries 429 and 503 and gives up on other 4xx.
+STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
+    (RequestTooLarge, Status("INVALID_ARGUMENT", 413)),
+    (InvalidArgument, Status("INVALID_ARGUMENT", 400)),
+    (FailedPrecondition, Status("FAILED_PRECONDITION", 400)),
+    (NotFound, Status("NOT_FOUND", 404)),
+    (AlreadyExists, Status("ALREADY_EXISTS", 400)),
+    (ResourceExhausted, Status("RESOURCE_EXHAUSTED", 429)),
+    (Unavailable, Status("UNAVAILABLE", 503)),
+    (ValueError, Status("INVALID_ARGUMENT", 400)),
+    (FileNotFoundError, Status("NOT_FOUND", 404)),
+    (MemoryError, Status("RESOURCE_EXHAUSTED", 429)),
+)
+EXHAUSTED = Status("RESOURCE_EXHAUSTED", 429)
+UNEXPECTED = Status("INTERNAL", 500)
+
+
+def status_of(error: BaseException) -> Status:
+    """The status a failed call reports for ``error``; INTERNAL (500) for anything unexpected.
+
+    Memory or disk running out is RESOURCE_EXHAUSTED wherever it surfaces: torch and safetensors
+    raise it as a plain RuntimeError or their own error, which no class above matches.
+    """
+    for cls, status in STATUSES:
+        if isinstance(error, cls):
+            return status
+    return EXHAUSTED if exhaustion_advice(error) is not None else UNEXPECTED
 
 
 # -- what the machine ran out of -----------------------------------------------------------------

@@ -268,5 +268,5 @@ def test_classification_forward_reports_predictions_in_label_order(
 
     assert remote.loss == expected.loss
     assert [(p.label, list(p.scores)) for p in remote.predictions] == [
-        (p.label, p.scores) for p in expected.predictions
+        (p.label, list(p.scores)) for p in expected.predictions
     ]

@@ -69,7 +69,7 @@ def test_remote_training_equals_in_process_training(
     ]
     assert remote_eval.loss == local_eval.loss
     assert [(p.label, list(p.scores)) for p in remote_eval.predictions] == [
-        (p.label, p.scores) for p in local_eval.predictions
+        (p.label, list(p.scores)) for p in local_eval.predictions
     ]
     assert client.info().state_digest == local.state_digest()
 

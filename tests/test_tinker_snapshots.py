@@ -10,7 +10,7 @@ import pytest
 from tinker import types
 from tinker_loops import SENTENCES, lora_training, train_step
 
-from trainwire.server.tinker.samplers import KEEP_UNNAMED_SNAPSHOTS
+from trainwire.server.tinker.sampling_sessions import KEEP_UNNAMED_SNAPSHOTS
 
 
 def test_an_unnamed_snapshot_samples_as_it_did_until_it_is_pruned(

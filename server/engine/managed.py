@@ -24,11 +24,11 @@ from trainwire.client.replay import (
     training_result,
 )
 from trainwire.client.results import TrainingResult
+from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 MANAGED_KEY = "managed"
-BEST_CHECKPOINT = "best"
 LAST_CHECKPOINT = "last"
 
 

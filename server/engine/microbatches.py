@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig
+from trainwire.client.outcomes import Prediction
 from trainwire.client.tokens import DEFAULT_LOSS, is_token_batch
 from trainwire.server.engine.batching import Batch, BatchEncoder
 from trainwire.server.engine.loss_hook import LossHook
 from trainwire.server.engine.losses import LossSpec, require_inputs, resolve_loss
-from trainwire.server.engine.session_results import ForwardResult, Prediction, TokenOutput
+from trainwire.server.engine.session_results import ForwardResult, TokenOutput
 from trainwire.server.engine.token_batches import TokenBatch, encode_token_batch
 from trainwire.server.errors import InvalidArgument
 
@@ -45,7 +46,7 @@ class TextMicrobatch:
         if self.config.task == "sequence-classification":
             for row in self._output.logits.float().cpu():
                 top = int(torch.argmax(row))
-                predictions.append(Prediction(self.config.labels[top], row.tolist()))
+                predictions.append(Prediction(self.config.labels[top], tuple(row.tolist())))
         return ForwardResult(float(loss.item()), predictions)
 
     def backward_result(self, loss: torch.Tensor) -> float:

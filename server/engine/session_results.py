@@ -1,16 +1,14 @@
-"""What the engine's operations return: plain dataclasses, no torch tensors inside."""
+"""What the engine's operations return: plain dataclasses, no torch tensors inside.
+
+A classifier's answer is the service's own ``Prediction`` (top label, scores in label order), so
+nothing converts one into the other on the way out.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-@dataclass
-class Prediction:
-    """A classifier's answer for one example: the top label and the scores in label order."""
-
-    label: str
-    scores: list[float]
+from trainwire.client.outcomes import Prediction  # the one answer type the service also sends
 
 
 @dataclass

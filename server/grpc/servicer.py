@@ -1,9 +1,9 @@
-"""The gRPC servicer: decode the request, call the session host, encode what it returns.
+"""The gRPC servicer: decode the request, call the host's operation table, encode the outcome.
 
-Decoding ends here: the host takes typed values (a ``TrainingConfig``, ``max_steps`` as
-``int | None``), never JSON or proto3 defaults. Errors become status codes here and nowhere else
-(``STATUS_CODES``), and every call is logged as one JSON line: kind, operation key, result
-(applied, replayed or the status), position, duration.
+Decoding ends here: the host takes typed requests (a ``TrainingConfig``, ``max_steps`` as
+``int | None``), never JSON or proto3 defaults. Errors become status codes through the one map
+both transports share (``errors.STATUSES``), and every call is logged as one JSON line: kind,
+operation key, result (applied, replayed or the status), position, duration.
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ from google.protobuf.message import DecodeError
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import TrainingConfig
 from trainwire.server.errors import (
-    AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
-    NotFound,
     PositionMismatch,
-    ResourceExhausted,
     TrainwireError,
-    Unavailable,
     exhaustion_advice,
+    status_of,
 )
 from trainwire.server.service import operations as ops
 from trainwire.server.service import requests
@@ -41,32 +37,9 @@ from trainwire.v1 import session_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# First match wins: the project's own classes, then the built-ins a library may raise.
-STATUS_CODES: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
-    (InvalidArgument, grpc.StatusCode.INVALID_ARGUMENT),
-    (FailedPrecondition, grpc.StatusCode.FAILED_PRECONDITION),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
-    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (Unavailable, grpc.StatusCode.UNAVAILABLE),
-    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
-    (FileNotFoundError, grpc.StatusCode.NOT_FOUND),
-    (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-)
-
-
 def status_code(error: BaseException) -> grpc.StatusCode:
-    """The status a failed call reports for ``error``; INTERNAL for anything unexpected.
-
-    Memory or disk running out is RESOURCE_EXHAUSTED wherever it surfaces: torch and safetensors
-    raise it as a plain RuntimeError or their own error, which no class above matches.
-    """
-    for cls, code in STATUS_CODES:
-        if isinstance(error, cls):
-            return code
-    if exhaustion_advice(error) is not None:
-        return grpc.StatusCode.RESOURCE_EXHAUSTED
-    return grpc.StatusCode.INTERNAL
+    """The gRPC status a failed call reports for ``error`` (``errors.STATUSES``)."""
+    return grpc.StatusCode[status_of(error).grpc]
 
 
 def status_message(error: BaseException) -> str:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from trainwire.client import outcomes
 from trainwire.client.outcomes import OperationOutcome
+from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.optimization import check_learning_rate
 from trainwire.server.engine.session_results import TokenOutput
@@ -66,7 +67,7 @@ logger = logging.getLogger(__name__)
 RequestT = TypeVar("RequestT")
 Fields = dict[str, Any]  # a keyed outcome's fields beyond its key and position
 # Checkpoints retention never removes: the controller keeps its best weights under this name.
-KEPT_CHECKPOINT_NAMES = ("best",)
+KEPT_CHECKPOINT_NAMES = (BEST_CHECKPOINT,)
 
 
 @dataclass(frozen=True)

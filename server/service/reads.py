@@ -41,8 +41,7 @@ def forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
     )
     if isinstance(result, TokenOutput):
         return outcomes.ForwardOutcome(result.loss, (), *token_fields(result))
-    predictions = tuple(outcomes.Prediction(p.label, tuple(p.scores)) for p in result.predictions)
-    return outcomes.ForwardOutcome(result.loss, predictions)
+    return outcomes.ForwardOutcome(result.loss, tuple(result.predictions))
 
 
 def check_tokenize(request: TokenizeRequest, _root: Path | None) -> None:

@@ -1,8 +1,12 @@
 """The Tinker SDK front (``pip install 'trainwire[tinker]'``): the part of Tinker's HTTP API the
 official SDK needs, served on the same session host, executor and journal as the gRPC service.
 
-Modules, one job each: ``app`` (routes), ``auth`` (the ``tml-`` key), ``front`` (the SDK's calls
-on the host), ``model`` (create_model's config), ``codec`` (SDK wire types), ``ordering``
-(seq_id order), ``futures`` (polls), ``samplers`` (sampling sessions), ``losses`` (per-token
-losses), ``listener`` (uvicorn).
+Modules, one job each: ``app`` (the HTTP routes), ``training_routes`` and ``sampling_routes``
+(decode, call the host's operation table, encode), ``codec`` (SDK wire types), ``sequencer``
+(seq_id order, the request log, futures, behind one submit) with ``ordering``, ``request_log``,
+``records`` and ``futures``, ``model_slot`` (which run the SDK's model is) with ``model``
+(create_model's config), ``sampling_sessions`` (which weights a sampling client reads),
+``loss_outputs`` (per-token losses), ``auth`` (the ``tml-`` key), ``limits`` (body bounds),
+``front`` (the parts the routes use), ``startup`` (building them, replaying the log) and
+``listener`` (uvicorn).
 """

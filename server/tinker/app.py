@@ -4,7 +4,8 @@
 Every route that writes the front's request log (an fsync) runs on a worker thread, never on
 the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
 or 404 with ``detail`` saying what to do; a body past its bound 413 (see ``limits``); a wrong
-key 401; a full queue 429 and a restoring server 503 (the SDK retries both).
+key 401; a full queue 429 and a restoring server 503 (the SDK retries both): the statuses of
+``errors.STATUSES``, the map the gRPC servicer uses too.
 Errors of a call that was accepted come back through its future as ``{"error", "category"}``.
 """
 
@@ -16,37 +17,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from trainwire.server.errors import (
-    AlreadyExists,
-    NotFound,
-    ResourceExhausted,
-    TrainwireError,
-    Unavailable,
-)
+from trainwire.server.errors import NotFound, TrainwireError, status_of
 from trainwire.server.tinker import sampling_routes, training_routes
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.futures import PROTOBUF, Done
-from trainwire.server.tinker.limits import BodyTooLarge, LimitBody
+from trainwire.server.tinker.limits import LimitBody
 from trainwire.server.tinker.model import supported_models
 
 API = "/api/v1"
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
-
-
-def status_of(error: Exception) -> int:
-    if isinstance(error, BodyTooLarge):
-        return 413
-    if isinstance(error, NotFound):
-        return 404
-    if isinstance(error, ResourceExhausted):
-        return 429
-    if isinstance(error, Unavailable):
-        return 503
-    if isinstance(error, AlreadyExists | TrainwireError | ValueError):
-        return 400
-    return 500
 
 
 def create_app(
@@ -58,7 +39,7 @@ def create_app(
     app.add_middleware(RequireKey, token=token)  # added last: runs first, before any body is read
 
     async def refuse(request: Request, error: Exception) -> JSONResponse:
-        return JSONResponse({"detail": str(error)}, status_code=status_of(error))
+        return JSONResponse({"detail": str(error)}, status_code=status_of(error).http)
 
     # The caller's errors are answered quietly; anything else is a 500 with its traceback logged.
     app.add_exception_handler(TrainwireError, refuse)
@@ -162,7 +143,7 @@ def create_app(
 
     @app.get(f"{API}/samplers/{{sampling_id}}")
     async def sampler(sampling_id: str) -> dict[str, Any]:
-        found = front.samplers.get(sampling_id)
+        found = front.sampling_sessions.get(sampling_id)
         return {
             "sampler_id": found.sampling_session_id,
             "base_model": found.base_model,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.model_slot import ModelSlot
-from trainwire.server.tinker.samplers import Samplers
+from trainwire.server.tinker.sampling_sessions import SamplingSessions
 from trainwire.server.tinker.sequencer import Sequencer
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
@@ -32,6 +32,6 @@ class TinkerFront:
     model_root: Path | None
 
     @property
-    def samplers(self) -> Samplers:
+    def sampling_sessions(self) -> SamplingSessions:
         """The sampling sessions of the model now in the slot (they end with it)."""
-        return self.models.samplers
+        return self.models.sampling_sessions

@@ -10,15 +10,11 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from trainwire.server.errors import InvalidArgument
+from trainwire.server.errors import RequestTooLarge
 from trainwire.server.tinker.codec import MAX_BODY_BYTES
 
 MAX_JSON_BYTES = 16 * 1024 * 1024  # a JSON body (a sample's prompt of the most tokens fits)
 PROTOBUF_ROUTES = ("/forward_backward",)  # their bodies are bounded by MAX_BODY_BYTES
-
-
-class BodyTooLarge(InvalidArgument):
-    """A request body past the front's bound (HTTP 413)."""
 
 
 def body_limit(path: str) -> int:
@@ -48,7 +44,7 @@ class LimitBody:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise BodyTooLarge(too_large(limit))
+                    raise RequestTooLarge(too_large(limit))
             return message
 
         await self.app(scope, bounded, send)

@@ -26,7 +26,7 @@ from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.futures import Done
 from trainwire.server.tinker.model import MODEL_FILE, ModelRecord, training_config
 from trainwire.server.tinker.records import Record, SessionRecord
-from trainwire.server.tinker.samplers import Samplers
+from trainwire.server.tinker.sampling_sessions import SamplingSessions
 from trainwire.server.tinker.sequencer import Sequencer
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ SESSION_LAPSE_S = 60.0  # a client silent this long (six missed heartbeats) give
 
 
 class ModelSlot:
-    """The SDK sessions, the one model (``model``) and its sampling sessions (``samplers``)."""
+    """The SDK sessions, the one model (``model``) and its sampling sessions
+    (``sampling_sessions``)."""
 
     def __init__(
         self,
@@ -51,7 +52,7 @@ class ModelSlot:
         self.directory = directory
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
-        self.samplers = Samplers(restarted=bool(sequencer.log.records))
+        self.sampling_sessions = SamplingSessions(restarted=bool(sequencer.log.records))
         self.sessions: set[str] = set()
         self._seen: dict[str, float] = {}  # session → when it last sent a request (monotonic)
         self._started = time.monotonic()
@@ -137,7 +138,7 @@ class ModelSlot:
         self.host.close()
         (self.directory / MODEL_FILE).unlink(missing_ok=True)
         self.model = None
-        self.samplers = Samplers()  # its sampling clients end with it
+        self.sampling_sessions = SamplingSessions()  # its sampling clients end with it
         self.sequencer.forget_all_but(self.session_records)
 
     def _resolve_create(self, model_id: str) -> str:

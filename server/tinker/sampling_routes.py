@@ -1,12 +1,12 @@
 """The SDK's sampling calls, as plain functions: snapshots, sampling sessions and ``asample``.
 
 A sampling client samples the weights of its snapshot, never weights trained after it
-(``samplers``). ``save_weights_for_sampler`` is a training call (it takes its seq_id) that writes
-the trainable weights as an export of the run; a sample then names that export to the host's
-``Sample`` operation, and the engine swaps it in for the call, unless the trainer has not changed
-its weights since (then the live weights are the snapshot, at no cost). A sample runs outside the
-training sequence, so when it runs does not change what it draws; the sequencer logs the request
-before answering its id and the result before a poll sees it.
+(``sampling_sessions``). ``save_weights_for_sampler`` is a training call (it takes its seq_id)
+that writes the trainable weights as an export of the run; a sample then names that export to
+the host's ``Sample`` operation, and the engine swaps it in for the call, unless the trainer has
+not changed its weights since (then the live weights are the snapshot, at no cost). A sample runs
+outside the training sequence, so when it runs does not change what it draws; the sequencer logs
+the request before answering its id and the result before a poll sees it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.ordering import digest
-from trainwire.server.tinker.samplers import Sampler, snapshot_export
+from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
 from trainwire.server.tinker.sequencer import Call
 
 
@@ -44,18 +44,18 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         sampling_seq = get_int(body, "sampling_session_seq_id")
 
         def call(key: str) -> dict[str, Any]:
-            samplers = front.samplers
-            if path and samplers.named(path):  # its clients must keep their weights
+            sessions = front.sampling_sessions
+            if path and sessions.named(path):  # its clients must keep their weights
                 raise FailedPrecondition(
                     f"sampler weights {path!r} exist already; save under a new name"
                 )
             front.host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), OperationSpec(key))
             model_name = front.models.model_name()
             if path:
-                samplers.snapshot(None, path, model_name, export, seq_id)
+                sessions.snapshot(None, path, model_name, export, seq_id)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{sampling_seq}"
-            pruned = samplers.snapshot(sampling_id, None, model_name, export, seq_id)
+            pruned = sessions.snapshot(sampling_id, None, model_name, export, seq_id)
             if pruned:
                 front.host.apply(ops.DISCARD_EXPORTS, DiscardExportsRequest(pruned))
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
@@ -70,7 +70,7 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
     session_id = get_str(body, "session_id", "") or ""
     front.models.require_session(session_id)
     sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
-    sampler = front.samplers.create_from(
+    sampler = front.sampling_sessions.create_from(
         sampling_id, front.models.model_name(), get_str(body, "model_path")
     )
     front.sequencer.record(sampler.record())  # a restart knows it before any sample asks
@@ -82,11 +82,11 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     request = codec.decode_sample(body)
     request_id = f"{request.sampling_session_id}/{request.seq_id}"
     if not front.sequencer.replay_pending():  # after a restart, a replayed call may create it
-        front.samplers.get(request.sampling_session_id)  # unknown: 404 at once
+        front.sampling_sessions.get(request.sampling_session_id)  # unknown: 404 at once
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.
-        sampler = front.samplers.get(request.sampling_session_id)
+        sampler = front.sampling_sessions.get(request.sampling_session_id)
         seed = request.seed
         if seed is None:  # the same loop twice draws the same samples
             seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
@@ -109,14 +109,14 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
 
 
-def _weights_of(front: TinkerFront, sampler: Sampler) -> dict[str, Any]:
+def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
     """Which weights ``sampler`` reads now, as ``SampleRequest`` fields: the live ones while
     they are its snapshot, else its snapshot's export, or the base model."""
-    if front.samplers.is_live(sampler):
+    if front.sampling_sessions.is_live(sampler):
         return {}
     if front.models.model is None:
         raise NotFound("no model on this server: its sampling clients ended with it")
-    if front.samplers.pruned(sampler):
+    if front.sampling_sessions.pruned(sampler):
         raise FailedPrecondition(
             f"the snapshot {sampler.export!r} of this sampling client was pruned (the server "
             "keeps the newest unnamed snapshots only); call "

@@ -77,7 +77,7 @@ def _take_back(front: TinkerFront, record: Record) -> None:
     if isinstance(record, SessionRecord):
         front.models.sessions.add(record.session_id)
     elif isinstance(record, SamplerRecord | UnnamedSnapshotsRecord):
-        front.samplers.restore(record)
+        front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord) and front.models.model is not None:
         front.sequencer.resume_at(front.models.model.model_id, record)
     elif isinstance(record, CallRecord | SampleRecord):

@@ -25,7 +25,7 @@ from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.losses import elementwise_loss
+from trainwire.server.tinker.loss_outputs import elementwise_loss
 from trainwire.server.tinker.model import check_adam_params, checkpoint_name
 from trainwire.server.tinker.records import Record
 from trainwire.server.tinker.sequencer import Call
@@ -85,7 +85,7 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
         def call(key: str) -> dict[str, Any]:
             step = OptimStepRequest(learning_rate, sum_microbatches=True)
             outcome = front.host.apply(ops.OPTIM_STEP, step, OperationSpec(key))
-            front.samplers.weights_changed()
+            front.sampling_sessions.weights_changed()
             metrics = {
                 "learning_rate:mean": outcome.learning_rate,
                 "grad_norm:mean": outcome.grad_norm,
@@ -120,7 +120,7 @@ def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
     sessions and samplers, and the calls since."""
 
     def head() -> list[Record]:
-        return [*front.models.session_records(), *front.samplers.records()]
+        return [*front.models.session_records(), *front.sampling_sessions.records()]
 
     front.sequencer.compact_at(seq_id, position, head)
 
@@ -147,7 +147,7 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
             else:
                 source = WeightsSource("checkpoint", name)
                 front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source), op)
-            front.samplers.weights_changed()
+            front.sampling_sessions.weights_changed()
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         return call

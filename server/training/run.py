@@ -26,6 +26,7 @@ from trainwire.client.overrides import checked_config_overrides, config_with_ove
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.replay import RunState, training_result
 from trainwire.client.results import TrainingResult
+from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.training.callbacks import StopOnInterrupt
 from trainwire.server.training.checkpoints import (
@@ -221,7 +222,7 @@ def finish(
         hardware=hardware.to_dict(),
         runner="lightning",
         export_dir=str(export_dir),
-        exported_from="best" if result.best_checkpoint_path else "live",
+        exported_from=BEST_CHECKPOINT if result.best_checkpoint_path else "live",
     )
     return result
 

@@ -31,7 +31,7 @@ def snapshot_export(seq_id: int, name: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class Sampler:
+class SamplingSession:
     sampling_session_id: str
     base_model: str
     model_path: str | None  # the tinker path it samples (None: the base model or unnamed)
@@ -46,21 +46,21 @@ class Sampler:
         return SamplerRecord(**fields, named=named)
 
 
-class Samplers:
+class SamplingSessions:
     """The server's sampling sessions, named snapshots and unnamed snapshot exports."""
 
     def __init__(self, *, restarted: bool = False) -> None:
         self._lock = threading.Lock()
         self.weights_version = 1 if restarted else 0
-        self._sessions: dict[str, Sampler] = {}
-        self._named: dict[str, Sampler] = {}  # tinker path → its snapshot
+        self._sessions: dict[str, SamplingSession] = {}
+        self._named: dict[str, SamplingSession] = {}  # tinker path → its snapshot
         self._unnamed: list[str] = []  # unnamed snapshot exports, oldest first
 
     def weights_changed(self) -> None:
         with self._lock:
             self.weights_version += 1
 
-    def is_live(self, sampler: Sampler) -> bool:
+    def is_live(self, sampler: SamplingSession) -> bool:
         return sampler.weights_version == self.weights_version
 
     def snapshot(
@@ -69,7 +69,7 @@ class Samplers:
         """Register a snapshot just written (a named ``path`` or a sampling session); returns
         the unnamed snapshot exports now beyond what is kept, for the caller to remove."""
         with self._lock:
-            sampler = Sampler(
+            sampler = SamplingSession(
                 sampling_id or "", base_model, path, export, seq, self.weights_version
             )
             if path:
@@ -83,7 +83,7 @@ class Samplers:
             del self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
 
-    def pruned(self, sampler: Sampler) -> bool:
+    def pruned(self, sampler: SamplingSession) -> bool:
         """Whether ``sampler``'s unnamed snapshot is past the newest ``KEEP_UNNAMED_SNAPSHOTS``
         (its export removed)."""
         with self._lock:
@@ -95,16 +95,18 @@ class Samplers:
         with self._lock:
             return path in self._named
 
-    def create_from(self, sampling_id: str, base_model: str, model_path: str | None) -> Sampler:
+    def create_from(
+        self, sampling_id: str, base_model: str, model_path: str | None
+    ) -> SamplingSession:
         """A sampling session on a named snapshot, or on the base model (``model_path`` None)."""
         with self._lock:
             if sampling_id in self._sessions:
                 return self._sessions[sampling_id]
             if model_path is None:
-                sampler = Sampler(sampling_id, base_model, None, None, 0, 0)
+                sampler = SamplingSession(sampling_id, base_model, None, None, 0, 0)
             elif model_path in self._named:
                 named = self._named[model_path]
-                sampler = Sampler(
+                sampler = SamplingSession(
                     sampling_id,
                     base_model,
                     model_path,
@@ -120,7 +122,7 @@ class Samplers:
             self._sessions[sampling_id] = sampler
             return sampler
 
-    def get(self, sampling_id: str) -> Sampler:
+    def get(self, sampling_id: str) -> SamplingSession:
         with self._lock:
             sampler = self._sessions.get(sampling_id)
         if sampler is None:
@@ -144,7 +146,7 @@ class Samplers:
                 return
             fields = asdict(record)
             del fields["named"]
-            sampler = Sampler(**fields)
+            sampler = SamplingSession(**fields)
             if record.named:
                 self._named[sampler.model_path or ""] = sampler
             else:
