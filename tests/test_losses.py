@@ -145,7 +145,7 @@ def test_token_examples_validate_at_construction():
 def test_each_loss_is_the_sum_of_its_per_token_terms_and_the_sdk_front_reports_them(name):
     from types import SimpleNamespace
 
-    from trainwire.server.tinker.loss_outputs import elementwise_loss
+    from trainwire.server.service.loss_terms import elementwise_loss
 
     logp, inputs = _inputs(n=12)
     out, _ = _run(name, logp, inputs)

@@ -37,6 +37,7 @@ from trainwire.v1 import session_pb2_grpc as pb_grpc
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+
 def status_code(error: BaseException) -> grpc.StatusCode:
     """The gRPC status a failed call reports for ``error`` (``errors.STATUSES``)."""
     return grpc.StatusCode[status_of(error).grpc]

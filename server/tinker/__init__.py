@@ -6,7 +6,6 @@ Modules, one job each: ``app`` (the HTTP routes), ``training_routes`` and ``samp
 (seq_id order, the request log, futures, behind one submit) with ``ordering``, ``request_log``,
 ``records`` and ``futures``, ``model_slot`` (which run the SDK's model is) with ``model``
 (create_model's config), ``sampling_sessions`` (which weights a sampling client reads),
-``loss_outputs`` (per-token losses), ``auth`` (the ``tml-`` key), ``limits`` (body bounds),
-``front`` (the parts the routes use), ``startup`` (building them, replaying the log) and
-``listener`` (uvicorn).
+``auth`` (the ``tml-`` key), ``limits`` (body bounds), ``front`` (the parts the routes use),
+``startup`` (building them, replaying the log) and ``listener`` (uvicorn).
 """

@@ -9,11 +9,13 @@ already numbered the calls after it), so the calls behind it are not held.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import FailedPrecondition
 from trainwire.server.service import operations as ops
+from trainwire.server.service.loss_terms import elementwise_loss
 from trainwire.server.service.requests import (
     CheckpointRequest,
     ForwardBackwardRequest,
@@ -25,7 +27,6 @@ from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.loss_outputs import elementwise_loss
 from trainwire.server.tinker.model import check_adam_params, checkpoint_name
 from trainwire.server.tinker.records import Record
 from trainwire.server.tinker.sequencer import Call
@@ -39,38 +40,39 @@ def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> 
     """``forward_backward`` (or, ``forward_only``, a forward): keyed by its request id."""
     message = codec.parse_forward_backward(body, content_encoding)
     front.models.require_model(message.model_id)
-    forward_only = message.forward_only
-
-    def prepare() -> Call:
-        request = codec.forward_backward_call(message)
-        examples, loss = request.examples, (request.loss_fn, request.loss_fn_config)
-
-        def call(key: str) -> Callable[[], bytes]:
-            if forward_only:
-                outcome: Any = front.host.apply(ops.FORWARD, ForwardRequest(examples, *loss))
-            else:
-                batch = ForwardBackwardRequest(examples, *loss)
-                outcome = front.host.apply(ops.FORWARD_BACKWARD, batch, OperationSpec(key))
-
-            def encode() -> bytes:  # behind: the next call runs meanwhile
-                losses = elementwise_loss(request.loss_fn, loss[1], examples, outcome)
-                return codec.encode_forward_backward_output(
-                    outcome.logprobs, losses, outcome.metrics
-                )
-
-            return encode
-
-        return call
-
     return front.sequencer.submit(
         "forward_backward",
         body,
         message.model_id,
         message.seq_id,
-        prepare,
+        partial(_check_forward_backward, front, message),
         encoding=content_encoding,
-        keyed=not forward_only,
+        keyed=not message.forward_only,
     )
+
+
+def _check_forward_backward(front: TinkerFront, message: codec.pb.ForwardBackwardRequest) -> Call:
+    """The datums and the loss, checked before the call takes its turn."""
+    return partial(_run_forward_backward, front, codec.forward_backward_call(message))
+
+
+def _run_forward_backward(
+    front: TinkerFront, request: codec.ForwardBackwardCall, key: str
+) -> Callable[[], bytes]:
+    """The operation, in seq_id order; its response is encoded behind, while the next runs."""
+    if request.forward_only:
+        forward = ForwardRequest(request.examples, request.loss_fn, request.loss_fn_config)
+        outcome: Any = front.host.apply(ops.FORWARD, forward)
+    else:
+        batch = ForwardBackwardRequest(request.examples, request.loss_fn, request.loss_fn_config)
+        outcome = front.host.apply(ops.FORWARD_BACKWARD, batch, OperationSpec(key))
+    return partial(_encode_forward_backward, request, outcome)
+
+
+def _encode_forward_backward(request: codec.ForwardBackwardCall, outcome: Any) -> bytes:
+    """The SDK's ``ForwardBackwardOutput``: logprobs, each target's loss term, metrics."""
+    losses = elementwise_loss(request.loss_fn, request.loss_fn_config, request.examples, outcome)
+    return codec.encode_forward_backward_output(outcome.logprobs, losses, outcome.metrics)
 
 
 def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:

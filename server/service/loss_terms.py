@@ -1,6 +1,10 @@
-"""Each target's loss (``elementwise_loss`` in the SDK's output), from the logprobs the engine
-returned and the datum's inputs, through the engine's own loss functions
+"""Each target's term of a loss (the Tinker SDK's ``elementwise_loss`` output), from the logprobs
+an operation returned and the examples' inputs, through the engine's own loss table
 (``trainwire.server.engine.losses``): the same terms, token by token, whose sum is ``loss:sum``.
+
+Pure arithmetic on a finished outcome, so a transport computes it off the executor (the Tinker
+front does, while the next call runs); it lives in the service so that no transport reaches
+into the engine's modules.
 """
 
 from __future__ import annotations
