@@ -77,17 +77,7 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
         weights = SampleWeights(export=run.run.export(request.export))
     else:
         weights = BASE_MODEL if request.base_model else LIVE_WEIGHTS
-    samples = session.sample(
-        request.prompt_tokens,
-        max_tokens=request.max_tokens,
-        num_samples=request.num_samples,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        top_k=request.top_k,
-        stop_tokens=request.stop_tokens,
-        seed=request.seed,
-        weights=weights,
-    )
+    samples = session.sample(request.prompt_tokens, weights=weights, **request.sampling_settings())
     if not request.prompt_logprobs:
         return SampleResult(samples)
     return SampleResult(samples, session.prompt_logprobs(request.prompt_tokens, weights=weights))

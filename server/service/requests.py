@@ -7,7 +7,8 @@ added here is read by its operation's payload and apply, and decoded by each tra
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from trainwire.client import outcomes
 from trainwire.client.config import InputExample
@@ -79,6 +80,13 @@ class SampleRequest:
     export: str = ""
     base_model: bool = False
     prompt_logprobs: bool = False
+
+    def sampling_settings(self) -> dict[str, Any]:
+        """The engine's ``sample`` keywords: every field but the prompt and the weights' choice."""
+        settings = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name in ("prompt_tokens", "export", "base_model", "prompt_logprobs"):
+            del settings[name]
+        return settings
 
 
 @dataclass(frozen=True)
