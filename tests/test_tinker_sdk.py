@@ -104,8 +104,8 @@ def test_refusals_are_clear_and_change_nothing(
         handle, service, training_client = run.handle, run.service, run.training
         with pytest.raises(tinker.BadRequestError, match="one server, one model"):
             service.create_lora_training_client(base_model="llama", rank=4).result()
-        with pytest.raises(tinker.BadRequestError, match="beta2"):
-            training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=0.999)).result()
+        with pytest.raises(tinker.BadRequestError, match=r"beta2 must be in \[0, 1\)"):
+            training_client.optim_step(types.AdamParams(learning_rate=1e-3, beta2=1.5)).result()
         with pytest.raises(tinker.BadRequestError, match="save_weights path name"):
             training_client.save_state("../escape").result()
         info = handle.session_host.info()
@@ -213,3 +213,22 @@ def test_a_training_client_from_state_is_refused_with_the_reason(
         with pytest.raises(tinker.APIStatusError, match="one server trains one model"):
             run.service.create_training_client_from_state(path).result()
         run.training.load_state(path).result()  # into the model that saved it: served
+
+
+def test_every_adam_param_applies_to_its_update_and_bad_ones_are_refused(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    import tinker
+
+    digests = []
+    for name, eps in (("sdk-default", 1e-12), ("cookbook", 1e-8), ("cookbook-again", 1e-8)):
+        with lora_training(tmp_path / name, model_root) as run:
+            datum = supervised_datum(run.tokenizer, SENTENCES[0])
+            run.training.forward_backward([datum], "cross_entropy").result()
+            params = types.AdamParams(learning_rate=5e-2, eps=eps, beta2=0.99, weight_decay=0.01)
+            run.training.optim_step(params).result()
+            digests.append(run.handle.session_host.info().state_digest)
+            if name == "cookbook":
+                with pytest.raises(tinker.BadRequestError, match="beta1 must be in"):
+                    run.training.optim_step(types.AdamParams(beta1=1.5)).result()
+    assert digests[0] != digests[1] == digests[2]

@@ -6,7 +6,10 @@ whole state is the step counter: nothing to pickle, nothing to drift between a r
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -56,14 +59,62 @@ def learning_rate_at(step: int, config: TrainingConfig, max_steps: int | None) -
     return base * max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
 
 
+@dataclass(frozen=True)
+class UpdateSettings:
+    """Settings one update uses in place of the run's; None keeps the run's.
+
+    ``learning_rate`` replaces the schedule's rate (the schedule still advances); ``beta1``,
+    ``beta2``, ``eps`` and ``weight_decay`` are AdamW's for this update only (weight decay
+    applies where the run's does: matrices, never biases or norms); ``max_grad_norm`` clips at
+    that norm, 0 meaning no clipping for this update.
+    """
+
+    learning_rate: float | None = None
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
+
+    def check(self) -> None:
+        """InvalidArgument naming every value that no AdamW update can use."""
+        problems = [
+            _problem("learning_rate", self.learning_rate, "a finite number >= 0", _at_least(0)),
+            _problem("beta1", self.beta1, "in [0, 1)", _below_one),
+            _problem("beta2", self.beta2, "in [0, 1)", _below_one),
+            _problem("eps", self.eps, "a finite number > 0", _positive),
+            _problem("weight_decay", self.weight_decay, "a finite number >= 0", _at_least(0)),
+            _problem("max_grad_norm", self.max_grad_norm, "a finite number >= 0", _at_least(0)),
+        ]
+        problems = [problem for problem in problems if problem]
+        if problems:
+            raise InvalidArgument("; ".join(problems))
+
+
+def _problem(name: str, value: object, wanted: str, fits: Callable[[float], bool]) -> str:
+    if value is None:
+        return ""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and math.isfinite(value) and fits(float(value)):  # type: ignore[arg-type]
+        return ""
+    return f"{name} must be {wanted}, got {value!r}"
+
+
+def _at_least(bound: float) -> Callable[[float], bool]:
+    return lambda value: value >= bound
+
+
+def _below_one(value: float) -> bool:
+    return 0.0 <= value < 1.0
+
+
+def _positive(value: float) -> bool:
+    return value > 0.0
+
+
 def check_learning_rate(rate: float | None) -> None:
     """InvalidArgument unless ``rate`` is None (the schedule's) or a finite number >= 0."""
-    if rate is None:
-        return
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate):
-        raise InvalidArgument(f"learning_rate must be a finite number, got {rate!r}")
-    if rate < 0:
-        raise InvalidArgument(f"learning_rate must be >= 0, got {rate}")
+    UpdateSettings(learning_rate=rate).check()
 
 
 def apply_update(
@@ -73,22 +124,50 @@ def apply_update(
     accumulated: int,
     max_grad_norm: float | None,
     rate: float,
+    settings: UpdateSettings = UpdateSettings(),
 ) -> float:
     """One AdamW update at ``rate`` from the pending gradients; returns their norm before clipping.
 
     The gradients of ``accumulated`` microbatches are averaged first, so a partial accumulation
-    is normalized by the microbatches it really holds.
+    is normalized by the microbatches it really holds. ``settings`` replace the run's AdamW
+    settings for this update; the run's are back in the optimizer afterwards, whatever happens.
     """
     with_grads = [p for p in parameters if p.grad is not None]
     if accumulated > 1:
         for parameter in with_grads:
             parameter.grad.div_(accumulated)
+    if settings.max_grad_norm is not None:
+        max_grad_norm = settings.max_grad_norm or None  # 0: no clipping for this update
     if max_grad_norm is None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
     else:
         norm = torch.nn.utils.clip_grad_norm_(with_grads, max_grad_norm)
     for group in optimizer.param_groups:
         group["lr"] = rate
-    optimizer.step()
+    with _adam_settings(optimizer, settings):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return float(norm)
+
+
+@contextlib.contextmanager
+def _adam_settings(optimizer: torch.optim.Optimizer, settings: UpdateSettings) -> Iterator[None]:
+    """The optimizer with ``settings``' betas, eps and weight decay for the block. The first
+    group is the one that decays (``parameter_groups``); the second never does."""
+    groups = optimizer.param_groups
+    saved = [(g["betas"], g["eps"], g["weight_decay"]) for g in groups]
+    try:
+        for index, group in enumerate(groups):
+            beta1, beta2 = group["betas"]
+            group["betas"] = (_given(settings.beta1, beta1), _given(settings.beta2, beta2))
+            group["eps"] = _given(settings.eps, group["eps"])
+            if index == 0:
+                group["weight_decay"] = _given(settings.weight_decay, group["weight_decay"])
+        yield
+    finally:
+        for group, (betas, eps, weight_decay) in zip(groups, saved, strict=True):
+            group["betas"], group["eps"], group["weight_decay"] = betas, eps, weight_decay
+
+
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else float(value)

@@ -44,9 +44,9 @@ from trainwire.server.engine.model_loading import (
 )
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.optimization import (
+    UpdateSettings,
     apply_update,
     build_optimizer,
-    check_learning_rate,
     learning_rate_at,
 )
 from trainwire.server.engine.rng import RngState
@@ -205,15 +205,27 @@ class TrainingSession:
         )
 
     def optim_step(
-        self, *, learning_rate: float | None = None, sum_microbatches: bool = False
+        self,
+        *,
+        learning_rate: float | None = None,
+        beta1: float | None = None,
+        beta2: float | None = None,
+        eps: float | None = None,
+        weight_decay: float | None = None,
+        max_grad_norm: float | None = None,
+        sum_microbatches: bool = False,
     ) -> StepResult:
         """Apply one update: renormalize, clip, step AdamW, zero grads.
 
         The rate is the schedule's, or ``learning_rate`` for this update when given (online
-        loops pick their own); the schedule's position advances either way. The microbatches'
-        gradients are averaged, or added with ``sum_microbatches`` (Tinker's semantics).
+        loops pick their own); the schedule's position advances either way. Each other value
+        given replaces the run's for this update only (``UpdateSettings``: ``max_grad_norm=0``
+        is no clipping), so a loop that tunes Adam per step trains as it asked, and an update
+        with none given is bit for bit the run's own. The microbatches' gradients are averaged,
+        or added with ``sum_microbatches`` (Tinker's semantics).
         """
-        check_learning_rate(learning_rate)
+        settings = UpdateSettings(learning_rate, beta1, beta2, eps, weight_decay, max_grad_norm)
+        settings.check()  # before the guard: a refused update changes nothing
         with self._guard.operation():
             if self.accumulated == 0:
                 raise FailedPrecondition(
@@ -232,6 +244,7 @@ class TrainingSession:
                     accumulated=1 if sum_microbatches else self.accumulated,
                     max_grad_norm=self.config.max_grad_norm,
                     rate=rate,
+                    settings=settings,
                 )
             self.step += 1
             self.accumulated = 0

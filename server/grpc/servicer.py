@@ -97,6 +97,15 @@ def batch_from_proto(
     return request_type(examples, loss_fn, loss_fn_config)
 
 
+OPTIM_STEP_SETTINGS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+
+
+def optim_step_from_proto(request: pb.OptimStepRequest) -> requests.OptimStepRequest:
+    """Each setting the request sets (proto3 ``optional``: unset is the run's own)."""
+    given = {name: getattr(request, name) for name in OPTIM_STEP_SETTINGS if request.HasField(name)}
+    return requests.OptimStepRequest(**given)
+
+
 class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``."""
 
@@ -161,8 +170,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         op = wire.operation_from_proto(request.operation)
-        rate = request.learning_rate if request.HasField("learning_rate") else None
-        decode = partial(requests.OptimStepRequest, rate)
+        decode = partial(optim_step_from_proto, request)
         return wire.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:

@@ -34,7 +34,7 @@ from trainwire.client import outcomes
 from trainwire.client.outcomes import OperationOutcome
 from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
-from trainwire.server.engine.optimization import check_learning_rate
+from trainwire.server.engine.optimization import UpdateSettings
 from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
@@ -95,8 +95,19 @@ def _check_batch(request: ForwardRequest, _root: Path | None) -> None:
     check_batch(request.examples)
 
 
+def _update_settings(request: OptimStepRequest) -> UpdateSettings:
+    return UpdateSettings(
+        request.learning_rate,
+        request.beta1,
+        request.beta2,
+        request.eps,
+        request.weight_decay,
+        request.max_grad_norm,
+    )
+
+
 def _check_optim_step(request: OptimStepRequest, _root: Path | None) -> None:
-    check_learning_rate(request.learning_rate)
+    _update_settings(request).check()
 
 
 def _check_checkpoint(request: CheckpointRequest, _root: Path | None) -> None:
@@ -139,10 +150,12 @@ def _forward_backward_payload(request: ForwardBackwardRequest) -> dict[str, Any]
 
 
 def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
-    """A step with the defaults digests as it always has: ``{}``."""
-    payload: dict[str, Any] = {}
-    if request.learning_rate is not None:
-        payload["learning_rate"] = request.learning_rate
+    """Every setting given; a step with the defaults digests as it always has: ``{}``."""
+    payload: dict[str, Any] = {
+        name: value
+        for name, value in dataclasses.asdict(_update_settings(request)).items()
+        if value is not None
+    }
     if request.sum_microbatches:
         payload["sum_microbatches"] = True
     return payload
@@ -178,9 +191,8 @@ def _forward_backward(
 
 
 def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -> Fields:
-    result = run.session.optim_step(
-        learning_rate=request.learning_rate, sum_microbatches=request.sum_microbatches
-    )
+    settings = dataclasses.asdict(_update_settings(request))
+    result = run.session.optim_step(**settings, sum_microbatches=request.sum_microbatches)
     rate, grad_norm = result.learning_rate, result.grad_norm
     return {"step": result.step, "learning_rate": rate, "grad_norm": grad_norm}
 

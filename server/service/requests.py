@@ -33,11 +33,17 @@ class ForwardBackwardRequest(ForwardRequest):
 
 @dataclass(frozen=True)
 class OptimStepRequest:
-    """One update: ``learning_rate`` replaces the schedule's for it; ``sum_microbatches`` adds
-    the microbatches' gradients instead of averaging them (Tinker's semantics)."""
+    """One update: ``learning_rate`` replaces the schedule's for it, and each AdamW setting
+    given replaces the run's for it only (``max_grad_norm=0``: no clipping); ``sum_microbatches``
+    adds the microbatches' gradients instead of averaging them (Tinker's semantics)."""
 
     learning_rate: float | None = None
     sum_microbatches: bool = False
+    beta1: float | None = None
+    beta2: float | None = None
+    eps: float | None = None
+    weight_decay: float | None = None
+    max_grad_norm: float | None = None
 
 
 @dataclass(frozen=True)

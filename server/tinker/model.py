@@ -1,10 +1,10 @@
 """What ``create_model`` becomes: the SDK's model request as a trainwire ``TrainingConfig``, and
 the record the front keeps of the one model it serves.
 
-The optimizer settings are Tinker's ``AdamParams`` defaults (beta1 0.9, beta2 0.95, eps 1e-12, no
-weight decay, no clipping), fixed for the run because the engine builds its optimizer once; an
-``optim_step`` asking for other values is refused (see ``check_adam_params``), never ignored.
-The schedule is constant: every SDK ``optim_step`` names its own learning rate.
+The run's optimizer settings are Tinker's ``AdamParams`` defaults (beta1 0.9, beta2 0.95, eps
+1e-12, no weight decay, no clipping); every SDK ``optim_step`` names its own values, and each
+applies to that update (``adam_settings``), journaled and replayed with it. The schedule is
+constant: every step names its own learning rate.
 """
 
 from __future__ import annotations
@@ -118,28 +118,20 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
     )
 
 
-def check_adam_params(body: dict[str, Any]) -> float:
-    """The learning rate of an ``OptimStepRequest``; InvalidArgument when any other setting
-    differs from the run's (the engine cannot change them per update)."""
+def adam_settings(body: dict[str, Any]) -> dict[str, float]:
+    """An ``OptimStepRequest``'s ``AdamParams`` as the update's settings (the operation table's
+    ``OptimStepRequest`` fields): every field applies to that update, ``grad_clip_norm`` 0 being
+    no clipping, as in Tinker. Values are checked where every transport's are (the table)."""
     if body.get("optimizer_params") is not None:
         raise InvalidArgument("optim_step: this server runs adamw; send AdamParams")
     params = get_dict(body, "adam_params") or get_dict(body, "optim_params")
     if params is None:
         raise InvalidArgument("optim_step: adam_params is required")
-    learning_rate = get_float(params, "learning_rate", 1e-4)
-    assert learning_rate is not None
-    expected = {**ADAM_DEFAULTS, "grad_clip_norm": 0.0}
-    different = [
-        f"{name}={params[name]!r} (this run uses {value!r})"
-        for name, value in expected.items()
-        if get_float(params, name, value) != value
-    ]
-    if different:
-        raise InvalidArgument(
-            "optim_step: this server fixes the optimizer at the SDK's AdamParams defaults; "
-            f"not supported: {', '.join(different)}. Change only learning_rate per step."
-        )
-    return learning_rate
+    settings = {"learning_rate": get_float(params, "learning_rate", 1e-4)}
+    for name, default in ADAM_DEFAULTS.items():
+        settings[name] = get_float(params, name, default)
+    settings["max_grad_norm"] = get_float(params, "grad_clip_norm", 0.0)
+    return settings  # type: ignore[return-value]
 
 
 def checkpoint_name(path: str, model_id: str, kind: str) -> str:

@@ -27,7 +27,7 @@ from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.model import check_adam_params, checkpoint_name
+from trainwire.server.tinker.model import adam_settings, checkpoint_name
 from trainwire.server.tinker.records import Record
 from trainwire.server.tinker.sequencer import Call
 
@@ -82,10 +82,10 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
     front.models.require_model(model_id)
 
     def prepare() -> Call:
-        learning_rate = check_adam_params(body)
+        step = OptimStepRequest(**adam_settings(body), sum_microbatches=True)
+        ops.OPTIM_STEP.check(step, None)  # a refused step still takes its seq_id
 
         def call(key: str) -> dict[str, Any]:
-            step = OptimStepRequest(learning_rate, sum_microbatches=True)
             outcome = front.host.apply(ops.OPTIM_STEP, step, OperationSpec(key))
             front.sampling_sessions.weights_changed()
             metrics = {

@@ -229,12 +229,22 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., token_count: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("operation", "learning_rate")
+    __slots__ = ("operation", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     learning_rate: float
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., learning_rate: _Optional[float] = ...) -> None: ...
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    max_grad_norm: float
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "learning_rate", "grad_norm", "result")
