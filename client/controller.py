@@ -21,7 +21,7 @@ import grpc
 from trainwire.client.artifacts import write_run_artifacts
 from trainwire.client.config import InputExample
 from trainwire.client.cursor import Record, WorkDirectory
-from trainwire.client.pipeline import DEFAULT_WINDOW
+from trainwire.client.pipeline import DEFAULT_WINDOW, OperationPipeline
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
 from trainwire.client.replay import (
@@ -69,36 +69,61 @@ def microbatch_of_key(key: str, run_id: str, fingerprint: str) -> int | None:
 class KeyedSession:
     """The run's state-changing calls on the client, each keyed and position-checked.
 
-    ``position`` is where the session stands after the last outcome taken; pipelined calls are
-    numbered from ``issued`` on, ahead of it. A server that is elsewhere (a restart restored an
-    older checkpoint) refuses a call before running anything, raised as ``PositionMoved``.
+    ``position`` is where the session stands after the last outcome taken. The calls are issued
+    through one ``OperationPipeline`` (bound: the controller's window), which numbers them in
+    issue order from the position ``reset`` gave, the controller's own record, never the
+    server's. A server that is elsewhere (a restart restored an older checkpoint) refuses a call
+    before running anything, raised as ``PositionMoved``.
     """
 
-    def __init__(self, client: Any, *, run_id: str, fingerprint: str) -> None:
+    def __init__(self, client: Any, *, run_id: str, fingerprint: str, window: int = 1) -> None:
         self.client = client
         self.run_id = run_id
         self.fingerprint = fingerprint
         self.position = 0
-        self.issued = 0  # the position the next call will have
+        self.pipeline = OperationPipeline(window)
+
+    def __enter__(self) -> KeyedSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pipeline.close()
 
     def reset(self, position: int) -> None:
-        self.position = self.issued = position
+        """Resume at ``position``; nothing may be in flight."""
+        self.position = position
+        self.pipeline.start_at(position)
 
     def call(
         self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
     ) -> Any:
-        """``method(*args, **kwargs)`` under the key of ``operation`` at microbatch ``index``;
-        nothing may be in flight (the position it expects is the last outcome's)."""
-        return self.take(self.submit(_done_now(method), index, operation, *args, **kwargs))
+        """``method(*args, **kwargs)`` under the key of ``operation`` at microbatch ``index``,
+        numbered next, and its outcome."""
+        return self.take(self.submit(method, index, operation, *args, **kwargs))
 
     def submit(
         self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
-    ) -> Any:
-        """Issue ``method`` (returning a Future) at the next position; ``take`` its outcome."""
+    ) -> futures.Future[Any]:
+        """Issue the blocking call ``method`` at the next position (waiting for a free slot);
+        ``take`` its outcome."""
+        return self.pipeline.submit(self._keyed(method, index, operation, *args, **kwargs))
+
+    def submit_ahead(
+        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
+    ) -> futures.Future[Any] | None:
+        """``submit`` if that needs no wait, else None (nothing issued): no free slot, or a call
+        failed since ``reset``, and nothing issued after it would apply."""
+        return self.pipeline.try_submit(self._keyed(method, index, operation, *args, **kwargs))
+
+    def _keyed(
+        self, method: Callable[..., Any], index: int, operation: str, *args: Any, **kwargs: Any
+    ) -> Callable[[int], Any]:
         key = operation_key(self.run_id, self.fingerprint, index, operation)
-        future = method(*args, operation_key=key, expected_position=self.issued, **kwargs)
-        self.issued += 1
-        return future
+
+        def call(position: int) -> Any:
+            return method(*args, operation_key=key, expected_position=position, **kwargs)
+
+        return call
 
     def take(self, future: futures.Future[Any]) -> Any:
         """The outcome of a call issued by ``submit``, in issue order."""
@@ -112,45 +137,25 @@ class KeyedSession:
         return outcome
 
 
-def _done_now(method: Callable[..., Any]) -> Callable[..., futures.Future[Any]]:
-    """A blocking call as an already finished Future (its error included)."""
-
-    def call(*args: Any, **kwargs: Any) -> futures.Future[Any]:
-        future: futures.Future[Any] = futures.Future()
-        try:
-            future.set_result(method(*args, **kwargs))
-        except BaseException as error:
-            future.set_exception(error)
-        return future
-
-    return call
-
-
 class _RemoteBackend:
     """The replay's operations (``ReplayBackend``) as keyed calls on the remote session.
 
-    With a ``window`` above 1, the microbatches ahead are issued before the replay asks for
-    them (``forward_backward_async`` / ``optim_step_async``), at most ``window`` operations in
-    flight and never past a microbatch after which the replay evaluates or checkpoints: those
-    need every operation before them applied and nothing after. The replay still takes each
-    outcome in plan order, so its decisions, cursor and history are window 1's.
+    The microbatches ahead are issued before the replay asks for them, while the session's
+    pipeline has a free slot (its bound is the window), and never past a microbatch after which
+    the replay evaluates or checkpoints: those need every operation before them applied and
+    nothing after. The replay still takes each outcome in plan order, so its decisions, cursor
+    and history are a window of 1's.
     """
 
     def __init__(
-        self,
-        session: KeyedSession,
-        plan: ManagedTrainingPlan,
-        work: WorkDirectory,
-        every: int,
-        window: int = 1,
+        self, session: KeyedSession, plan: ManagedTrainingPlan, work: WorkDirectory, every: int
     ) -> None:
         self.session = session
         self.client = session.client
         self.plan = plan
         self.work = work
         self.checkpoint_every = every
-        self.window = window
-        self._in_flight: dict[tuple[int, str], futures.Future[Any]] = {}
+        self._issued: dict[tuple[int, str], futures.Future[Any]] = {}  # not yet taken
         self._next_op = (0, FORWARD_BACKWARD)  # the next operation to issue, in plan order
         self._barrier: int | None = None  # issue nothing past this microbatch for now
 
@@ -163,22 +168,25 @@ class _RemoteBackend:
         return StepOutcome(outcome.step, outcome.learning_rate, outcome.grad_norm)
 
     def _outcome(self, index: int, operation: str) -> Any:
-        if self.window == 1:
-            return self.session.take(self._issue(index, operation))
         if self._next_op < (index, operation):
             self._next_op = (index, operation)  # the replay resumed further on
         if self._barrier is not None and index > self._barrier:
             self._barrier = None  # the replay is past the evaluation or checkpoint
-        self._issue_ahead()
-        return self.session.take(self._in_flight.pop((index, operation)))
+        self._issue_ahead(wait=(index, operation) not in self._issued)
+        return self.session.take(self._issued.pop((index, operation)))
 
-    def _issue_ahead(self) -> None:
+    def _issue_ahead(self, *, wait: bool) -> None:
+        """Issue operations in plan order: the first waiting for a slot if ``wait`` (the replay
+        needs it now), the rest only while that needs no wait."""
         plan = self.plan
-        while len(self._in_flight) < self.window and self._next_op[0] < plan.batch_count:
+        while self._next_op[0] < plan.batch_count:
             index, operation = self._next_op
             if self._barrier is not None and index > self._barrier:
                 return  # nothing after an evaluation or checkpoint before it has happened
-            self._in_flight[self._next_op] = self._issue(index, operation)
+            future = self._submit(index, operation, wait=wait)
+            if future is None:
+                return  # no free slot for now, or a failure that the replay will meet
+            self._issued[self._next_op], wait = future, False
             if operation == FORWARD_BACKWARD and plan.is_update(index):
                 self._next_op = (index, OPTIM_STEP)
                 continue
@@ -186,20 +194,16 @@ class _RemoteBackend:
             if plan.evaluates_after(index) or checkpoint_due(plan, index, self.checkpoint_every):
                 self._barrier = index
 
-    def _issue(self, index: int, operation: str) -> futures.Future[Any]:
-        """One operation: pipelined with a window above 1, else a blocking call made now."""
-        client, piped = self.client, self.window > 1
+    def _submit(self, index: int, operation: str, *, wait: bool) -> futures.Future[Any] | None:
+        submit = self.session.submit if wait else self.session.submit_ahead
         if operation == FORWARD_BACKWARD:
-            method = client.forward_backward_async if piped else _done_now(client.forward_backward)
-            return self.session.submit(method, index, operation, self.plan.batch(index))
-        method = client.optim_step_async if piped else _done_now(client.optim_step)
-        return self.session.submit(method, index, operation)
+            return submit(self.client.forward_backward, index, operation, self.plan.batch(index))
+        return submit(self.client.optim_step, index, operation)
 
     def abandon(self) -> None:
         """Wait for whatever is still in flight (after a failure): nothing lands later."""
-        if self._in_flight:
-            futures.wait(list(self._in_flight.values()))
-            self._in_flight.clear()
+        self.session.pipeline.drain()
+        self._issued.clear()
 
     def forward(self, examples: list[InputExample]) -> tuple[float, list[str]]:
         outcome = self.client.forward(examples)
@@ -273,12 +277,11 @@ class Controller:
             work_dir, run_id=run_id, manifest_fingerprint=self.plan.fingerprint
         )
         self.work.bind()
-        self.session = KeyedSession(client, run_id=run_id, fingerprint=self.plan.fingerprint)
         self.state = RunState.start(self.plan)
 
     # -- the run -------------------------------------------------------------------------------
 
-    def _synchronize(self) -> None:
+    def _synchronize(self, session: KeyedSession) -> None:
         """Open the session (idempotent) and decide where to resume from the server's position."""
         info = self.client.open(
             self.run_id,
@@ -300,13 +303,13 @@ class Controller:
                     f"{info.last_operation_key!r}), beyond anything recorded in {self.work.path}; "
                     "resume with the work directory that started this run"
                 )
-        self.session.reset(record.position)
+        session.reset(record.position)
         self.state = record.state
         logger.info(
             "run %s: resuming at microbatch %d, position %d (server at %d)",
             self.run_id,
             self.state.next_microbatch,
-            self.session.position,
+            session.position,
             info.position,
         )
 
@@ -322,21 +325,29 @@ class Controller:
 
     def run(self, on_step: Callable[[Progress], None] | None = None) -> TrainingResult:
         """Replay to the end, export the result, write the summary; resumable at any point."""
+        fingerprint = self.plan.fingerprint
+        with KeyedSession(
+            self.client, run_id=self.run_id, fingerprint=fingerprint, window=self.window
+        ) as session:
+            return self._run(session, on_step)
+
+    def _run(
+        self, session: KeyedSession, on_step: Callable[[Progress], None] | None
+    ) -> TrainingResult:
+        """``run``: resynchronize after a moved position, wait out an outage."""
         outage_started: float | None = None
         attempt = 0
         while True:
             try:
-                self._synchronize()
+                self._synchronize(session)
                 # Reachable again: a later outage gets the whole recovery budget of its own.
                 outage_started, attempt = None, 0
-                backend = _RemoteBackend(
-                    self.session, self.plan, self.work, self.checkpoint_every, self.window
-                )
+                backend = _RemoteBackend(session, self.plan, self.work, self.checkpoint_every)
                 try:
                     self.state = replay(self.plan, backend, self.state, on_step=on_step)
                 finally:
                     backend.abandon()
-                return self._finish()
+                return self._finish(session)
             except PositionMoved as moved:
                 logger.warning("run %s: %s; resynchronizing", self.run_id, moved)
             except grpc.RpcError as error:
@@ -356,13 +367,13 @@ class Controller:
                 )
                 time.sleep(delay)
 
-    def _finish(self) -> TrainingResult:
+    def _finish(self, session: KeyedSession) -> TrainingResult:
         index = self.plan.batch_count  # past the last microbatch: the run's closing operations
         checkpoint = BEST_CHECKPOINT if self.state.best_checkpoint else None
         export_dir = self.work.path / EXPORT_DIR
         # The export's journaled digest is the final state's, even when this call is a replay
         # (a separate Info could meet a server that restarted and restored an older state).
-        outcome = self.session.call(
+        outcome = session.call(
             self.client.export_weights,
             index,
             "export",

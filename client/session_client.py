@@ -10,13 +10,13 @@ carry their operation key, and the server answers a key it has applied from its 
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,8 +39,24 @@ EXPORT_METHOD = "/trainwire.v1.TrainingSessionService/ExportWeights"
 DEFAULT_MAX_IN_FLIGHT = 4
 Examples = Sequence[InputExample] | Sequence[TokenExample]
 T = TypeVar("T")
+P = ParamSpec("P")
 
 __all__ = ["DownloadError", "SessionClient"]
+
+
+def _after_pipelined_calls(
+    method: Callable[Concatenate[SessionClient, P], T],
+) -> Callable[Concatenate[SessionClient, P], T]:
+    """A keyed call made directly: it runs after the pipelined calls issued before it, and the
+    pipeline numbers the next one from the server again, since this call moved the session
+    (``OperationPipeline.out_of_band``). The pipeline itself runs the undecorated method
+    (``__wrapped__``): that is the call alone, which must not wait for the pipeline it is in."""
+
+    @functools.wraps(method)
+    def ordered(self: SessionClient, *args: P.args, **kwargs: P.kwargs) -> T:
+        return self._pipeline.out_of_band(lambda: method(self, *args, **kwargs))
+
+    return ordered
 
 
 class SessionClient:
@@ -100,7 +116,6 @@ class SessionClient:
             response_deserializer=chunks.decode_export_item,
         )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
-        self._local = threading.local()  # marks the pipeline's own threads
         self._pipeline = OperationPipeline(max_in_flight, lambda: self.info().position)
 
     # -- connection ------------------------------------------------------------------------------
@@ -177,6 +192,7 @@ class SessionClient:
         _add_examples(request, examples)
         return wire.forward_from_proto(self._call("Forward", self._stub.Forward, request))
 
+    @_after_pipelined_calls
     def forward_backward(
         self,
         examples: Examples,
@@ -194,9 +210,10 @@ class SessionClient:
             loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config),
         )
         _add_examples(request, examples)
-        response = self._call_keyed("ForwardBackward", self._stub.ForwardBackward, request)
+        response = self._call("ForwardBackward", self._stub.ForwardBackward, request)
         return wire.forward_backward_from_proto(response)
 
+    @_after_pipelined_calls
     def optim_step(
         self,
         *,
@@ -208,7 +225,7 @@ class SessionClient:
         """One update, at the schedule's rate or at ``learning_rate`` for this update."""
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.OptimStepRequest(operation=operation, learning_rate=learning_rate)
-        response = self._call_keyed("OptimStep", self._stub.OptimStep, request)
+        response = self._call("OptimStep", self._stub.OptimStep, request)
         return wire.optim_step_from_proto(response)
 
     # -- pipelined calls -------------------------------------------------------------------------
@@ -222,42 +239,34 @@ class SessionClient:
         given ``expected_position``, else the one after the previous pipelined call's), at most
         ``max_in_flight`` on the wire; each applies exactly once under its key.
         """
-        return self._pipeline.submit(
-            lambda position: self._unpiped(self.forward_backward, examples, position, options),
-            expected_position,
+        return self._pipelined(
+            SessionClient.forward_backward, (examples,), expected_position, options
         )
 
     def optim_step_async(
         self, *, expected_position: int | None = None, **options: Any
     ) -> futures.Future[outcomes.OptimStepOutcome]:
         """``optim_step`` without waiting, ordered like ``forward_backward_async``."""
-        return self._pipeline.submit(
-            lambda position: self._unpiped(self.optim_step, None, position, options),
-            expected_position,
-        )
+        return self._pipelined(SessionClient.optim_step, (), expected_position, options)
 
     def drain(self) -> None:
         """Wait for every pipelined call issued so far."""
         self._pipeline.drain()
 
-    def _unpiped(self, method: Callable[..., T], examples: Any, position: int, options: Any) -> T:
-        args = () if examples is None else (examples,)
-        self._local.piped = True
-        try:
-            return method(*args, expected_position=position, **options)
-        finally:
-            self._local.piped = False
-
-    def _call_keyed(self, what: str, method: Any, request: Any) -> Any:
-        """A state-changing call. Made directly (not from the pipeline), it first waits for the
-        pipelined calls before it, and the pipeline then asks the server where it stands."""
-        if getattr(self._local, "piped", False):
-            return self._call(what, method, request)
-        self._pipeline.drain()
-        try:
-            return self._call(what, method, request)
-        finally:
-            self._pipeline.forget_position()
+    def _pipelined(
+        self,
+        method: Callable[..., T],
+        args: tuple[Any, ...],
+        expected_position: int | None,
+        options: dict[str, Any],
+    ) -> futures.Future[T]:
+        """``method`` (an ``_after_pipelined_calls`` one) issued through the pipeline, which
+        numbers it; what runs there is the call alone (``__wrapped__``)."""
+        call = method.__wrapped__  # type: ignore[attr-defined]
+        return self._pipeline.submit(
+            lambda position: call(self, *args, expected_position=position, **options),
+            expected_position,
+        )
 
     def sample(
         self,
@@ -295,16 +304,16 @@ class SessionClient:
         request = pb.DetokenizeRequest(token_lists=wire.token_lists_to_proto(token_lists))
         return list(self._call("Detokenize", self._stub.Detokenize, request).texts)
 
+    @_after_pipelined_calls
     def save_state(
         self, name: str, *, operation_key: str, expected_position: int | None = None
     ) -> outcomes.CheckpointOutcome:
         """Write checkpoint ``name`` on the server; the outcome always carries the digest."""
         operation = _operation(operation_key, expected_position, False)
         request = pb.SaveStateRequest(operation=operation, name=name)
-        return wire.save_state_from_proto(
-            self._call_keyed("SaveState", self._stub.SaveState, request)
-        )
+        return wire.save_state_from_proto(self._call("SaveState", self._stub.SaveState, request))
 
+    @_after_pipelined_calls
     def load_state(
         self,
         name: str,
@@ -315,9 +324,10 @@ class SessionClient:
     ) -> outcomes.CheckpointOutcome:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.LoadStateRequest(operation=operation, name=name)
-        response = self._call_keyed("LoadState", self._stub.LoadState, request)
+        response = self._call("LoadState", self._stub.LoadState, request)
         return wire.load_state_from_proto(response, name)
 
+    @_after_pipelined_calls
     def load_weights(
         self,
         source: str | outcomes.WeightsSource,
@@ -331,9 +341,10 @@ class SessionClient:
             operation=_operation(operation_key, expected_position, include_digest),
             **wire.weights_source_to_proto(outcomes.WeightsSource.parse(source)),
         )
-        response = self._call_keyed("LoadWeights", self._stub.LoadWeights, request)
+        response = self._call("LoadWeights", self._stub.LoadWeights, request)
         return wire.load_weights_from_proto(response)
 
+    @_after_pipelined_calls
     def export_weights(
         self,
         name: str,
@@ -365,11 +376,7 @@ class SessionClient:
             finally:
                 stream.cancel()  # a no-op once the stream has ended
 
-        self._pipeline.drain()
-        try:
-            return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
-        finally:
-            self._pipeline.forget_position()
+        return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
 
     def close(self) -> outcomes.SessionInfo:
         """Close the session on the server (idempotent); the connection stays usable."""

@@ -18,11 +18,53 @@ from service_fixtures import (
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
 from trainwire.client.controller import Controller
+from trainwire.client.pipeline import OperationPipeline
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
+
+
+def test_the_pipeline_numbers_in_issue_order_and_asks_again_after_a_failure_or_out_of_band():
+    server_positions = iter([10, 20, 30])  # what each Info would answer
+    pipeline = OperationPipeline(2, lambda: next(server_positions))
+
+    def fails(position: int) -> int:
+        raise ValueError(position)
+
+    try:
+        assert [pipeline.submit(lambda p: p).result() for _ in range(3)] == [10, 11, 12]
+        assert pipeline.submit(lambda p: p, expected_position=5).result() == 5
+        assert pipeline.submit(lambda p: p).result() == 6
+        with pytest.raises(ValueError):
+            pipeline.submit(fails).result()
+        assert pipeline.submit(lambda p: p).result() == 20  # asked the server again
+        assert pipeline.out_of_band(lambda: "direct") == "direct"
+        assert pipeline.submit(lambda p: p).result() == 30
+    finally:
+        pipeline.close()
+
+
+def test_the_pipeline_bounds_calls_in_flight_and_an_owner_numbered_one_never_guesses():
+    pipeline = OperationPipeline(2)
+    release = threading.Event()
+    try:
+        with pytest.raises(RuntimeError):
+            pipeline.submit(lambda p: p)  # no position known, none to ask for
+        pipeline.start_at(7)
+        held = [pipeline.submit(lambda p: release.wait(10) and p) for _ in range(2)]
+        assert pipeline.try_submit(lambda p: p) is None  # both slots taken
+        release.set()
+        assert [future.result() for future in held] == [7, 8]
+        failed = pipeline.submit(lambda p: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failed.result()
+        assert pipeline.try_submit(lambda p: p) is None  # nothing after a failure would apply
+        pipeline.start_at(9)
+        assert pipeline.try_submit(lambda p: p).result() == 9
+    finally:
+        pipeline.close()
 
 
 def mixed_ops() -> list[tuple[str, object]]:
