@@ -33,10 +33,10 @@ from trainwire.client.replay import (
 )
 from trainwire.client.results import TrainingResult
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, position_from_error
+from trainwire.client.selection import BEST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 
-BEST_CHECKPOINT = "best"
 LATEST_CHECKPOINT = "latest"
 EXPORT_NAME = "final"
 EXPORT_DIR = "export"
