@@ -11,6 +11,7 @@ Errors of a call that was accepted come back through its future as ``{"error", "
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,6 +28,13 @@ from trainwire.server.tinker.limits import LimitBody
 from trainwire.server.tinker.model import supported_models
 
 API = "/api/v1"
+# The training calls with a JSON body, each answered with the request id its route queued.
+SEQUENCED_JSON_ROUTES: dict[str, Callable[[TinkerFront, dict[str, Any]], str]] = {
+    "optim_step": training_routes.optim_step,
+    "save_weights": training_routes.save_weights,
+    "load_weights": training_routes.load_weights,
+    "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
+}
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
 
 
@@ -110,30 +118,16 @@ def create_app(
             await run_in_threadpool(training_routes.forward_backward, front, raw, encoding)
         )
 
-    @app.post(f"{API}/optim_step")
-    async def optim_step(request: Request) -> dict[str, Any]:
-        return future(
-            await run_in_threadpool(training_routes.optim_step, front, await body(request))
-        )
+    def sequenced(route: Callable[[TinkerFront, dict[str, Any]], str]) -> Callable[..., Any]:
+        """A training call with a JSON body: its route queues it and answers its request id."""
 
-    @app.post(f"{API}/save_weights")
-    async def save_weights(request: Request) -> dict[str, Any]:
-        return future(
-            await run_in_threadpool(training_routes.save_weights, front, await body(request))
-        )
+        async def call(request: Request) -> dict[str, Any]:
+            return future(await run_in_threadpool(route, front, await body(request)))
 
-    @app.post(f"{API}/load_weights")
-    async def load_weights(request: Request) -> dict[str, Any]:
-        return future(
-            await run_in_threadpool(training_routes.load_weights, front, await body(request))
-        )
+        return call
 
-    @app.post(f"{API}/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request) -> dict[str, Any]:
-        data = await body(request)
-        return future(
-            await run_in_threadpool(sampling_routes.save_weights_for_sampler, front, data)
-        )
+    for name, route in SEQUENCED_JSON_ROUTES.items():
+        app.post(f"{API}/{name}", name=name)(sequenced(route))
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
