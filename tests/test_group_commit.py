@@ -12,7 +12,7 @@ from host_operations import BATCHES, op
 from trainwire.server.errors import FailedPrecondition, Unavailable
 from trainwire.server.service import operations as ops
 from trainwire.server.service.journal import Journal, JournalEntry
-from trainwire.server.service.requests import ForwardBackwardRequest
+from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 
 
 def entry(key: str, position: int) -> JournalEntry:
@@ -91,3 +91,75 @@ def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(h
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0))
     with pytest.raises(Unavailable, match="cannot serve its session"):
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("b", 1))
+
+
+def test_a_save_writes_its_checkpoint_only_once_every_earlier_commit_is_durable(host, monkeypatch):
+    """Issue 21.1: a checkpoint holding an operation whose commit a crash could still lose would
+    be restored with it applied and unjournaled, and its re-sent call would apply it twice."""
+    release, batches = held_writes(host.journal, monkeypatch)
+    checkpoint = host.state_dir.run("run").checkpoint("c")
+    results: dict[str, object] = {}
+    fb = ForwardBackwardRequest(BATCHES[0])
+    threads = [
+        threading.Thread(
+            target=lambda: results.update(a=host.apply(ops.FORWARD_BACKWARD, fb, op("a", 0)))
+        ),
+        threading.Thread(
+            target=lambda: results.update(
+                c=host.apply(ops.SAVE_STATE, CheckpointRequest("c"), op("c", 1))
+            )
+        ),
+    ]
+    threads[0].start()
+    deadline = time.monotonic() + 30
+    while host.session.accumulated < 1:  # "a" applied, its commit held
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    threads[1].start()
+    time.sleep(0.5)
+    assert not checkpoint.exists() and results == {}
+    release.set()
+    for thread in threads:
+        thread.join(30)
+    assert checkpoint.is_dir() and (results["a"].position, results["c"].position) == (1, 2)
+    assert batches == [["a"], ["c"]]
+
+
+def test_a_save_behind_a_commit_that_fails_writes_no_checkpoint(host, monkeypatch):
+    release, _ = held_writes(host.journal, monkeypatch)
+    real_write = host.journal._write
+
+    def held_then_full(entries):
+        real_write([])  # waits for the release, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(host.journal, "_write", held_then_full)
+    checkpoint = host.state_dir.run("run").checkpoint("c")
+    errors: dict[str, BaseException] = {}
+
+    def call(name: str, operation, request, spec) -> None:
+        try:
+            host.apply(operation, request, spec)
+        except Exception as error:
+            errors[name] = error
+
+    fb = threading.Thread(
+        target=call,
+        args=("a", ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0)),
+    )
+    fb.start()
+    deadline = time.monotonic() + 30
+    while host.session.accumulated < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    save = threading.Thread(
+        target=call, args=("c", ops.SAVE_STATE, CheckpointRequest("c"), op("c", 1))
+    )
+    save.start()
+    time.sleep(0.3)
+    release.set()
+    fb.join(30)
+    save.join(30)
+    assert not checkpoint.exists()
+    assert isinstance(errors["c"], FailedPrecondition | Unavailable)
+    assert host.phase == "failed"

@@ -3,14 +3,25 @@ stopped with SIGTERM."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import grpc
 import pytest
-from service_fixtures import TEXTS, apply_remote, connect, training_ops, wait_for
+from service_fixtures import (
+    TEXTS,
+    apply_remote,
+    connect,
+    running_server,
+    training_ops,
+    wait_for,
+)
 
 from trainwire.client import outcomes
 from trainwire.server.service.journal import Journal
@@ -21,13 +32,21 @@ TOKEN = "restart-token"
 class ServeProcess:
     """``python -m trainwire serve`` on a free port, its log in ``log``."""
 
-    def __init__(self, tmp_path: Path, state_dir: Path, model_root: Path, name: str) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        state_dir: Path,
+        model_root: Path,
+        name: str,
+        *,
+        launcher: tuple[str, ...] = ("-m", "trainwire"),
+    ) -> None:
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
         self.port_file = tmp_path / f"{name}.port"
         self.log = tmp_path / f"{name}.log"
         command = [
-            sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
+            sys.executable, *launcher, "serve", "--listen", "127.0.0.1:0",
             "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
             "--token-file", str(token_file), "--port-file", str(self.port_file),
         ]  # fmt: skip
@@ -100,3 +119,58 @@ def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_sa
         ("run/4", 6, False),
         ("run/5", 7, False),
     ]
+
+
+SLOW_DISK = (str(Path(__file__).with_name("slow_commit_serve.py")), "3")
+
+
+def until_the_kill(call) -> None:
+    """Run ``call``; the SIGKILL ends it with an error (its channel closes under it)."""
+    with contextlib.suppress(grpc.RpcError, ValueError):
+        call()
+
+
+@pytest.mark.slow
+def test_a_server_killed_while_a_save_waits_for_an_earlier_commit_replays_exactly_once(
+    tmp_path, model_root, llama_config, processes
+):
+    """Issue 21.1: the save may not write a checkpoint holding an operation whose journal entry
+    a crash could still lose; killed in that window, the run still ends with the same bits."""
+    ops = training_ops(TEXTS[:12])  # fb fb optim fb fb optim
+    with (
+        running_server(tmp_path / "reference", model_root) as reference,
+        connect(reference) as client,
+    ):
+        client.open("run", llama_config(), max_steps=4)
+        apply_remote(client, ops[:1], "run")
+        client.save_state("c1", operation_key="save", expected_position=1)
+        apply_remote(client, ops, "run", first=1, position=2)
+        uninterrupted = client.info().state_digest
+
+    state_dir = tmp_path / "state"
+    slow = ServeProcess(tmp_path, state_dir, model_root, "slow", launcher=SLOW_DISK)
+    processes.append(slow)
+    trainer, saver = connect(slow.port, token=TOKEN), connect(slow.port, token=TOKEN)
+    trainer.open("run", llama_config(), max_steps=4)
+    calls = [
+        lambda: trainer.forward_backward(ops[0][1], operation_key="run/0", expected_position=0),
+        lambda: saver.save_state("c1", operation_key="save", expected_position=1),
+    ]
+    for call in calls:  # the save is held at the position gate until run/0 is applied
+        threading.Thread(target=until_the_kill, args=(call,), daemon=True).start()
+    time.sleep(1.5)  # run/0 applied, its commit on the slow disk; the save waits behind it
+    assert slow.stop(signal.SIGKILL) == -signal.SIGKILL
+    trainer.close_channel()
+    saver.close_channel()
+    checkpoints = state_dir / "runs" / "run" / "checkpoints"
+    assert not (checkpoints / "c1").exists(), "the save wrote a checkpoint before the commit"
+    with Journal(state_dir / "runs" / "run" / "journal.sqlite3") as journal:
+        assert journal.lookup("run/0") is None  # the kill landed before the commit
+
+    second = ServeProcess(tmp_path, state_dir, model_root, "second")
+    processes.append(second)
+    with connect(second.port, token=TOKEN) as client:
+        apply_remote(client, ops[:1], "run")
+        client.save_state("c1", operation_key="save", expected_position=1)
+        apply_remote(client, ops, "run", first=1, position=2)
+        assert client.info().state_digest == uninterrupted

@@ -146,6 +146,21 @@ class ActiveRun:
             plan_fingerprint=self.spec.plan_fingerprint,
         )
 
+    def wait_for_journal(self) -> None:
+        """Block until every operation applied so far is durable in the journal.
+
+        A checkpoint may only hold operations the journal holds: a SaveState that followed an
+        operation whose group commit is still on its way would otherwise write a checkpoint
+        containing it, and a crash before the commit would restore it applied but unjournaled,
+        so its re-sent call would apply it twice. ``JournalCommitFailed`` if a commit failed.
+        """
+        try:
+            self.journal.wait_all_durable()
+        except Exception as error:
+            raise JournalCommitFailed(
+                f"the journal could not record an operation: {error}"
+            ) from error
+
     # -- the keyed path ----------------------------------------------------------------------------
 
     def apply_keyed(

@@ -296,6 +296,10 @@ class SessionHost:
         active = self._require_active()
         try:
             applied = active.apply_keyed(operation, request, op, digest)
+        except JournalCommitFailed as error:
+            # An earlier operation's commit failed: only a restart makes journal and engine agree.
+            self._fail(str(error))
+            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the

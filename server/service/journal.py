@@ -127,6 +127,17 @@ class Journal:
             pending = self._pending.get(operation_key)
         return None if pending is None else pending[1]
 
+    def wait_all_durable(self) -> None:
+        """Return once every entry queued so far is on disk; raise the commit's error if one of
+        them failed (or an earlier commit did: the journal stops where the disk stopped)."""
+        with self._state:
+            failure = self._failure
+            pending = [future for _, future in self._pending.values()]
+        if failure is not None:
+            raise RuntimeError(f"an earlier commit failed: {failure}")
+        for future in pending:
+            future.result()
+
     def commit(self, entry: JournalEntry) -> None:
         """Commit ``entry`` durably before returning (see ``commit_async``)."""
         self.commit_async(entry).result()

@@ -200,6 +200,7 @@ def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -
 def _save_state(run: ActiveRun, request: CheckpointRequest, applying: Applying | None) -> Fields:
     """The checkpoint carries its own journal entry: recovery restores it and re-commits it."""
     assert applying is not None
+    run.wait_for_journal()  # the checkpoint holds no operation the journal might still lose
     session, name = run.session, request.name
     fields = {"state_digest": session.state_digest(), "name": name, "step": session.step}
     entry = applying.entry(applying.outcome(fields))
