@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,13 +31,22 @@ class TinkerServeProcess:
     """``python -m trainwire serve`` with the Tinker front on a fixed port (the SDK's
     ``base_url`` stays the same across a restart)."""
 
-    def __init__(self, tmp: Path, state_dir: Path, model_root: Path, port: int, name: str) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        state_dir: Path,
+        model_root: Path,
+        port: int,
+        name: str,
+        *,
+        launcher: tuple[str, ...] = ("-m", "trainwire"),
+    ) -> None:
         (tmp / "grpc-token").write_text(GRPC_TOKEN + "\n")
         (tmp / "tinker-key").write_text(KEY + "\n")
         self.port_file = tmp / f"{name}.port"
         self.log = tmp / f"{name}.log"
         command = [
-            sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
+            sys.executable, *launcher, "serve", "--listen", "127.0.0.1:0",
             "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
             "--token-file", str(tmp / "grpc-token"), "--port-file", str(self.port_file),
             "--tinker-listen", f"127.0.0.1:{port}", "--tinker-token-file", str(tmp / "tinker-key"),
@@ -162,6 +172,76 @@ def test_a_server_killed_mid_loop_answers_the_sdks_polls_as_an_uninterrupted_run
         assert "restored at position" in second_log and "request records read back" in second_log
         assert interrupted == expected
         assert restarted[0].state_digest() == expected_digest
+    finally:
+        for process in started:
+            process.kill()
+
+
+SLOW_DISK = (str(Path(__file__).with_name("slow_commit_serve.py")), "3")
+
+
+def save_behind_a_commit(service: tinker.ServiceClient, between: Callable[[], None]) -> list:
+    """Two steps, the second's save sent behind its forward_backward before either is awaited;
+    ``between()`` runs while the forward_backward's commit is (on a slow disk) on its way."""
+    training_client = service.create_lora_training_client(base_model="llama", rank=4).result()
+    tokenizer = training_client.get_tokenizer()
+    seen: list[Any] = []
+    for step, text in enumerate(SENTENCES[:2]):
+        data = [supervised_datum(tokenizer, text)]
+        fwd_bwd = training_client.forward_backward(data, "cross_entropy")
+        if step == 1:
+            save = training_client.save_state("behind")
+            between()
+            seen.append(save.result().path.rsplit("/", 2)[-2:])
+        seen.append(fwd_bwd.result().metrics["loss:sum"])
+        seen.append(
+            training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics
+        )
+    return seen
+
+
+def run_save_behind_a_commit(
+    tmp: Path, model_root: Path, started: list[TinkerServeProcess], *, crash: bool
+) -> tuple[list[Any], str]:
+    """``save_behind_a_commit`` against a server of its own; with ``crash``, the server runs on
+    a slow disk and is SIGKILLed (and restarted on the same port) while the save waits."""
+    port, state_dir = free_port(), tmp / "state"
+    tmp.mkdir()
+    launcher = SLOW_DISK if crash else ("-m", "trainwire")
+    servers = [TinkerServeProcess(tmp, state_dir, model_root, port, "first", launcher=launcher)]
+    started.append(servers[0])
+
+    def kill_and_restart() -> None:
+        if not crash:
+            return
+        wait_for(logged(state_dir, "save_weights", 4), 60)  # the save is accepted, behind seq 3
+        time.sleep(1.0)  # the forward_backward applied, its commit on the slow disk
+        servers[0].kill()
+        servers.append(TinkerServeProcess(tmp, state_dir, model_root, port, "second"))
+        started.append(servers[-1])
+
+    service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{port}", api_key=KEY)
+    try:
+        seen = save_behind_a_commit(service, kill_and_restart)
+    finally:
+        close_quietly(service)
+    if crash:
+        assert len(servers) == 2 and "restored at position" in servers[1].log.read_text()
+    return seen, servers[-1].state_digest()
+
+
+@pytest.mark.slow
+def test_a_server_killed_while_a_save_waits_behind_a_commit_answers_as_uninterrupted(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Issue 21.1 on the Tinker transport: the kill lands while a forward_backward's journal
+    commit is on a slow disk and the save_state sent behind it waits; after the restart the
+    SDK's polls get an uninterrupted run's answers and the weights are the same."""
+    started: list[TinkerServeProcess] = []
+    try:
+        expected = run_save_behind_a_commit(tmp_path / "plain", model_root, started, crash=False)
+        crashed = run_save_behind_a_commit(tmp_path / "crash", model_root, started, crash=True)
+        assert crashed == expected
     finally:
         for process in started:
             process.kill()
