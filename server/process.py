@@ -105,6 +105,7 @@ def serve(
     a path the client can read; None: the model's directory on this host).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
+    refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
     listener = GrpcListener(
         listen,
         token=token,
@@ -190,4 +191,26 @@ def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None)
             f"--model-root is required when listening beyond loopback ({', '.join(exposed)}): "
             "without it a client could open any path on this machine. Give the directory that "
             "holds the models (model paths then resolve under it), or listen on 127.0.0.1"
+        )
+
+
+def refuse_an_unkeyed_front(
+    tinker_listen: str | None, tinker_token: str | None, token: str | None
+) -> None:
+    """A Tinker front without a key may only serve loopback, and never beside a gRPC port that
+    has one: the front trains the same run, so a keyless front would open that run to anyone
+    the gRPC token keeps out (a review saw a tokenless client take the server's one run)."""
+    if tinker_listen is None or tinker_token is not None:
+        return
+    if token:
+        raise ValueError(
+            "--tinker-listen needs --tinker-token-file when the gRPC port needs --token-file: "
+            "the Tinker front trains the same run, so without its own key it would let anyone "
+            "in. Give the front a key (a file holding a 'tml-' key; it may differ from the "
+            "gRPC token)"
+        )
+    if not is_loopback(tinker_listen):
+        raise ValueError(
+            f"--tinker-listen {tinker_listen} reaches beyond loopback without a key: give "
+            "--tinker-token-file (a file holding a 'tml-' key), or listen on 127.0.0.1"
         )

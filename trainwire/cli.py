@@ -318,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--tinker-token-file",
-        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-')",
+        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'). "
+        "Required when --token-file is given or the front listens beyond loopback: the two keys "
+        "guard the same run, each on its own port (they may differ)",
     )
     serve.add_argument(
         "--tinker-tokenizer-id",

@@ -1,0 +1,71 @@
+"""Who may reach the Tinker front: a front without a key never opens the run that a gRPC token
+guards, and never listens beyond loopback (issue 21.6)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tinker_loops import KEY
+
+from trainwire.server import serve
+
+
+def test_a_keyless_front_beside_a_protected_grpc_port_is_refused(tmp_path, model_root) -> None:
+    with pytest.raises(ValueError, match="--tinker-listen needs --tinker-token-file"):
+        serve(
+            listen="127.0.0.1:0",
+            state_dir=tmp_path / "state",
+            model_root=model_root,
+            device="cpu",
+            token="grpc-secret",
+            tinker_listen="127.0.0.1:0",
+        )
+    assert not (tmp_path / "state").exists()  # refused before anything was touched
+
+
+def test_a_keyless_front_beyond_loopback_is_refused(tmp_path, model_root) -> None:
+    with pytest.raises(ValueError, match="beyond loopback without a key"):
+        serve(
+            listen="127.0.0.1:0",
+            state_dir=tmp_path / "state",
+            model_root=model_root,
+            device="cpu",
+            tinker_listen="0.0.0.0:0",
+        )
+
+
+def test_the_command_line_says_it_in_one_line(tmp_path: Path, model_root: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("grpc-secret\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
+         "--state-dir", str(tmp_path / "state"), "--model-root", str(model_root),
+         "--token-file", str(token), "--tinker-listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "--tinker-listen needs --tinker-token-file" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_with_both_keys_each_port_takes_its_own(tmp_path, model_root) -> None:
+    handle = serve(
+        listen="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        model_root=model_root,
+        device="cpu",
+        token="grpc-secret",
+        tinker_listen="127.0.0.1:0",
+        tinker_token=KEY,
+    )
+    try:
+        import httpx
+
+        url = f"{handle.tinker.base_url}/api/v1/create_session"
+        assert httpx.post(url, json={}).status_code == 401
+        assert httpx.post(url, json={}, headers={"X-API-Key": KEY}).status_code == 200
+    finally:
+        handle.stop(grace=5)
