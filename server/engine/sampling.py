@@ -114,7 +114,9 @@ class SamplingParams:
             problems.append(f"num_samples must be in [1, {limits.max_samples}], "
                             f"got {self.num_samples!r}")  # fmt: skip
         if not _is_number(self.temperature) or self.temperature < 0:
-            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature!r}")
+            problems.append(
+                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+            )
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -265,7 +267,7 @@ def _choose(
     """One token per row: greedy at temperature 0, else temperature → top-k → top-p → draw."""
     if params.temperature == 0:
         return torch.argmax(logits, dim=-1)
-    logits = logits / params.temperature
+    logits = _tempered(logits, float(params.temperature))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -274,9 +276,29 @@ def _choose(
         ordered_probabilities = torch.softmax(ordered, dim=-1)
         # Drop a token once the ones before it already reach top_p; the first always stays.
         drop = (ordered_probabilities.cumsum(dim=-1) - ordered_probabilities) >= params.top_p
+        # Stated, not left to the comparison: a top_p that float32 rounds to 0 (5e-324, say)
+        # would drop every token, and a draw from nothing is NaN.
+        drop[:, 0] = False
         logits = logits.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
     probabilities = torch.softmax(logits, dim=-1)
     return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
+
+
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``logits / temperature``, computed stably where that overflows.
+
+    A temperature near 0 (1e-300, or any that float32 rounds to 0) sends logits / temperature
+    to inf, and a softmax of inf is NaN: the draw would crash on a caller's finite value. There,
+    and only there, the same distribution comes from each row shifted by its largest logit
+    first, in float64: the largest stay 0 and the rest fall to very negative values or -inf, so
+    the draw takes the (tied) most likely tokens, the limit the caller asked for. Any
+    temperature whose quotient is finite takes the plain division, so its samples keep every bit.
+    """
+    scaled = logits / temperature
+    if temperature >= 1 or bool(torch.isfinite(scaled.amax(dim=-1)).all()):
+        return scaled
+    wide = logits.double()
+    return (wide - wide.amax(dim=-1, keepdim=True)) / temperature
 
 
 def _decode_keywords(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
@@ -297,4 +319,10 @@ def _bad_ids(ids: Sequence[int], vocab_size: int) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return is_int(value) or (isinstance(value, float) and math.isfinite(value))
+    """An int or float with a finite float value (an int past float's range is not)."""
+    if not (is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(float(value))  # type: ignore[arg-type]
+    except OverflowError:
+        return False
