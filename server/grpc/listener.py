@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["TrainingSessionService"].full_name
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 DEFAULT_MAX_WORKERS = 32
+# A connection that has not finished its HTTP/2 handshake by then is closed: strangers cannot
+# hold the process's descriptors with half-open connections (a client finishes in milliseconds).
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class GrpcListener:
@@ -66,6 +69,7 @@ class GrpcListener:
                 ("grpc.so_reuseport", 0),
                 # Clients ping every 30 s during long export streams to notice a dead server.
                 ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.server_handshake_timeout_ms", int(HANDSHAKE_TIMEOUT_S * 1000)),
             ],
         )
         try:

@@ -12,6 +12,7 @@ import uvicorn
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.app import create_app
 from trainwire.server.tinker.auth import check_token
+from trainwire.server.tinker.connections import BoundedH11Protocol
 from trainwire.server.tinker.startup import start_front, stop_front
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,12 @@ class TinkerListener:
         self.front = start_front(host, state_dir, model_root=model_root, tokenizer_id=tokenizer_id)
         app = create_app(self.front, token=token)
         config = uvicorn.Config(
-            app, host=address, port=int(port), log_level="warning", lifespan="off"
+            app,
+            host=address,
+            port=int(port),
+            log_level="warning",
+            lifespan="off",
+            http=BoundedH11Protocol,  # bounded connections, a deadline for each request's head
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tinker-http", daemon=True)
