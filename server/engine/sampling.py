@@ -18,7 +18,7 @@ import inspect
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +83,22 @@ BASE_MODEL = SampleWeights(base_model=True)
 
 @dataclass(frozen=True)
 class SamplingLimits:
-    """What one Sample request may ask for; over a limit is INVALID_ARGUMENT before any work."""
+    """What one Sample request may ask for; over a limit is INVALID_ARGUMENT before any work.
+
+    Each count alone is not what costs memory: every sample decodes its own copy of the prompt
+    with its own KV cache, so what one request holds at once grows with
+    samples × (prompt + max_tokens). ``max_sample_positions`` bounds that product (64 samples
+    of 4096 positions, or fewer samples of longer ones). ``model_positions`` is the model's
+    ``max_position_embeddings`` (None where it has none): a prompt plus ``max_tokens`` past it
+    is refused, as training refuses a sequence past ``max_length``.
+    """
 
     max_tokens: int = 4096
     max_samples: int = 64
     max_prompt_tokens: int = 32768
+    max_sample_positions: int = 64 * 4096
+    max_stop_tokens: int = 1024
+    model_positions: int | None = None
 
 
 @dataclass(frozen=True)
@@ -105,14 +116,32 @@ class SamplingParams:
     def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
         """InvalidArgument naming every bad argument at once."""
         problems = prompt_problems(prompt, vocab_size, limits)
-        if _bad_ids(self.stop_tokens, vocab_size):
+        if len(self.stop_tokens) > limits.max_stop_tokens:
+            problems.append(f"{len(self.stop_tokens)} stop_tokens; the limit is "
+                            f"{limits.max_stop_tokens}")  # fmt: skip
+        elif _bad_ids(self.stop_tokens, vocab_size):
             problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
+        counts = self._count_problems(limits)
+        if not counts and not problems:  # the sizes below only mean something for valid counts
+            counts = size_problems(len(prompt), self.max_tokens, self.num_samples, limits)
+        problems += counts
+        problems += self._draw_problems()
+        if problems:
+            raise InvalidArgument("sample: " + "; ".join(problems))
+
+    def _count_problems(self, limits: SamplingLimits) -> list[str]:
+        problems = []
         if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
             problems.append(f"max_tokens must be in [1, {limits.max_tokens}], "
                             f"got {self.max_tokens!r}")  # fmt: skip
         if not is_int(self.num_samples) or not 1 <= self.num_samples <= limits.max_samples:
             problems.append(f"num_samples must be in [1, {limits.max_samples}], "
                             f"got {self.num_samples!r}")  # fmt: skip
+        return problems
+
+    def _draw_problems(self) -> list[str]:
+        """The settings of each draw. Any finite temperature is computable (see ``_tempered``)."""
+        problems = []
         if not _is_number(self.temperature) or self.temperature < 0:
             problems.append(
                 f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
@@ -123,18 +152,44 @@ class SamplingParams:
             problems.append(f"top_k must be >= 0 (0 keeps every token), got {self.top_k!r}")
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        if problems:
-            raise InvalidArgument("sample: " + "; ".join(problems))
+        return problems
+
+
+def size_problems(
+    prompt_tokens: int, max_tokens: int, num_samples: int, limits: SamplingLimits
+) -> list[str]:
+    """What is too big about a request whose counts are each within their bounds: a sequence
+    past the model's positions, or more token positions at once than ``max_sample_positions``."""
+    positions = prompt_tokens + max_tokens
+    problems = []
+    if limits.model_positions is not None and positions > limits.model_positions:
+        problems.append(
+            f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make {positions} "
+            f"positions; the model has {limits.model_positions} (its max_position_embeddings): "
+            "shorten the prompt or lower max_tokens"
+        )
+    if num_samples * positions > limits.max_sample_positions:
+        problems.append(
+            f"num_samples {num_samples} x (prompt {prompt_tokens} + max_tokens {max_tokens}) is "
+            f"{num_samples * positions} token positions at once; the limit is "
+            f"{limits.max_sample_positions}: ask for fewer samples, or shorter ones"
+        )
+    return problems
 
 
 def prompt_problems(prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> list[str]:
-    """What is wrong with a prompt to sample or score: empty, too long, ids outside the vocab."""
+    """What is wrong with a prompt to sample or score: empty, too long (for the limits or for
+    the model's positions), ids outside the vocab."""
     problems = []
+    positions = limits.model_positions
     if not prompt:
         problems.append("prompt_tokens is empty: give at least one token")
     elif len(prompt) > limits.max_prompt_tokens:
         problems.append(f"the prompt has {len(prompt)} tokens; the limit is "
                         f"{limits.max_prompt_tokens}")  # fmt: skip
+    elif positions is not None and len(prompt) > positions:
+        problems.append(f"the prompt has {len(prompt)} tokens; the model has {positions} "
+                        "positions (its max_position_embeddings)")  # fmt: skip
     if _bad_ids(prompt, vocab_size):
         problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
     return problems
@@ -155,13 +210,18 @@ class Sampler:
     def for_model(
         cls, model: torch.nn.Module, tokenizer: Any, limits: SamplingLimits | None = None
     ) -> Sampler:
-        """A sampler for ``model``'s vocabulary (its embedding rows) and ``tokenizer``'s EOS."""
+        """A sampler for ``model``'s vocabulary (its embedding rows), positions (its config's
+        ``max_position_embeddings``) and ``tokenizer``'s EOS."""
         eos = tokenizer.eos_token_id
+        positions = getattr(model.config, "max_position_embeddings", None)
+        limits = replace(
+            limits or SamplingLimits(), model_positions=positions if is_int(positions) else None
+        )
         return cls(
             vocab_size=model.get_input_embeddings().num_embeddings,
             eos_ids=() if eos is None else (eos,),
             pad_id=tokenizer.pad_token_id,
-            limits=limits or SamplingLimits(),
+            limits=limits,
         )
 
     def sample(
