@@ -41,7 +41,7 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
         for thread in senders:
             thread.start()
         deadline = time.monotonic() + 30
-        while handle.session_host._executor._queued < DEFAULT_MAX_QUEUED:
+        while handle.session_host._executor.waiting < DEFAULT_MAX_QUEUED:
             assert time.monotonic() < deadline, "the calls never queued"
             time.sleep(0.01)
         try:
@@ -65,4 +65,75 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
                 thread.join(timeout=120)
         assert errors == []
         assert client.info().position == 1 + DEFAULT_MAX_QUEUED
+        client.close_channel()
+
+
+def test_calls_held_at_the_position_gate_count_against_the_bound_and_health_answers(
+    tmp_path, model_root, llama_config
+):
+    """Issue 21.8: keyed calls whose expected position is far ahead wait at the gate; they hold
+    server threads as queued calls do, so they count against the same bound."""
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("ahead", llama_config())
+        codes: list[grpc.StatusCode] = []
+
+        def send(index: int) -> None:
+            try:
+                client.forward_backward(
+                    TEXTS[:2], operation_key=f"ahead/{index}", expected_position=1000 + index
+                )
+            except grpc.RpcError as error:
+                codes.append(error.code())
+
+        senders = [threading.Thread(target=send, args=(i,)) for i in range(DEFAULT_MAX_QUEUED + 6)]
+        for thread in senders:
+            thread.start()
+        deadline = time.monotonic() + 30
+        while len(codes) < 6:  # the ones past the bound are refused at once
+            assert time.monotonic() < deadline, f"refused so far: {codes}"
+            time.sleep(0.01)
+        assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
+        assert handle.session_host._executor.waiting == DEFAULT_MAX_QUEUED
+        started = time.monotonic()
+        health = health_pb2_grpc.HealthStub(client._channel)
+        reply = health.Check(health_pb2.HealthCheckRequest(), timeout=2)
+        assert client.info().position == 0 and time.monotonic() - started < 2
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        for thread in senders:
+            thread.join(timeout=120)  # the gate lets them go once nothing runs; refused then
+        assert codes.count(grpc.StatusCode.FAILED_PRECONDITION) == DEFAULT_MAX_QUEUED
+        client.close_channel()
+
+
+def test_info_answers_at_once_while_the_first_operation_runs(tmp_path, model_root, llama_config):
+    """Issue 21.8: before any operation finished there was no snapshot to answer with, so Info
+    calls queued behind the first operation without bound."""
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("first", llama_config())
+        session = handle.session_host.session
+        release, original = threading.Event(), session.forward_backward
+
+        def slow(examples, **loss):
+            release.wait(60)
+            return original(examples, **loss)
+
+        session.forward_backward = slow
+        first = threading.Thread(
+            target=lambda: client.forward_backward(TEXTS[:2], operation_key="first")
+        )
+        first.start()
+        try:
+            deadline = time.monotonic() + 30
+            while not handle.session_host._executor.busy:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            started = time.monotonic()
+            infos = [client.info() for _ in range(40)]
+            assert time.monotonic() - started < 5
+            assert {(i.position, i.state) for i in infos} == {(0, "open")}
+        finally:
+            release.set()
+            first.join(timeout=120)
         client.close_channel()

@@ -1,15 +1,18 @@
 """The session's executor: one thread every session call runs on, in arrival order, bounded.
 
 One thread, so nothing interleaves inside the engine and torch always runs on the same thread.
-Bounded, because every gRPC handler that waits here holds one of the server's threads: past
-``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than queued, so
-threads stay free for health checks and ``Info``, which answer at once whatever is queued.
+Bounded, because every gRPC handler that waits for the session holds one of the server's
+threads: past ``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than
+kept, so threads stay free for health checks and ``Info``, which answer at once whatever waits.
+A call counts from the moment it is ``admitted`` (a keyed call waiting at the position gate for
+its predecessor counts as much as one queued here) until it ends: one bound for every wait.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import TypeVar
 
@@ -21,39 +24,50 @@ DEFAULT_MAX_QUEUED = 24  # of the server's default 32 handler threads, 8 stay fr
 
 
 class SessionExecutor:
-    """Runs calls one at a time; ``busy`` while any is queued or running."""
+    """Runs calls one at a time; ``busy`` while any is queued or running on its thread."""
 
     def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
         self.max_queued = max_queued
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
         self._lock = threading.Lock()
-        self._queued = 0
+        self.waiting = 0  # admitted calls: held at the position gate, queued or running
+        self._on_worker = 0  # queued on the worker thread or running there
         self._released = False
 
     @property
     def busy(self) -> bool:
-        return self._queued > 0
+        return self._on_worker > 0
 
-    def run(self, call: Callable[[], T], *, bounded: bool = True) -> T:
-        """``call()`` on the executor thread after everything queued before it.
-
-        A ``bounded`` call (an operation, a read) is refused when ``max_queued`` are waiting;
-        lifecycle calls (Close, the restore, a busy Info's fallback) are not.
-        """
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count the caller against the bound until the block ends; refused when ``max_queued``
+        calls already wait (an operation, a read; lifecycle calls are never refused)."""
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
-            if bounded and self._queued >= self.max_queued:
+            if self.waiting >= self.max_queued:
                 raise ResourceExhausted(
-                    f"{self._queued} calls are already queued for the session (the limit is "
+                    f"{self.waiting} calls are already waiting for the session (the limit is "
                     f"{self.max_queued}); wait for their results before sending more"
                 )
-            self._queued += 1
+            self.waiting += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.waiting -= 1
+
+    def run(self, call: Callable[[], T]) -> T:
+        """``call()`` on the executor thread after everything queued before it."""
+        with self._lock:
+            if self._released:
+                raise Unavailable("the server has stopped")
+            self._on_worker += 1
         try:
             return self._worker.submit(call).result()
         finally:
             with self._lock:
-                self._queued -= 1
+                self._on_worker -= 1
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing queued before this call runs; False if ``timeout_s`` passed."""

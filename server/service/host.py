@@ -115,6 +115,7 @@ class SessionHost:
             session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
             self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
             self._active.keep_checkpoints = self.keep_checkpoints
+            self._snapshot = self._active.info(digest_known_only=True)  # restore hashed it
             self._gate.moved()
         except Exception as error:
             logger.exception("restoring run %s failed", spec.run_id)
@@ -160,7 +161,8 @@ class SessionHost:
         self._active.keep_checkpoints = self.keep_checkpoints
         self.lifecycle.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
-        return outcomes.OpenOutcome.from_info(self._active.info(), created=True)
+        self._snapshot = self._active.info()
+        return outcomes.OpenOutcome.from_info(self._snapshot, created=True)
 
     def close(self) -> SessionInfo:
         """Close the open run (a no-op unless one is open); its files stay in the state dir."""
@@ -184,8 +186,9 @@ class SessionHost:
         last one finished (``state_digest`` then only if already known, else "")."""
         if self.phase != outcomes.OPEN:
             return self._idle_info()
-        if self._executor.busy and self._snapshot is not None:
-            return self._snapshot
+        snapshot = self._snapshot  # taken at open, at restore and after every operation
+        if snapshot is not None and (self._executor.busy or self._executor.waiting):
+            return snapshot  # never queued behind work: Info answers at once in every state
         return self._serialized(
             lambda: self._active.info() if self._active is not None else self._idle_info(),
             refusable=False,
@@ -259,19 +262,24 @@ class SessionHost:
     def _serialized(self, call: Callable[..., T], *args: Any, refusable: bool = True) -> T:
         """``call(*args)`` on the executor thread, after everything queued before it.
 
-        A ``refusable`` call (an operation) is UNAVAILABLE while the server restores or shuts
-        down; Info, Close and the restore itself always run.
+        A ``refusable`` call (an operation, a read) counts against the executor's one bound and
+        is UNAVAILABLE while the server restores or shuts down; Info, Close and the restore
+        itself always run.
         """
-        if refusable:
-            self.lifecycle.refuse_if_unavailable()
+        if not refusable:
+            return self._executor.run(lambda: call(*args))
+        with self._executor.admitted():
+            return self._run_refusable(call, *args)
+
+    def _run_refusable(self, call: Callable[..., T], *args: Any) -> T:
+        self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
             # Checked again when its turn comes: callers queued behind the last one are refused.
-            if refusable:
-                self.lifecycle.refuse_if_unavailable()
+            self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
-        return self._executor.run(job, bounded=refusable)
+        return self._executor.run(job)
 
     def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
@@ -279,9 +287,13 @@ class SessionHost:
         assert operation.payload is not None
         digest = payload_digest(operation.kind, operation.payload(request))
         self.lifecycle.refuse_if_unavailable()
-        self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
-        with self._gate.running(op.expected_position):
-            outcome, durable = self._serialized(self._apply_keyed, operation, request, op, digest)
+        # Admitted before the gate: a call held there for its predecessor holds a server thread
+        # as much as one queued on the executor, so both count against the one bound.
+        with self._executor.admitted():
+            self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
+            with self._gate.running(op.expected_position):
+                apply = self._apply_keyed
+                outcome, durable = self._run_refusable(apply, operation, request, op, digest)
         try:
             wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
         except JournalCommitFailed as error:
