@@ -11,6 +11,7 @@ Errors of a call that was accepted come back through its future as ``{"error", "
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from trainwire.server.errors import NotFound, TrainwireError, status_of
+from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, status_of
 from trainwire.server.tinker import sampling_routes, training_routes
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
@@ -36,6 +37,52 @@ SEQUENCED_JSON_ROUTES: dict[str, Callable[[TinkerFront, dict[str, Any]], str]] =
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
 }
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
+MAX_JSON_DEPTH = 64  # a Tinker request nests a few levels; far below Python's recursion limit
+CONTAINERS = (dict, list)  # what JSON nests
+
+
+def read_json_object(raw: bytes) -> dict[str, Any]:
+    """A request's JSON object, or InvalidArgument (400) saying what is wrong with it.
+
+    Nesting deeper than ``MAX_JSON_DEPTH`` is the caller's malformed input: parsed, 100,000
+    levels are a RecursionError (a 500 the SDK would retry), and even fewer would be a
+    RecursionError later, wherever the body is read, logged or read back after a restart."""
+    try:
+        data = json.loads(raw)
+    except RecursionError:
+        raise InvalidArgument(too_deep()) from None
+    except ValueError as error:  # not JSON, or not UTF-8
+        raise InvalidArgument(f"the body is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument("the body must be a JSON object")
+    # Counting brackets is C-speed; only a body with more of them than the bound can be too deep.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH:
+        raise InvalidArgument(too_deep())
+    return data
+
+
+def nesting_depth(value: Any) -> int:
+    """How deep lists and objects nest in ``value`` (a scalar is 0), walked without recursion."""
+    if not isinstance(value, CONTAINERS):
+        return 0
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        deepest = max(deepest, depth)
+        if depth > MAX_JSON_DEPTH:
+            break  # how much deeper does not matter
+        children = item.values() if isinstance(item, dict) else item
+        # Only containers are queued: a prompt of a million ids is one pass over ints.
+        pending.extend((child, depth + 1) for child in children if isinstance(child, CONTAINERS))
+    return deepest
+
+
+def too_deep() -> str:
+    return (
+        f"the JSON body nests more than {MAX_JSON_DEPTH} levels deep; no Tinker request does: "
+        "send the request the SDK builds"
+    )
 
 
 def create_app(
@@ -55,10 +102,7 @@ def create_app(
     app.add_exception_handler(Exception, refuse)
 
     async def body(request: Request) -> dict[str, Any]:
-        data = await request.json()
-        if not isinstance(data, dict):
-            raise ValueError("the body must be a JSON object")
-        return data
+        return read_json_object(await request.body())
 
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
