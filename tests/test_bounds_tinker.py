@@ -17,9 +17,11 @@ from typing import Any
 
 import httpx
 import pytest
+import zstandard
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.process import ServerHandle
+from trainwire.server.tinker.codec import MAX_BODY_BYTES
 from trainwire.server.tinker.request_log import LOG_FILE
 
 HEADERS = {"X-API-Key": KEY}
@@ -86,6 +88,28 @@ def front(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama
 
 def long_prompt(tokens: int) -> dict[str, Any]:
     return {"chunks": [{"type": "encoded_text", "tokens": [5] * tokens}]}
+
+
+# -- a zstd body is inflated only up to its bound --------------------------------------------------
+
+
+def zstd_of_zeros(size: int) -> bytes:
+    """``size`` zero bytes, zstd-compressed a MiB at a time (a few KiB, never ``size`` in RAM)."""
+    compressor = zstandard.ZstdCompressor().compressobj()
+    chunk = bytes(1024 * 1024)
+    parts = [compressor.compress(chunk) for _ in range(size // len(chunk))]
+    return b"".join([*parts, compressor.flush()])
+
+
+def test_a_zstd_body_that_inflates_past_its_bound_is_413_not_busy(front: Front) -> None:
+    body = zstd_of_zeros(MAX_BODY_BYTES + 1024 * 1024)
+    assert len(body) < 64 * 1024
+    before = front.log_bytes()
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    response = front.client.post("/forward_backward", content=body, headers=headers)
+    assert response.status_code == 413, response.text  # the SDK does not retry it
+    assert f"inflates past {MAX_BODY_BYTES} bytes" in response.json()["detail"]
+    assert front.log_bytes() == before
 
 
 # -- JSON nested past any Tinker request -----------------------------------------------------------

@@ -19,7 +19,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server.errors import InvalidArgument, ResourceExhausted
+from trainwire.server.errors import InvalidArgument, RequestTooLarge
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 from trainwire.server.tinker.fields import (
     get_bool,
@@ -32,6 +32,7 @@ from trainwire.server.tinker.fields import (
 )
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
+INFLATE_CHUNK_BYTES = 1024 * 1024
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
 MAX_TENSOR_VALUES = MAX_TOKENS  # per loss_fn_input, checked before anything is allocated
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -49,17 +50,13 @@ class ForwardBackwardCall:
     examples: tuple[TokenExample, ...]
 
 
-def parse_forward_backward(body: bytes, content_encoding: str = "") -> pb.ForwardBackwardRequest:
+def parse_forward_backward(
+    body: bytes | bytearray, content_encoding: str = ""
+) -> pb.ForwardBackwardRequest:
     """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd), not yet checked: its
     model_id and seq_id are known from here on (``forward_backward_call`` checks the rest)."""
     if content_encoding.strip().lower() == "zstd":
-        try:
-            reader = zstandard.ZstdDecompressor().stream_reader(body)
-            body = reader.read(MAX_BODY_BYTES + 1)
-        except zstandard.ZstdError as error:
-            raise InvalidArgument(f"forward_backward: the zstd body is corrupt: {error}") from None
-        if len(body) > MAX_BODY_BYTES:
-            raise ResourceExhausted(f"forward_backward: the body is over {MAX_BODY_BYTES} bytes")
+        body = inflate(body, MAX_BODY_BYTES)
     elif content_encoding.strip() not in ("", "identity"):
         raise InvalidArgument(f"forward_backward: unknown Content-Encoding {content_encoding!r}")
     message = pb.ForwardBackwardRequest()
@@ -68,6 +65,25 @@ def parse_forward_backward(body: bytes, content_encoding: str = "") -> pb.Forwar
     except Exception as error:  # protobuf raises DecodeError, a plain Exception subclass
         raise InvalidArgument(f"forward_backward: not a ForwardBackwardRequest: {error}") from None
     return message
+
+
+def inflate(body: bytes, limit: int) -> bytearray:
+    """A zstd body decompressed, refused (413, RequestTooLarge) as soon as it passes ``limit``
+    bytes: read a chunk at a time, so a few KiB that would inflate to gigabytes cost at most
+    ``limit`` and are refused as too large (a retry would be refused again), not as busy."""
+    inflated = bytearray()  # grown in place: no second copy of up to ``limit`` bytes
+    try:
+        reader = zstandard.ZstdDecompressor().stream_reader(body)
+        while chunk := reader.read(INFLATE_CHUNK_BYTES):
+            if len(inflated) + len(chunk) > limit:
+                raise RequestTooLarge(
+                    f"forward_backward: the zstd body inflates past {limit} bytes, this "
+                    "server's bound for it; send fewer datums per request"
+                )
+            inflated += chunk
+    except zstandard.ZstdError as error:
+        raise InvalidArgument(f"forward_backward: the zstd body is corrupt: {error}") from None
+    return inflated
 
 
 def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
