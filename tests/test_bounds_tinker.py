@@ -9,6 +9,7 @@ bound, JSON nested past any Tinker request, and sampling values near 0.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,9 +21,12 @@ import pytest
 import zstandard
 from tinker_loops import KEY, tinker_server
 
+from trainwire.server.engine.sampling import SamplingLimits
 from trainwire.server.process import ServerHandle
+from trainwire.server.tinker import codec
 from trainwire.server.tinker.codec import MAX_BODY_BYTES
-from trainwire.server.tinker.request_log import LOG_FILE
+from trainwire.server.tinker.records import SampleRecord
+from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
 
 HEADERS = {"X-API-Key": KEY}
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
@@ -88,6 +92,99 @@ def front(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama
 
 def long_prompt(tokens: int) -> dict[str, Any]:
     return {"chunks": [{"type": "encoded_text", "tokens": [5] * tokens}]}
+
+
+# -- every sample setting, and samples x positions, bounded before the request is logged -----------
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"num_samples": 10**12}, "num_samples must be in [1, 64], got 1000000000000"),
+        ({"num_samples": 65}, "num_samples must be in [1, 64]"),
+        ({"num_samples": 0}, "num_samples must be in [1, 64]"),
+        ({"sampling_params": {"max_tokens": 10**9}}, "max_tokens must be in [1, 4096]"),
+        ({"sampling_params": {"top_k": -7}}, "top_k must be in [-1, 2147483647]"),
+        ({"sampling_params": {"seed": -1}}, "seed must be in [0, 9223372036854775807]"),
+        ({"sampling_params": {"seed": 2**70}}, "seed must be in [0, 9223372036854775807]"),
+        ({"sampling_params": {"temperature": -0.5}}, "temperature must be >= 0"),
+        ({"sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
+        ({"sampling_params": {"stop": [7] * 1025}}, "1025 stop tokens; at most 1024"),
+        ({"sampling_params": {"stop": [2**40]}}, "stop must hold token ids in [0, 2147483647]"),
+        ({"prompt": long_prompt(32769)}, "the prompt has 32769 tokens; at most 32768"),
+        ({"prompt": {"chunks": []}}, "the prompt holds no tokens"),
+        ({"seq_id": -1}, "seq_id must be in [0, 9223372036854775807]"),
+        # each count within its bound, their product (what decoding holds) is not
+        (
+            {"num_samples": 64, "prompt": long_prompt(32768)},
+            "num_samples 64 x (prompt 32768 + max_tokens 4) is 2097408 token positions at once",
+        ),
+        (
+            {"num_samples": 64, "prompt": long_prompt(60), "sampling_params": {"max_tokens": 4096}},
+            "at most 262144",
+        ),
+    ],
+)
+def test_an_asample_past_a_bound_is_a_400_and_is_never_logged(
+    front: Front, settings: dict[str, Any], message: str
+) -> None:
+    before = front.log_bytes()
+    response = front.sample(1000, **settings)
+    assert response.status_code == 400, response.text
+    assert message in response.json()["detail"]
+    assert front.log_bytes() == before
+
+
+def test_the_fronts_sample_bounds_are_the_engines() -> None:
+    """The front checks the engine's limits before it logs a request (it cannot import them)."""
+    front = {
+        "max_samples": codec.MAX_SAMPLES,
+        "max_tokens": codec.MAX_SAMPLE_TOKENS,
+        "max_prompt_tokens": codec.MAX_PROMPT_TOKENS,
+        "max_sample_positions": codec.MAX_SAMPLE_POSITIONS,
+        "max_stop_tokens": codec.MAX_STOP_TOKENS,
+    }
+    limits = SamplingLimits()
+    assert {name: getattr(limits, name) for name in front} == front
+
+
+def test_an_asample_at_the_bounds_is_served(front: Front) -> None:
+    prompt = long_prompt(60)  # 64 x (60 + 4) positions: within 262144, and the tiny model's 256
+    response = front.sample(1001, num_samples=64, prompt=prompt)
+    assert response.status_code == 200, response.text
+    assert len(response.json()["sample_sequence_ids"]) == 64
+    assert front.result(response.json()["request_id"]).status_code == 200
+
+
+def test_a_logged_asample_past_its_bounds_does_not_keep_the_server_from_starting(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request an older server accepted and logged: read back at start, it is refused again
+    by its bounds (its 10**12 sample ids are never built), and the server serves."""
+    state_dir = tmp_path / "state"
+    with start(state_dir, model_root) as first:
+        sampling_session_id = first.sampling_session_id
+    body = {
+        "sampling_session_id": sampling_session_id,
+        "seq_id": 7,
+        "num_samples": 10**12,
+        "prompt": PROMPT,
+        "sampling_params": {"max_tokens": 4},
+    }
+    (log_dir,) = {path.parent for path in state_dir.rglob(LOG_FILE)}
+    log = RequestLog(log_dir)
+    log.write(SampleRecord(f"{sampling_session_id}/7", body))
+    log.close()
+    caplog.set_level(logging.INFO, logger="trainwire.server.tinker")
+    with tinker_server(state_dir, model_root) as handle:
+        healthz = f"{handle.tinker.base_url}/api/v1/healthz"
+        deadline = time.monotonic() + 60
+        while httpx.get(healthz, headers=HEADERS, timeout=60).status_code != 200:
+            assert time.monotonic() < deadline, "the server never served again"
+            time.sleep(0.1)
+        assert handle.session_host.info().state == "open"
+    refusal = "num_samples must be in [1, 64], got 1000000000000"
+    assert any(refusal in record.getMessage() for record in caplog.records)
 
 
 # -- a zstd body is inflated only up to its bound --------------------------------------------------
