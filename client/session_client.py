@@ -378,9 +378,14 @@ class SessionClient:
 
         return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
 
-    def close(self) -> outcomes.SessionInfo:
-        """Close the session on the server (idempotent); the connection stays usable."""
-        response = self._call("Close", self._stub.Close, pb.CloseRequest())
+    def close(self, run_id: str | None = None) -> outcomes.SessionInfo:
+        """Close the session on the server (idempotent); the connection stays usable.
+
+        With ``run_id``, only that run: a no-op once it is closed, FAILED_PRECONDITION while
+        another run is open (so a late retry never closes somebody else's run).
+        """
+        request = pb.CloseRequest(run_id=run_id or "")
+        response = self._call("Close", self._stub.Close, request)
         return wire.session_info_from_proto(response.info)
 
 

@@ -120,8 +120,10 @@ def test_a_server_restarted_under_a_running_controller_is_caught_by_the_position
 
     try:
         with caplog.at_level(logging.WARNING, logger="trainwire.client.controller"):
+            # Window 1: "nothing in flight" holds only without pipelining (with a window, calls
+            # issued ahead meet the stopped server and take the outage path instead).
             result = Controller(
-                client, plan, run_id="r", work_dir=tmp_path / "work", checkpoint_every=2
+                client, plan, run_id="r", work_dir=tmp_path / "work", checkpoint_every=2, window=1
             ).run(on_step=restart_once)
     finally:
         client.close_channel()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from host_operations import BATCHES, op
 
-from trainwire.cli import build_parser, serve_settings
+from trainwire.cli import build_parser
+from trainwire.serve_command import serve_settings
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 

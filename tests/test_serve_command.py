@@ -2,7 +2,8 @@
 
 import pytest
 
-from trainwire.cli import build_parser, main, serve_settings
+from trainwire.cli import build_parser, main
+from trainwire.serve_command import serve_settings
 from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES
 
 

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 import time
-import types
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,9 +21,10 @@ from trainwire.client.manifest import (
     read_examples_jsonl,
     write_plan_manifest,
 )
-from trainwire.client.overrides import checked_config_overrides, config_with_overrides
+from trainwire.client.overrides import config_with_overrides
 from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.serve_command import command_serve
 
 USAGE_ERROR = 2
 logger = logging.getLogger(__name__)
@@ -34,6 +32,21 @@ logger = logging.getLogger(__name__)
 
 class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
+
+
+def server_refusal(error: BaseException) -> str | None:
+    """The one line a server's refusal (a ``grpc.RpcError``) deserves, with its status; None
+    for anything else. grpc is looked up, not imported: ``plan`` never loads it."""
+    grpc = sys.modules.get("grpc")
+    if grpc is None or not isinstance(error, grpc.RpcError) or not hasattr(error, "code"):
+        return None
+    code, details = error.code(), error.details() or ""
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (
+            f"the server refused the token (UNAUTHENTICATED): give --token-file, the file "
+            f"holding the token the server was started with ({details})"
+        )
+    return f"{details} ({code.name})"
 
 
 def command_plan(args: argparse.Namespace) -> int:
@@ -116,6 +129,21 @@ def command_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_close(args: argparse.Namespace) -> int:
+    """``trainwire close``: end a run on the server (a finished ``trainwire run`` does it itself),
+    so the server takes the next one; the run's files stay in the state directory."""
+    from trainwire.client.session_client import SessionClient
+
+    client = SessionClient(args.server, **client_options(args))
+    try:
+        info = client.close(run_id=args.run_id)
+    finally:
+        client.close_channel()
+    closed = info.run_id or "no run"
+    print(f"{closed}: {info.state} at position {info.position}, step {info.step}")
+    return 0
+
+
 def command_dispatch(args: argparse.Namespace) -> int:
     from trainwire.client.dispatch import Dispatcher, dispatch_with_live_table
     from trainwire.client.session_client import SessionClient
@@ -142,87 +170,6 @@ def command_train(args: argparse.Namespace) -> int:
     from trainwire.server.training.run import run_train_command
 
     return run_train_command(args)
-
-
-# The server tunables ``trainwire serve --set KEY=VALUE`` may change, with their types: the one
-# way to set them (their defaults live beside the server: trainwire.server.process and
-# trainwire.server.grpc.listener).
-SERVE_SETTINGS = {
-    "max_message_bytes": int,
-    "max_workers": int,
-    "stop_grace_s": float,
-    "keep_checkpoints": int,  # retention: a run's K newest checkpoints (and best); default all
-}
-
-
-def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The server tunables: the defaults, then ``--set`` overrides (unknown keys are refused)."""
-    from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
-    from trainwire.server.process import DEFAULT_STOP_GRACE_S
-
-    settings: dict[str, Any] = {
-        "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
-        "max_workers": DEFAULT_MAX_WORKERS,
-        "stop_grace_s": DEFAULT_STOP_GRACE_S,
-        "keep_checkpoints": None,
-    }
-    for key, value in checked_config_overrides(args.set).items():
-        kind = SERVE_SETTINGS.get(key)
-        if kind is None:
-            raise ValueError(f"--set {key}: unknown; serve takes {', '.join(SERVE_SETTINGS)}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"--set {key}: must be a positive number, got {value!r}")
-        settings[key] = kind(value)
-    return settings
-
-
-def command_serve(args: argparse.Namespace) -> int:
-    """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0."""
-    from trainwire.client.files import write_text_atomic
-    from trainwire.server.process import serve
-
-    settings = serve_settings(args)
-    token = _read_token(args.token_file) if args.token_file else None
-    # Signal handlers first: a SIGTERM that arrives while the server starts still stops it cleanly.
-    stop_requested = threading.Event()
-    received: list[str] = []
-
-    def on_signal(signum: int, frame: types.FrameType | None) -> None:
-        received.append(signal.Signals(signum).name)
-        stop_requested.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    handle = serve(
-        listen=args.listen,
-        state_dir=args.state_dir,
-        model_root=args.model_root,
-        device=args.device,
-        token=token,
-        tls_cert=args.tls_cert and Path(args.tls_cert),
-        tls_key=args.tls_key and Path(args.tls_key),
-        tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
-        max_message_bytes=settings["max_message_bytes"],
-        max_workers=settings["max_workers"],
-        keep_checkpoints=settings["keep_checkpoints"],
-        tinker_listen=args.tinker_listen,
-        tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
-        tinker_tokenizer_id=args.tinker_tokenizer_id,
-    )
-    if args.port_file:
-        write_text_atomic(args.port_file, f"{handle.port}\n")
-    while not stop_requested.wait(0.5):
-        pass
-    logger.info("%s received: finishing the operation in flight, then stopping", received[0])
-    handle.stop(grace=settings["stop_grace_s"])
-    return 0
-
-
-def _read_token(path: str) -> str:
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"--token-file {path} is empty")
-    return token
 
 
 def command_demo(args: argparse.Namespace) -> int:
@@ -272,6 +219,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
     run.set_defaults(handler=command_run)
+
+    close = commands.add_parser(
+        "close", help="end the open run on a server (or one by --run-id), keeping its files"
+    )
+    close.add_argument("--server", required=True, help="the server's HOST:PORT")
+    close.add_argument(
+        "--run-id", help="close only this run: a no-op if it is closed, refused if another is open"
+    )
+    add_client_arguments(close)
+    close.set_defaults(handler=command_close)
 
     dispatch = commands.add_parser("dispatch", help="run many manifests over a pool of servers")
     dispatch.add_argument("--servers", required=True, help="comma-separated HOST:PORT list")
@@ -352,6 +309,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, ValueError, OSError) as error:
         print(f"trainwire {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
+    except Exception as error:
+        refusal = server_refusal(error)
+        if refusal is None:
+            raise
+        print(f"trainwire {args.command}: error: {refusal}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"trainwire {args.command}: interrupted", file=sys.stderr)
         return 130

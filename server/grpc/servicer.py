@@ -227,7 +227,8 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             context.abort(status_code(error), message)
 
     def Close(self, request: pb.CloseRequest, context) -> pb.CloseResponse:
-        info = self._run(context, "Close", "", self.session_host.close)
+        close = partial(self.session_host.close, request.run_id or None)
+        info = self._run(context, "Close", "", close)
         return pb.CloseResponse(info=wire.session_info_to_proto(info))
 
 

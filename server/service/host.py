@@ -27,7 +27,7 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -164,11 +164,20 @@ class SessionHost:
         self._snapshot = self._active.info()
         return outcomes.OpenOutcome.from_info(self._snapshot, created=True)
 
-    def close(self) -> SessionInfo:
-        """Close the open run (a no-op unless one is open); its files stay in the state dir."""
-        return self._serialized(self._close, refusable=False)
+    def close(self, run_id: str | None = None) -> SessionInfo:
+        """Close the open run (a no-op unless one is open); its files stay in the state dir.
 
-    def _close(self) -> SessionInfo:
+        With ``run_id``, only that run: closing it again (or after the server moved on to
+        another) is a no-op, so a finished controller can close its run exactly once however
+        often it is resumed; another run open is FAILED_PRECONDITION and closes nothing.
+        """
+        if run_id:
+            check_name(run_id, "run id")
+        return self._serialized(self._close, run_id, refusable=False)
+
+    def _close(self, run_id: str | None) -> SessionInfo:
+        if run_id and (self.phase != outcomes.OPEN or self._require_active().spec.run_id != run_id):
+            return self._closed_run_info(run_id)
         if self.phase != outcomes.OPEN:
             return self._idle_info()
         active = self._require_active()
@@ -180,6 +189,19 @@ class SessionHost:
         self._snapshot = None
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
+
+    def _closed_run_info(self, run_id: str) -> SessionInfo:
+        """Close of ``run_id`` when it is not the open run: already closed, or refused."""
+        if self.phase == outcomes.OPEN:
+            open_id = self._require_active().spec.run_id
+            raise FailedPrecondition(
+                f"run {run_id!r} is not the open run ({open_id!r}); nothing was closed"
+            )
+        if self._closed_info is not None and self._closed_info.run_id == run_id:
+            return self._closed_info
+        if not self.state_dir.run(run_id).exists():
+            raise NotFound(f"no run {run_id!r} on this server")
+        return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
 
     def info(self) -> SessionInfo:
         """Where the session stands, at once: while operations are queued or running, as of the

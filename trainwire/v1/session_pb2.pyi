@@ -375,8 +375,10 @@ class ExportWeightsResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[ExportResult, _Mapping]] = ..., chunk: _Optional[_Union[FileChunk, _Mapping]] = ..., file_end: _Optional[_Union[FileEnd, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class CloseResponse(_message.Message):
     __slots__ = ("info",)
