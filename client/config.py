@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -293,17 +293,25 @@ def _config_problems(c: TrainingConfig) -> list[str]:
             need(len(c.labels) >= 2, "labels", "sequence-classification needs at least two")
         else:
             need(not c.labels, "labels", "only sequence-classification takes labels")
-    need(c.lora is None or isinstance(c.lora, LoraSettings), "lora", "must be LoRA settings")
-    need(_is_number(c.learning_rate) and c.learning_rate >= 0, "learning_rate", "must be >= 0")
-    need(_is_number(c.weight_decay) and c.weight_decay >= 0, "weight_decay", "must be >= 0")
-    for key in ("adam_beta1", "adam_beta2"):
+
+    def number(key: str, fits: Callable[[float], bool], what: str) -> None:
+        """A finite number in range: "not a number" for a string (quoted in YAML, say)."""
         value = getattr(c, key)
-        need(_is_number(value) and 0 <= value < 1, key, "must be in [0, 1)")
-    need(_is_number(c.adam_epsilon) and c.adam_epsilon > 0, "adam_epsilon", "must be > 0")
+        if not _is_number(value):
+            problems.append(f"{key}: not a number, got {value!r}")
+        elif not fits(value):
+            problems.append(f"{key}: {what}, got {value!r}")
+
+    need(c.lora is None or isinstance(c.lora, LoraSettings), "lora", "must be LoRA settings")
+    number("learning_rate", lambda v: v >= 0, "must be >= 0")
+    number("weight_decay", lambda v: v >= 0, "must be >= 0")
+    for key in ("adam_beta1", "adam_beta2"):
+        number(key, lambda v: 0 <= v < 1, "must be in [0, 1)")
+    number("adam_epsilon", lambda v: v > 0, "must be > 0")
     need(c.lr_scheduler in LR_SCHEDULERS, "lr_scheduler", f"must be one of {LR_SCHEDULERS}")
     need(is_int(c.warmup_steps) and c.warmup_steps >= 0, "warmup_steps", "must be an int >= 0")
-    clip_ok = c.max_grad_norm is None or (_is_number(c.max_grad_norm) and c.max_grad_norm > 0)
-    need(clip_ok, "max_grad_norm", "must be > 0 or null (no clipping)")
+    if c.max_grad_norm is not None:
+        number("max_grad_norm", lambda v: v > 0, "must be > 0 or null (no clipping)")
     for key in ("batch_size", "gradient_accumulation_steps", "num_epochs", "max_length"):
         value = getattr(c, key)
         need(is_int(value) and value >= 1, key, "must be a positive integer")

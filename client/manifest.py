@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
         import yaml
 
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_numbers_as_written_loader(yaml))
         except yaml.YAMLError as error:
             raise ValueError(f"{path}: not valid YAML: {error}") from None
     elif suffix == ".json":
@@ -47,6 +48,30 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a config must be a mapping of keys to values")
     return data
+
+
+# YAML 1.1 (PyYAML's) reads ``1e-3`` as a string: a float needs a dot there. Configs are written
+# by people who write learning rates that way, so floats are read as YAML 1.2 and JSON read them.
+_FLOAT_AS_WRITTEN = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+def _numbers_as_written_loader(yaml: Any) -> type:
+    """PyYAML's safe loader, reading ``1e-3`` as the float it is (a plain safe loader else)."""
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float", _FLOAT_AS_WRITTEN, list("-+0123456789.")
+    )
+    return Loader
 
 
 def write_manifest(path: str | Path, manifest: dict[str, Any]) -> None:

@@ -115,3 +115,24 @@ def test_input_example_round_trip_and_field_types():
         InputExample.from_dict({"label": "x"})
     with pytest.raises(ValueError, match="unknown"):
         InputExample.from_dict({"text": "x", "labl": "y"})
+
+
+def test_a_yaml_config_reads_numbers_as_people_write_them(tmp_path) -> None:
+    """Issue 24.8: YAML 1.1 reads ``1e-3`` (no dot) as a string; a config reads it as 0.001."""
+    from trainwire.client.manifest import read_config_file
+
+    path = tmp_path / "config.yaml"
+    path.write_text("model: m\nlearning_rate: 1e-3\nadam_epsilon: 1E-8\nweight_decay: .5\n")
+    data = read_config_file(path)
+    assert (data["learning_rate"], data["adam_epsilon"], data["weight_decay"]) == (1e-3, 1e-8, 0.5)
+    assert TrainingConfig.from_dict(data).learning_rate == 0.001
+
+
+def test_a_value_that_is_no_number_is_called_so(tmp_path) -> None:
+    from trainwire.client.manifest import read_config_file
+
+    path = tmp_path / "config.yaml"
+    path.write_text("model: m\nlearning_rate: '1e-3'\nadam_beta1: fast\n")
+    with pytest.raises(ValueError, match=r"learning_rate: not a number, got '1e-3'") as refused:
+        TrainingConfig.from_dict(read_config_file(path))
+    assert "adam_beta1: not a number, got 'fast'" in str(refused.value)
