@@ -270,11 +270,12 @@ class ManagedTrainingPlan:
             raise ValueError("a manifest must be a JSON object")
         body = {key: value for key, value in manifest.items() if key != "fingerprint"}
         claimed = manifest.get("fingerprint")
-        actual = sha256_fingerprint(canonical_json(body))
+        actual = manifest_fingerprint(manifest)
         if claimed != actual:
             raise ValueError(
                 f"manifest fingerprint mismatch: it claims {claimed}, its content hashes to "
-                f"{actual}; the manifest was changed after planning"
+                f"{actual}; the manifest was changed after planning. Plan it again with "
+                "`trainwire plan` (a manifest is written by the planner, never by hand)"
             )
         expected_keys = {"format", "config", "examples", "eval_examples", "microbatches"}
         missing = sorted(expected_keys - set(body))
@@ -368,3 +369,10 @@ def _check_schedule(
                 raise ValueError("manifest: updates must close every accumulation and epoch")
             if microbatch.evaluate and not evaluates:
                 raise ValueError("manifest: an evaluation point without evaluation settings")
+
+
+def manifest_fingerprint(manifest: dict[str, Any]) -> str:
+    """What a manifest's content hashes to: the canonical JSON of everything but its claimed
+    ``fingerprint`` (a manifest is verified by comparing the two)."""
+    body = {key: value for key, value in manifest.items() if key != "fingerprint"}
+    return sha256_fingerprint(canonical_json(body))

@@ -88,15 +88,32 @@ def test_plan_errors_are_one_line_with_exit_code_2(
     assert not output.exists(), "a refused plan writes nothing"
 
 
-def test_inspect_refuses_a_tampered_manifest(inputs, capsys):
+def test_a_tampered_manifest_is_shown_by_inspect_and_refused_with_the_fix(inputs, capsys):
+    """Issue 24.7: inspect shows a hand-edited manifest (saying it does not verify), and what
+    refuses it says to plan again."""
     tmp_path, examples, config = inputs
     output = tmp_path / "m.json"
     run_cli("plan", "--examples", examples, "--config", config, "--output", output)
     manifest = json.loads(output.read_text())
     manifest["config"]["seed"] = 7
     output.write_text(json.dumps(manifest))
-    assert run_cli("inspect", output) == 2
-    assert "fingerprint mismatch" in capsys.readouterr().err
+    capsys.readouterr()
+    assert run_cli("inspect", output) == 0
+    shown = capsys.readouterr().out
+    assert "DOES NOT VERIFY" in shown and "plan it again" in shown
+    with pytest.raises(ValueError, match=r"fingerprint mismatch.*Plan it again"):
+        ManagedTrainingPlan.from_manifest(read_manifest(output))
+
+
+def test_eval_examples_that_would_never_be_used_are_refused(inputs, capsys):
+    tmp_path, examples, config = inputs
+    output = tmp_path / "m.json"
+    code = run_cli(
+        "plan", "--examples", examples, "--eval-examples", examples, "--config", config,
+        "--output", output,
+    )  # fmt: skip
+    assert code == 2 and "eval_strategy is 'no'" in capsys.readouterr().err
+    assert not output.exists()
 
 
 def test_the_console_script_runs_as_a_module(inputs):

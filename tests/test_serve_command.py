@@ -35,3 +35,15 @@ def test_bad_settings_are_refused_in_one_line_before_serving(item, message, tmp_
     assert code == 2
     assert message in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "nothing was started or written"
+
+
+def test_a_model_root_that_does_not_exist_is_refused_in_one_line(tmp_path, capsys):
+    """Issue 24.7: serve started on a --model-root that did not exist, and every Open failed."""
+    missing = tmp_path / "no-models-here"
+    code = main(
+        ["serve", "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state"),
+         "--model-root", str(missing)]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and f"--model-root {missing}: no such directory" in err
+    assert err.count("\n") == 1

@@ -5,6 +5,7 @@ nothing."""
 import json
 import os
 import signal
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -215,3 +216,15 @@ def test_evaluation_every_few_steps_and_early_stopping_mid_epoch_match_the_repla
     assert result.history == reference.history
     assert result.best_step == reference.best_step
     assert result.best_checkpoint_path.endswith(f"best-epoch=0-step={reference.best_step}.ckpt")
+
+
+def test_the_model_resolves_under_model_root(bert_classifier_config, model_root, tmp_path, capsys):
+    """Issue 24.7: ``train`` resolves the config's model under ``--model-root`` as a server does,
+    and says relative to what it looked when the model is not there."""
+    plan = classifier_plan(bert_classifier_config)
+    named = plan.config.replace(model=Path(plan.config.model).name)
+    relative = type(plan)(plan.examples, named, eval_examples=plan.eval_examples)
+    manifest = write_manifest(tmp_path, relative)
+    out = tmp_path / "out"
+    assert run_cli("--manifest", manifest, "--output", out, "--model-root", model_root) == 0
+    assert "state_digest" in capsys.readouterr().out

@@ -51,6 +51,11 @@ def server_refusal(error: BaseException) -> str | None:
 
 def command_plan(args: argparse.Namespace) -> int:
     config = config_with_overrides(read_config_file(args.config), args.set)
+    if args.eval_examples and config.eval_strategy == "no":
+        raise UsageError(
+            "--eval-examples: the config's eval_strategy is 'no', so they would never be "
+            "evaluated; set eval_strategy to epoch or steps, or leave them out"
+        )
     examples = read_examples_jsonl(args.examples)
     eval_examples = read_examples_jsonl(args.eval_examples) if args.eval_examples else None
     plan = ManagedTrainingPlan(examples, config, eval_examples=eval_examples)
@@ -245,6 +250,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--output", required=True, help="checkpoints, logs, export and summary")
     train.add_argument("--device", choices=("cpu", "cuda"), help="default: CUDA where there is one")
     train.add_argument("--ckpt-path", help="resume: 'last', or a checkpoint file of this run")
+    train.add_argument(
+        "--model-root",
+        help="the config's model resolves under this directory (default: from the working "
+        "directory, as a path)",
+    )
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )

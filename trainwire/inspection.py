@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.client.manifest import read_manifest
-from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.client.plan import ManagedTrainingPlan, manifest_fingerprint
 
 
 def describe_path(path: Path) -> str:
@@ -33,9 +33,14 @@ def describe_path(path: Path) -> str:
 
 
 def describe_manifest(path: Path) -> str:
-    """A human summary of a manifest; its fingerprint is verified on the way."""
+    """A human summary of a manifest; its fingerprint is verified on the way (and a mismatch
+    said first)."""
     manifest = read_manifest(path)
-    plan = ManagedTrainingPlan.from_manifest(manifest)
+    claimed, actual = manifest.get("fingerprint"), manifest_fingerprint(manifest)
+    # A hand-edited manifest is shown as it now is, with the mismatch said first: a run refuses
+    # it, and seeing what changed is how one decides to plan again.
+    verified = claimed == actual
+    plan = ManagedTrainingPlan.from_manifest(dict(manifest, fingerprint=actual))
     config = plan.config
     policy = plan.selection_policy
     evaluations = [i for i in range(plan.batch_count) if plan.evaluates_after(i)]
@@ -43,7 +48,10 @@ def describe_manifest(path: Path) -> str:
     lines = [
         f"manifest     {path}",
         f"format       {manifest['format']}",
-        f"fingerprint  {plan.fingerprint} (verified)",
+        f"fingerprint  {plan.fingerprint} (verified)"
+        if verified
+        else f"fingerprint  DOES NOT VERIFY: it claims {claimed}, its content hashes to "
+        f"{actual}; it was changed after planning, and a run refuses it: plan it again",
         f"model        {config.model} ({config.task}, "
         + (f"LoRA r={lora.r} alpha={lora.alpha}" if lora else "full weights")
         + f", {config.precision})",

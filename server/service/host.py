@@ -77,6 +77,11 @@ class SessionHost:
     ) -> None:
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
+        if self.model_root is not None and not self.model_root.is_dir():
+            raise ValueError(
+                f"--model-root {model_root}: no such directory; give the directory that holds "
+                "the models (each a save_pretrained directory)"
+            )
         self.state_dir = StateDirectory(state_dir)  # held by this host until release()
         self.lifecycle = Lifecycle(on_serving)
         if keep_checkpoints is not None and keep_checkpoints < 1:

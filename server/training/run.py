@@ -67,6 +67,7 @@ def train(
     *,
     device: str | None = None,
     ckpt_path: str | Path | None = None,
+    model_root: str | Path | None = None,
     overrides: Sequence[str] = (),
     callbacks: Sequence[Callback] = (),
     enable_progress_bar: bool = False,
@@ -77,7 +78,8 @@ def train(
     ``output_dir/export`` and writes its artifacts (``training_summary.json``/``.yaml`` with
     the final ``state_digest``, ``metrics.jsonl``, ``loss_curve.png``); a run stopped before
     (a callback asked the trainer to stop) resumes from ``last.ckpt``. Resuming a run whose
-    plan is spent trains nothing and writes nothing.
+    plan is spent trains nothing and writes nothing. The config's ``model`` resolves under
+    ``model_root`` when given (as on a server), else as a path from the working directory.
     """
     manifest_path = os.path.realpath(manifest)
     plan = load_run_plan(manifest, overrides)
@@ -96,7 +98,9 @@ def train(
         )
 
     output.mkdir(parents=True, exist_ok=True)
-    session = TrainingSession(plan.config, device=hardware.accelerator, max_steps=plan.max_steps)
+    session = TrainingSession(
+        plan.config, device=hardware.accelerator, max_steps=plan.max_steps, model_root=model_root
+    )
     module = ManifestModule(plan, session, run_record=run_record(plan, output, hardware))
     trainer, checkpoint, _ = create_trainer(
         plan.config,
@@ -247,6 +251,7 @@ def run_train_command(args: argparse.Namespace) -> int:
         args.output,
         device=args.device,
         ckpt_path=args.ckpt_path,
+        model_root=args.model_root,
         overrides=args.set,
         callbacks=[interrupt],
         enable_progress_bar=True,
