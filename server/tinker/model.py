@@ -10,7 +10,7 @@ constant: every step names its own learning rate.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
-MAX_LENGTH = 32768  # tokens per datum; the engine refuses longer ones (never truncates)
+MAX_LENGTH = 32768  # tokens per datum, or the model's positions where it has fewer
 MODEL_FILE = "model.json"
 
 
@@ -118,6 +118,14 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
     )
 
 
+def fit_max_length(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
+    """``config`` with ``max_length`` at ``MAX_LENGTH``, or at the positions of the model in
+    ``model_dir`` (resolved under the model root) where it has fewer: the engine refuses a
+    max_length its model cannot hold, and a small model is still one the SDK can train."""
+    positions = model_positions(model_config(model_dir) or {})
+    return replace(config, max_length=min(MAX_LENGTH, positions or MAX_LENGTH))
+
+
 def adam_settings(body: dict[str, Any]) -> dict[str, float]:
     """An ``OptimStepRequest``'s ``AdamParams`` as the update's settings (the operation table's
     ``OptimStepRequest`` fields): every field applies to that update, ``grad_clip_norm`` 0 being
@@ -142,6 +150,21 @@ def checkpoint_name(path: str, model_id: str, kind: str) -> str:
     return path[len(prefix) :]
 
 
+def model_config(directory: Path) -> dict[str, Any] | None:
+    """The model's ``config.json``, None where there is none or it is not a JSON object."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def model_positions(config: dict[str, Any]) -> int | None:
+    """A model config's ``max_position_embeddings``, None where it does not say."""
+    positions = config.get("max_position_embeddings")
+    return positions if isinstance(positions, int) and positions > 0 else None
+
+
 def supported_models(model_root: Path | None) -> list[dict[str, Any]]:
     """The SDK's ``SupportedModel`` list: each model directory right under the model root
     (``base_model`` names it), causal LMs sampleable, with its positions as context length.
@@ -150,15 +173,14 @@ def supported_models(model_root: Path | None) -> list[dict[str, Any]]:
         return []
     models = []
     for directory in sorted(p for p in model_root.iterdir() if (p / "config.json").is_file()):
-        try:
-            config = json.loads((directory / "config.json").read_text())
-        except ValueError:
+        config = model_config(directory)
+        if config is None:
             continue  # not a model this server could load either
         architectures = config.get("architectures") or []
         models.append(
             {
                 "model_name": directory.name,
-                "max_context_length": config.get("max_position_embeddings"),
+                "max_context_length": model_positions(config),
                 "trainable": True,
                 "sampleable": any(str(a).endswith("ForCausalLM") for a in architectures),
             }
