@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import tinker
 from tinker import types
 
@@ -138,3 +140,54 @@ def rl_step(
     training_client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     trained = [out["logprobs"].tolist()[len(prompt) - 1 :] for out in fwd_bwd.loss_fn_outputs]
     return [list(seq.logprobs) for seq in result.sequences], trained, mean
+
+
+def forward_backward_body(model_id: str, seq_id: int, tokens: tuple[int, ...]) -> bytes:
+    """The protobuf body the SDK sends for a one-datum cross-entropy ``forward_backward``."""
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(list(tokens[:-1])),
+        loss_fn_inputs={"target_tokens": list(tokens[1:]), "weights": [1.0] * (len(tokens) - 1)},
+    )
+    data = types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy")
+    request = types.ForwardBackwardRequest(data, model_id, seq_id)
+    return forward_backward_request_to_proto(request).SerializeToString()
+
+
+class RawFront:
+    """Raw HTTP calls to a Tinker front at ``base_url``, as the SDK makes them, for what the SDK
+    does only by accident: lose a response (poll and discard it), re-send under a used key."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base = f"{base_url}/api/v1"
+
+    def post(self, route: str, body: Any = None) -> httpx.Response:
+        return httpx.post(f"{self.base}/{route}", json=body, headers={"X-API-Key": KEY}, timeout=60)
+
+    def model(self) -> tuple[str, str]:
+        """A new session and its model: (session id, model id)."""
+        session_id = self.post("create_session", {}).json()["session_id"]
+        created = self.post("create_model", {"session_id": session_id, "base_model": "llama"})
+        return session_id, created.json()["model_id"]
+
+    def forward_backward(
+        self, model_id: str, seq_id: int, tokens: tuple[int, ...] = (1, 2, 3, 4, 5)
+    ) -> httpx.Response:
+        headers = {"X-API-Key": KEY, "Content-Type": "application/x-protobuf"}
+        body = forward_backward_body(model_id, seq_id, tokens)
+        return httpx.post(
+            f"{self.base}/forward_backward", content=body, headers=headers, timeout=60
+        )
+
+    def poll(self, request_id: str, timeout_s: float = 60.0) -> httpx.Response:
+        """``retrieve_future`` until it answers more than ``try_again``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = self.post("retrieve_future", {"request_id": request_id})
+            waiting = response.headers.get("content-type", "").startswith("application/json") and (
+                response.json().get("type") == "try_again"
+            )
+            if not waiting:
+                return response
+            assert time.monotonic() < deadline, f"{request_id} still pending after {timeout_s} s"

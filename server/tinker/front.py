@@ -9,13 +9,17 @@ that starts it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.model_slot import ModelSlot
+from trainwire.server.tinker.records import Body
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
-from trainwire.server.tinker.sequencer import Sequencer
+from trainwire.server.tinker.sequencer import Call, Sequencer
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
 
@@ -35,3 +39,23 @@ class TinkerFront:
     def sampling_sessions(self) -> SamplingSessions:
         """The sampling sessions of the model now in the slot (they end with it)."""
         return self.models.sampling_sessions
+
+    def submit(
+        self,
+        route: str,
+        body: Body,
+        model_id: str,
+        seq_id: Any,
+        prepare: Callable[[], Call],
+        **options: Any,
+    ) -> str:
+        """Queue a training call of ``model_id`` (``Sequencer.submit``), bound to the run it was
+        sent to: when its turn comes it runs only while that run is the open one, so a call
+        queued before its model closed never runs on the next model's run."""
+        run_id = self.models.require_model(model_id).run_id
+
+        def bound() -> Call:
+            call = prepare()
+            return lambda key: self.models.while_open(run_id, partial(call, key))
+
+        return self.sequencer.submit(route, body, model_id, seq_id, bound, **options)

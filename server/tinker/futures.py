@@ -4,19 +4,42 @@ A result enters the store only after it is durable (a keyed operation's journal 
 inside ``SessionHost`` before the host returns; every other result is in the front's request log
 first), so a poll can never see a result that a crash could take back. A poll is held up to
 ``hold_s`` and then answered ``try_again``; the SDK re-polls at once.
+
+Each request keeps the digest of its payload (a re-send must carry the same one) and when its
+result was resolved and first handed to a poll (wall-clock seconds, so they outlive a restart).
+A result handed out is not a result received: the response may be lost and the SDK polls again,
+perhaps after a restart. So once a request's own record leaves the request log (compaction), its
+result is carried in the log while ``retained`` keeps it:
+
+- a result handed to a poll (or a refusal answered with a 400): for ``KEEP_DELIVERED``, one hour
+  after it was last handed out, the newest 4,096 and 64 MiB of them at most;
+- a result no poll has taken yet: for ``KEEP_UNDELIVERED``, a day after it was resolved, the
+  newest 4,096 and 256 MiB of them at most (a live SDK polls each of its futures at once: what
+  waits that long belongs to a client that is gone).
+
+A lost response is asked again within the SDK's retries, while at most as many polls are in flight
+as the SDK has connections, well under those bounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from trainwire.server.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,39 +69,143 @@ class Failed:
 Outcome = Done | Failed
 
 
+@dataclass(frozen=True)
+class Retention:
+    """How long a result stays answerable once its request's record is compacted away: at most
+    ``seconds`` (from when it was handed out, or resolved if never), among the newest ``count``
+    and ``size`` bytes of its kind."""
+
+    seconds: float
+    count: int
+    size: int
+
+
+KEEP_DELIVERED = Retention(3600.0, 4096, 64 * 1024 * 1024)
+KEEP_UNDELIVERED = Retention(24 * 3600.0, 4096, 256 * 1024 * 1024)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A resolved request as the request log carries it: its outcome, its payload's digest,
+    when it was resolved and when first handed out (None: never)."""
+
+    request_id: str
+    outcome: Outcome
+    digest: str | None = None
+    resolved_at: float | None = None
+    delivered_at: float | None = None
+
+
+@dataclass
+class _Entry:
+    outcome: Outcome | None = None
+    digest: str | None = None
+    resolved_at: float | None = None
+    delivered_at: float | None = None
+
+
+def outcome_size(outcome: Outcome) -> int:
+    """Bytes a result takes in the request log, about."""
+    if isinstance(outcome, Failed):
+        return len(outcome.error)
+    body = outcome.body
+    return len(body) if isinstance(body, bytes) else len(json.dumps(body))
+
+
+def retained(results: list[Resolved], now: float) -> list[Resolved]:
+    """The ``results`` whose retention (``KEEP_DELIVERED``, ``KEEP_UNDELIVERED``) keeps them."""
+    kept: list[Resolved] = []
+    for delivered, bound in ((True, KEEP_DELIVERED), (False, KEEP_UNDELIVERED)):
+        group = [r for r in results if (r.delivered_at is not None) == delivered]
+        group.sort(key=lambda r: r.delivered_at or r.resolved_at or now, reverse=True)
+        size = 0
+        for result in group[: bound.count]:
+            size += outcome_size(result.outcome)
+            if now - (result.delivered_at or result.resolved_at or now) > bound.seconds:
+                break
+            if size > bound.size:
+                break
+            kept.append(result)
+    return kept
+
+
 class FutureStore:
     """Request id → outcome, with polls that wait for it on the HTTP event loop (no thread per
     held poll; the thread that resolves wakes the waiting loop)."""
 
-    def __init__(self) -> None:
-        self._outcomes: dict[str, Outcome | None] = {}
-        self._delivered: set[str] = set()  # handed to a poll (the request log may forget them)
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._entries: dict[str, _Entry] = {}
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {}
         self._lock = threading.Lock()
+        self._clock = clock
 
-    def add(self, request_id: str) -> None:
+    def add(self, request_id: str, digest: str | None = None) -> None:
         """Register a pending request (a no-op for one already known: a re-sent request)."""
         with self._lock:
-            self._outcomes.setdefault(request_id, None)
+            self._entries.setdefault(request_id, _Entry(digest=digest))
 
     def known(self, request_id: str) -> bool:
         with self._lock:
-            return request_id in self._outcomes
+            return request_id in self._entries
+
+    def resent(self, request_id: str, digest: str) -> bool:
+        """Whether a request is a re-send of one this store knows (True), or new (False).
+
+        Raises ``AlreadyExists`` when the known one carried another payload.
+        """
+        with self._lock:
+            entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        if entry.digest is not None and entry.digest != digest:
+            raise AlreadyExists(
+                f"request {request_id!r} was already sent with another payload; a new call "
+                "needs a new seq_id"
+            )
+        return True
 
     def pending(self, request_id: str) -> bool:
         with self._lock:
-            return request_id in self._outcomes and self._outcomes[request_id] is None
+            entry = self._entries.get(request_id)
+            return entry is not None and entry.outcome is None
 
     def delivered(self, request_id: str) -> bool:
         with self._lock:
-            return request_id in self._delivered
+            entry = self._entries.get(request_id)
+            return entry is not None and entry.delivered_at is not None
 
-    def resolve(self, request_id: str, outcome: Outcome) -> None:
+    def mark_delivered(self, request_id: str) -> None:
+        """The caller has its answer already (a refusal went back as a 400)."""
         with self._lock:
-            self._outcomes[request_id] = outcome
+            entry = self._entries.get(request_id)
+            if entry is not None and entry.delivered_at is None:
+                entry.delivered_at = self._clock()
+
+    def resolve(self, request_id: str, outcome: Outcome, at: float | None = None) -> None:
+        with self._lock:
+            entry = self._entries.setdefault(request_id, _Entry())
+            entry.outcome, entry.resolved_at = outcome, at or self._clock()
             waiters = self._waiters.pop(request_id, [])
         for loop, waiter in waiters:
             loop.call_soon_threadsafe(_wake, waiter)
+
+    def restore(self, result: Resolved) -> None:
+        """A result carried by the request log (its request's record compacted away)."""
+        with self._lock:
+            self._entries[result.request_id] = _Entry(
+                result.outcome, result.digest, result.resolved_at, result.delivered_at
+            )
+
+    def retained(self, request_ids: Iterable[str]) -> dict[str, Resolved]:
+        """Of ``request_ids``, the resolved ones whose result retention still keeps."""
+        with self._lock:
+            entries = [(r, self._entries.get(r)) for r in dict.fromkeys(request_ids)]
+            results = [
+                Resolved(r, e.outcome, e.digest, e.resolved_at, e.delivered_at)
+                for r, e in entries
+                if e is not None and e.outcome is not None
+            ]
+        return {r.request_id: r for r in retained(results, self._clock())}
 
     async def wait(self, request_id: str, hold_s: float) -> Outcome | None:
         """The outcome once there is one; None after ``hold_s`` (answer ``try_again``).
@@ -86,9 +213,9 @@ class FutureStore:
         Raises ``KeyError`` for a request id this server never issued.
         """
         with self._lock:
-            if request_id not in self._outcomes:
+            if request_id not in self._entries:
                 raise KeyError(request_id)
-            if self._outcomes[request_id] is None:
+            if self._entries[request_id].outcome is None:
                 waiter = asyncio.get_running_loop().create_future()
                 self._waiters.setdefault(request_id, []).append((waiter.get_loop(), waiter))
             else:
@@ -100,10 +227,10 @@ class FutureStore:
             waiting = self._waiters.get(request_id, [])
             if waiter is not None and (waiter.get_loop(), waiter) in waiting:
                 waiting.remove((waiter.get_loop(), waiter))
-            outcome = self._outcomes[request_id]
-            if outcome is not None:
-                self._delivered.add(request_id)
-            return outcome
+            entry = self._entries[request_id]
+            if entry.outcome is not None:  # kept from the last hand-out: it may be lost again
+                entry.delivered_at = self._clock()
+            return entry.outcome
 
 
 def _wake(waiter: asyncio.Future) -> None:

@@ -6,6 +6,11 @@ run (its files stay) and ends its sampling sessions. A model whose client sent n
 ``SESSION_LAPSE_S`` (six missed heartbeats: the script died) gives way to another client's
 ``create_model`` instead of holding the server until a restart.
 
+A call belongs to the run it was sent to: it runs only while that run is the open one
+(``while_open``, which a close or a create_model waits for), and fails with nothing applied once
+its model was closed, never on the next model's run. The request log keeps the sessions heard from
+in the last ``SESSION_KEEP_S`` and the model's own, not every session ever created.
+
 State changes come before the records that log them, so a compaction that reads this state (see
 ``Sequencer.compact_at``) never drops a record of something it does not also keep.
 """
@@ -16,8 +21,9 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from trainwire.server.errors import FailedPrecondition, NotFound
 from trainwire.server.paths import resolve_under
@@ -32,6 +38,9 @@ from trainwire.server.tinker.sequencer import Sequencer
 logger = logging.getLogger(__name__)
 
 SESSION_LAPSE_S = 60.0  # a client silent this long (six missed heartbeats) gives up its model
+SESSION_KEEP_S = 600.0  # a session silent this long is not written into a compacted log
+
+T = TypeVar("T")
 
 
 class ModelSlot:
@@ -78,8 +87,16 @@ class ModelSlot:
         self._seen[session_id] = time.monotonic()
 
     def session_records(self) -> list[Record]:
-        """What a compacted request log starts with: every session this server knows."""
-        return [SessionRecord(session_id) for session_id in sorted(self.sessions)]
+        """What a compacted request log starts with: the sessions heard from in the last
+        ``SESSION_KEEP_S`` (after a restart, counted from it) and the model's."""
+        model = self.model
+        now = time.monotonic()
+        return [
+            SessionRecord(session_id)
+            for session_id in sorted(self.sessions)
+            if now - self._seen.get(session_id, self._started) <= SESSION_KEEP_S
+            or (model is not None and model.session_id == session_id)
+        ]
 
     def _lapsed(self, session_id: str) -> bool:
         """No request and no heartbeat (the SDK sends one every 10 s) for SESSION_LAPSE_S;
@@ -134,12 +151,28 @@ class ModelSlot:
         self._close_model()
 
     def _close_model(self) -> None:
-        """Close the model's run (its files stay) and forget what the request log kept for it."""
+        """Close the model's run (its files stay) and forget what the request log kept for it;
+        its calls still queued fail when their turn comes (``while_open``)."""
+        model = self.model
         self.host.close()
         (self.directory / MODEL_FILE).unlink(missing_ok=True)
         self.model = None
         self.sampling_sessions = SamplingSessions()  # its sampling clients end with it
+        if model is not None:
+            self.sequencer.order.end_model(model.model_id)
         self.sequencer.forget_all_but(self.session_records)
+
+    def while_open(self, run_id: str, call: Callable[[], T]) -> T:
+        """``call()``, with run ``run_id`` held open meanwhile (a close or a create_model waits
+        for it); FailedPrecondition, nothing run, when that run is not the open one."""
+        with self._lock:
+            model = self.model
+            if model is None or model.run_id != run_id:
+                raise FailedPrecondition(
+                    f"the model of run {run_id!r} was closed before this call ran: nothing was "
+                    "applied (a call never runs on another model)"
+                )
+            return call()
 
     def _resolve_create(self, model_id: str) -> str:
         self.sequencer.order.start_model(model_id)

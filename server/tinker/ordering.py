@@ -1,6 +1,12 @@
 """Per-model sequencing: the SDK numbers a training client's calls with ``seq_id`` from 1 and may
 send them out of order (a big batch's chunks go in parallel, the first one last). Each call runs
-only after every lower ``seq_id`` of its model has run; later ones wait, up to a bound.
+only after every lower ``seq_id`` of its model has run.
+
+What waits is bounded, per model (and for the samples, which run outside any model's order), in
+calls and in request bytes: every waiting call holds its decoded request in memory, and a
+maximal ``forward_backward`` is 256 MiB. Past either bound a call is refused with
+``ResourceExhausted`` (429: the SDK retries it) before it is logged, except the one call that
+the calls already held are waiting for (nothing could run without it).
 """
 
 from __future__ import annotations
@@ -8,20 +14,38 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections import defaultdict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from trainwire.server.errors import AlreadyExists, ResourceExhausted
+from trainwire.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 
-DEFAULT_MAX_HELD = 1024  # calls of one model waiting for an earlier seq_id; more is refused (429)
+DEFAULT_MAX_HELD = 1024  # calls waiting to run, per model and for samples; more is refused (429)
+DEFAULT_MAX_HELD_BYTES = 256 * 1024 * 1024  # request bytes waiting to run, likewise
 
 Job = Callable[[], None]
+UNORDERED = None  # the waiting count of the jobs outside any model's order
 
 
 def digest(value: Any) -> str:
     """What a seq_id is bound to: a re-send must carry the same payload."""
+    return payload(value)[0]
+
+
+def payload(value: Any) -> tuple[str, int]:
+    """A request body's digest and its size in bytes (JSON as it is hashed)."""
     data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
-    return hashlib.sha256(data).hexdigest()
+    return hashlib.sha256(data).hexdigest(), len(data)
+
+
+@dataclass
+class _Waiting:
+    """Jobs not yet running, of one model (or unordered): ``ready`` of them are released."""
+
+    calls: int = 0
+    size: int = 0
+    ready: int = 0
 
 
 class SeqOrder:
@@ -31,14 +55,23 @@ class SeqOrder:
     returns its request id at once.
     """
 
-    def __init__(self, run: Callable[[Job], None], *, max_held: int = DEFAULT_MAX_HELD) -> None:
+    def __init__(
+        self,
+        run: Callable[[Job], None],
+        *,
+        max_held: int | None = None,
+        max_bytes: int | None = None,
+    ) -> None:
+        """``max_held`` calls and ``max_bytes`` request bytes may wait (None: the defaults)."""
         self._run = run
-        self._max_held = max_held
+        self._max_held = DEFAULT_MAX_HELD if max_held is None else max_held
+        self._max_bytes = DEFAULT_MAX_HELD_BYTES if max_bytes is None else max_bytes
         self._lock = threading.Condition()
         self._next: dict[str, int] = {}
-        self._held: dict[str, dict[int, tuple[str, Job]]] = {}
+        self._held: dict[str, dict[int, tuple[int, Job]]] = {}  # seq → (size, job)
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq) → payload digest
-        self._ready: list[Job] = []
+        self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
+        self._ready: deque[tuple[str | None, int, Job]] = deque()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="tinker-order", daemon=True)
         self._thread.start()
@@ -48,14 +81,34 @@ class SeqOrder:
             self._next[model_id] = max(self._next.get(model_id, next_seq), next_seq)
             self._held.setdefault(model_id, {})
 
-    def accepts(self, model_id: str, seq_id: int, digest: str) -> bool:
+    def started(self, model_id: str) -> bool:
+        with self._lock:
+            return model_id in self._next
+
+    def end_model(self, model_id: str) -> None:
+        """The model closed: its held calls are released to run (and fail: see ``ModelSlot``),
+        and no call of it is taken any more."""
+        with self._lock:
+            held = self._held.pop(model_id, {})
+            for seq in sorted(held):
+                self._queue(model_id, *held[seq])
+            self._next.pop(model_id, None)
+            self._seen = {key: value for key, value in self._seen.items() if key[0] != model_id}
+            self._lock.notify_all()
+
+    def accepts(
+        self, model_id: str, seq_id: int, digest: str, size: int = 0, *, bounded: bool = True
+    ) -> bool:
         """Whether ``submit`` would queue this call: False for a re-send (the same seq_id with
         the same payload, whose future already exists).
 
-        Raises ``AlreadyExists`` for the same seq_id with another payload, ``ResourceExhausted``
-        when too many later calls already wait for an earlier one.
+        Raises ``AlreadyExists`` for the same seq_id with another payload, ``FailedPrecondition``
+        for a model not open, ``ResourceExhausted`` (when ``bounded``) when the model's waiting
+        calls or bytes are at their bound.
         """
         with self._lock:
+            if model_id not in self._next:
+                raise FailedPrecondition(f"model {model_id!r} is not open on this server")
             seen = self._seen.get((model_id, seq_id))
             if seen is not None:
                 if seen != digest:
@@ -64,39 +117,50 @@ class SeqOrder:
                         "payload; a new call needs a new seq_id"
                     )
                 return False
-            if seq_id < self._next[model_id]:
+            expected = self._next[model_id]
+            if seq_id < expected:
                 raise AlreadyExists(
                     f"seq_id {seq_id} of model {model_id!r} is before the next expected "
-                    f"({self._next[model_id]}) and was never sent to this server"
+                    f"({expected}) and was never sent to this server"
                 )
-            held = self._held[model_id]
-            if len(held) >= self._max_held and seq_id != self._next[model_id]:
-                raise ResourceExhausted(
-                    f"{len(held)} calls of model {model_id!r} wait for seq_id "
-                    f"{self._next[model_id]}; send it first"
-                )
+            if bounded:
+                self._check_room(model_id, size, needed=seq_id == expected)
             return True
 
-    def submit(self, model_id: str, seq_id: int, digest: str, job: Job) -> bool:
-        """Queue ``job`` as ``seq_id`` of ``model_id`` (see ``accepts``; False for a re-send)."""
+    def submit(
+        self,
+        model_id: str,
+        seq_id: int,
+        digest: str,
+        job: Job,
+        *,
+        size: int = 0,
+        bounded: bool = True,
+    ) -> bool:
+        """Queue ``job`` as ``seq_id`` of ``model_id``, holding ``size`` request bytes (see
+        ``accepts``; False for a re-send)."""
         with self._lock:
-            if not self.accepts(model_id, seq_id, digest):
+            if not self.accepts(model_id, seq_id, digest, size, bounded=bounded):
                 return False
             self._seen[(model_id, seq_id)] = digest
-            self._held[model_id][seq_id] = (digest, job)
+            self._held[model_id][seq_id] = (size, job)
+            waiting = self._waiting[model_id]
+            waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
             self._release(model_id)
             return True
 
-    def check_room(self) -> None:
-        """ResourceExhausted when ``max_held`` jobs already wait to run (a flood of samples)."""
+    def check_room(self, size: int = 0) -> None:
+        """ResourceExhausted when the jobs waiting outside any order (samples) are at their
+        bound, in calls or bytes."""
         with self._lock:
-            if len(self._ready) >= self._max_held:
-                raise ResourceExhausted(f"{len(self._ready)} calls wait to run; retry later")
+            self._check_room(UNORDERED, size, needed=False)
 
-    def run_unordered(self, job: Job) -> None:
+    def run_unordered(self, job: Job, size: int = 0) -> None:
         """Queue a job outside any model's sequence (sampling), behind what is ready now."""
         with self._lock:
-            self._ready.append(job)
+            waiting = self._waiting[UNORDERED]
+            waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
+            self._queue(UNORDERED, size, job)
             self._lock.notify_all()
 
     def stop(self) -> None:
@@ -104,12 +168,32 @@ class SeqOrder:
             self._stopped = True
             self._lock.notify_all()
 
+    def _check_room(self, key: str | None, size: int, *, needed: bool) -> None:
+        """Refuse a call past the bounds of ``key``'s waiting jobs, unless nothing waits or it
+        is ``needed``: the next seq_id while none of the model's calls is ready to run."""
+        waiting = self._waiting[key]
+        full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
+        if not full or waiting.calls == 0 or (needed and waiting.ready == 0):
+            return
+        what = "samples" if key is UNORDERED else f"model {key!r}"
+        held = f"({waiting.size} request bytes held)"
+        if key is not UNORDERED and waiting.ready == 0:
+            raise ResourceExhausted(
+                f"{what}: {waiting.calls} calls wait for seq_id {self._next[key]}; send it first "
+                + held
+            )
+        raise ResourceExhausted(f"{what}: {waiting.calls} calls wait to run; retry later {held}")
+
+    def _queue(self, key: str | None, size: int, job: Job) -> None:
+        self._ready.append((key, size, job))
+        self._waiting[key].ready += 1
+
     def _release(self, model_id: str) -> None:
         held = self._held[model_id]
         while self._next[model_id] in held:
-            _, job = held.pop(self._next[model_id])
+            size, job = held.pop(self._next[model_id])
             self._next[model_id] += 1
-            self._ready.append(job)
+            self._queue(model_id, size, job)
         self._lock.notify_all()
 
     def _loop(self) -> None:
@@ -119,5 +203,8 @@ class SeqOrder:
                     self._lock.wait()
                 if self._stopped:
                     return
-                job = self._ready.pop(0)
+                key, size, job = self._ready.popleft()
+                waiting = self._waiting[key]
+                waiting.calls, waiting.size = waiting.calls - 1, waiting.size - size
+                waiting.ready -= 1
             self._run(job)

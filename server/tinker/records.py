@@ -11,7 +11,9 @@ back. The JSON form is the log's file format: it stays readable across versions.
   the checkpoint it was compacted at.
 - ``CallRecord``: an accepted training call, as its route takes it again.
 - ``SampleRecord``: an accepted sample request.
-- ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure).
+- ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
+  in a compacted log, one whose request's record is gone but which is still kept (see
+  ``futures``'s retention): then with its payload's digest and when it was resolved and handed out.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import base64
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from trainwire.server.tinker.futures import Done, Failed, Outcome
+from trainwire.server.tinker.futures import Done, Failed, Outcome, Resolved
 
 Body = dict[str, Any] | bytes  # a JSON request or result, or protobuf bytes
 
@@ -108,14 +110,38 @@ class SampleRecord:
 
 @dataclass(frozen=True)
 class ResultRecord:
+    """A result; the optional fields (``Resolved``'s) are written only where they are known."""
+
     request_id: str
     outcome: Outcome
+    digest: str | None = None
+    resolved_at: float | None = None
+    delivered_at: float | None = None
+
+    @classmethod
+    def of(cls, result: Resolved) -> ResultRecord:
+        """A result kept past its request's record, with all it has to carry."""
+        r = result
+        return cls(r.request_id, r.outcome, r.digest, r.resolved_at, r.delivered_at)
+
+    def resolved(self) -> Resolved:
+        return Resolved(
+            self.request_id, self.outcome, self.digest, self.resolved_at, self.delivered_at
+        )
 
     def to_json(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"kind": "result", "request_id": self.request_id}
         if isinstance(self.outcome, Failed):
-            return {"kind": "result", "request_id": self.request_id, **self.outcome.body()}
-        body = encode_body(self.outcome.body)
-        return {"kind": "result", "request_id": self.request_id, "body": body}
+            record.update(self.outcome.body())
+        else:
+            record["body"] = encode_body(self.outcome.body)
+        for name in RESULT_EXTRAS:
+            if getattr(self, name) is not None:
+                record[name] = getattr(self, name)
+        return record
+
+
+RESULT_EXTRAS = ("digest", "resolved_at", "delivered_at")
 
 
 Record = (
@@ -148,6 +174,9 @@ def record_from_json(data: dict[str, Any]) -> Record:
         return SampleRecord(data["request_id"], data["body"])
     if kind == "result":
         if "error" in data:
-            return ResultRecord(data["request_id"], Failed(data["error"], data["category"]))
-        return ResultRecord(data["request_id"], Done(decode_body(data["body"])))
+            outcome: Outcome = Failed(data["error"], data["category"])
+        else:
+            outcome = Done(decode_body(data["body"]))
+        extras = {name: data.get(name) for name in RESULT_EXTRAS}
+        return ResultRecord(data["request_id"], outcome, **extras)
     raise ValueError(f"a request-log record of unknown kind {kind!r}")

@@ -9,8 +9,10 @@ checkpoint, the keyed calls since then run again (the journal answers the ones b
 
 One JSON object per line, a typed record each (``records``). A line torn by the crash (the write
 was never made durable, so its request id was never handed out) is dropped. ``compact`` rewrites
-the file atomically, keeping what a restart still needs: requests since the latest checkpoint and
-results not yet delivered.
+the file atomically, keeping what a restart still needs and nothing more (``compacted``): the
+requests since the latest checkpoint, the samples not yet answered, and the results the SDK can
+still ask for (``futures``'s retention bounds them in time, count and bytes), each carried in one
+record with its payload's digest once its request's record is gone.
 """
 
 from __future__ import annotations
@@ -39,20 +41,31 @@ LOG_FILE = "requests.jsonl"
 
 
 def compacted(
-    records: list[Record], seq_id: int, delivered: Callable[[str], bool], head: list[Record]
+    records: list[Record],
+    seq_id: int,
+    settled: Callable[[str], bool],
+    head: list[Record],
+    carry: Callable[[list[str]], list[ResultRecord]] | None = None,
 ) -> list[Record] | None:
     """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, samplers,
-    where to resume), the calls from ``seq_id`` on, and samples not yet delivered, with their
-    results. None while a call before the checkpoint is undelivered: its poll may still come."""
+    where to resume), the results ``carry`` keeps of the requests whose records go, the calls
+    from ``seq_id`` on and the samples not ``settled`` yet, with their results.
+
+    ``settled(request_id)``: the request needs its record no more (answered, or its result
+    carried). None while a call before the checkpoint is not: it may still be asked for.
+    ``carry`` is given the request ids whose records go, in log order (none: nothing carried).
+    """
     calls = [r for r in records if isinstance(r, CallRecord)]
     before = [r.request_id for r in calls if r.seq < seq_id]
-    if not before or not all(delivered(request_id) for request_id in before):
+    if not before or not all(settled(request_id) for request_id in before):
         return None
     since = {r.request_id for r in calls if r.seq >= seq_id}  # the engine replays these
     samples = {r.request_id for r in records if isinstance(r, SampleRecord)}
-    kept = since | {request_id for request_id in samples if not delivered(request_id)}
+    kept = since | {request_id for request_id in samples if not settled(request_id)}
     requests = [r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)]
-    return head + [r for r in requests if r.request_id in kept]
+    gone = [r.request_id for r in requests if r.request_id not in kept]
+    carried = carry(list(dict.fromkeys(gone))) if carry is not None else []
+    return head + carried + [r for r in requests if r.request_id in kept]
 
 
 class RequestLog:
@@ -123,11 +136,11 @@ class RequestLog:
         """``append`` and ``sync``: the record is durable when this returns."""
         self.sync(self.append(record))
 
-    def write_result(self, request_id: str, outcome: Outcome) -> Outcome:
-        """Write a result durably; what a poll may then see: the outcome, or a server error if
-        it could not be written (a restart runs its call again)."""
+    def write_result(self, request_id: str, outcome: Outcome, at: float | None = None) -> Outcome:
+        """Write a result (resolved ``at``) durably; what a poll may then see: the outcome, or a
+        server error if it could not be written (a restart runs its call again)."""
         try:
-            self.write(ResultRecord(request_id, outcome))
+            self.write(ResultRecord(request_id, outcome, resolved_at=at))
         except (OSError, ResourceExhausted) as error:
             logger.error("the result of %s was not recorded: %s", request_id, error)
             return Failed(f"the result could not be recorded durably ({error})", "server")

@@ -62,7 +62,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return call
 
-    return front.sequencer.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
+    return front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
 
 
 def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:

@@ -3,17 +3,20 @@ one ``submit``.
 
 Every training call of the SDK carries ``(model_id, seq_id)``; ``{model_id}/{seq_id}`` is both its
 request id and its trainwire operation key, so a re-sent call finds its future (and, after it ran,
-the journal's recorded result) instead of running again. Calls run in seq_id order per model
-(``SeqOrder``); their results enter the ``FutureStore`` only once durable: a keyed call's journal
-commit happens inside the session host before it returns, and every other result (a forward, a
-sample, a failure) is written to the ``RequestLog`` first.
+the journal's recorded result) instead of running again; the same key with another payload is
+refused. Calls run in seq_id order per model (``SeqOrder``, which also bounds what waits); their
+results enter the ``FutureStore`` only once durable: a keyed call's journal commit happens inside
+the session host before it returns, and every other result (a forward, a sample, a failure) is
+written to the ``RequestLog`` first.
 
 Exactly once across a crash: each accepted request is in the log before its request id is handed
 out. A restarted front reads the log back (``replaying``) before its listener serves: recorded
-results are answered as they are, every other call is submitted again in its original order.
-Nothing runs until the host has restored its run (``recovered``); the engine restarted from its
-latest checkpoint, so the journal answers the keyed calls before it and the ones since run again,
-the same bits.
+results are answered as they are, every other call is submitted again in its original order, and
+one that cannot be submitted again fails alone (``replay_failed``). Nothing runs until the host
+has restored its run (``recovered``); the engine restarted from its latest checkpoint, so the
+journal answers the keyed calls before it and the ones since run again, the same bits. A
+checkpoint compacts the log (``compact_at``): the results of the calls before it that the SDK may
+still ask for are carried, bounded by ``futures``'s retention.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainwire.server.errors import InvalidArgument
+from trainwire.server.errors import InvalidArgument, TrainwireError
 from trainwire.server.tinker.futures import (
     USER_ERRORS,
     Done,
@@ -35,7 +40,7 @@ from trainwire.server.tinker.futures import (
     Outcome,
     run_to_outcome,
 )
-from trainwire.server.tinker.ordering import SeqOrder, digest
+from trainwire.server.tinker.ordering import SeqOrder, payload
 from trainwire.server.tinker.records import (
     Body,
     CallRecord,
@@ -62,7 +67,7 @@ class Sequencer:
         self._lock = threading.Lock()  # orders request records with their submission
         self._recovered = threading.Event()
         self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
-        self._replayed: dict[str, Outcome] | None = None  # recorded results, while replaying
+        self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
         self.resume_position = 0  # the journal position the log was last compacted at
 
@@ -76,9 +81,15 @@ class Sequencer:
     @contextlib.contextmanager
     def replaying(self) -> Iterator[list[Record]]:
         """The records read back at start; calls submitted meanwhile are not logged again, and
-        those with a recorded result are answered with it."""
+        those with a recorded result are answered with it. A result whose request's record was
+        compacted away is answerable at once."""
         records = list(self.log.records)
-        self._replayed = {r.request_id: r.outcome for r in records if isinstance(r, ResultRecord)}
+        results = {r.request_id: r for r in records if isinstance(r, ResultRecord)}
+        requested = {r.request_id for r in records if isinstance(r, CallRecord | SampleRecord)}
+        for request_id, result in results.items():
+            if request_id not in requested:
+                self.futures.restore(result.resolved())
+        self._replayed = results
         try:
             yield records
         finally:
@@ -99,6 +110,30 @@ class Sequencer:
         self._resubmitted = {r for r in self._resubmitted if self.futures.pending(r)}
         return self._replayed is not None or bool(self._resubmitted)
 
+    def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
+        """A logged request whose route failed before queueing it again fails alone: its future
+        answers the failure (logged; a ``server`` one unless the error is the caller's), it
+        takes its seq_id so the calls after it run, and the start goes on. False when it was
+        queued before failing (a refusal again): its turn answers it."""
+        request_id = record.request_id
+        category = "user" if isinstance(error, USER_ERRORS) else "server"
+        failure = Failed(
+            f"replaying this request failed: {type(error).__name__}: {error}", category
+        )
+        job = partial(self._answer, request_id, self._recorded(request_id), failure, False)
+        digest, _ = payload(record.body)
+        model_id = request_id.rpartition("/")[0]
+        with self._lock:
+            if self.futures.known(request_id):
+                return False
+            self.futures.add(request_id, digest)
+            if isinstance(record, CallRecord) and self.order.started(model_id):
+                with contextlib.suppress(TrainwireError):  # its seq_id cannot be taken
+                    self.order.submit(model_id, record.seq, digest, job, bounded=False)
+                    return True
+            self.order.run_unordered(job)
+            return True
+
     def recovered(self, position: int) -> None:
         """The host restored its run at journal ``position``: submitted calls may run now."""
         if position < self.resume_position:
@@ -113,6 +148,9 @@ class Sequencer:
         self._recovered.wait()
         job()
 
+    def _recorded(self, request_id: str) -> ResultRecord | None:
+        return self._replayed.get(request_id) if self._replayed is not None else None
+
     # -- records -------------------------------------------------------------------------------
 
     def record(self, record: Record) -> None:
@@ -126,21 +164,38 @@ class Sequencer:
         return None if self._replayed is not None else self.log.append(record)
 
     def compact_at(self, seq_id: int, position: int, head: Callable[[], list[Record]]) -> None:
-        """After checkpoint ``seq_id`` (journal ``position``): drop the records a restart no
-        longer needs, if every call before it has been answered to the SDK. ``head`` (what the
-        front must know first: sessions, samplers) is read while no record can be appended."""
+        """After checkpoint ``seq_id`` (journal ``position``), on the calls' thread: drop the
+        records a restart no longer needs, carrying the results the SDK may still ask for.
+        ``head`` (what the front must know first: sessions, samplers) is read while no record
+        can be appended."""
+        self._finisher.submit(lambda: None).result()  # every call before it is answered now
 
         def choose(records: list[Record]) -> list[Record] | None:
             first = [*head(), ResumeRecord(seq_id, position)]
-            return compacted(records, seq_id, self.futures.delivered, first)
+            return compacted(records, seq_id, self._settled, first, self._carry)
 
         with self._lock:
             self.log.compact(choose)
 
     def forget_all_but(self, head: Callable[[], list[Record]]) -> None:
-        """Keep only ``head`` in the log (the model closed: none of its calls replays again)."""
+        """Keep only ``head`` and the results still kept (the model closed: none of its calls
+        replays again)."""
+
+        def choose(records: list[Record]) -> list[Record]:
+            requests = [
+                r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)
+            ]
+            return [*head(), *self._carry([r.request_id for r in requests])]
+
         with self._lock:
-            self.log.compact(lambda _: head())
+            self.log.compact(choose)
+
+    def _settled(self, request_id: str) -> bool:
+        return not self.futures.pending(request_id)
+
+    def _carry(self, request_ids: list[str]) -> list[ResultRecord]:
+        """The results of ``request_ids`` that retention keeps, to carry in a compacted log."""
+        return [ResultRecord.of(r) for r in self.futures.retained(request_ids).values()]
 
     # -- submitting ----------------------------------------------------------------------------
 
@@ -159,69 +214,85 @@ class Sequencer:
         *,
         encoding: str | None = None,
         keyed: bool = True,
+        size: int | None = None,
     ) -> str:
         """Queue ``prepare()``'s call as ``seq_id`` of ``model_id``; its request id, once the
         request is durable in the log. A ``keyed`` call's success is the journal's to keep;
         every other outcome is logged before a poll sees it. ``prepare`` checks the request: if
         it refuses it, the refusal is raised (HTTP 400) and still takes the seq_id, answered as
-        that failure to a poll or a re-send, so the calls numbered after it are not held."""
+        that failure to a poll or a re-send, so the calls numbered after it are not held.
+        ``size``: the request's bytes held while it waits (default: the body's)."""
         if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq_id!r}")
         request_id = f"{model_id}/{seq_id}"
-        recorded = self._replayed.get(request_id) if self._replayed is not None else None
-        try:
-            call, refusal = prepare(), None
-        except USER_ERRORS as error:
-            call, refusal = None, error
-
-        def job() -> None:
-            if recorded is not None:
-                self.futures.resolve(request_id, recorded)
-                return
-            if call is None:
-                self._finish(request_id, Failed(str(refusal), "user"), durable=False)
-                return
-            outcome = self._run(lambda: call(request_id))
-            # Encoding the response (and logging it) happens behind: the next call runs now.
-            self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
-
-        payload_digest = digest(body)
+        digest, body_size = payload(body)
+        size = size or body_size
+        taken = partial(self._resent, request_id, model_id, seq_id, digest, size)
         with self._lock:
-            if not self.order.accepts(model_id, seq_id, payload_digest):
+            if taken():  # checked first too: a refused or re-sent call is not even decoded
+                return request_id
+        refusal: Exception | None = None
+        try:
+            work: Call | Failed = prepare()
+        except USER_ERRORS as error:
+            work, refusal = Failed(str(error), "user"), error
+        job = partial(self._answer, request_id, self._recorded(request_id), work, keyed)
+        with self._lock:
+            if taken():
                 return request_id  # a re-send: its future already exists
             ticket = self._append(CallRecord(route, request_id, seq_id, body, encoding))
-            self.futures.add(request_id)
-            self.order.submit(model_id, seq_id, payload_digest, job)
+            self.futures.add(request_id, digest)
+            bounded = self._replayed is None
+            self.order.submit(model_id, seq_id, digest, job, size=size, bounded=bounded)
         if ticket is not None:
             self.log.sync(ticket)
         if refusal is not None:
+            self.futures.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
         return request_id
+
+    def _resent(self, request_id: str, model_id: str, seq_id: int, digest: str, size: int) -> bool:
+        """Whether a call is a re-send (under ``_lock``); raises when it cannot be taken: another
+        payload under its key, its model closed, too much already waiting."""
+        if self.futures.resent(request_id, digest):
+            return True
+        bounded = self._replayed is None  # a restart takes back all it accepted before
+        return not self.order.accepts(model_id, seq_id, digest, size, bounded=bounded)
 
     def submit_unordered(
         self, request_id: str, body: dict[str, Any], call: Callable[[], Any]
     ) -> bool:
         """Queue ``call`` outside any model's sequence (a sample) as ``request_id``, once the
-        request is durable; False for a re-send (its future already exists)."""
-        recorded = self._replayed.get(request_id) if self._replayed is not None else None
-
-        def job() -> None:
-            if recorded is not None:
-                self.futures.resolve(request_id, recorded)
-            else:
-                self._finish(request_id, self._run(call), durable=False)
-
+        request is durable; False for a re-send (its future already exists). The same
+        ``request_id`` with another body is refused (``AlreadyExists``)."""
+        digest, size = payload(body)
+        job = partial(self._answer, request_id, self._recorded(request_id), lambda _: call(), False)
         with self._lock:
-            if self.futures.known(request_id):
+            if self.futures.resent(request_id, digest):
                 return False
             if self._replayed is None:  # a restart takes back all it accepted before
-                self.order.check_room()
+                self.order.check_room(size)
             ticket = self._append(SampleRecord(request_id, body))
-            self.futures.add(request_id)
-            self.order.run_unordered(job)
+            self.futures.add(request_id, digest)
+            self.order.run_unordered(job, size)
         if ticket is not None:
             self.log.sync(ticket)
         return True
+
+    # -- answering -----------------------------------------------------------------------------
+
+    def _answer(
+        self, request_id: str, recorded: ResultRecord | None, work: Call | Failed, keyed: bool
+    ) -> None:
+        """A request's turn: its recorded result, its failure, or its call (whose response is
+        encoded and logged behind, while the next call runs)."""
+        if recorded is not None:
+            self.futures.resolve(request_id, recorded.outcome, recorded.resolved_at)
+        elif isinstance(work, Failed):
+            self._finish(request_id, work, durable=False)
+        else:
+            outcome = self._run(lambda: work(request_id))
+            self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
 
     def _run(self, call: Callable[[], Any]) -> Outcome:
         if self._cannot_replay:
@@ -236,6 +307,7 @@ class Sequencer:
 
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
         """Resolve a future, writing its outcome to the log first unless already durable."""
+        at = time.time()
         if not durable:
-            outcome = self.log.write_result(request_id, outcome)
-        self.futures.resolve(request_id, outcome)
+            outcome = self.log.write_result(request_id, outcome, at)
+        self.futures.resolve(request_id, outcome, at)

@@ -4,7 +4,9 @@ the calls run once the host has restored its run.
 A restarted front reads its log before its listener serves (``replay``): sessions, samplers and
 where a compacted log resumes come back first, then every call without a recorded result is
 submitted again to its route in its original order (one with a result is answered with it). The
-calls wait until the host's recovery is done (``Sequencer.recovered``).
+calls wait until the host's recovery is done (``Sequencer.recovered``). A record that fails to be
+submitted again, whatever the error, fails that request alone (``Sequencer.replay_failed``): one
+bad record never keeps the front, and so the server, from starting.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainwire.server.errors import TrainwireError
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker import sampling_routes, training_routes
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
@@ -92,8 +93,11 @@ def _resubmit(front: TinkerFront, record: CallRecord | SampleRecord) -> None:
             return
         args = (record.body,) if record.encoding is None else (record.body, record.encoding)
         ROUTES[record.route](front, *args)
-    except (TrainwireError, ValueError) as error:  # refused again, or its model was closed
-        logger.info("Tinker front: %s refused again: %s", record.request_id, error)
+    except Exception as error:  # refused again, its model closed, or a record it cannot take
+        if front.sequencer.replay_failed(record, error):
+            logger.warning("Tinker front: %s failed on replay: %r", record.request_id, error)
+        else:
+            logger.info("Tinker front: %s refused again: %s", record.request_id, error)
 
 
 def _await_recovery(front: TinkerFront) -> None:

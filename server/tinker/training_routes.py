@@ -39,8 +39,7 @@ def _model_id(body: dict[str, Any]) -> str:
 def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> str:
     """``forward_backward`` (or, ``forward_only``, a forward): keyed by its request id."""
     message = codec.parse_forward_backward(body, content_encoding)
-    front.models.require_model(message.model_id)
-    return front.sequencer.submit(
+    return front.submit(
         "forward_backward",
         body,
         message.model_id,
@@ -48,6 +47,7 @@ def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> 
         partial(_check_forward_backward, front, message),
         encoding=content_encoding,
         keyed=not message.forward_only,
+        size=message.ByteSize(),  # decoded, as it waits for its turn
     )
 
 
@@ -79,7 +79,6 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
     """One update at the step's own learning rate; Tinker adds the gradients of every
     forward_backward since the last step (``sum_microbatches``)."""
     model_id = _model_id(body)
-    front.models.require_model(model_id)
 
     def prepare() -> Call:
         step = OptimStepRequest(**adam_settings(body), sum_microbatches=True)
@@ -96,13 +95,12 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return call
 
-    return front.sequencer.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
+    return front.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
 
 
 def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
     """A checkpoint of the full state; the request log is compacted behind it."""
     model_id, seq_id = _model_id(body), body.get("seq_id")
-    front.models.require_model(model_id)
 
     def prepare() -> Call:
         name = check_name(get_str(body, "path", "") or "", "save_weights path")
@@ -114,7 +112,7 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return call
 
-    return front.sequencer.submit("save_weights", body, model_id, seq_id, prepare)
+    return front.submit("save_weights", body, model_id, seq_id, prepare)
 
 
 def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
@@ -136,7 +134,6 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
             "model, and a checkpoint loads into the model that saved it "
             "(training_client.load_state)"
         )
-    front.models.require_model(model_id)
 
     def prepare() -> Call:
         name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
@@ -154,4 +151,4 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return call
 
-    return front.sequencer.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
+    return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)

@@ -1,0 +1,249 @@
+"""Exactly once on the Tinker front, where a hostile review saw it break: a closed model's queued
+calls, a result whose poll response was lost, a sample re-sent under a used key with another
+prompt, a logged call that cannot be replayed, what may wait for its turn, and what a compacted
+request log keeps. In process, over raw HTTP as the SDK sends it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tinker_loops import RawFront, forward_backward_body, tinker_server
+
+from trainwire.server.process import ServerHandle
+from trainwire.server.tinker import futures, model_slot, ordering
+from trainwire.server.tinker.front import FRONT_DIR
+from trainwire.server.tinker.records import CallRecord, Record, SessionRecord, record_from_json
+from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
+
+
+def raw(handle: ServerHandle) -> RawFront:
+    return RawFront(handle.tinker.base_url)
+
+
+def log_records(state_dir: Path) -> list[Record]:
+    """The front's request log as it is on disk (read without opening it for writing)."""
+    data = (state_dir / FRONT_DIR / LOG_FILE).read_bytes()
+    return [record_from_json(json.loads(line)) for line in data.splitlines() if line.strip()]
+
+
+def logged_calls(state_dir: Path) -> list[int]:
+    return [r.seq for r in log_records(state_dir) if isinstance(r, CallRecord)]
+
+
+def hold_the_calls(handle: ServerHandle) -> threading.Event:
+    """Keep the front's calls from running until the returned event is set (the runner is busy
+    with a job that waits for it): what is sent meanwhile waits for its turn."""
+    gate = threading.Event()
+    handle.tinker.front.sequencer.order.run_unordered(lambda: gate.wait(60))
+    return gate
+
+
+def save(api: RawFront, model_id: str, seq_id: int, path: str) -> dict[str, Any]:
+    request_id = api.post("save_weights", {"model_id": model_id, "seq_id": seq_id, "path": path})
+    return api.poll(request_id.json()["request_id"]).json()
+
+
+def test_a_closed_models_queued_calls_fail_and_never_run_on_the_next_model(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Item 2: client A queues forward_backwards and closes its session; client B creates a
+    model; A's calls then fail (``user``: its model was closed) and B's run holds none of them."""
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        api = raw(handle)
+        gate = hold_the_calls(handle)
+        a_session, a_model = api.model()
+        queued = [api.forward_backward(a_model, seq).json()["request_id"] for seq in (1, 2, 3)]
+        assert api.post(f"sessions/{a_session}/finish").status_code == 200
+        _, b_model = api.model()
+        gate.set()
+        for request_id in queued:
+            answer = api.poll(request_id)
+            assert answer.headers["content-type"] != futures.PROTOBUF, "it ran on B's run"
+            assert answer.json()["category"] == "user" and "was closed" in answer.json()["error"]
+        assert handle.session_host.info().position == 0  # nothing of A's applied to B's run
+        trained = api.poll(api.forward_backward(b_model, 1).json()["request_id"])
+        assert trained.headers["content-type"] == futures.PROTOBUF
+        assert handle.session_host.info().position == 1
+
+
+def test_a_result_whose_poll_response_was_lost_is_answered_after_a_compaction_and_a_restart(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Item 3: a forward_backward's result is handed to a poll whose response is lost; a save
+    compacts the request log and the server restarts: the SDK's retried poll gets the same
+    result, a re-send of the call finds it, another payload under its key is refused."""
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        request_id = api.forward_backward(model_id, 1).json()["request_id"]
+        first = api.poll(request_id)  # handed out; the SDK never got it
+        assert first.headers["content-type"] == futures.PROTOBUF
+        assert save(api, model_id, 2, "after")["path"].endswith("/weights/after")
+        assert 1 not in logged_calls(state_dir)  # the call's record is compacted away
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        assert api.poll(request_id).content == first.content
+        assert api.forward_backward(model_id, 1).json()["request_id"] == request_id  # a re-send
+        refused = api.forward_backward(model_id, 1, tokens=(5, 4, 3, 2, 1))
+        assert refused.status_code == 400 and "another payload" in refused.json()["detail"]
+        assert handle.session_host.info().position == 2  # nothing ran again
+
+
+def test_retention_keeps_the_newest_results_within_their_time_count_and_bytes() -> None:
+    """Item 3's bound: handed-out results for an hour, undelivered ones for a day, the newest
+    4,096 (and 64 / 256 MiB) of each at most."""
+    now = 10_000_000.0
+
+    def result(name: str, age_s: float, delivered: bool, size: int = 10) -> futures.Resolved:
+        at = now - age_s
+        outcome = futures.Done(b"x" * size)
+        return futures.Resolved(name, outcome, None, at, at if delivered else None)
+
+    results = [
+        result("recent", 60, True),
+        result("hour-old", 3601, True),
+        result("day-undelivered", 23 * 3600, False),
+        result("old-undelivered", 25 * 3600, False),
+        result("huge", 1, True, futures.KEEP_DELIVERED.size + 1),
+    ]
+    kept = {r.request_id for r in futures.retained(results, now)}
+    assert kept == {"day-undelivered"}  # the huge newest one fills the bytes: none after it
+    kept = {r.request_id for r in futures.retained(results[:4], now)}
+    assert kept == {"recent", "day-undelivered"}
+
+
+def test_a_sample_under_a_used_key_with_another_prompt_is_refused(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Item 4: the same (sampling session, seq_id) with the same body is the re-send it is;
+    with another prompt it is refused (400), before and after a restart."""
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        session_id, _ = api.model()
+        created = api.post("create_sampling_session", {"session_id": session_id})
+        sampler = created.json()["sampling_session_id"]
+        body = {
+            "sampling_session_id": sampler,
+            "seq_id": 1,
+            "num_samples": 1,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+            "sampling_params": {"max_tokens": 3, "seed": 7},
+        }
+        other = {**body, "prompt": {"chunks": [{"type": "encoded_text", "tokens": [9, 8]}]}}
+        request_id = api.post("asample", body).json()["request_id"]
+        first = api.poll(request_id).content
+        assert api.post("asample", body).json()["request_id"] == request_id
+        refused = api.post("asample", other)
+        assert refused.status_code == 400 and "another payload" in refused.json()["detail"]
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        assert api.post("asample", other).status_code == 400
+        assert api.post("asample", body).json()["request_id"] == request_id
+        assert api.poll(request_id).content == first
+
+
+def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Item 5 (replay side): records a route cannot take again (a body that is not an object,
+    a route this version does not know) fail their own requests with a ``server`` error, logged;
+    the server starts and the call after them runs."""
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        assert "path" in save(api, model_id, 1, "one")
+    log = RequestLog(state_dir / FRONT_DIR)
+    not_an_object: Any = ["not", "an", "object"]
+    log.write(CallRecord("optim_step", f"{model_id}/2", 2, not_an_object))
+    log.write(CallRecord("from_a_newer_version", f"{model_id}/3", 3, {"seq_id": 3}))
+    body = {"model_id": model_id, "seq_id": 4, "path": "four"}
+    log.write(CallRecord("save_weights", f"{model_id}/4", 4, body))
+    log.close()
+    answers = []
+    for _ in range(2):  # the failures are logged: the second start answers them as they were
+        with tinker_server(state_dir, model_root) as handle:
+            api = raw(handle)
+            answers.append([api.poll(f"{model_id}/{seq}").json() for seq in (2, 3)])
+            assert api.poll(f"{model_id}/4").json()["path"].endswith("/weights/four")
+            assert handle.session_host.info().position == 2
+    assert answers[0] == answers[1]
+    assert all(a["category"] == "server" and "replaying" in a["error"] for a in answers[0])
+
+
+def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_the_log(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 9: behind a running call, forward_backwards wait up to the model's byte budget; the
+    next is refused with 429 (the SDK retries it) and not logged; once they ran it is taken."""
+    size = len(forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5)))
+    monkeypatch.setattr(ordering, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        gate = hold_the_calls(handle)
+        taken = [api.forward_backward(model_id, seq) for seq in (1, 2, 3)]
+        assert [r.status_code for r in taken] == [200, 200, 200]
+        refused = api.forward_backward(model_id, 4)
+        assert refused.status_code == 429 and "wait to run" in refused.json()["detail"]
+        held = api.forward_backward(model_id, 6)  # not its turn either: held calls count too
+        assert held.status_code == 429
+        assert logged_calls(state_dir) == [1, 2, 3]  # refused before anything was logged
+        gate.set()
+        for response in taken:
+            api.poll(response.json()["request_id"])
+        again = api.forward_backward(model_id, 4)  # the SDK's retry
+        assert again.status_code == 200
+        assert api.poll(again.json()["request_id"]).headers["content-type"] == futures.PROTOBUF
+
+
+def test_a_refused_call_nobody_polls_leaves_compaction_going_and_what_it_keeps_bounded(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 14: a refused call (400) takes its seq_id and nobody polls it; each save still
+    compacts the log, and the results it carries stay within retention (here two of each)."""
+    for name in ("KEEP_DELIVERED", "KEEP_UNDELIVERED"):
+        monkeypatch.setattr(futures, name, futures.Retention(3600.0, 2, 1 << 20))
+    state_dir = tmp_path / "state"
+    sizes = []
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        for round_ in range(4):
+            bad = {"model_id": model_id, "seq_id": 2 * round_ + 1, "path": "../outside"}
+            assert api.post("save_weights", bad).status_code == 400
+            assert "path" in save(api, model_id, 2 * round_ + 2, f"round-{round_}")
+            assert logged_calls(state_dir) == [2 * round_ + 2]  # compacted at this save
+            sizes.append(len(log_records(state_dir)))
+    assert sizes[1] == sizes[2] == sizes[3]
+
+
+def test_a_compacted_log_keeps_the_sessions_still_alive_not_every_one_ever_made(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 14: sessions created and abandoned are not rewritten into each compacted log (nor
+    read back at each restart); the model's own session and live ones are."""
+    monkeypatch.setattr(model_slot, "SESSION_KEEP_S", 1.0)
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        model_session, model_id = api.model()
+        for _ in range(20):
+            api.post("create_session", {})
+        assert "path" in save(api, model_id, 1, "first")
+        time.sleep(1.2)  # the twenty go silent
+        live = api.post("create_session", {}).json()["session_id"]
+        assert "path" in save(api, model_id, 2, "second")
+        sessions = {r.session_id for r in log_records(state_dir) if isinstance(r, SessionRecord)}
+        assert sessions == {model_session, live}
+    with tinker_server(state_dir, model_root) as handle:
+        beat = raw(handle).post("session_heartbeat", {"session_id": model_session})
+        assert beat.status_code == 200
