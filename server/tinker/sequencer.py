@@ -129,8 +129,8 @@ class Sequencer:
             self.futures.add(request_id, digest)
             if isinstance(record, CallRecord) and self.order.started(model_id):
                 with contextlib.suppress(TrainwireError):  # its seq_id cannot be taken
-                    self.order.submit(model_id, record.seq, digest, job, bounded=False)
-                    return True
+                    if self.order.submit(model_id, record.seq, digest, job, bounded=False):
+                        return True
             self.order.run_unordered(job)
             return True
 
