@@ -12,7 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tinker_loops import RawFront, forward_backward_body, tinker_server
+import tinker
+from tinker import types
+from tinker_loops import (
+    SENTENCES,
+    RawFront,
+    forward_backward_body,
+    service_client,
+    supervised_datum,
+    tinker_server,
+)
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.tinker import futures, model_slot, ordering
@@ -203,6 +212,46 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
         again = api.forward_backward(model_id, 4)  # the SDK's retry
         assert again.status_code == 200
         assert api.poll(again.json()["request_id"]).headers["content-type"] == futures.PROTOBUF
+
+
+def pipelined_steps(service: tinker.ServiceClient, steps: int = 2) -> list[Any]:
+    """Six forward_backwards and an optim_step sent before any is awaited, ``steps`` times."""
+    training = service.create_lora_training_client(base_model="llama", rank=4).result()
+    tokenizer = training.get_tokenizer()
+    seen: list[Any] = []
+    for _ in range(steps):
+        data = [[supervised_datum(tokenizer, text)] for text in SENTENCES * 2]
+        sent = [training.forward_backward(datum, "cross_entropy") for datum in data]
+        optim = training.optim_step(types.AdamParams(learning_rate=1e-2))
+        seen.append([future.result(timeout=120).metrics["loss:sum"] for future in sent])
+        seen.append(optim.result(timeout=120).metrics)
+    return seen
+
+
+def test_the_sdk_retries_a_call_refused_past_the_bound_and_gets_an_unbounded_runs_answers(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 9 with the real SDK: under a one-byte budget every call that would wait behind a
+    waiting one is refused (429); the SDK retries and its loop ends with the answers of a
+    server without the bound. (The weights' digest is not compared in process: the SDK's retry
+    jitter draws from the global ``random`` the in-process session's RNG state holds.)"""
+    with tinker_server(tmp_path / "unbounded", model_root) as handle:
+        expected = pipelined_steps(service_client(handle))
+    refused: list[Exception] = []
+    check_room = ordering.SeqOrder._check_room
+
+    def counted(order: ordering.SeqOrder, *args: Any, **kwargs: Any) -> None:
+        try:
+            check_room(order, *args, **kwargs)
+        except Exception as error:
+            refused.append(error)
+            raise
+
+    monkeypatch.setattr(ordering.SeqOrder, "_check_room", counted)
+    monkeypatch.setattr(ordering, "DEFAULT_MAX_HELD_BYTES", 1)
+    with tinker_server(tmp_path / "bounded", model_root) as handle:
+        assert pipelined_steps(service_client(handle)) == expected
+    assert refused
 
 
 def test_a_refused_call_nobody_polls_leaves_compaction_going_and_what_it_keeps_bounded(
