@@ -204,6 +204,76 @@ def test_a_body_past_its_bound_is_refused_as_it_arrives(
         assert state_of(front["handle"]) == before
 
 
+@st.composite
+def hostile_bodies(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
+    """Bodies past the routes' shapes: deeply nested JSON, zstd bodies (garbage, or a small body
+    that inflates past the bound), and declared lengths past the bound."""
+    kind = draw(st.sampled_from(["nested", "zstd-garbage", "zstd-bomb", "declared-huge"]))
+    if kind == "nested":
+        depth = draw(st.sampled_from([65, 1000, 100_000]))
+        opener, closer = draw(st.sampled_from([("[", "]"), ('{"a":', "}")]))
+        return (opener * depth + "1" + closer * depth).encode(), {}
+    if kind == "zstd-garbage":
+        return draw(st.binary(max_size=256)), {"Content-Encoding": "zstd"}
+    if kind == "zstd-bomb":
+        return ZSTD_BOMB, {"Content-Encoding": "zstd"}
+    return b"{}", {"Content-Length": str(draw(st.integers(2**28, 2**40)))}
+
+
+def zstd_bomb() -> bytes:
+    """Under 64 KiB that inflates past the 256 MiB bound of a forward_backward body."""
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=19).compress(b"\0" * (257 << 20))
+
+
+ZSTD_BOMB = zstd_bomb()
+HALF_SENT = b"POST /api/v1/create_session HTTP/1.1\r\nHost: squatter\r\n"
+
+
+def raw_status(port: int, route: str, declared_length: str) -> int:
+    """The status of a request that declares ``declared_length`` bytes and sends none of them."""
+    import socket
+
+    head = (
+        f"POST /api/v1/{route} HTTP/1.1\r\nHost: fuzz\r\nX-API-Key: {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {declared_length}\r\n\r\n"
+    )
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(head.encode())
+        status_line = sock.recv(4096).split(b"\r\n", 1)[0]
+    return int(status_line.split()[1])
+
+
+@FUZZ
+@given(data=st.data())
+def test_nested_compressed_and_oversized_bodies_beside_idle_connections_leave_health_answering(
+    front: dict[str, Any], data
+) -> None:
+    """Issue 21: whatever arrives, and while strangers hold half-sent requests open, the answer
+    is a refusal (never a 500) and health answers at once."""
+    import socket
+
+    handle = front["handle"]
+    port = int(handle.tinker.base_url.rsplit(":", 1)[1])
+    squatters = [socket.create_connection(("127.0.0.1", port)) for _ in range(8)]
+    try:
+        for sock in squatters:
+            sock.sendall(HALF_SENT)
+        route = data.draw(st.sampled_from(["forward_backward", "optim_step", "asample"]))
+        content, headers = data.draw(hostile_bodies())
+        if "Content-Length" in headers:  # httpx will not send a body shorter than declared
+            assert raw_status(port, route, headers["Content-Length"]) == 413
+        else:
+            check(
+                front, lambda: front["client"].post(f"/{route}", content=content, headers=headers)
+            )
+        assert front["client"].get("/healthz", timeout=5).status_code == 200
+    finally:
+        for sock in squatters:
+            sock.close()
+
+
 def test_the_fuzzer_reached_refusals_and_accepted_calls(front: dict[str, Any]) -> None:
     """Runs after the others: a fuzzer that never got past validation proves little."""
     assert TALLY[200] > 0 and TALLY[400] > 0 and TALLY[404] > 0, TALLY
