@@ -30,6 +30,20 @@ class Batch:
     token_count: int  # non-padding tokens, for throughput figures
 
 
+def check_max_length(config: TrainingConfig, model_positions: int | None) -> None:
+    """InvalidArgument for a ``max_length`` past the model's positions (None: unknown).
+
+    Every batch is bounded by ``max_length``, and a sequence longer than the model's positions
+    is one it cannot read: such a config is refused when the session is built, with the limit,
+    never quietly trained at a shorter length than the caller asked for."""
+    if model_positions is not None and config.max_length > model_positions:
+        raise InvalidArgument(
+            f"max_length {config.max_length} is more than the {model_positions} positions of "
+            f"model {config.model!r} (its max_position_embeddings): set max_length to at most "
+            f"{model_positions}"
+        )
+
+
 class BatchEncoder:
     """Encodes examples for one session's task with its tokenizer."""
 
@@ -43,12 +57,10 @@ class BatchEncoder:
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise InvalidArgument(f"the tokenizer of {config.model} has no pad token")
+        check_max_length(config, model_positions)
         self.tokenizer = tokenizer
         self.config = config
-        # The config's max_length, bounded by the positions the model has: a longer example
-        # would ask for tensors the model cannot use (and, for a huge max_length, gigabytes).
-        self.max_length = min(config.max_length, model_positions or config.max_length)
-        self.limit_note = "" if self.max_length == config.max_length else " (the model's positions)"
+        self.max_length = config.max_length
         self.device = device
         self.label_ids = {label: i for i, label in enumerate(config.labels)}
 
@@ -90,7 +102,7 @@ class BatchEncoder:
             if chars > limit:
                 raise InvalidArgument(
                     f"example {index}: {chars} characters cannot fit max_length "
-                    f"{self.max_length}{self.limit_note} tokens; shorten it or set truncation true"
+                    f"{self.max_length} tokens; shorten it or set truncation true"
                 )
 
     def token_ids(self, texts: list[str], *, special: bool) -> list[list[int]]:
@@ -103,8 +115,7 @@ class BatchEncoder:
             return ids
         if not self.config.truncation:
             raise InvalidArgument(
-                f"example {index}: {len(ids)} tokens is over max_length {limit}{self.limit_note}; "
-                "shorten it, "
+                f"example {index}: {len(ids)} tokens is over max_length {limit}; shorten it, "
                 "raise max_length, or set truncation true to cut it"
             )
         return ids[:limit]

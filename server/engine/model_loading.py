@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trainwire.client.config import LoraSettings, TrainingConfig
+from trainwire.client.config import LoraSettings, TrainingConfig, is_int
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 
@@ -29,6 +29,20 @@ def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:
             f"model {config.model!r}: no {MODEL_CONFIG_FILE} there; name a model directory{where}"
         )
     return path
+
+
+def model_positions(model_dir: Path) -> int | None:
+    """The positions the model in ``model_dir`` has (its config's ``max_position_embeddings``,
+    under whatever name its architecture keeps it), read before any weights load; None when it
+    has none or its config does not load (then loading the model reports why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+    positions = getattr(config, "max_position_embeddings", None)
+    return positions if is_int(positions) else None
 
 
 def load_tokenizer(model_dir: Path):

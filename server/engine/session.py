@@ -33,13 +33,14 @@ from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.engine import session_persistence as persistence
 from trainwire.server.engine import session_sampling
-from trainwire.server.engine.batching import BatchEncoder
+from trainwire.server.engine.batching import BatchEncoder, check_max_length
 from trainwire.server.engine.device import refuse_unsupported_setups, resolve_device, resolve_dtype
 from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
 from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
 from trainwire.server.engine.model_loading import (
     load_session_model,
     load_tokenizer,
+    model_positions,
     resolve_model_dir,
 )
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
@@ -95,6 +96,7 @@ class TrainingSession:
         self.dtype = resolve_dtype(config, self.device)
         self.model_root = None if model_root is None else Path(model_root)
         self.model_dir = resolve_model_dir(config, self.model_root)
+        check_max_length(config, model_positions(self.model_dir))  # before any weights load
 
         if self.device.type == "cuda":
             # Initialize CUDA before seeding, so the session's RNG snapshot holds the CUDA
