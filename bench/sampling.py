@@ -171,7 +171,13 @@ def print_table(setup: Setup, work: Path) -> None:
     for shape in setup.shapes:
         model = build_model(shape, work / shape, setup)
         session = TrainingSession(
-            TrainingConfig(model=str(model), lr_scheduler="constant", precision=setup.precision),
+            # max_length: the tiny models' positions (a session refuses more than a model holds).
+            TrainingConfig(
+                model=str(model),
+                lr_scheduler="constant",
+                precision=setup.precision,
+                max_length=256,
+            ),
             device=setup.device,
         )
         session.model.eval()  # generate's side; sample sets eval mode itself

@@ -45,7 +45,10 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a causal LM under the server's model root")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
-    config = TrainingConfig(args.model, learning_rate=LEARNING_RATE, lr_scheduler="constant")
+    # max_length: the tiny model's positions (a session refuses more than its model holds).
+    config = TrainingConfig(
+        args.model, learning_rate=LEARNING_RATE, lr_scheduler="constant", max_length=256
+    )
     with SessionClient(args.server) as client:
         client.open("rl-loop", config)
         prompts = client.tokenize(PROMPTS)

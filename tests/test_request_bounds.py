@@ -65,13 +65,3 @@ def test_a_text_that_cannot_fit_max_length_is_refused_untokenized(llama_config, 
     with pytest.raises(InvalidArgument, match="characters cannot fit max_length 16 tokens"):
         session.forward_backward([InputExample("x" * (16 * 64 + 1))])
     assert session.state_digest() == before
-
-
-def test_max_length_is_bounded_by_the_models_positions(llama_config):
-    session = TrainingSession(llama_config(max_length=10**7), device="cpu")
-    assert session.encoder.max_length == 256  # the tiny llama's max_position_embeddings
-    long_text = " ".join(["the movie was great"] * 120)
-    with pytest.raises(InvalidArgument, match=r"over max_length 256 \(the model's positions\)"):
-        session.forward_backward([InputExample(long_text)])
-    with pytest.raises(InvalidArgument, match="over max_length 256"):
-        session.forward_backward([TokenExample([5] * 300, [6] * 300)])

@@ -139,6 +139,11 @@ def rl_round(
     return record
 
 
+# The tiny model's positions: a prompt and its sample fit, and a session refuses a max_length
+# its model cannot hold.
+RL_MAX_LENGTH = 256
+
+
 def rl_config(model: str, settings: RlDemoSettings) -> TrainingConfig:
     """The session's config: the defaults but for the rate and a constant schedule, so the loop
     needs no ``max_steps`` (``examples/rl_loop.py`` opens the same one)."""
@@ -148,6 +153,7 @@ def rl_config(model: str, settings: RlDemoSettings) -> TrainingConfig:
         lora=settings.lora,
         learning_rate=settings.learning_rate,
         lr_scheduler="constant",
+        max_length=RL_MAX_LENGTH,
         seed=settings.seed,
     )
 

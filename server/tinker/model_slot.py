@@ -30,7 +30,12 @@ from trainwire.server.paths import resolve_under
 from trainwire.server.service.host import SessionHost
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.futures import Done
-from trainwire.server.tinker.model import MODEL_FILE, ModelRecord, training_config
+from trainwire.server.tinker.model import (
+    MODEL_FILE,
+    ModelRecord,
+    fit_max_length,
+    training_config,
+)
 from trainwire.server.tinker.records import Record, SessionRecord
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
 from trainwire.server.tinker.sequencer import Sequencer
@@ -123,6 +128,7 @@ class ModelSlot:
         model_dir = resolve_under(self.model_root, config.model, "base_model")
         if not model_dir.is_dir():
             raise NotFound(f"create_model: no model {config.model!r} under the model root")
+        config = fit_max_length(config, model_dir)  # the engine refuses more than it holds
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
