@@ -22,12 +22,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trainwire.client import chunks, outcomes, wire
-from trainwire.client.config import InputExample, TrainingConfig, canonical_json
+from trainwire.client.config import TrainingConfig, canonical_json
 from trainwire.client.downloads import DownloadError, receive_export
 from trainwire.client.files import Pem, read_pem
 from trainwire.client.pipeline import OperationPipeline
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
-from trainwire.client.tokens import DEFAULT_LOSS, TokenExample, is_token_batch
+from trainwire.client.tokens import DEFAULT_LOSS, Examples
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 
@@ -37,7 +37,6 @@ DEFAULT_TIMEOUT_S = 600.0
 MAX_RECEIVE_BYTES = 64 * 1024 * 1024
 EXPORT_METHOD = "/trainwire.v1.TrainingSessionService/ExportWeights"
 DEFAULT_MAX_IN_FLIGHT = 4
-Examples = Sequence[InputExample] | Sequence[TokenExample]
 T = TypeVar("T")
 P = ParamSpec("P")
 
@@ -189,7 +188,7 @@ class SessionClient:
         """The batch loss, predictions (text classification) or, for ``TokenExample``s, every
         target's logprob and the loss's metrics; changes nothing."""
         request = pb.ForwardRequest(loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config))
-        _add_examples(request, examples)
+        wire.add_examples(request, examples)
         return wire.forward_from_proto(self._call("Forward", self._stub.Forward, request))
 
     @_after_pipelined_calls
@@ -209,7 +208,7 @@ class SessionClient:
             operation=_operation(operation_key, expected_position, include_digest),
             loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config),
         )
-        _add_examples(request, examples)
+        wire.add_examples(request, examples)
         response = self._call("ForwardBackward", self._stub.ForwardBackward, request)
         return wire.forward_backward_from_proto(response)
 
@@ -387,16 +386,6 @@ class SessionClient:
         request = pb.CloseRequest(run_id=run_id or "")
         response = self._call("Close", self._stub.Close, request)
         return wire.session_info_from_proto(response.info)
-
-
-def _add_examples(
-    request: pb.ForwardRequest | pb.ForwardBackwardRequest, examples: Examples
-) -> None:
-    """Text examples or token examples into ``request``: a batch holds one kind."""
-    if is_token_batch(examples):
-        request.token_examples.extend(wire.token_examples_to_proto(examples))
-    else:
-        request.examples.extend(wire.examples_to_proto(examples))
 
 
 def _operation(key: str, expected_position: int | None, include_digest: bool) -> pb.Operation:

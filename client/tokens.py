@@ -13,6 +13,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trainwire.client.config import InputExample
+
 DEFAULT_LOSS = "cross_entropy"  # the loss_fn a call names when it names none
 TOKEN_FIELDS = ("tokens", "target_tokens")
 FLOAT_FIELDS = ("weights", "logprobs", "advantages")
@@ -120,3 +122,7 @@ def _finite_floats(name: str, values: Any) -> tuple[float, ...]:
         if not math.isfinite(value):
             raise ValueError(f"{name}[{i}] is {value}: every value must be finite")
     return tuple(float(value) for value in out)
+
+
+# A batch: text examples or token examples, never both (``is_token_batch`` tells which).
+Examples = Sequence[InputExample] | Sequence[TokenExample]

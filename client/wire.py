@@ -32,7 +32,7 @@ from trainwire.client.outcomes import (
     SessionInfo,
     WeightsSource,
 )
-from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
+from trainwire.client.tokens import DEFAULT_LOSS, Examples, TokenExample, is_token_batch
 from trainwire.v1 import session_pb2 as pb
 
 _STATE_TO_PROTO = {
@@ -369,3 +369,13 @@ def token_lists_to_proto(token_lists: Iterable[Sequence[int]]) -> list[pb.TokenI
 
 def token_lists_from_proto(token_lists: Iterable[pb.TokenIds]) -> list[list[int]]:
     return [list(ids.ids) for ids in token_lists]
+
+
+def add_examples(
+    request: pb.ForwardRequest | pb.ForwardBackwardRequest, examples: Examples
+) -> None:
+    """Text examples or token examples into ``request``: a batch holds one kind."""
+    if is_token_batch(examples):
+        request.token_examples.extend(token_examples_to_proto(examples))
+    else:
+        request.examples.extend(examples_to_proto(examples))

@@ -11,10 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from trainwire.client import outcomes
-from trainwire.client.config import InputExample
-from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
-
-Examples = Sequence[InputExample] | Sequence[TokenExample]
+from trainwire.client.tokens import DEFAULT_LOSS, Examples
 
 
 @dataclass(frozen=True)
