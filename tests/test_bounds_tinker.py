@@ -23,7 +23,7 @@ from tinker_loops import KEY, tinker_server
 
 from trainwire.server.engine.sampling import SamplingLimits
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker import codec
+from trainwire.server.tinker import sample_codec
 from trainwire.server.tinker.codec import MAX_BODY_BYTES
 from trainwire.server.tinker.records import SampleRecord
 from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
@@ -138,11 +138,11 @@ def test_an_asample_past_a_bound_is_a_400_and_is_never_logged(
 def test_the_fronts_sample_bounds_are_the_engines() -> None:
     """The front checks the engine's limits before it logs a request (it cannot import them)."""
     front = {
-        "max_samples": codec.MAX_SAMPLES,
-        "max_tokens": codec.MAX_SAMPLE_TOKENS,
-        "max_prompt_tokens": codec.MAX_PROMPT_TOKENS,
-        "max_sample_positions": codec.MAX_SAMPLE_POSITIONS,
-        "max_stop_tokens": codec.MAX_STOP_TOKENS,
+        "max_samples": sample_codec.MAX_SAMPLES,
+        "max_tokens": sample_codec.MAX_SAMPLE_TOKENS,
+        "max_prompt_tokens": sample_codec.MAX_PROMPT_TOKENS,
+        "max_sample_positions": sample_codec.MAX_SAMPLE_POSITIONS,
+        "max_stop_tokens": sample_codec.MAX_STOP_TOKENS,
     }
     limits = SamplingLimits()
     assert {name: getattr(limits, name) for name in front} == front

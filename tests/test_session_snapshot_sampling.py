@@ -14,7 +14,7 @@ import torch
 
 from trainwire.client import LoraSettings, TokenExample
 from trainwire.server.engine import session_sampling
-from trainwire.server.engine.sampling import BASE_MODEL, SampleWeights
+from trainwire.server.engine.sample_weights import BASE_MODEL, SampleWeights
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.testing import tiny_token_examples

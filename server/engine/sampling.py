@@ -7,19 +7,18 @@ alone, the very code ``forward`` runs, because logprobs read off an incremental 
 padded batch) differ from a full forward in the last bits, and an on-policy importance ratio
 must be exactly 1.
 
-Which weights a sample reads is the caller's choice (``SampleWeights``): the live ones, an export
-of the run, or the base model. Putting other weights in for one call, and the live bits back
-after, is ``weight_swap``'s job; this module only ever reads the model it is given.
+Which weights a sample reads is the caller's choice (``sample_weights.SampleWeights``): the live
+ones, an export of the run, or the base model. Putting other weights in for one call, and the
+live bits back after, is ``session_sampling``'s job; this module only ever reads the model it is
+given.
 """
 
 from __future__ import annotations
 
 import inspect
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,53 +31,6 @@ from trainwire.server.engine.token_batches import encode_token_batch, target_log
 from trainwire.server.errors import InvalidArgument
 
 STOP, LENGTH = "stop", "length"  # Sample.stop_reason
-
-
-@dataclass(frozen=True)
-class SampleWeights:
-    """Which weights ``TrainingSession.sample`` and ``prompt_logprobs`` read.
-
-    ``SampleWeights()`` (``LIVE_WEIGHTS``): the live weights, as trained so far. ``export``: a
-    weights directory of this run (what ``export_weights`` wrote; a session checkpoint loads
-    too), read and checked as ``load_weights`` would before any live tensor changes.
-    ``base_model=True`` (``BASE_MODEL``): the model the run started from, before any training:
-    under LoRA the model with its adapter disabled (the base weights the adapter trains on, as
-    ``load_weights`` may have seeded them), in full the model directory the session loaded.
-
-    The session passes ``SampleWeights.of(value)`` of what the caller gave: None (live), a path
-    (an export), or one of these.
-    """
-
-    export: Path | None = None
-    base_model: bool = False
-
-    def __post_init__(self) -> None:
-        if self.export is not None:
-            if self.base_model:
-                raise InvalidArgument("weights: an export or the base model, not both")
-            object.__setattr__(self, "export", Path(self.export))
-
-    @property
-    def live(self) -> bool:
-        return self.export is None and not self.base_model
-
-    @classmethod
-    def of(cls, weights: SampleWeights | str | os.PathLike[str] | None) -> SampleWeights:
-        """The selection ``weights`` names: None is the live weights, a path an export."""
-        if weights is None:
-            return LIVE_WEIGHTS
-        if isinstance(weights, SampleWeights):
-            return weights
-        if isinstance(weights, (str, os.PathLike)) and str(weights):
-            return cls(export=Path(weights))
-        raise InvalidArgument(
-            "weights must be None (the live weights), the path of an export of this run, or "
-            f"BASE_MODEL; got {weights!r}"
-        )
-
-
-LIVE_WEIGHTS = SampleWeights()
-BASE_MODEL = SampleWeights(base_model=True)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from trainwire.server.engine.optimization import (
     learning_rate_at,
 )
 from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.sampling import Sampler, SampleWeights, SamplingParams
+from trainwire.server.engine.sample_weights import SampleWeights
+from trainwire.server.engine.sampling import Sampler, SamplingParams
 from trainwire.server.engine.session_checkpoint import CheckpointContents
 from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
 from trainwire.server.engine.weights import base_model_fingerprint

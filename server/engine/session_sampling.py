@@ -37,7 +37,8 @@ import torch
 from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import Sample
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
-from trainwire.server.engine.sampling import SampleWeights, SamplingParams
+from trainwire.server.engine.sample_weights import SampleWeights
+from trainwire.server.engine.sampling import SamplingParams
 from trainwire.server.engine.tensor_files import copy_into
 from trainwire.server.engine.weights import (
     WeightsLoad,

@@ -22,7 +22,7 @@ from trainwire.server.service.requests import (
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import codec
+from trainwire.server.tinker import sample_codec
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.ordering import digest
@@ -79,7 +79,7 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
 
 def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     """The request id of a sample call and its sequences' ids, at once."""
-    request = codec.decode_sample(body)
+    request = sample_codec.decode_sample(body)
     request_id = f"{request.sampling_session_id}/{request.seq_id}"
     if not front.sequencer.replay_pending():  # after a restart, a replayed call may create it
         front.sampling_sessions.get(request.sampling_session_id)  # unknown: 404 at once
@@ -103,7 +103,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             **_weights_of(front, sampler),
         )
         result = front.host.apply(ops.SAMPLE, sample)
-        return codec.encode_sample_response(result.samples, result.prompt_logprobs)
+        return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
     front.sequencer.submit_unordered(request_id, body, call)
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
