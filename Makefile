@@ -1,5 +1,6 @@
-# Each target sets up everything it needs on a fresh machine: the venv, torch (the CPU build),
-# the package with its test and dev extras. Re-running skips what is already installed.
+# Each target sets up everything it needs on a fresh machine: the venv, torch 2.13.0 (whichever
+# build pip finds for it: see the README to choose the CPU one), the package with its test and
+# dev extras. Re-running skips what is already installed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
