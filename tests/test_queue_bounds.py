@@ -13,6 +13,18 @@ from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
 
 
+def hold_forward_backward(session) -> threading.Event:
+    """Make ``session``'s forward_backward wait for the returned event (a slow operation)."""
+    release, original = threading.Event(), session.forward_backward
+
+    def slow(examples, **loss):
+        release.wait(60)
+        return original(examples, **loss)
+
+    session.forward_backward = slow
+    return release
+
+
 def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
     tmp_path, model_root, llama_config
 ):
@@ -21,14 +33,7 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
         client.open("busy", llama_config())
         client.forward_backward(TEXTS[:2], operation_key="done")
         settled = client.info()
-        session = handle.session_host.session
-        release, original = threading.Event(), session.forward_backward
-
-        def slow(examples, **loss):
-            release.wait(60)
-            return original(examples, **loss)
-
-        session.forward_backward = slow
+        release = hold_forward_backward(handle.session_host.session)
         errors: list[BaseException] = []
 
         def send(index: int) -> None:
@@ -112,14 +117,7 @@ def test_info_answers_at_once_while_the_first_operation_runs(tmp_path, model_roo
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("first", llama_config())
-        session = handle.session_host.session
-        release, original = threading.Event(), session.forward_backward
-
-        def slow(examples, **loss):
-            release.wait(60)
-            return original(examples, **loss)
-
-        session.forward_backward = slow
+        release = hold_forward_backward(handle.session_host.session)
         first = threading.Thread(
             target=lambda: client.forward_backward(TEXTS[:2], operation_key="first")
         )

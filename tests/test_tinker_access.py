@@ -13,28 +13,27 @@ from tinker_loops import KEY
 from trainwire.server import serve
 
 
+def keyless_front(tmp_path: Path, model_root: Path, tinker_listen: str, **options) -> None:
+    """Start a server whose Tinker front has no key (the tests expect it refused)."""
+    serve(
+        listen="127.0.0.1:0",
+        state_dir=tmp_path / "state",
+        model_root=model_root,
+        device="cpu",
+        tinker_listen=tinker_listen,
+        **options,
+    )
+
+
 def test_a_keyless_front_beside_a_protected_grpc_port_is_refused(tmp_path, model_root) -> None:
     with pytest.raises(ValueError, match="--tinker-listen needs --tinker-token-file"):
-        serve(
-            listen="127.0.0.1:0",
-            state_dir=tmp_path / "state",
-            model_root=model_root,
-            device="cpu",
-            token="grpc-secret",
-            tinker_listen="127.0.0.1:0",
-        )
+        keyless_front(tmp_path, model_root, "127.0.0.1:0", token="grpc-secret")
     assert not (tmp_path / "state").exists()  # refused before anything was touched
 
 
 def test_a_keyless_front_beyond_loopback_is_refused(tmp_path, model_root) -> None:
     with pytest.raises(ValueError, match="beyond loopback without a key"):
-        serve(
-            listen="127.0.0.1:0",
-            state_dir=tmp_path / "state",
-            model_root=model_root,
-            device="cpu",
-            tinker_listen="0.0.0.0:0",
-        )
+        keyless_front(tmp_path, model_root, "0.0.0.0:0")
 
 
 def test_the_command_line_says_it_in_one_line(tmp_path: Path, model_root: Path) -> None:
