@@ -277,9 +277,14 @@ class SessionClient:
         top_p: float = 1.0,
         top_k: int = 0,
         stop_tokens: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         seed: int = 0,
     ) -> list[outcomes.Sample]:
-        """Continuations from the live weights, with the trainer's own logprobs (read-only)."""
+        """Continuations from the live weights, with the trainer's own logprobs (read-only).
+        A sample also ends once its text contains one of ``stop_strings`` (its tokens keep the
+        string's)."""
+        if isinstance(stop_strings, str):  # list() would split it into characters
+            raise TypeError("stop_strings is a list of strings; wrap the one given")
         request = wire.sample_request_to_proto(
             prompt_tokens,
             max_tokens=max_tokens,
@@ -288,6 +293,7 @@ class SessionClient:
             top_p=top_p,
             top_k=top_k,
             stop_tokens=stop_tokens,
+            stop_strings=stop_strings,
             seed=seed,
         )
         return wire.samples_from_proto(self._call("Sample", self._stub.Sample, request))

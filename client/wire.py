@@ -333,6 +333,7 @@ def sample_request_to_proto(prompt_tokens: Sequence[int], **params: Any) -> pb.S
         top_k=params["top_k"],
         stop_tokens=list(params["stop_tokens"]),
         seed=params["seed"],
+        stop_strings=list(params.get("stop_strings", ())),
     )
 
 
@@ -347,6 +348,7 @@ def sample_request_from_proto(request: pb.SampleRequest) -> dict[str, Any]:
         "top_k": request.top_k,
         "stop_tokens": tuple(request.stop_tokens),
         "seed": request.seed,
+        "stop_strings": tuple(request.stop_strings),
     }
 
 

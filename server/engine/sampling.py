@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from transformers import DynamicCache
 from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
+from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
 from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
 from trainwire.server.errors import InvalidArgument
 
@@ -50,6 +51,8 @@ class SamplingLimits:
     max_prompt_tokens: int = 32768
     max_sample_positions: int = 64 * 4096
     max_stop_tokens: int = 1024
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 256
     model_positions: int | None = None
 
 
@@ -64,6 +67,7 @@ class SamplingParams:
     top_k: int = 0
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
+    stop_strings: tuple[str, ...] = ()  # see ``stop_strings``: the sample's text ends on one
 
     def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
         """InvalidArgument naming every bad argument at once."""
@@ -73,6 +77,11 @@ class SamplingParams:
                             f"{limits.max_stop_tokens}")  # fmt: skip
         elif _bad_ids(self.stop_tokens, vocab_size):
             problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
+        problems += stop_string_problems(
+            self.stop_strings,
+            max_count=limits.max_stop_strings,
+            max_chars=limits.max_stop_string_chars,
+        )
         counts = self._count_problems(limits)
         if not counts and not problems:  # the sizes below only mean something for valid counts
             counts = size_problems(len(prompt), self.max_tokens, self.num_samples, limits)
@@ -151,19 +160,26 @@ class Sampler:
     """Samples for one session: its tokenizer's EOS, its vocabulary and its limits."""
 
     def __init__(
-        self, *, vocab_size: int, eos_ids: Sequence[int], pad_id: int, limits: SamplingLimits
+        self,
+        *,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        pad_id: int,
+        limits: SamplingLimits,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
         self.limits = limits
+        self.decode = decode  # the tokenizer's, for stop strings
 
     @classmethod
     def for_model(
         cls, model: torch.nn.Module, tokenizer: Any, limits: SamplingLimits | None = None
     ) -> Sampler:
         """A sampler for ``model``'s vocabulary (its embedding rows), positions (its config's
-        ``max_position_embeddings``) and ``tokenizer``'s EOS."""
+        ``max_position_embeddings``), and ``tokenizer``'s EOS and decoding (stop strings)."""
         eos = tokenizer.eos_token_id
         positions = getattr(model.config, "max_position_embeddings", None)
         limits = replace(
@@ -174,6 +190,7 @@ class Sampler:
             eos_ids=() if eos is None else (eos,),
             pad_id=tokenizer.pad_token_id,
             limits=limits,
+            decode=tokenizer.decode,
         )
 
     def sample(
@@ -186,7 +203,8 @@ class Sampler:
         """
         params.check(prompt, self.vocab_size, self.limits)
         device = next(model.parameters()).device
-        drawn = generate(model, prompt, params, eos_ids=self.eos_ids, device=device)
+        watch = StopStringWatch(params.stop_strings, self.decode)
+        drawn = generate(model, prompt, params, eos_ids=self.eos_ids, device=device, watch=watch)
         # Equal samples (every greedy one, say) share one exact pass: the same input gives the
         # same bits, and the pass is a full forward per distinct sample.
         scored: dict[tuple[int, ...], tuple[float, ...]] = {}
@@ -244,10 +262,13 @@ def generate(
     *,
     eos_ids: Sequence[int],
     device: torch.device,
+    watch: StopStringWatch | None = None,
 ) -> list[tuple[list[int], str]]:
     """Decode ``params.num_samples`` continuations of ``prompt``: (new tokens, stop reason).
 
-    Runs under ``torch.no_grad`` with the model in eval mode (the caller's job).
+    A row ends after a stop token or EOS, or once ``watch`` sees a stop string in its text. Every
+    row draws at every step until all have ended, so where one row stops never moves another
+    row's draws. Runs under ``torch.no_grad`` with the model in eval mode (the caller's job).
     """
     stops = set(params.stop_tokens) | set(eos_ids)
     generator = torch.Generator(device=device).manual_seed(params.seed)
@@ -264,7 +285,7 @@ def generate(
         for row, token in enumerate(chosen.tolist()):
             if reasons[row] is None:
                 sampled[row].append(token)
-                if token in stops:
+                if token in stops or (watch and watch.reached(sampled[row])):
                     reasons[row] = STOP
         if all(reason is not None for reason in reasons):
             break

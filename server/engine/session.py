@@ -264,6 +264,7 @@ class TrainingSession:
         top_p: float = 1.0,
         top_k: int = 0,
         stop_tokens: Sequence[int] = (),
+        stop_strings: Sequence[str] = (),
         seed: int = 0,
         weights: SampleWeights | str | os.PathLike[str] | None = None,
     ) -> list[Sample]:
@@ -271,16 +272,26 @@ class TrainingSession:
         weights ``weights`` selects (``SampleWeights``): a path is an export of this run, say a
         snapshot the trainer has moved past, and ``BASE_MODEL`` the model before any training.
 
-        ``temperature=0`` is greedy. A sample ends after a stop token or EOS (kept, ``"stop"``)
-        or after ``max_tokens`` (``"length"``). Its logprobs are the model's own at temperature
-        1, bit for bit what ``forward`` gives for prompt plus sample as one TokenExample (under
-        those weights). Nothing changes: the digest and the training RNG are untouched, and
-        other weights are checked before any live tensor changes and put back bit for bit
-        afterwards; the same weights and arguments give the same samples. A missing export is
-        ``FailedPrecondition``.
+        ``temperature=0`` is greedy. A sample ends after a stop token or EOS (kept, ``"stop"``),
+        once its decoded text contains one of ``stop_strings`` (its tokens up to and including
+        the one completing it, ``"stop"``), or after ``max_tokens`` (``"length"``). Its logprobs
+        are the model's own at temperature 1, bit for bit what ``forward`` gives for prompt plus
+        sample as one TokenExample (under those weights). Nothing changes: the digest and the
+        training RNG are untouched, and other weights are checked before any live tensor changes
+        and put back bit for bit afterwards; the same weights and arguments give the same
+        samples. A missing export is ``FailedPrecondition``.
         """
+        if isinstance(stop_strings, str):  # tuple() would split it into characters
+            raise InvalidArgument("sample: stop_strings is a list of strings; wrap the one given")
         params = SamplingParams(
-            max_tokens, num_samples, temperature, top_p, top_k, tuple(stop_tokens), seed
+            max_tokens,
+            num_samples,
+            temperature,
+            top_p,
+            top_k,
+            tuple(stop_tokens),
+            seed,
+            stop_strings=tuple(stop_strings),
         )
         selected = SampleWeights.of(weights)
         return session_sampling.sample(self, list(prompt_tokens), params, selected)

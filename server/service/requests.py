@@ -80,6 +80,7 @@ class SampleRequest:
     top_k: int = 0
     stop_tokens: Sequence[int] = ()
     seed: int = 0
+    stop_strings: Sequence[str] = ()
     export: str = ""
     base_model: bool = False
     prompt_logprobs: bool = False

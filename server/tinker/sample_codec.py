@@ -60,6 +60,7 @@ class SampleCall:
     stop_tokens: tuple[int, ...]
     seed: int | None
     prompt_logprobs: bool
+    stop_strings: tuple[str, ...] = ()
 
 
 UNSUPPORTED_SAMPLE_OPTIONS = (
@@ -78,6 +79,8 @@ MAX_SAMPLE_TOKENS = 4096  # max_tokens
 MAX_PROMPT_TOKENS = 32768
 MAX_SAMPLE_POSITIONS = 64 * 4096  # num_samples x (prompt + max_tokens): what decoding holds
 MAX_STOP_TOKENS = 1024
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
 MAX_SEED = 2**63 - 1
 
@@ -93,7 +96,7 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
     if not sampling_session_id:
         problems.append("sampling_session_id is missing: create a sampling session first")
     params = get_dict(body, "sampling_params") or {}
-    stop = _stop_tokens(params.get("stop"), problems)
+    stop, stop_strings = _stops(params.get("stop"), problems)
     prompt = _prompt_tokens(get_dict(body, "prompt") or {}, problems)
     max_tokens = get_int(params, "max_tokens")
     if max_tokens is None:
@@ -111,6 +114,7 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
         stop_tokens=stop,
         seed=get_int(params, "seed"),
         prompt_logprobs=get_bool(body, "prompt_logprobs"),
+        stop_strings=stop_strings,
     )
     if max_tokens is not None:
         problems += _sample_bounds(call, top_k)
@@ -141,6 +145,7 @@ def _sample_bounds(call: SampleCall, top_k: int) -> list[str]:
         problems.append(f"{len(call.stop_tokens)} stop tokens; at most {MAX_STOP_TOKENS}")
     elif any(not 0 <= token <= MAX_TOKEN_ID for token in call.stop_tokens):
         problems.append(f"sampling_params.stop must hold token ids in [0, {MAX_TOKEN_ID}]")
+    problems += _stop_string_bounds(call.stop_strings)
     problems += _prompt_bounds(call.prompt)
     if not problems:  # a product of counts each within its bound
         positions = call.num_samples * (len(call.prompt) + call.max_tokens)
@@ -173,21 +178,45 @@ def _float(body: Mapping[str, Any], name: str, default: float) -> float:
     return default if value is None else value
 
 
-def _stop_tokens(stop: Any, problems: list[str]) -> tuple[int, ...]:
-    """``sampling_params.stop`` as token ids; what this server cannot honour goes to
+def _stops(stop: Any, problems: list[str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """``sampling_params.stop`` as (token ids, strings): one string, a list of strings or a
+    list of token ids, as the SDK types it. What this server cannot honour goes to
     ``problems``."""
-    if isinstance(stop, str) or (
-        isinstance(stop, list)
-        and not all(isinstance(s, int) and not isinstance(s, bool) for s in stop)
-    ):
-        problems.append("stop strings are not supported: give stop token ids")
-    elif stop is not None and not isinstance(stop, list):
-        problems.append(f"sampling_params.stop must be a list of token ids, got {stop!r:.40}")
+    if isinstance(stop, str):
+        return (), (stop,)
+    if stop is not None and not isinstance(stop, list):
+        problems.append(
+            f"sampling_params.stop must be a string or a list of strings or of token ids, got "
+            f"{stop!r:.40}"
+        )
     elif stop is not None and len(stop) == 0:
         problems.append("stop=[] (no EOS stop) is not supported; give max_tokens instead")
+    elif stop and all(isinstance(s, str) for s in stop):
+        return (), tuple(stop)
+    elif stop and not all(isinstance(s, int) and not isinstance(s, bool) for s in stop):
+        problems.append(
+            "sampling_params.stop must be all strings or all token ids, not a mix or other values"
+        )
     else:
-        return tuple(stop or ())
-    return ()
+        return tuple(stop or ()), ()
+    return (), ()
+
+
+def _stop_string_bounds(stop_strings: Sequence[str]) -> list[str]:
+    """The engine's stop-string limits (``SamplingLimits``), checked before the request is
+    logged."""
+    if len(stop_strings) > MAX_STOP_STRINGS:
+        return [f"{len(stop_strings)} stop strings; at most {MAX_STOP_STRINGS}"]
+    problems = []
+    for index, text in enumerate(stop_strings):
+        if not text:
+            problems.append(f"sampling_params.stop[{index}] is an empty string: give a character")
+        elif len(text) > MAX_STOP_STRING_CHARS:
+            problems.append(
+                f"sampling_params.stop[{index}] has {len(text)} characters; at most "
+                f"{MAX_STOP_STRING_CHARS}"
+            )
+    return problems
 
 
 def _prompt_tokens(prompt: Mapping[str, Any], problems: list[str]) -> list[int]:

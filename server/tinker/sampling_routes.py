@@ -98,6 +98,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             top_p=request.top_p,
             top_k=request.top_k,
             stop_tokens=request.stop_tokens,
+            stop_strings=request.stop_strings,
             seed=seed,
             prompt_logprobs=request.prompt_logprobs,
             **_weights_of(front, sampler),

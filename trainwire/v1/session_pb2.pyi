@@ -387,7 +387,7 @@ class CloseResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "max_tokens", "num_samples", "temperature", "top_p", "top_k", "stop_tokens", "seed")
+    __slots__ = ("prompt_tokens", "max_tokens", "num_samples", "temperature", "top_p", "top_k", "stop_tokens", "seed", "stop_strings")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -396,6 +396,7 @@ class SampleRequest(_message.Message):
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     num_samples: int
@@ -404,7 +405,8 @@ class SampleRequest(_message.Message):
     top_k: int
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
     __slots__ = ("tokens", "logprobs", "stop_reason")
