@@ -48,6 +48,10 @@ class Unavailable(TrainwireError, RuntimeError):
     """Restoring or shutting down; retry later (UNAVAILABLE)."""
 
 
+class Unauthenticated(TrainwireError, PermissionError):
+    """A credential that is missing, wrong or expired (a download URL's signature, say)."""
+
+
 class RequestTooLarge(InvalidArgument):
     """A request body past a transport's bound, refused before it is read (HTTP 413)."""
 
@@ -71,6 +75,7 @@ STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
     (AlreadyExists, Status("ALREADY_EXISTS", 400)),
     (ResourceExhausted, Status("RESOURCE_EXHAUSTED", 429)),
     (Unavailable, Status("UNAVAILABLE", 503)),
+    (Unauthenticated, Status("UNAUTHENTICATED", 401)),
     (ValueError, Status("INVALID_ARGUMENT", 400)),
     (FileNotFoundError, Status("NOT_FOUND", 404)),
     (MemoryError, Status("RESOURCE_EXHAUSTED", 429)),

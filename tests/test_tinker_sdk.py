@@ -201,7 +201,7 @@ def test_capabilities_list_the_model_roots_models_and_health_answers(
         assert health.json() == {"status": "ok"}
 
 
-def test_a_training_client_from_state_is_refused_with_the_reason(
+def test_a_second_training_client_from_state_while_one_trains_is_refused_with_the_reason(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
     import tinker
@@ -210,7 +210,7 @@ def test_a_training_client_from_state_is_refused_with_the_reason(
         datum = supervised_datum(run.tokenizer, SENTENCES[0])
         run.training.forward_backward([datum], "cross_entropy").result()
         path = run.training.save_state("kept").result().path
-        with pytest.raises(tinker.APIStatusError, match="one server trains one model"):
+        with pytest.raises(tinker.APIStatusError, match="one server, one model"):
             run.service.create_training_client_from_state(path).result()
         run.training.load_state(path).result()  # into the model that saved it: served
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -39,6 +39,7 @@ from trainwire.server.service.journal import Journal, check_operation_key, paylo
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import Operation
 from trainwire.server.service.position_gate import PositionGate
+from trainwire.server.service.run_checkpoints import discard_saved
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -207,6 +208,23 @@ class SessionHost:
         if not self.state_dir.run(run_id).exists():
             raise NotFound(f"no run {run_id!r} on this server")
         return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
+
+    def discard_saved(
+        self, run_id: str, *, checkpoints: Sequence[str] = (), exports: Sequence[str] = ()
+    ) -> list[str]:
+        """Remove checkpoints and exports of run ``run_id`` (open or closed), on the executor
+        so no operation is reading them; returns the checkpoints kept for now (the open run's
+        recovery point: see ``run_checkpoints.discard_saved``)."""
+        for name in (run_id, *checkpoints, *exports):
+            check_name(name, "run id, checkpoint or export")
+
+        def discard() -> list[str]:
+            active = self._active
+            is_open = active is not None and active.spec.run_id == run_id
+            run = active.run if is_open else self.state_dir.run(run_id)
+            return discard_saved(run, run_id, list(checkpoints), list(exports), is_open=is_open)
+
+        return self._serialized(discard, refusable=False)
 
     def info(self) -> SessionInfo:
         """Where the session stands, at once: while operations are queued or running, as of the

@@ -57,7 +57,7 @@ from trainwire.server.service.run_checkpoints import (
     prune_checkpoints,
     written_by,
 )
-from trainwire.server.service.state_dir import check_name, list_export_files
+from trainwire.server.service.state_dir import check_name, list_export_files, sibling_run
 
 if TYPE_CHECKING:
     from trainwire.server.service.active_run import ActiveRun, Applying
@@ -112,11 +112,17 @@ def _check_optim_step(request: OptimStepRequest, _root: Path | None) -> None:
 
 def _check_checkpoint(request: CheckpointRequest, _root: Path | None) -> None:
     check_name(request.name, "checkpoint")
+    if request.run_id:
+        check_name(request.run_id, "run id")
 
 
 def _check_weights_source(request: LoadWeightsRequest, model_root: Path | None) -> None:
     """A checkpoint or export name, or a model path that resolves under the model root."""
     source = request.source
+    if request.run_id:
+        check_name(request.run_id, "run id")
+        if source.kind not in ("checkpoint", "export"):
+            raise InvalidArgument("another run's weights are one of its checkpoints or exports")
     if source.kind in ("checkpoint", "export"):
         check_name(source.value, source.kind)
     elif source.kind == "model_path":
@@ -162,11 +168,13 @@ def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
 
 
 def _checkpoint_payload(request: CheckpointRequest) -> dict[str, Any]:
-    return {"name": request.name}
+    """The name; another run's adds its id (this run's digests as they always have)."""
+    return {"name": request.name, **({"run_id": request.run_id} if request.run_id else {})}
 
 
 def _load_weights_payload(request: LoadWeightsRequest) -> dict[str, Any]:
-    return {"kind": request.source.kind, "value": request.source.value}
+    source = {"kind": request.source.kind, "value": request.source.value}
+    return {**source, **({"run_id": request.run_id} if request.run_id else {})}
 
 
 def _export_payload(request: ExportWeightsRequest) -> dict[str, Any]:
@@ -220,7 +228,8 @@ def _save_state(run: ActiveRun, request: CheckpointRequest, applying: Applying |
 
 
 def _load_state(run: ActiveRun, request: CheckpointRequest, _: Applying | None) -> Fields:
-    run.session.load_state(run.run.checkpoint(request.name))
+    saved_by = sibling_run(run.run, request.run_id) if request.run_id else run.run
+    run.session.load_state(saved_by.checkpoint(request.name))
     run.restored_checkpoint = request.name
     return {"name": request.name, "step": run.session.step}
 
@@ -229,10 +238,11 @@ def _load_weights(run: ActiveRun, request: LoadWeightsRequest, _: Applying | Non
     """From this run's checkpoint or export, or a model path under the model root (resolved
     again here: the check refused a bad one before queueing, this reads where it points now)."""
     source = request.source
+    saved_by = sibling_run(run.run, request.run_id) if request.run_id else run.run
     if source.kind == "checkpoint":
-        path = run.run.checkpoint(source.value)
+        path = saved_by.checkpoint(source.value)
     elif source.kind == "export":
-        path = run.run.export(source.value)
+        path = saved_by.export(source.value)
     else:
         path = resolve_under(run.model_root, source.value, "model path")
     run.session.load_weights(path)

@@ -24,7 +24,7 @@ from trainwire.server.service.requests import (
     SampleRequest,
     TokenizeRequest,
 )
-from trainwire.server.service.state_dir import check_name
+from trainwire.server.service.state_dir import check_name, sibling_run
 
 if TYPE_CHECKING:
     from trainwire.server.service.active_run import ActiveRun, Applying
@@ -63,6 +63,10 @@ class SampleResult:
 def check_sample(request: SampleRequest, _root: Path | None) -> None:
     """The export's name; the sampling settings are the engine's to check (it knows the
     vocabulary and the limits)."""
+    if request.export_run:
+        check_name(request.export_run, "run id")
+        if not request.export:
+            raise InvalidArgument("sample: export_run names the run of an export; name the export")
     if request.export:
         check_name(request.export, "export")
         if request.base_model:
@@ -74,7 +78,8 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
     swaps other weights in and back itself, inside its guard."""
     session = run.session
     if request.export:
-        weights = SampleWeights(export=run.run.export(request.export))
+        saved_by = sibling_run(run.run, request.export_run) if request.export_run else run.run
+        weights = SampleWeights(export=saved_by.export(request.export))
     else:
         weights = BASE_MODEL if request.base_model else LIVE_WEIGHTS
     samples = session.sample(request.prompt_tokens, weights=weights, **request.sampling_settings())

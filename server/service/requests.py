@@ -45,14 +45,19 @@ class OptimStepRequest:
 
 @dataclass(frozen=True)
 class CheckpointRequest:
-    """SaveState or LoadState of the run's checkpoint ``name``."""
+    """SaveState or LoadState of the run's checkpoint ``name``; a LoadState may name another
+    run's (``run_id``: a new run continuing one saved by a run that has closed)."""
 
     name: str
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
 class LoadWeightsRequest:
+    """Weights from ``source``; a checkpoint or export of another run with ``run_id``."""
+
     source: outcomes.WeightsSource
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -82,13 +87,14 @@ class SampleRequest:
     seed: int = 0
     stop_strings: Sequence[str] = ()
     export: str = ""
+    export_run: str = ""  # the run that wrote ``export``, when not the open one
     base_model: bool = False
     prompt_logprobs: bool = False
 
     def sampling_settings(self) -> dict[str, Any]:
         """The engine's ``sample`` keywords: every field but the prompt and the weights' choice."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("prompt_tokens", "export", "base_model", "prompt_logprobs"):
+        for name in ("prompt_tokens", "export", "export_run", "base_model", "prompt_logprobs"):
             del settings[name]
         return settings
 

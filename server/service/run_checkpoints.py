@@ -151,3 +151,35 @@ def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[
     if removed:
         logger.info("retention: removed checkpoints %s (keeping the %d newest)", removed, keep)
     return removed
+
+
+def discard_saved(
+    run: RunDirectory, run_id: str, checkpoints: list[str], exports: list[str], *, is_open: bool
+) -> list[str]:
+    """Remove run ``run_id``'s ``checkpoints`` and ``exports`` (a missing one is no error);
+    returns the checkpoints kept for now.
+
+    The open run's newest checkpoint is its recovery point (a restart restores it, and what was
+    applied before it is no longer replayable), so it stays until a newer one supersedes it;
+    the caller asks again then.
+    """
+    newest = None
+    if is_open:
+        points = []
+        for path in run.checkpoint_paths():
+            try:
+                server = read_extra(path).get(SERVER_EXTRA_KEY)
+            except (NotFound, InvalidArgument):
+                continue
+            if isinstance(server, dict) and server.get("run_id") == run_id:
+                points.append(RestorePoint(path, server))
+        newest = max(points, key=lambda p: p.position).path.name if points else None
+    kept = []
+    for name in checkpoints:
+        if name == newest:
+            kept.append(name)
+        else:
+            shutil.rmtree(run.checkpoint(name), ignore_errors=True)
+    for name in exports:
+        shutil.rmtree(run.export(name), ignore_errors=True)
+    return kept

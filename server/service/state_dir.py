@@ -33,7 +33,7 @@ from typing import Any
 
 from trainwire.client.files import clean_leftovers, write_text_atomic
 from trainwire.client.outcomes import ExportedFile
-from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.paths import links_under, resolve_inside, symlink_between
 from trainwire.server.service.journal import JOURNAL_FILE
 
@@ -189,6 +189,16 @@ class RunDirectory:
                 continue
             paths.append(path)
         return paths
+
+
+def sibling_run(run: RunDirectory, run_id: str) -> RunDirectory:
+    """Run ``run_id``'s folder beside ``run``, confined like ``StateDirectory.run``; NotFound
+    when no such run was ever opened here."""
+    root = run.root
+    other = RunDirectory(confined(root, root / RUNS_DIR, run_id, "run id"))
+    if not other.exists():
+        raise NotFound(f"no run {run_id!r} on this server")
+    return other
 
 
 class StateDirectory:

@@ -16,11 +16,16 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, status_of
-from trainwire.server.tinker import sampling_routes, training_routes
+from trainwire.server.tinker import (
+    checkpoint_routes,
+    external_weights,
+    sampling_routes,
+    training_routes,
+)
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
@@ -35,6 +40,7 @@ SEQUENCED_JSON_ROUTES: dict[str, Callable[[TinkerFront, dict[str, Any]], str]] =
     "save_weights": training_routes.save_weights,
     "load_weights": training_routes.load_weights,
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
+    "save_weights_external": external_weights.save_weights_external,
 }
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
 MAX_JSON_DEPTH = 64  # a Tinker request nests a few levels; far below Python's recursion limit
@@ -91,7 +97,9 @@ def create_app(
     app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
 
     app.add_middleware(LimitBody)
-    app.add_middleware(RequireKey, token=token)  # added last: runs first, before any body is read
+    # Added last: runs first, before any body is read. A signed download URL is its own
+    # credential (urllib, which the cookbook downloads with, sends no key).
+    app.add_middleware(RequireKey, token=token, exempt=external_weights.DOWNLOAD_ROUTE)
 
     async def refuse(request: Request, error: Exception) -> JSONResponse:
         return JSONResponse({"detail": str(error)}, status_code=status_of(error).http)
@@ -194,6 +202,8 @@ def create_app(
         request_id, sequence_ids = await run_in_threadpool(sampling_routes.asample, front, data)
         return future(request_id, sample_sequence_ids=sequence_ids)
 
+    checkpoint_routes_of(app, front)
+
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         request_id = get_str(await body(request), "request_id", "") or ""
@@ -211,3 +221,54 @@ def create_app(
         return JSONResponse(outcome.body())
 
     return app
+
+
+def checkpoint_routes_of(app: FastAPI, front: TinkerFront) -> None:
+    """The REST calls on training runs and checkpoints, and the signed weights download."""
+    runs, segment = f"{API}/training_runs", "{kind}/{name}"
+
+    @app.get(runs)
+    async def list_runs(limit: str = "20", offset: str = "0") -> dict[str, Any]:
+        return await run_in_threadpool(checkpoint_routes.list_training_runs, front, limit, offset)
+
+    @app.get(f"{runs}/{{model_id}}")
+    async def get_run(model_id: str) -> dict[str, Any]:
+        return await run_in_threadpool(checkpoint_routes.get_training_run, front, model_id)
+
+    @app.get(f"{runs}/{{model_id}}/checkpoints")
+    async def list_run_checkpoints(model_id: str) -> dict[str, Any]:
+        return await run_in_threadpool(checkpoint_routes.list_checkpoints, front, model_id)
+
+    @app.get(f"{API}/checkpoints")
+    async def list_checkpoints(limit: str = "100", offset: str = "0") -> dict[str, Any]:
+        route = checkpoint_routes.list_user_checkpoints
+        return await run_in_threadpool(route, front, limit, offset)
+
+    @app.delete(f"{runs}/{{model_id}}/checkpoints/{segment}")
+    async def delete_checkpoint(model_id: str, kind: str, name: str) -> Response:
+        route = checkpoint_routes.delete_checkpoint
+        await run_in_threadpool(route, front, model_id, f"{kind}/{name}")
+        return Response(status_code=204)
+
+    @app.put(f"{runs}/{{model_id}}/checkpoints/{segment}/ttl")
+    async def set_ttl(model_id: str, kind: str, name: str, request: Request) -> Response:
+        data = read_json_object(await request.body())
+        route = checkpoint_routes.set_checkpoint_ttl
+        await run_in_threadpool(route, front, model_id, f"{kind}/{name}", data)
+        return Response(status_code=204)
+
+    @app.post(f"{API}/weights_info")
+    async def weights_info(request: Request) -> dict[str, Any]:
+        data = read_json_object(await request.body())
+        return await run_in_threadpool(checkpoint_routes.weights_info, front, data)
+
+    @app.get(f"{runs}/{{model_id}}/checkpoints/{segment}/external_weights_urls")
+    async def weights_urls(model_id: str, kind: str, name: str, request: Request) -> Any:
+        urls = external_weights.external_weights_urls
+        base = str(request.base_url)
+        return await run_in_threadpool(urls, front, model_id, f"{kind}/{name}", base)
+
+    @app.get(f"{external_weights.DOWNLOAD_ROUTE}{{token}}")
+    async def download(token: str) -> FileResponse:
+        path = await run_in_threadpool(external_weights.signed_file, front, token)
+        return FileResponse(path, media_type="application/octet-stream")

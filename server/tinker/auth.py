@@ -39,12 +39,14 @@ class RequireKey:
     an extra task: a cost on each of the SDK's polls.
     """
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    def __init__(self, app: ASGIApp, token: str | None, exempt: str | None = None) -> None:
         self.app = app
         self.token = token
+        self.exempt = exempt  # a path prefix whose routes check a credential of their own
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        exempt = self.exempt is not None and scope.get("path", "").startswith(self.exempt)
+        if scope["type"] == "http" and not exempt:
             supplied: Any = dict(scope["headers"]).get(b"x-api-key")
             why = refusal(supplied.decode("latin-1") if supplied else None, self.token)
             if why is not None:

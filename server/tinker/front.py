@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
+from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.model_slot import ModelSlot
 from trainwire.server.tinker.records import Body
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
@@ -27,13 +28,15 @@ FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state dire
 @dataclass(frozen=True)
 class TinkerFront:
     """One server's SDK front: ``host`` runs the operations, ``sequencer`` orders, logs and
-    answers the calls, ``models`` says which run the SDK's model is."""
+    answers the calls, ``models`` says which run the SDK's model is, ``catalog`` what every run
+    saved under a name."""
 
     host: SessionHost
     sequencer: Sequencer
     models: ModelSlot
     directory: Path
     model_root: Path | None
+    catalog: Catalog  # every run's named checkpoints, kept after the run closes
 
     @property
     def sampling_sessions(self) -> SamplingSessions:

@@ -25,9 +25,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, NotFound
 from trainwire.server.paths import resolve_under
+from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.requests import CheckpointRequest
+from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.futures import Done
 from trainwire.server.tinker.model import (
@@ -39,6 +43,12 @@ from trainwire.server.tinker.model import (
 from trainwire.server.tinker.records import Record, SessionRecord
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
 from trainwire.server.tinker.sequencer import Sequencer
+from trainwire.server.tinker.start_from import (
+    START_CHECKPOINT,
+    StartFrom,
+    lora_switches,
+    run_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +70,11 @@ class ModelSlot:
         *,
         model_root: Path | None,
         tokenizer_id: str | None,
+        catalog: Catalog,
     ) -> None:
         self.host = host
         self.sequencer = sequencer
+        self.catalog = catalog
         self.directory = directory
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
@@ -136,10 +148,53 @@ class ModelSlot:
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self.host.open(record.run_id, config)
+            self.catalog.add_run(run_record(model_id, config, lora_switches(body), body))
             record.save(self.directory)
             self.model = record
         self._seen[session_id] = time.monotonic()  # loading the model took a while
         return self._resolve_create(model_id)
+
+    def create_from_state(self, body: dict[str, Any]) -> str:
+        """A new model started from a saved training checkpoint of any run (the SDK's
+        ``create_training_client_from_state[_with_optimizer]``): its weights with a fresh
+        optimizer, or (``optimizer``) its whole continuation state under the same configuration.
+
+        The run opens with the saved run's configuration, loads the checkpoint and saves its own
+        first checkpoint (``START_CHECKPOINT``) before the answer: a restart restores that, so the
+        start is never lost, and a retried request finds each step journaled."""
+        session_id = get_str(body, "session_id", "") or ""
+        self.require_session(session_id)
+        start = StartFrom.of(body, self.catalog)
+        config = start.config(self.model_root)
+        model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
+        with self._lock:
+            if self.model is not None and self.model.model_id == model_id:
+                return self._resolve_from_state(model_id, start)  # a retry of a finished create
+            if self.model is not None:
+                self._give_way(self.model)
+            model_dir = resolve_under(self.model_root, config.model, "base_model")
+            record = ModelRecord.new(
+                model_id, session_id, config, self.tokenizer_id or str(model_dir)
+            )
+            self.host.open(record.run_id, config)
+            start.apply(self.host, model_id)
+            self.host.apply(
+                ops.SAVE_STATE,
+                CheckpointRequest(START_CHECKPOINT),
+                OperationSpec(f"{model_id}/start"),
+            )
+            self.catalog.add_run(run_record(model_id, config, start.source.switches, body))
+            record.save(self.directory)
+            self.model = record
+        self._seen[session_id] = time.monotonic()
+        return self._resolve_from_state(model_id, start)
+
+    def _resolve_from_state(self, model_id: str, start: StartFrom) -> str:
+        self.sequencer.order.start_model(model_id)
+        request_id = f"{model_id}/create"
+        outcome = {"type": "load_weights", "path": str(start.path), "model_id": model_id}
+        self.sequencer.resolve_now(request_id, Done(outcome))
+        return request_id
 
     def _give_way(self, model: ModelRecord) -> None:
         """Close ``model`` for another client's, if its own client went silent; else refuse."""

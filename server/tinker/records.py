@@ -56,11 +56,14 @@ class SamplerRecord:
     export: str | None
     snapshot_seq: int
     named: bool = False
+    export_run: str = ""  # the run that saved ``export``, when another than the model's
 
     def to_json(self) -> dict[str, Any]:
         fields = asdict(self)
         if not self.named:
             del fields["named"]
+        if not self.export_run:
+            del fields["export_run"]
         return {"kind": "sampler", **fields}
 
 

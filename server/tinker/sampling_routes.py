@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainwire.client.outcomes import OperationSpec
-from trainwire.server.errors import FailedPrecondition, NotFound
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import (
     DiscardExportsRequest,
@@ -22,7 +22,8 @@ from trainwire.server.service.requests import (
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import sample_codec
+from trainwire.server.tinker import sample_codec, saved_checkpoints
+from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.ordering import digest
@@ -41,6 +42,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
         check_name(export, "save_weights_for_sampler path")
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
+        ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
         sampling_seq = get_int(body, "sampling_session_seq_id")
 
         def call(key: str) -> dict[str, Any]:
@@ -53,6 +55,8 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
             model_name = front.models.model_name()
             if path:
                 sessions.snapshot(None, path, model_name, export, seq_id)
+                saved = TinkerPath(model_id, "sampler_weights", name or "")
+                saved_checkpoints.record_saved(front, saved, export, ttl)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{sampling_seq}"
             pruned = sessions.snapshot(sampling_id, None, model_name, export, seq_id)
@@ -70,11 +74,29 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
     session_id = get_str(body, "session_id", "") or ""
     front.models.require_session(session_id)
     sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
+    model_path = get_str(body, "model_path")
     sampler = front.sampling_sessions.create_from(
-        sampling_id, front.models.model_name(), get_str(body, "model_path")
+        sampling_id, front.models.model_name(), model_path, saved_elsewhere(front, model_path)
     )
     front.sequencer.record(sampler.record())  # a restart knows it before any sample asks
     return sampling_id
+
+
+def saved_elsewhere(front: TinkerFront, model_path: str | None) -> SamplingSession | None:
+    """Sampler weights that another run saved (closed since, or not the model now open), as the
+    catalog keeps them; None for this model's own or the base model."""
+    if model_path is None or front.sampling_sessions.named(model_path):
+        return None
+    path = TinkerPath.parse(model_path)
+    if path.segment != "sampler_weights":
+        raise InvalidArgument(
+            f"model_path {model_path!r}: a sampling client reads sampler weights "
+            "(tinker://<run>/sampler_weights/<name>, from save_weights_for_sampler)"
+        )
+    record, saved = front.catalog.find(path)
+    model = front.models.model
+    run = "" if model is not None and model.run_id == record.run_id else record.run_id
+    return SamplingSession("", record.base_model, model_path, saved.stored_as, 0, None, run)
 
 
 def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
@@ -123,6 +145,8 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
             "keeps the newest unnamed snapshots only); call "
             "save_weights_and_get_sampling_client() again, or save it under a name"
         )
+    if sampler.export_run:
+        return {"export": sampler.export, "export_run": sampler.export_run}
     if sampler.export is not None:
         return {"export": sampler.export}
     return {"base_model": True}

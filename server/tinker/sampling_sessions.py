@@ -16,7 +16,7 @@ version is unknown, and the base model are never mistaken for the live weights.
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from trainwire.server.errors import NotFound
 from trainwire.server.tinker.records import Record, SamplerRecord, UnnamedSnapshotsRecord
@@ -38,6 +38,7 @@ class SamplingSession:
     export: str | None  # the run's export holding its weights (None: the base model)
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
+    export_run: str = ""  # the run that saved ``export``, when another (closed) run did
 
     def record(self, *, named: bool = False) -> SamplerRecord:
         """What the request log keeps of it (the version is this process's only)."""
@@ -95,14 +96,27 @@ class SamplingSessions:
         with self._lock:
             return path in self._named
 
+    def forget_named(self, path: str) -> None:
+        """Named sampler weights deleted: no new sampling client can be made on them."""
+        with self._lock:
+            self._named.pop(path, None)
+
     def create_from(
-        self, sampling_id: str, base_model: str, model_path: str | None
+        self,
+        sampling_id: str,
+        base_model: str,
+        model_path: str | None,
+        saved_elsewhere: SamplingSession | None = None,
     ) -> SamplingSession:
-        """A sampling session on a named snapshot, or on the base model (``model_path`` None)."""
+        """A sampling session on a named snapshot, or on the base model (``model_path`` None);
+        ``saved_elsewhere``: the snapshot as another run saved it (from the catalog), for a
+        path this model did not save."""
         with self._lock:
             if sampling_id in self._sessions:
                 return self._sessions[sampling_id]
-            if model_path is None:
+            if model_path is not None and model_path not in self._named and saved_elsewhere:
+                sampler = replace(saved_elsewhere, sampling_session_id=sampling_id)
+            elif model_path is None:
                 sampler = SamplingSession(sampling_id, base_model, None, None, 0, 0)
             elif model_path in self._named:
                 named = self._named[model_path]

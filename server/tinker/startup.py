@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
-from trainwire.server.tinker import sampling_routes, training_routes
+from trainwire.server.tinker import external_weights, sampling_routes, training_routes
+from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_slot import ModelSlot
 from trainwire.server.tinker.records import (
@@ -41,6 +42,7 @@ ROUTES: dict[str, Callable[..., Any]] = {
     "save_weights": training_routes.save_weights,
     "load_weights": training_routes.load_weights,
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
+    "save_weights_external": external_weights.save_weights_external,
 }
 
 
@@ -54,8 +56,17 @@ def start_front(
     """The front of ``host``, its files in ``state_dir/tinker``, with its request log replayed."""
     directory = Path(state_dir) / FRONT_DIR
     sequencer = Sequencer(directory)
-    models = ModelSlot(host, sequencer, directory, model_root=model_root, tokenizer_id=tokenizer_id)
-    front = TinkerFront(host, sequencer, models, directory, model_root)
+    external_weights.clean_encrypted_leftovers(directory)
+    catalog = Catalog(directory)
+    models = ModelSlot(
+        host,
+        sequencer,
+        directory,
+        model_root=model_root,
+        tokenizer_id=tokenizer_id,
+        catalog=catalog,
+    )
+    front = TinkerFront(host, sequencer, models, directory, model_root, catalog)
     replay(front)
     threading.Thread(
         target=_await_recovery, args=(front,), name="tinker-recover", daemon=True

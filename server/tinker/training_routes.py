@@ -13,7 +13,7 @@ from functools import partial
 from typing import Any
 
 from trainwire.client.outcomes import OperationSpec, WeightsSource
-from trainwire.server.errors import FailedPrecondition
+from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
 from trainwire.server.service.loss_terms import elementwise_loss
 from trainwire.server.service.requests import (
@@ -24,10 +24,11 @@ from trainwire.server.service.requests import (
     OptimStepRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import codec
+from trainwire.server.tinker import codec, saved_checkpoints
+from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.model import adam_settings, checkpoint_name
+from trainwire.server.tinker.model import adam_settings
 from trainwire.server.tinker.records import Record
 from trainwire.server.tinker.sequencer import Call
 
@@ -104,11 +105,14 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
 
     def prepare() -> Call:
         name = check_name(get_str(body, "path", "") or "", "save_weights path")
+        ttl = check_ttl(body.get("ttl_seconds"), "save_state")
+        path = TinkerPath(model_id, "weights", name)
 
         def call(key: str) -> dict[str, Any]:
             saved = front.host.apply(ops.SAVE_STATE, CheckpointRequest(name), OperationSpec(key))
             _compact_at(front, seq_id, saved.position)
-            return {"type": "save_weights", "path": f"tinker://{model_id}/weights/{name}"}
+            saved_checkpoints.record_saved(front, path, name, ttl)
+            return {"type": "save_weights", "path": str(path)}
 
         return call
 
@@ -128,24 +132,24 @@ def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
 def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
     """This model's checkpoint: its weights, or (``optimizer``) the full state."""
     model_id = _model_id(body)
-    if not model_id and body.get("session_id") is not None:
-        raise FailedPrecondition(
-            "create_training_client_from_state is not served here: one server trains one "
-            "model, and a checkpoint loads into the model that saved it "
-            "(training_client.load_state)"
-        )
+    if not model_id and body.get("session_id") is not None:  # create_training_client_from_state
+        return front.models.create_from_state(body)
 
     def prepare() -> Call:
-        name = checkpoint_name(get_str(body, "path", "") or "", model_id, "weights")
+        path = TinkerPath.parse(get_str(body, "path"))
+        if path.segment != "weights":
+            raise InvalidArgument(f"load_state {str(path)!r}: give a training checkpoint's path")
+        source, saved = front.catalog.find(path)
+        run_id = "" if source.model_id == model_id else source.run_id
         with_optimizer = get_bool(body, "optimizer")
 
         def call(key: str) -> dict[str, Any]:
             op = OperationSpec(key)
             if with_optimizer:  # the engine restores a full state only into a fresh session
-                front.host.apply(ops.LOAD_STATE, CheckpointRequest(name), op)
+                front.host.apply(ops.LOAD_STATE, CheckpointRequest(saved.stored_as, run_id), op)
             else:
-                source = WeightsSource("checkpoint", name)
-                front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source), op)
+                source = WeightsSource("checkpoint", saved.stored_as)
+                front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, run_id), op)
             front.sampling_sessions.weights_changed()
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 

@@ -1,0 +1,82 @@
+"""What the front does with named checkpoints beyond saving them: record them in the catalog,
+delete them (at the SDK's request or past their TTL) and finish removals that had to wait.
+
+The files are the host's: ``SessionHost.discard_saved`` removes them on its executor, so no
+operation is reading them, and keeps the open run's recovery point until a newer checkpoint
+supersedes it (the catalog remembers those, and the next save asks again).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
+
+if TYPE_CHECKING:
+    from trainwire.server.tinker.front import TinkerFront
+
+logger = logging.getLogger(__name__)
+
+ENCRYPTED_DIR = "encrypted"  # the front's age-encrypted copies of external weights
+
+
+def encrypted_dir(front: TinkerFront, path: TinkerPath) -> Path:
+    """Where the encrypted files of external weights ``path`` are (if it was encrypted)."""
+    run_id = front.catalog.run(path.model_id).run_id
+    return front.directory / ENCRYPTED_DIR / run_id / path.name
+
+
+def folder_bytes(folder: Path) -> int:
+    """The bytes of every file under ``folder`` (0 when it is gone)."""
+    if not folder.is_dir():
+        return 0
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def record_saved(
+    front: TinkerFront, path: TinkerPath, stored_as: str, ttl_seconds: int | None
+) -> None:
+    """Put the checkpoint a call just saved (``stored_as``: the run's checkpoint for
+    ``weights``, its export otherwise) in the catalog, then finish removals that waited."""
+    run = front.host.state_dir.run(front.catalog.run(path.model_id).run_id)
+    folder = run.checkpoint(stored_as) if path.segment == "weights" else run.export(stored_as)
+    now = front.catalog.clock()
+    expires = None if ttl_seconds is None else now + ttl_seconds
+    saved = SavedCheckpoint(path.checkpoint_id, stored_as, now, folder_bytes(folder), expires)
+    front.catalog.add_checkpoint(path, saved)
+    if path.segment == "weights":
+        finish_removals(front, path.model_id)
+    sweep(front)
+
+
+def delete(front: TinkerFront, path: TinkerPath) -> None:
+    """Take ``path`` out of the catalog and remove its files (or, for the open run's recovery
+    point, remember to once it is superseded)."""
+    record = front.catalog.run(path.model_id)
+    saved = front.catalog.remove(path)
+    front.sampling_sessions.forget_named(str(path))
+    if path.segment == "weights":
+        kept = front.host.discard_saved(record.run_id, checkpoints=[saved.stored_as])
+        if kept:
+            front.catalog.set_deferred(path.model_id, sorted({*record.deferred, *kept}))
+    else:
+        front.host.discard_saved(record.run_id, exports=[saved.stored_as])
+        shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
+    logger.info("Tinker front: checkpoint %s deleted", path)
+
+
+def finish_removals(front: TinkerFront, model_id: str) -> None:
+    """Remove the checkpoint folders of ``model_id`` whose removal waited."""
+    record = front.catalog.run(model_id)
+    if record.deferred:
+        kept = front.host.discard_saved(record.run_id, checkpoints=record.deferred)
+        front.catalog.set_deferred(model_id, kept)
+
+
+def sweep(front: TinkerFront) -> None:
+    """Delete every checkpoint past its TTL."""
+    for path in front.catalog.expired():
+        delete(front, path)
