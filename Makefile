@@ -1,6 +1,7 @@
 # Each target sets up everything it needs on a fresh machine: the venv, torch 2.13.0 (whichever
 # build pip finds for it: see the README to choose the CPU one), the package with its test and
-# dev extras. Re-running skips what is already installed.
+# dev extras, and tinker-cookbook without its dependencies (the test extra names what it imports).
+# Re-running skips what is already installed.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test,dev]'
+	$(BIN)/python -m pip install --quiet --no-deps 'tinker-cookbook==0.6.1'
 	touch $(STAMP)
 
 venv: $(STAMP)
