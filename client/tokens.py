@@ -17,7 +17,7 @@ from trainwire.client.config import InputExample
 
 DEFAULT_LOSS = "cross_entropy"  # the loss_fn a call names when it names none
 TOKEN_FIELDS = ("tokens", "target_tokens")
-FLOAT_FIELDS = ("weights", "logprobs", "advantages")
+FLOAT_FIELDS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +30,8 @@ class TokenExample:
         weights: cross-entropy scale per token (None: all 1.0; negative values are allowed).
         logprobs: the sampling policy's log-probability q of each target (ratio losses).
         advantages: the advantage A of each target (policy-gradient losses).
+        sequence_ratio_mask: which targets (non-zero) a sequence-level ratio averages over
+            (``gspo``: usually 1.0 on the sampled tokens, 0.0 on the prompt).
 
     Lists are stored as tuples, so an example is hashable and cannot change under a request.
     Raises ``ValueError`` naming the field for a wrong type, an unequal length or a non-finite
@@ -41,6 +43,7 @@ class TokenExample:
     weights: tuple[float, ...] | None = None
     logprobs: tuple[float, ...] | None = None
     advantages: tuple[float, ...] | None = None
+    sequence_ratio_mask: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in TOKEN_FIELDS:

@@ -289,6 +289,7 @@ def token_examples_to_proto(examples: Sequence[TokenExample]) -> list[pb.TokenEx
             weights=e.weights or (),
             logprobs=e.logprobs or (),
             advantages=e.advantages or (),
+            sequence_ratio_mask=e.sequence_ratio_mask or (),
         )
         for e in examples
     ]
@@ -307,6 +308,7 @@ def token_examples_from_proto(examples: Iterable[pb.TokenExample]) -> list[Token
                     weights=tuple(e.weights) or None,
                     logprobs=tuple(e.logprobs) or None,
                     advantages=tuple(e.advantages) or None,
+                    sequence_ratio_mask=tuple(e.sequence_ratio_mask) or None,
                 )
             )
         except ValueError as error:

@@ -18,7 +18,11 @@ def _inputs(n: int = 64, seed: int = 0):
     q = logp + (torch.rand(n, generator=generator) - 0.5) * 0.8  # ratios on both sides of 1
     advantages = torch.randn(n, generator=generator)
     weights = torch.randn(n, generator=generator)
-    return logp, TokenInputs(weights=weights, logprobs=q, advantages=advantages)
+    mask = (torch.rand(n, generator=generator) > 0.3).float()
+    mask[0] = 1.0  # a sequence ratio covers at least one token
+    return logp, TokenInputs(
+        weights=weights, logprobs=q, advantages=advantages, sequence_ratio_mask=mask
+    )
 
 
 def _run(name: str, logp: torch.Tensor, inputs: TokenInputs, config=None):
@@ -34,15 +38,17 @@ def _formula(name: str, logp: list[float], inputs: TokenInputs, config) -> float
     w, q, a = (t.tolist() for t in (inputs.weights, inputs.logprobs, inputs.advantages))
     lo, hi = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
     beta = config.get("beta", 0.05)
+    marked = [lp - qi for lp, qi, m in zip(logp, q, inputs.sequence_ratio_mask, strict=True) if m]
+    sequence_ratio = math.exp(math.fsum(marked) / len(marked))  # one example: one sequence
     terms = []
     for lp, wi, qi, ai in zip(logp, w, q, a, strict=True):
-        r = math.exp(lp - qi)
+        r = sequence_ratio if name == "gspo" else math.exp(lp - qi)
         clipped = min(max(r, lo), hi)
         if name == "cross_entropy":
             terms.append(-wi * lp)
         elif name == "importance_sampling":
             terms.append(-r * ai)
-        elif name == "ppo":
+        elif name in ("ppo", "gspo"):
             terms.append(-min(r * ai, clipped * ai))
         elif name == "cispo":
             terms.append(-clipped * lp * ai)
@@ -157,6 +163,7 @@ def test_each_loss_is_the_sum_of_its_per_token_terms_and_the_sdk_front_reports_t
         weights=inputs.weights.tolist(),
         logprobs=inputs.logprobs.tolist(),
         advantages=inputs.advantages.tolist(),
+        sequence_ratio_mask=inputs.sequence_ratio_mask.tolist(),
     )
     (row,) = elementwise_loss(name, {}, [example], SimpleNamespace(logprobs=[logp.tolist()]))
     assert row == out.elementwise.tolist()

@@ -10,6 +10,12 @@ looks the function up in ``LOSSES`` and calls it. With r = exp(logp - q):
 - ``ppo``                  -sum(min(r * A, clip(r, lo, hi) * A))
 - ``cispo``                -sum(detach(clip(r, lo, hi)) * logp * A)
 - ``dro``                  -sum(logp * A - beta / 2 * (logp - q) ** 2)
+- ``gspo``                 -sum(min(s * A, clip(s, lo, hi) * A)), s = exp(m + logp - detach(logp)),
+                           m the mean of detach(logp) - q over the example's masked targets
+
+``gspo`` is GSPO-token as Tinker defines it: every token of an example carries that example's
+sequence ratio (the geometric mean of r over the tokens its mask marks) as its value, and the
+gradient of its own logp, so per-token advantages still work.
 
 Metric keys read ``name:reduction`` (``loss:sum``, ``ratio:mean``, ...), as Tinker writes them.
 """
@@ -35,6 +41,8 @@ class TokenInputs:
     weights: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None  # q: the sampling policy's logprobs
     advantages: torch.Tensor | None = None
+    sequence_ratio_mask: torch.Tensor | None = None  # gspo: the tokens a sequence ratio covers
+    lengths: tuple[int, ...] | None = None  # each example's token count (None: one example)
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,26 @@ def dro(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
     return LossOutput.of(terms, _ratio_metrics(torch.exp(deviation)))
 
 
+def gspo(logp: torch.Tensor, inputs: TokenInputs, config: Mapping[str, float]):
+    low, high = config["clip_low_threshold"], config["clip_high_threshold"]
+    log_ratio = logp.detach() - inputs.logprobs
+    in_ratio = inputs.sequence_ratio_mask != 0
+    lengths = list(inputs.lengths or (len(logp),))
+    # One mean per example over the tokens its mask marks, spread over that example's tokens.
+    sequence = torch.cat(
+        [
+            values[marked].mean().expand(len(values))
+            for values, marked in zip(
+                log_ratio.split(lengths), in_ratio.split(lengths), strict=True
+            )
+        ]
+    )
+    ratio = torch.exp(sequence + logp - logp.detach())
+    advantages = inputs.advantages
+    objective = torch.minimum(ratio * advantages, torch.clamp(ratio, low, high) * advantages)
+    return LossOutput.of(-objective, _ratio_metrics(ratio, low, high))
+
+
 def _ratio_metrics(
     ratio: torch.Tensor, low: float | None = None, high: float | None = None
 ) -> dict[str, float]:
@@ -111,6 +139,7 @@ LOSSES: dict[str, LossSpec] = {
     "ppo": LossSpec(ppo, ("logprobs", "advantages"), CLIP_DEFAULTS),
     "cispo": LossSpec(cispo, ("logprobs", "advantages"), CLIP_DEFAULTS),
     "dro": LossSpec(dro, ("logprobs", "advantages"), DRO_DEFAULTS),
+    "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"), CLIP_DEFAULTS),
 }
 
 
@@ -162,3 +191,10 @@ def require_inputs(name: str, spec: LossSpec, examples: Sequence[object]) -> Non
                 raise InvalidArgument(
                     f"loss_fn {name} needs {needed} on every example; example {index} has none"
                 )
+        mask = getattr(example, "sequence_ratio_mask", None)
+        if "sequence_ratio_mask" in spec.needs and not any(mask or ()):
+            # The mean over no tokens is NaN: refused, never trained on.
+            raise InvalidArgument(
+                f"loss_fn {name}: example {index}'s sequence_ratio_mask marks no token; set it "
+                "non-zero on the tokens its sequence ratio covers (the sampled ones)"
+            )

@@ -87,7 +87,9 @@ def encode_token_batch(
         input_ids[row, : len(example)] = torch.tensor(example.tokens)
         targets[row, : len(example)] = torch.tensor(example.target_tokens)
         mask[row, : len(example)] = True
-    inputs = TokenInputs(**{name: _flat(examples, name, device) for name in FLOAT_FIELDS})
+    inputs = TokenInputs(
+        **{name: _flat(examples, name, device) for name in FLOAT_FIELDS}, lengths=tuple(lengths)
+    )
     return TokenBatch(
         input_ids=input_ids.to(device),
         attention_mask=mask.long().to(device),

@@ -30,6 +30,7 @@ def elementwise_loss(
             weights=_tensor(example.weights),
             logprobs=_tensor(example.logprobs),
             advantages=_tensor(example.advantages),
+            sequence_ratio_mask=_tensor(example.sequence_ratio_mask),
         )
         terms = spec.fn(torch.tensor(logprobs, dtype=torch.float32), inputs, resolved).elementwise
         rows.append(terms.tolist())

@@ -23,7 +23,7 @@ from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 
 MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
 INFLATE_CHUNK_BYTES = 1024 * 1024
-INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages")
+INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
 MAX_TENSOR_VALUES = MAX_TOKENS  # per loss_fn_input, checked before anything is allocated
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 

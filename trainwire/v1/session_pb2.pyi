@@ -42,18 +42,20 @@ class Example(_message.Message):
     def __init__(self, text: _Optional[str] = ..., label: _Optional[str] = ..., completion: _Optional[str] = ...) -> None: ...
 
 class TokenExample(_message.Message):
-    __slots__ = ("tokens", "target_tokens", "weights", "logprobs", "advantages")
+    __slots__ = ("tokens", "target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_RATIO_MASK_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     target_tokens: _containers.RepeatedScalarFieldContainer[int]
     weights: _containers.RepeatedScalarFieldContainer[float]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     advantages: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ...) -> None: ...
+    sequence_ratio_mask: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., target_tokens: _Optional[_Iterable[int]] = ..., weights: _Optional[_Iterable[float]] = ..., logprobs: _Optional[_Iterable[float]] = ..., advantages: _Optional[_Iterable[float]] = ..., sequence_ratio_mask: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TokenLogprobs(_message.Message):
     __slots__ = ("values",)
