@@ -133,6 +133,14 @@ def test_bad_gspo_requests_are_refused_and_change_nothing(config, examples, loss
     assert session.state_digest() == before
 
 
+def test_stable_reinforce_is_refused_with_what_to_use_instead(config):
+    session = TrainingSession(config, device="cpu")
+    before = session.state_digest()
+    with pytest.raises(InvalidArgument, match=r"stable_reinforce is not.*ppo, cispo or gspo"):
+        session.forward_backward(tiny_token_examples(2), loss_fn="stable_reinforce")
+    assert session.state_digest() == before
+
+
 def test_a_sequence_ratio_mask_is_checked_at_construction_and_survives_the_wire():
     with pytest.raises(ValueError, match="sequence_ratio_mask has 1 values but tokens has 2"):
         TokenExample([1, 2], [2, 3], sequence_ratio_mask=[1.0])

@@ -17,6 +17,10 @@ looks the function up in ``LOSSES`` and calls it. With r = exp(logp - q):
 sequence ratio (the geometric mean of r over the tokens its mask marks) as its value, and the
 gradient of its own logp, so per-token advantages still work.
 
+Tinker's ``stable_reinforce`` is refused with what to use instead (``NOT_SERVED``): it trains on
+information a sampler records per sequence and datums name by their provenance, which this server
+neither records nor reads.
+
 Metric keys read ``name:reduction`` (``loss:sum``, ``ratio:mean``, ...), as Tinker writes them.
 """
 
@@ -142,6 +146,16 @@ LOSSES: dict[str, LossSpec] = {
     "gspo": LossSpec(gspo, ("logprobs", "advantages", "sequence_ratio_mask"), CLIP_DEFAULTS),
 }
 
+# Tinker losses this server does not serve, each with why and what to train with instead: the
+# cookbook's RL recipes name one by default, so their users meet this first.
+NOT_SERVED = {
+    "stable_reinforce": (
+        "loss_fn stable_reinforce is not served by this server: it needs stability information "
+        "recorded when sampling, named by each datum's provenance, and this server records none; "
+        "train with loss_fn ppo, cispo or gspo instead (the recipes' loss_fn option)"
+    ),
+}
+
 
 def resolve_loss(
     name: str, config: Mapping[str, float] | None
@@ -151,6 +165,8 @@ def resolve_loss(
     Raises ``InvalidArgument`` for an unknown loss, a key the loss does not take, a value that
     is not a finite number, or clip thresholds out of order.
     """
+    if name in NOT_SERVED:
+        raise InvalidArgument(NOT_SERVED[name])
     spec = LOSSES.get(name)
     if spec is None:
         raise InvalidArgument(f"unknown loss_fn {name!r}: use one of {', '.join(LOSSES)}")
