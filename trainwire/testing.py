@@ -3,6 +3,9 @@
 It ships with the package (the demo needs it) and gathers the helpers by job:
 
 - :mod:`trainwire.tiny_models`: :func:`make_tiny_model`, a real model and tokenizer, offline.
+- :mod:`trainwire.tiny_architectures`: :func:`make_tiny_architecture`, a tiny random-init model of
+  each architecture in :data:`ARCHITECTURES` (Qwen, Llama 3, Mistral, Gemma, Phi-3, GPT-2,
+  gpt-oss, OLMo 2, BERT-style classifiers), with the same tokenizers.
 - :mod:`trainwire.tiny_data`: :func:`tiny_sentiment_examples`, :func:`tiny_text_examples`,
   :func:`tiny_token_examples`.
 - :func:`free_port`, here: a loopback port for a server started as a separate process.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import socket
 
+from trainwire.tiny_architectures import ARCHITECTURES, TinyArchitecture, make_tiny_architecture
 from trainwire.tiny_data import (
     SENTIMENT_LABELS,
     tiny_sentiment_examples,
@@ -25,10 +29,13 @@ from trainwire.tiny_data import (
 from trainwire.tiny_models import ARCHS, SHAPES, make_tiny_model
 
 __all__ = [
+    "ARCHITECTURES",
     "ARCHS",
     "SENTIMENT_LABELS",
     "SHAPES",
+    "TinyArchitecture",
     "free_port",
+    "make_tiny_architecture",
     "make_tiny_model",
     "tiny_sentiment_examples",
     "tiny_text_examples",

@@ -13,9 +13,10 @@ torch, tokenizers and transformers are imported inside the functions that need t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -304,13 +305,30 @@ def _save_model(model: PreTrainedModel, directory: Path, shards: int | None) -> 
     max_shard_size: int | str = "50GB"  # transformers' default: one file
     if shards is not None and shards > 1:
         max_shard_size = _shard_size_for(model.state_dict(), shards)
-    model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
+    with _quiet_progress_bars():
+        model.save_pretrained(directory, safe_serialization=True, max_shard_size=max_shard_size)
     # transformers keeps the attention choice out of config.json, yet reads the key back:
     # written here, a plain from_pretrained(directory) loads with eager attention too.
     config_path = directory / CONFIG_FILE
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config["attn_implementation"] = ATTN_IMPLEMENTATION
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """No progress bar while a tiny model is written ("Writing model shards" on every save, in a
+    test's or the demo's output), and the caller's choice back afterwards. Only the bars:
+    warnings and log records still show."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
 
 
 def _shard_size_for(state_dict: dict[str, Any], shards: int) -> int:
