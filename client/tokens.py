@@ -83,8 +83,8 @@ class TokenExample:
 
         With ``prompt_length`` (tokens of the sequence that are prompt), the weights default to
         0 on the targets inside the prompt and 1 after it, so cross-entropy learns the
-        continuation only. ``per_target`` fields (``logprobs``, ``advantages``, ``weights``)
-        must then have ``len(sequence) - 1`` values.
+        continuation only. ``per_target`` fields (``logprobs``, ``advantages``, ``weights``,
+        ``sequence_ratio_mask``) must then have ``len(sequence) - 1`` values.
         """
         ids = list(sequence)
         if len(ids) < 2:
