@@ -95,30 +95,43 @@ class InputExample:
 @dataclass(frozen=True, slots=True)
 class LoraSettings:
     """One trainable LoRA adapter (PEFT). ``target_modules=("all-linear",)`` targets every linear
-    layer but the output head, as PEFT defines it."""
+    layer but the output head, as PEFT defines it.
+
+    ``target_parameters`` reaches weights that are parameters rather than ``nn.Linear`` layers,
+    such as a mixture of experts' fused ``experts.gate_up_proj`` (PEFT's names: a parameter's
+    name or a suffix of it); ``target_modules`` may then be empty. PEFT cannot factor dropout
+    or DoRA out of such an adapter, so both are refused with it.
+    """
 
     r: int = 8
     alpha: int = 16
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("all-linear",)
     use_dora: bool = False
+    target_parameters: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Lists arrive from JSON; a tuple keeps the value hashable and frozen.
-        if isinstance(self.target_modules, list):
-            object.__setattr__(self, "target_modules", tuple(self.target_modules))
+        for name in ("target_modules", "target_parameters"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         problems = _lora_problems(self)
         if problems:
             raise ValueError("; ".join(problems))
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "r": self.r,
             "alpha": self.alpha,
             "dropout": self.dropout,
             "target_modules": list(self.target_modules),
             "use_dora": self.use_dora,
         }
+        # Only when set: every config written before the field existed keeps its fingerprint,
+        # so its checkpoints, journals and manifests still resume.
+        if self.target_parameters:
+            out["target_parameters"] = list(self.target_parameters)
+        return out
 
     @classmethod
     def from_dict(cls, data: Any) -> LoraSettings:
@@ -148,16 +161,31 @@ def _lora_problems(lora: LoraSettings) -> list[str]:
         problems.append(f"lora.alpha: must be a positive number, got {lora.alpha!r}")
     if not _is_number(lora.dropout) or not 0.0 <= lora.dropout < 1.0:
         problems.append(f"lora.dropout: must be in [0, 1), got {lora.dropout!r}")
-    targets = lora.target_modules
-    if (
-        not isinstance(targets, tuple)
-        or not targets
-        or not all(isinstance(t, str) and t for t in targets)
-    ):
-        problems.append(f"lora.target_modules: must be a non-empty list of names, got {targets!r}")
+    targets, parameters = lora.target_modules, lora.target_parameters
+    parameters_ok = _is_name_list(parameters)
+    if not parameters_ok:
+        problems.append(f"lora.target_parameters: must be a list of names, got {parameters!r}")
+    if not _is_name_list(targets) or not (targets or (parameters_ok and parameters)):
+        problems.append(
+            "lora.target_modules: must be a non-empty list of names (it may be empty only "
+            f"with target_parameters), got {targets!r}"
+        )
     if not isinstance(lora.use_dora, bool):
         problems.append(f"lora.use_dora: must be true or false, got {lora.use_dora!r}")
+    if parameters_ok and parameters:
+        if _is_number(lora.dropout) and lora.dropout != 0:
+            problems.append(
+                f"lora.dropout: must be 0 with target_parameters (PEFT cannot apply dropout to "
+                f"an adapter on a parameter), got {lora.dropout!r}"
+            )
+        if lora.use_dora is True:
+            problems.append("lora.use_dora: DoRA does not apply to target_parameters; set false")
     return problems
+
+
+def _is_name_list(value: Any) -> bool:
+    """A tuple of non-empty strings (empty allowed: each caller says when it may be)."""
+    return isinstance(value, tuple) and all(isinstance(t, str) and t for t in value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,3 +136,53 @@ def test_a_value_that_is_no_number_is_called_so(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"learning_rate: not a number, got '1e-3'") as refused:
         TrainingConfig.from_dict(read_config_file(path))
     assert "adam_beta1: not a number, got 'fast'" in str(refused.value)
+
+
+def test_lora_target_parameters_round_trip_through_json_and_change_the_fingerprint():
+    experts = LoraSettings(
+        r=4, dropout=0.0, target_modules=(), target_parameters=["experts.gate_up_proj"]
+    )
+    assert experts.target_parameters == ("experts.gate_up_proj",)  # a list arrives as a tuple
+    config = TrainingConfig(model="m", lora=experts)
+    again = TrainingConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.fingerprint() == config.fingerprint()
+    assert config.fingerprint() != config.replace(lora=LoraSettings(r=4)).fingerprint()
+
+
+def test_lora_without_target_parameters_keeps_the_fingerprint_it_always_had():
+    # Checkpoints, journals and manifests written before the setting existed still resume.
+    assert "target_parameters" not in LoraSettings().to_dict()
+    config = TrainingConfig(model="m", lora=LoraSettings(r=4))
+    data = config.to_dict()
+    assert data["lora"] == {
+        "r": 4,
+        "alpha": 16,
+        "dropout": 0.0,
+        "target_modules": ["all-linear"],
+        "use_dora": False,
+    }
+    assert TrainingConfig.from_dict(data).fingerprint() == config.fingerprint()
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"target_parameters": ("",)}, r"lora\.target_parameters: must be a list of names"),
+        ({"target_parameters": "experts.down_proj"}, r"lora\.target_parameters: must be a list"),
+        ({"target_modules": ()}, r"lora\.target_modules: .*it may be empty only with target_param"),
+        (
+            {"target_parameters": ("down_proj",), "dropout": 0.1},
+            r"lora\.dropout: must be 0 with target_parameters",
+        ),
+        (
+            {"target_parameters": ("down_proj",), "use_dora": True},
+            r"lora\.use_dora: DoRA does not apply to target_parameters",
+        ),
+    ],
+    ids=["empty-name", "a-string", "no-targets", "dropout", "dora"],
+)
+def test_lora_target_parameters_are_validated(settings, message):
+    with pytest.raises(ValueError, match=message):
+        LoraSettings(**settings)
+    with pytest.raises(ValueError, match=message):
+        TrainingConfig.from_dict({"model": "m", "lora": {**settings}})

@@ -95,6 +95,8 @@ def apply_lora(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Modul
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
             target_modules=peft_target_modules(lora),
+            # None, not [], when unset: the adapter_config.json of every adapter stays as it was.
+            target_parameters=list(lora.target_parameters) or None,
             use_dora=lora.use_dora,
             task_type=task_type,
         )
