@@ -3,7 +3,7 @@
 One server trains one model. ``create_model`` opens the host's run for it (``ModelRecord`` keeps
 what ``get_info`` answers, across restarts); closing the ServiceClient that created it closes the
 run (its files stay) and ends its sampling sessions. A model whose client sent nothing for
-``SESSION_LAPSE_S`` (six missed heartbeats: the script died) gives way to another client's
+``SESSION_LAPSE_S`` (three missed heartbeats: the script died) gives way to another client's
 ``create_model`` instead of holding the server until a restart.
 
 A call belongs to the run it was sent to: it runs only while that run is the open one
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from trainwire.client.outcomes import OperationSpec
-from trainwire.server.errors import FailedPrecondition, NotFound
+from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
@@ -52,7 +52,7 @@ from trainwire.server.tinker.start_from import (
 
 logger = logging.getLogger(__name__)
 
-SESSION_LAPSE_S = 60.0  # a client silent this long (six missed heartbeats) gives up its model
+SESSION_LAPSE_S = 30.0  # a client silent this long (three missed heartbeats) gives up its model
 SESSION_KEEP_S = 600.0  # a session silent this long is not written into a compacted log
 
 T = TypeVar("T")
@@ -144,7 +144,7 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
-                self._give_way(self.model)
+                self._give_way(self.model, session_id)
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self.host.open(record.run_id, config)
@@ -171,7 +171,7 @@ class ModelSlot:
             if self.model is not None and self.model.model_id == model_id:
                 return self._resolve_from_state(model_id, start)  # a retry of a finished create
             if self.model is not None:
-                self._give_way(self.model)
+                self._give_way(self.model, session_id)
             model_dir = resolve_under(self.model_root, config.model, "base_model")
             record = ModelRecord.new(
                 model_id, session_id, config, self.tokenizer_id or str(model_dir)
@@ -196,13 +196,25 @@ class ModelSlot:
         self.sequencer.resolve_now(request_id, Done(outcome))
         return request_id
 
-    def _give_way(self, model: ModelRecord) -> None:
-        """Close ``model`` for another client's, if its own client went silent; else refuse."""
-        if not self._lapsed(model.session_id):
+    def _give_way(self, model: ModelRecord, asking: str) -> None:
+        """Close ``model`` for session ``asking``'s new one, if its own client went silent.
+
+        The same client asking for a second model is refused at once (400: waiting cannot
+        help). Another client is told to retry (503, which the SDK retries for minutes): the
+        usual case is a script that exited or was killed without closing its ServiceClient and
+        is run again, and its model gives way once its heartbeats have stopped for
+        ``SESSION_LAPSE_S``."""
+        if model.session_id == asking:
             raise FailedPrecondition(
-                f"this server already trains model {model.model_id!r} (one server, one model): "
-                "close that ServiceClient first, or start another server (a model whose client "
-                f"sends nothing for {SESSION_LAPSE_S:.0f} s is closed when another asks)"
+                f"this client already trains model {model.model_id!r} here (one server, one "
+                "model): close it first, or start another server"
+            )
+        if not self._lapsed(model.session_id):
+            raise Unavailable(
+                f"this server trains model {model.model_id!r} of another client (one server, "
+                f"one model); it gives way once that client has sent nothing for "
+                f"{SESSION_LAPSE_S:.0f} s (a script that exited without closing), else close "
+                "that ServiceClient or start another server"
             )
         logger.warning(
             "Tinker front: model %s closed: its client sent nothing for %.0f s",
