@@ -30,6 +30,7 @@ from trainwire.server.engine.tensor_files import (
     load_tensors,
     write_json,
 )
+from trainwire.server.engine.weight_layout import in_live_layout, tied_aliases
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 
 EXPORT_FORMAT = "trainwire.export/v1"
@@ -45,8 +46,13 @@ def native_name(live_name: str) -> str | None:
     if "lora_" in live_name:
         return None
     name = live_name.removeprefix(PEFT_PREFIX)
-    for wrapper in (".base_layer.", ".original_module.", ".modules_to_save.default."):
-        name = name.replace(wrapper, ".")
+    # PEFT nests one wrapper per adapted parameter of a module (an experts module with both its
+    # projections adapted is ``experts.base_layer.base_layer.gate_up_proj``): strip them all.
+    previous = None
+    while name != previous:
+        previous = name
+        for wrapper in (".base_layer.", ".original_module.", ".modules_to_save.default."):
+            name = name.replace(wrapper, ".")
     return name
 
 
@@ -77,12 +83,18 @@ def read_native_model_tensors(directory: Path) -> dict[str, torch.Tensor]:
 def plan_native_load(
     model: torch.nn.Module, source: dict[str, torch.Tensor]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Pair each live non-adapter parameter with its source tensor, or refuse the whole load."""
+    """Pair each live non-adapter parameter with its source tensor, or refuse the whole load.
+
+    ``source`` is a native directory's tensors as its files name them; they are brought into the
+    live layout first, by the mapping ``from_pretrained`` uses (fused experts, legacy names,
+    the base model prefix), so every layout ``from_pretrained`` accepts loads here too.
+    """
     live = {name: p for name, p in model.named_parameters() if native_name(name) is not None}
     by_native: dict[str, list[torch.Tensor]] = {}
     for name, parameter in live.items():
         by_native.setdefault(native_name(name), []).append(parameter)
     expected = {name: params[0] for name, params in by_native.items()}
+    source = in_live_layout(model, source, expected, tied_aliases(model, native_name))
     problems = describe_mismatches(expected, source)
     if problems:
         raise InvalidArgument(f"the weights do not fit this model: {problems}")
@@ -128,6 +140,10 @@ def adapter_settings_mismatches(model: torch.nn.Module, saved: dict[str, Any]) -
             sorted(_as_list(now.target_modules)),
         ),
         "use_dora": (bool(saved.get("use_dora", False)), bool(now.use_dora)),
+        "target_parameters": (
+            sorted(_as_list(saved.get("target_parameters"))),
+            sorted(_as_list(getattr(now, "target_parameters", None))),
+        ),
     }
     return [f"{key}: saved {a!r}, now {b!r}" for key, (a, b) in pairs.items() if a != b]
 
@@ -246,20 +262,39 @@ def read_export_record(directory: Path) -> dict[str, Any] | None:
         return None
 
 
-def record_attention_implementation(directory: Path, model: torch.nn.Module) -> None:
-    """Write the attention kernel the session ran into the export's ``config.json``.
+# The kernels a session ran, by their key in config.json and their attribute on the config.
+KERNEL_KEYS = {
+    "attn_implementation": "_attn_implementation",
+    "experts_implementation": "_experts_implementation",
+}
 
-    ``save_pretrained`` leaves it out, so a reload would pick the default (sdpa), whose logits
-    and gradients differ in the last bits from the eager kernels a session may have trained with;
-    the export then would not reproduce the session's losses exactly.
+
+def record_attention_implementation(directory: Path, model: torch.nn.Module) -> None:
+    """Write the attention (and experts) kernels the session ran into the export's
+    ``config.json``.
+
+    ``save_pretrained`` leaves them out, so a reload would pick the defaults (sdpa attention,
+    grouped experts), whose logits and gradients differ in the last bits from the eager kernels
+    a session may have trained with; the export then would not reproduce the session's losses
+    exactly.
     """
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if not implementation:
+    kernels = {
+        key: getattr(model.config, attribute, None) for key, attribute in KERNEL_KEYS.items()
+    }
+    kernels = {key: value for key, value in kernels.items() if isinstance(value, str) and value}
+    if not has_experts(model):
+        kernels.pop("experts_implementation", None)  # a dense model's config stays as it was
+    if not kernels:
         return
     config_path = directory / MODEL_CONFIG_FILE
     data = json.loads(config_path.read_text())
-    data["attn_implementation"] = implementation
+    data.update(kernels)
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def has_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a mixture of experts (transformers' ``...Experts`` modules)."""
+    return any(type(module).__name__.endswith("Experts") for module in model.modules())
 
 
 def write_export(
