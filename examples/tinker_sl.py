@@ -4,7 +4,9 @@
         --tinker-listen 127.0.0.1:8000 --tinker-token-file key.txt   # key.txt holds tml-...
     TINKER_API_KEY=tml-... python examples/tinker_sl.py http://127.0.0.1:8000 llama
 
-The loop is the SDK docs' own; only base_url (and the key) point at trainwire.
+The loop is the SDK docs' own; only base_url (and the key) point at trainwire. A rank-8 LoRA
+adapter memorizes two sentences: the mean loss per token falls from about 6.2 (a fresh tiny
+model's guess among 500 tokens) to below 0.5 in 40 steps, and the model then completes them.
 """
 
 import sys
@@ -27,13 +29,20 @@ for text in texts:
             loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
         )
     )
+target_tokens = sum(len(datum.loss_fn_inputs["target_tokens"].data) for datum in data)
 
-for step in range(10):
+for step in range(40):
     fwd_bwd_future = training_client.forward_backward(data, "cross_entropy")
-    optim_future = training_client.optim_step(types.AdamParams(learning_rate=1e-3))
-    loss = fwd_bwd_future.result().metrics["loss:sum"]
+    optim_future = training_client.optim_step(types.AdamParams(learning_rate=5e-3))
+    loss = fwd_bwd_future.result().metrics["loss:sum"] / target_tokens  # the mean per token
     optim_future.result()
-    print(f"step {step}: loss {loss:.4f}")
+    if step % 5 == 0 or step == 39:
+        print(f"step {step}: loss {loss:.4f}")
 
+sampling_client = training_client.save_weights_and_get_sampling_client().result()
+prompt = tokenizer.encode("The capital of France is")
+greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+sample = sampling_client.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+print(f"The capital of France is -> {tokenizer.decode(sample.sequences[0].tokens)!r}")
 training_client.save_state("final").result()
 service_client.close("success").result()
