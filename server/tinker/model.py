@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.client.config import LoraSettings, TrainingConfig
+from trainwire.server.engine.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
 
 # Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
 # "LoRA Without Regret" recipe: a good learning rate then barely depends on the rank).
 LORA_ALPHA = 32
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
+# Until the model's layers for the LoRA switches (train_<role>) are known (fit_lora_roles), a
+# config names each role as ROLE_PREFIX + role.
+ROLE_PREFIX = "role:"
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
 MAX_LENGTH = 32768  # tokens per datum, or the model's positions where it has fewer
 MODEL_FILE = "model.json"
@@ -94,13 +95,12 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
         rank = get_int(lora, "rank")
         if rank is None or rank < 1:
             raise InvalidArgument(f"create_model: lora_config.rank must be >= 1, got {rank!r}")
-        targets = (
-            (ATTENTION_MODULES if get_bool(lora, "train_attn", True) else ())
-            + (MLP_MODULES if get_bool(lora, "train_mlp", True) else ())
-            + (UNEMBED_MODULES if get_bool(lora, "train_unembed", True) else ())
-        )
-        if not targets:
+        roles = [role for role in ROLES if get_bool(lora, f"train_{role}", True)]
+        if not roles:
             raise InvalidArgument("create_model: train at least one of attn, mlp, unembed")
+        # Each role's layers are the model's own (GPT-2 names its attention c_attn, a mixture
+        # of experts keeps its MLP as parameters): fit_lora_roles names them from the model.
+        targets = tuple(ROLE_PREFIX + role for role in roles)
         settings = LoraSettings(r=rank, alpha=LORA_ALPHA, target_modules=targets)
         seed = get_int(lora, "seed", 0) or 0
     return TrainingConfig(
@@ -121,9 +121,27 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
 def fit_max_length(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
     """``config`` with ``max_length`` at ``MAX_LENGTH``, or at the positions of the model in
     ``model_dir`` (resolved under the model root) where it has fewer: the engine refuses a
-    max_length its model cannot hold, and a small model is still one the SDK can train."""
+    max_length its model cannot hold, and a small model is still one the SDK can train.
+    create_model fits the config to its model here, so its LoRA switches are named as that
+    model's layers here too (``fit_lora_roles``)."""
     positions = model_positions(model_config(model_dir) or {})
+    config = fit_lora_roles(config, model_dir)
     return replace(config, max_length=min(MAX_LENGTH, positions or MAX_LENGTH))
+
+
+def fit_lora_roles(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
+    """``config`` with its LoRA switches' roles named as the layers (and expert parameters) of
+    the model in ``model_dir``, read from its config.json before anything is created;
+    InvalidArgument naming the architecture for a switch that matches nothing there."""
+    lora = config.lora
+    if lora is None or not all(t.startswith(ROLE_PREFIX) for t in lora.target_modules):
+        return config
+    if model_config(model_dir) is None:
+        return config  # no model there: opening it says so (NotFound), before any adapter
+    roles = [target.removeprefix(ROLE_PREFIX) for target in lora.target_modules]
+    found = model_role_targets(model_dir, roles)
+    chosen = replace(lora, target_modules=found.modules, target_parameters=found.parameters)
+    return replace(config, lora=chosen)
 
 
 def adam_settings(body: dict[str, Any]) -> dict[str, float]:
@@ -159,9 +177,14 @@ def model_config(directory: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
+# Where a config.json keeps its positions: GPT-2 and its family call them n_positions.
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
 def model_positions(config: dict[str, Any]) -> int | None:
-    """A model config's ``max_position_embeddings``, None where it does not say."""
-    positions = config.get("max_position_embeddings")
+    """A model config's positions (``max_position_embeddings``, or what its architecture calls
+    them), None where it does not say."""
+    positions = next((config[key] for key in POSITION_KEYS if key in config), None)
     return positions if isinstance(positions, int) and positions > 0 else None
 
 
