@@ -25,6 +25,7 @@ from trainwire.client.cursor import WorkDirectory
 from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
+from trainwire.client.progress_text import duration_text
 from trainwire.client.remote_replay import (
     KeyedSession,
     PositionMoved,
@@ -96,11 +97,13 @@ class Controller:
         )
         self.work.bind()
         self.state = RunState.start(self.plan)
+        self._resumed: dict[str, float] | None = None  # where and when the run last started
 
     # -- the run -------------------------------------------------------------------------------
 
-    def _synchronize(self, session: KeyedSession) -> None:
-        """Open the session (idempotent) and decide where to resume from the server's position."""
+    def _synchronize(self, session: KeyedSession, outage_started: float | None = None) -> None:
+        """Open the session (idempotent) and decide where to resume from the server's position;
+        ``outage_started``: when the server became unreachable, if it did."""
         info = self.client.open(
             self.run_id,
             self.plan.config,
@@ -123,10 +126,23 @@ class Controller:
                 )
         session.reset(record.position)
         self.state = record.state
-        logger.info(
-            "run %s: resuming at microbatch %d, position %d (server at %d)",
+        # The progress view measures its rate from here: an outage is not slow training.
+        self._resumed = {"microbatch": self.state.next_microbatch, "at_s": time.monotonic()}
+        fresh = self.state.next_microbatch == 0 and info.position == 0
+        back = (
+            ""
+            if outage_started is None
+            else f"server back after {duration_text(time.monotonic() - outage_started)}; "
+        )
+        # A fresh start needs no words (the progress view shows it); a resume says where.
+        logger.log(
+            logging.DEBUG if fresh and not back else logging.INFO,
+            "run %s: %s%s at microbatch %d of %d (position %d, server at %d)",
             self.run_id,
+            back,
+            "starting" if fresh else "resuming",
             self.state.next_microbatch,
+            self.plan.batch_count,
             session.position,
             info.position,
         )
@@ -160,14 +176,15 @@ class Controller:
         """``run``: resynchronize after a moved position, wait out an outage."""
         outage_started: float | None = None
         attempt = 0
+        report = self._marking_resumes(on_step)
         while True:
             try:
-                self._synchronize(session)
+                self._synchronize(session, outage_started)
                 # Reachable again: a later outage gets the whole recovery budget of its own.
                 outage_started, attempt = None, 0
                 backend = RemoteBackend(session, self.plan, self.work, self.checkpoint_every)
                 try:
-                    self.state = replay(self.plan, backend, self.state, on_step=on_step)
+                    self.state = replay(self.plan, backend, self.state, on_step=report)
                 finally:
                     backend.abandon()
                 return self._finish(session)
@@ -177,18 +194,45 @@ class Controller:
                 if error.code() not in RETRYABLE_CODES:
                     raise
                 now = time.monotonic()
-                outage_started = outage_started or now
+                if outage_started is None:
+                    # One line per outage (and one when the server is back); the tries between
+                    # are detail, at debug level.
+                    outage_started = now
+                    logger.warning(
+                        "run %s: server unreachable (%s); waiting up to %s for it",
+                        self.run_id,
+                        error.code().name,
+                        duration_text(self.recovery_timeout_s),
+                    )
                 if now - outage_started > self.recovery_timeout_s:
                     raise
                 delay = OUTAGE_BACKOFF.delay_s(attempt)
                 attempt += 1
-                logger.warning(
-                    "run %s: server unreachable (%s); retrying in %.1fs",
+                logger.debug(
+                    "run %s: %s (%s); try %d again in %.1fs",
                     self.run_id,
                     error.code().name,
+                    error.details(),
+                    attempt,
                     delay,
                 )
                 time.sleep(delay)
+
+    def _marking_resumes(
+        self, on_step: Callable[[Progress], None] | None
+    ) -> Callable[[Progress], None] | None:
+        """``on_step``, told (``progress.extra["resumed"]``) where and when the run last
+        (re)started, with the first microbatch after each start."""
+        if on_step is None:
+            return None
+
+        def report(progress: Progress) -> None:
+            if self._resumed is not None:
+                progress.extra["resumed"] = self._resumed
+                self._resumed = None
+            on_step(progress)
+
+        return report
 
     def _finish(self, session: KeyedSession) -> TrainingResult:
         index = self.plan.batch_count  # past the last microbatch: the run's closing operations

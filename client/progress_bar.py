@@ -1,4 +1,9 @@
-"""A live progress view of a run: a tqdm bar on a terminal, a plain log line otherwise."""
+"""A live progress view of a run: one line redrawn in place on a terminal, a log line otherwise.
+
+The words come from ``trainwire.client.progress_text`` and always fit the terminal's width
+(fields that do not fit are left out whole). On a terminal the line is a ``rich`` live display,
+and log records written meanwhile print above it instead of breaking it.
+"""
 
 from __future__ import annotations
 
@@ -8,82 +13,131 @@ import time
 from typing import Any
 
 from trainwire.client.progress import Progress
+from trainwire.client.progress_text import (
+    ProgressFields,
+    RateWindow,
+    evaluation_text,
+    progress_line,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class ProgressReporter:
-    """An ``on_step`` callback: microbatch i/N, epoch, step, loss, eval metric, tokens/s, ETA.
+    """An ``on_step`` callback: microbatches done, step, loss, the latest eval metrics, epoch,
+    microbatches per second and ETA (since this run last started), tokens per second.
 
-    ``quiet`` prints nothing; without a terminal it logs one line every ``log_every`` updates.
+    ``quiet`` prints nothing; without a terminal it writes one line every ``log_every`` updates
+    and after every evaluation. ``metric`` (the run's ``metric_for_best``) leads the eval
+    metrics; ``width`` fixes the line's width (default: the terminal's).
     """
 
-    def __init__(self, *, quiet: bool = False, log_every: int = 10, stream: Any = None) -> None:
+    def __init__(
+        self,
+        *,
+        quiet: bool = False,
+        log_every: int = 10,
+        stream: Any = None,
+        metric: str | None = None,
+        width: int | None = None,
+    ) -> None:
         self.quiet = quiet
         self.log_every = log_every
         self.stream = stream or sys.stderr
-        self.bar: Any = None
-        self.started = time.monotonic()
-        self.last_metric = ""
+        self.metric = metric
+        self.width = width
+        self.rate = RateWindow()
+        self.evaluation = ""
         self.tokens = 0
-        self.seen = 0
+        self.live: Any = None
+        self._moved_handlers: list[logging.StreamHandler[Any]] = []
 
     def __call__(self, progress: Progress) -> None:
         if self.quiet:
             return
+        self.rate.observe(progress)
         self.tokens += progress.tokens
-        self.seen += 1
         if progress.evaluation is not None:
-            metrics = {k: v for k, v in progress.evaluation.items() if k.startswith("eval_")}
-            self.last_metric = " ".join(f"{k}={v:.4f}" for k, v in metrics.items())
-        if self.stream.isatty():
-            self._bar(progress)
+            self.evaluation = evaluation_text(progress.evaluation, self.metric)
+        if self._is_terminal():
+            self._draw(progress)
         elif progress.update is not None and (
             progress.step % self.log_every == 0 or progress.evaluation is not None
         ):
-            self._line(progress)
+            print(self.fields(progress).text(), file=self.stream, flush=True)
 
-    def _bar(self, progress: Progress) -> None:
-        from tqdm import tqdm
+    def fields(self, progress: Progress) -> ProgressFields:
+        """What the line says about ``progress`` (the update's loss where one followed)."""
+        loss = progress.update["loss"] if progress.update is not None else progress.loss
+        elapsed = time.monotonic() - self.rate.started_s
+        return ProgressFields(
+            done=progress.microbatch + 1,
+            total=progress.batch_count,
+            step=progress.step,
+            max_steps=progress.max_steps,
+            epoch=progress.epoch,
+            loss=loss,
+            evaluation=self.evaluation,
+            rate=self.rate.per_second(),
+            tokens_per_s=self.tokens / elapsed if elapsed > 0 else 0.0,
+        )
 
-        if self.bar is None:
-            self.bar = tqdm(
-                total=progress.batch_count,
-                initial=progress.microbatch,
-                unit="mb",
-                file=self.stream,
-                dynamic_ncols=True,
-            )
-        self.bar.update(progress.microbatch + 1 - self.bar.n)
-        postfix = {"epoch": progress.epoch, "step": f"{progress.step}/{progress.max_steps}"}
-        postfix["loss"] = f"{progress.loss:.4f}"
-        postfix["tok/s"] = f"{self.tokens_per_second():.0f}"
-        if self.last_metric:
-            postfix["eval"] = self.last_metric
-        self.bar.set_postfix(postfix, refresh=False)
+    def line(self, progress: Progress, width: int) -> str:
+        return progress_line(self.fields(progress), width)
 
-    def tokens_per_second(self) -> float:
-        elapsed = time.monotonic() - self.started
-        return self.tokens / elapsed if elapsed > 0 else 0.0
+    def _is_terminal(self) -> bool:
+        isatty = getattr(self.stream, "isatty", None)
+        return bool(isatty and isatty())
 
-    def _line(self, progress: Progress) -> None:
-        done = progress.microbatch + 1
-        elapsed = time.monotonic() - self.started
-        # The rate of this process's own microbatches: a resumed run starts part way through.
-        rate = self.seen / elapsed if elapsed > 0 else 0.0
-        eta = (progress.batch_count - done) / rate if rate else 0.0
-        parts = [
-            f"microbatch {done}/{progress.batch_count}",
-            f"epoch {progress.epoch}",
-            f"step {progress.step}/{progress.max_steps}",
-            f"loss {progress.update['loss']:.4f}",
-            self.last_metric,
-            f"{self.tokens_per_second():.0f} tok/s",
-            f"eta {eta:.0f}s",
-        ]
-        print(" ".join(part for part in parts if part), file=self.stream, flush=True)
+    def _draw(self, progress: Progress) -> None:
+        from rich.text import Text
+
+        if self.live is None:
+            self._start_live()
+        width = self.width or self.live.console.width
+        self.live.update(Text(self.line(progress, width), no_wrap=True, overflow="crop"))
+
+    def _start_live(self) -> None:
+        from rich.console import Console
+        from rich.live import Live
+
+        console = Console(file=self.stream, width=self.width)
+        # Redrawn a few times a second, whatever the microbatch rate: a fast run would
+        # otherwise spend its time writing to the terminal.
+        self.live = Live(console=console, refresh_per_second=8, transient=False)
+        self.live.start()
+        # Log records go through the live display, so they print above the line.
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
+                handler.setStream(_LiveStream(self.live))
+                self._moved_handlers.append(handler)
 
     def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
+        if self.live is None:
+            return
+        self.live.stop()  # draws the last state once more
+        for handler in self._moved_handlers:
+            handler.setStream(self.stream)
+        self._moved_handlers.clear()
+        self.live = None
+
+
+class _LiveStream:
+    """A text stream whose lines print above a live display (what rich's own stdout
+    redirection does, for a logging handler that holds its stream)."""
+
+    def __init__(self, live: Any) -> None:
+        self.live = live
+        self.pending = ""
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        if "\n" in self.pending:
+            lines, self.pending = self.pending.rsplit("\n", 1)
+            self.live.console.print(lines, markup=False, highlight=False, soft_wrap=True)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending:
+            self.live.console.print(self.pending, markup=False, highlight=False, soft_wrap=True)
+            self.pending = ""

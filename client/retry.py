@@ -85,7 +85,9 @@ def call_with_retry(
             if error.code() not in RETRYABLE_CODES or attempt == policy.max_attempts:
                 raise
             delay = policy.delay_s(attempt - 1, rng)
-            logger.warning(
+            # Detail: the caller decides what a user sees (the controller says once that the
+            # server is unreachable; a call that still fails raises).
+            logger.debug(
                 "%s: %s (%s); retry %d of %d in %.2fs",
                 what,
                 error.code().name,

@@ -108,11 +108,13 @@ def add_window_option(parser: argparse.ArgumentParser) -> None:
 def command_run(args: argparse.Namespace) -> int:
     from trainwire.client.controller import Controller
     from trainwire.client.progress_bar import ProgressReporter
+    from trainwire.client.progress_text import best_text
     from trainwire.client.session_client import SessionClient
 
     plan = load_plan(args.manifest)
     client = SessionClient(args.server, **client_options(args))
-    reporter = ProgressReporter(quiet=args.quiet, log_every=args.log_every)
+    metric = plan.config.metric_for_best
+    reporter = ProgressReporter(quiet=args.quiet, log_every=args.log_every, metric=metric)
     try:
         controller = Controller(
             client,
@@ -127,8 +129,9 @@ def command_run(args: argparse.Namespace) -> int:
         reporter.close()
         client.close_channel()
     print(
-        f"run {args.run_id} done: step {result.stopped_step}, best {result.best_score} "
-        f"(step {result.best_step}), digest {result.state_digest}; "
+        f"run {args.run_id} done at step {result.stopped_step}: "
+        f"{best_text(metric, result.best_score, result.best_step)}\n"
+        f"final state digest {result.state_digest}\n"
         f"summary in {Path(args.work_dir) / 'training_summary.json'}"
     )
     return 0

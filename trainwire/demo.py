@@ -144,7 +144,7 @@ def run_demo(
         )
     run_dir = dirs.root / "run"
     with demo_client(dirs, server) as client:
-        reporter = ProgressReporter(quiet=quiet)
+        reporter = ProgressReporter(quiet=quiet, metric=plan.config.metric_for_best)
         controller = Controller(client, plan, run_id="demo", work_dir=run_dir, checkpoint_every=10)
         try:
             result = controller.run(on_step=reporter)
@@ -162,7 +162,7 @@ def describe_result(result: TrainingResult, run_dir: Path) -> str:
         [
             "",
             f"eval accuracy by epoch  {accuracy}",
-            f"best                    {result.best_score:.3f} at step {result.best_step} "
+            f"best eval accuracy      {result.best_score:.3f} at step {result.best_step} "
             f"(epoch {result.best_epoch})",
             f"final state digest      {result.state_digest}",
             f"summary                 {run_dir / 'training_summary.json'}",
