@@ -16,6 +16,7 @@ from typing import Any
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.files import write_bytes_atomic, write_text_atomic
+from trainwire.client.loss_curve import CurveLabels, loss_curve_png
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.results import TrainingResult
 
@@ -26,6 +27,7 @@ SUMMARY_YAML = SUMMARY_STEM + ".yaml"
 SUMMARY_FORMATS = ("json", "yaml", "both")
 METRICS_FILE = "metrics.jsonl"
 CURVE_FILE = "loss_curve.png"
+__all__ = ["CURVE_FILE", "loss_curve_png", "run_summary", "write_run_artifacts", "write_summary"]
 
 
 def run_summary(
@@ -102,48 +104,11 @@ def write_run_artifacts(
     paths["curve"] = out / CURVE_FILE
     lines = "".join(json.dumps(record, sort_keys=True) + "\n" for record in result.history)
     write_text_atomic(paths["metrics"], lines)
-    write_bytes_atomic(paths["curve"], loss_curve_png(result.history))
+    labels = CurveLabels.of_run(
+        plan.config,
+        run_id=details.get("run_id"),
+        best_step=result.best_step,
+        best_score=result.best_score,
+    )
+    write_bytes_atomic(paths["curve"], loss_curve_png(result.history, labels))
     return paths
-
-
-def loss_curve_png(history: list[dict[str, Any]]) -> bytes:
-    """Training loss per update, with evaluation metrics on a second axis."""
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
-    updates = [r for r in history if r["kind"] == "update"]
-    evaluations = [r for r in history if r["kind"] == "evaluation"]
-    figure, axis = plt.subplots(figsize=(7, 4), dpi=100)
-    axis.plot([r["step"] for r in updates], [r["loss"] for r in updates], label="train loss")
-    if evaluations:
-        axis.plot(
-            [r["step"] for r in evaluations],
-            [r["eval_loss"] for r in evaluations],
-            "o-",
-            label="eval loss",
-        )
-    axis.set_xlabel("update")
-    axis.set_ylabel("loss")
-    if evaluations and "eval_accuracy" in evaluations[0]:
-        accuracy_axis = axis.twinx()
-        accuracy_axis.plot(
-            [r["step"] for r in evaluations],
-            [r["eval_accuracy"] for r in evaluations],
-            "s--",
-            color="tab:green",
-            label="eval accuracy",
-        )
-        accuracy_axis.set_ylabel("accuracy")
-        accuracy_axis.set_ylim(0, 1)
-        accuracy_axis.legend(loc="upper right")
-    axis.legend(loc="upper left")
-    axis.set_title("trainwire run")
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    plt.close(figure)
-    return buffer.getvalue()
