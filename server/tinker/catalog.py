@@ -238,11 +238,13 @@ class Catalog:
         return sorted(live, key=lambda c: c.created_s)
 
     def remove(self, path: TinkerPath) -> SavedCheckpoint:
-        """Take ``path`` out of the catalog (its files are the caller's to remove)."""
-        self.find(path)
+        """Take ``path`` out of the catalog, expired or not (removing what expired is how it
+        goes); its files are the caller's to remove. NotFound when it is not there."""
         with self._lock:
-            record = self._runs[path.model_id]
-            saved = record.checkpoints.pop(path.checkpoint_id)
+            record = self._runs.get(path.model_id)
+            saved = None if record is None else record.checkpoints.pop(path.checkpoint_id, None)
+            if record is None or saved is None:
+                raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")
             self._save(record)
         return saved
 

@@ -8,11 +8,13 @@ supersedes it (the catalog remembers those, and the next save asks again).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainwire.server.errors import NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
 
 if TYPE_CHECKING:
@@ -79,4 +81,5 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
 def sweep(front: TinkerFront) -> None:
     """Delete every checkpoint past its TTL."""
     for path in front.catalog.expired():
-        delete(front, path)
+        with contextlib.suppress(NotFound):  # a concurrent call's sweep removed it first
+            delete(front, path)
