@@ -6,7 +6,8 @@ role the Tinker front's switches name (attention, MLP, unembedding: expert weigh
 ``target_parameters``) on causal models, and every linear layer of a classifier. Each case takes
 an update, resumes exactly from a checkpoint, exports weights that ``from_pretrained`` (and
 ``peft``) reloads to the same logits bit for bit, loads that export and the base model back
-through ``load_weights``, and, for causal models, samples with the trainer's own logprobs.
+through ``load_weights``, and, for causal models, samples with the trainer's own logprobs (from
+the live weights, the export and the base model alike).
 
 A new architecture is one line in ``ARCHITECTURES``; the ones outside ``FAST`` run in the slow
 suite.
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trainwire.client import LoraSettings, TokenExample
 from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.module_roles import ROLES, model_role_targets
+from trainwire.server.engine.sample_weights import BASE_MODEL
 from trainwire.server.engine.session import TrainingSession
 
 ARCHITECTURE_MATRIX = matrix(pytest.mark.slow)
@@ -126,3 +128,10 @@ def test_an_architecture_trains_resumes_exports_loads_and_samples_exactly(
 
     if is_causal(name):
         assert_samples_carry_the_trainers_logprobs(session)
+        # The export and the base model sample as the sessions holding them do.
+        prompt = session.tokenize(["the film"])[0]
+        draw = {"max_tokens": 4, "num_samples": 2, "seed": 2}
+        from_export = session.sample(prompt, weights=tmp_path / "export", **draw)
+        assert from_export == session.sample(prompt, **draw)
+        from_base = session.sample(prompt, weights=BASE_MODEL, **draw)
+        assert from_base == TrainingSession(config).sample(prompt, **draw)
