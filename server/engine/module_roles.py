@@ -90,6 +90,11 @@ def _enclosing_role(name: str, modules: dict[str, torch.nn.Module]) -> str | Non
     return None
 
 
+def holds_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds a mixture of experts (transformers' ``...Experts`` modules)."""
+    return any(EXPERTS_PATTERN.search(type(module).__name__) for module in model.modules())
+
+
 def role_targets(model: torch.nn.Module, roles: Sequence[str]) -> RoleTargets:
     """PEFT targets for ``roles`` of ``model``; ValueError naming the architecture for a role
     that matches nothing in it."""

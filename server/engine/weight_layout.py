@@ -27,8 +27,9 @@ from trainwire.server.errors import InvalidArgument
 
 def transformers_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a PEFT wrapper (or ``model`` itself when not wrapped)."""
-    get_base_model = getattr(model, "get_base_model", None)
-    return get_base_model() if callable(get_base_model) else model
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
 def tied_aliases(model: torch.nn.Module, native_name) -> dict[str, str]:

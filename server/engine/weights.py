@@ -18,6 +18,7 @@ from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
 from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.model_loading import MODEL_CONFIG_FILE
+from trainwire.server.engine.module_roles import holds_experts
 from trainwire.server.engine.session_checkpoint import (
     MODEL_FILE,
     is_session_checkpoint,
@@ -282,7 +283,7 @@ def record_attention_implementation(directory: Path, model: torch.nn.Module) -> 
         key: getattr(model.config, attribute, None) for key, attribute in KERNEL_KEYS.items()
     }
     kernels = {key: value for key, value in kernels.items() if isinstance(value, str) and value}
-    if not has_experts(model):
+    if not holds_experts(model):
         kernels.pop("experts_implementation", None)  # a dense model's config stays as it was
     if not kernels:
         return
@@ -290,11 +291,6 @@ def record_attention_implementation(directory: Path, model: torch.nn.Module) -> 
     data = json.loads(config_path.read_text())
     data.update(kernels)
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def has_experts(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds a mixture of experts (transformers' ``...Experts`` modules)."""
-    return any(type(module).__name__.endswith("Experts") for module in model.modules())
 
 
 def write_export(
