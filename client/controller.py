@@ -128,15 +128,15 @@ class Controller:
         self.state = record.state
         # The progress view measures its rate from here: an outage is not slow training.
         self._resumed = {"microbatch": self.state.next_microbatch, "at_s": time.monotonic()}
-        fresh = self.state.next_microbatch == 0 and info.position == 0
         back = (
             ""
             if outage_started is None
             else f"server back after {duration_text(time.monotonic() - outage_started)}; "
         )
+        fresh = self.state.next_microbatch == 0 and info.position == 0 and not back
         # A fresh start needs no words (the progress view shows it); a resume says where.
         logger.log(
-            logging.DEBUG if fresh and not back else logging.INFO,
+            logging.DEBUG if fresh else logging.INFO,
             "run %s: %s%s at microbatch %d of %d (position %d, server at %d)",
             self.run_id,
             back,

@@ -2,8 +2,8 @@
 
 Decoding ends here: the host takes typed requests (a ``TrainingConfig``, ``max_steps`` as
 ``int | None``), never JSON or proto3 defaults. Errors become status codes through the one map
-both transports share (``errors.STATUSES``), and every call is logged as one JSON line: kind,
-operation key, result (applied, replayed or the status), position, duration.
+both transports share (``errors.STATUSES``), and every call is logged as one JSON line at debug
+level: kind, operation key, result (applied, replayed or the status), position, duration.
 """
 
 from __future__ import annotations
@@ -51,11 +51,20 @@ def status_message(error: BaseException) -> str:
     return f"{advice} ({message})" if advice else message
 
 
+# The refusals an operator acts on (memory, disk or the queue ran out); every
+# other refusal is the caller's to act on, and the caller receives it.
+OPERATOR_STATUSES = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
 def log_operation(kind: str, key: str, started: float, result: str, **fields: Any) -> None:
+    """Every call as one JSON line at debug level (kind, key, result, position, duration):
+    per-operation detail for ``trainwire serve -v``. An operator's INFO log holds what they act
+    on instead: runs opened, restored and closed (the host's), refusals they can fix."""
+    if not logger.isEnabledFor(logging.DEBUG):
+        return
     line = {"kind": kind, "key": key, "result": result, **fields}
     line["duration_ms"] = round((time.perf_counter() - started) * 1000, 3)
-    level = logging.DEBUG if kind == "Info" and result == "ok" else logging.INFO
-    logger.log(level, "operation %s", json.dumps(line, sort_keys=True))
+    logger.debug("operation %s", json.dumps(line, sort_keys=True))
 
 
 def config_from_json(config_json: str) -> TrainingConfig:
@@ -120,6 +129,8 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             code = status_code(error)
             if code == grpc.StatusCode.INTERNAL:
                 logger.exception("%s failed unexpectedly", kind)
+            elif code in OPERATOR_STATUSES:
+                logger.warning("%s refused (%s): %s", kind, code.name, status_message(error))
             log_operation(kind, key, started, code.name, message=str(error))
             if isinstance(error, PositionMismatch):
                 context.set_trailing_metadata(((wire.POSITION_METADATA_KEY, str(error.position)),))
@@ -259,7 +270,7 @@ def _decoding(message_type: Any) -> Callable[[bytes], Any]:
 def _refusing_undecodable(behavior: Callable[..., Any]) -> Callable[..., Any]:
     def handle(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
-            logger.info("refused undecodable request: %s", request.message)
+            logger.debug("refused undecodable request: %s", request.message)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return behavior(request, context)
 
