@@ -275,6 +275,15 @@ def test_a_resume_under_other_lora_settings_is_refused_naming_them(lora_run, cha
     assert message.startswith("the checkpoint was trained in another model: " + difference)
 
 
+def test_a_resume_under_other_lora_target_parameters_is_refused_naming_them(lora_run):
+    cfg = lora_run.plan.config
+    experts = dataclasses.replace(cfg.lora, dropout=0.0, target_parameters=("down_proj",))
+    message = refused(
+        refuse_other_constructor_settings, checkpoint_of(lora_run), cfg.replace(lora=experts)
+    )
+    assert "lora.target_parameters: saved absent, now ['down_proj']" in message
+
+
 def test_a_resume_into_another_model_names_every_difference(lora_run, bert_run):
     full = lora_run.plan.config.replace(lora=None)
     message = refused(refuse_other_constructor_settings, checkpoint_of(lora_run), full, what="x")

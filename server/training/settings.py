@@ -56,7 +56,7 @@ def run_settings(cfg: TrainingConfig, *, accelerator: str, precision: str) -> di
 
 def constructor_settings(cfg: TrainingConfig) -> dict[str, Any]:
     """What shapes the model, beside ``run_settings``: the base model, task, labels and the
-    LoRA adapter (rank, alpha, dropout, targets, DoRA), if any.
+    LoRA adapter (rank, alpha, dropout, targets, DoRA, target parameters), if any.
 
     A checkpoint's weights fit only this model (``refuse_other_constructor_settings``). A
     full-weights run has no ``lora.*`` keys, so comparing it with a LoRA run reports them
@@ -74,6 +74,9 @@ def constructor_settings(cfg: TrainingConfig) -> dict[str, Any]:
         settings["lora.dropout"] = cfg.lora.dropout
         settings["lora.target_modules"] = list(cfg.lora.target_modules)
         settings["lora.use_dora"] = cfg.lora.use_dora
+        # Only when set, as in the config's JSON: checkpoints from before it compare equal.
+        if cfg.lora.target_parameters:
+            settings["lora.target_parameters"] = list(cfg.lora.target_parameters)
     return settings
 
 
