@@ -68,10 +68,14 @@ def write_gsm8k(root: Path, count: int = 32) -> None:
     rows = []
     for index in range(count):
         a, b = index % 7 + 1, index % 5 + 2
-        rows.append({"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})
+        rows.append(
+            {"question": f"What is {a} + {b}?", "answer": f"{a} + {b} = {a + b}\n#### {a + b}"}
+        )
     _jsonl(directory / "main" / "train.jsonl", rows)
     _jsonl(directory / "main" / "test.jsonl", rows[:8])
-    _dataset_card(directory / "README.md", {"main": {"train": "main/train.jsonl", "test": "main/test.jsonl"}})
+    _dataset_card(
+        directory / "README.md", {"main": {"train": "main/train.jsonl", "test": "main/test.jsonl"}}
+    )
 
 
 def write_chat_file(root: Path, count: int = 48) -> Path:

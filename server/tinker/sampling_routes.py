@@ -137,6 +137,12 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
     they are its snapshot, else its snapshot's export, or the base model."""
     if front.sampling_sessions.is_live(sampler):
         return {}
+    if front.models.model is None and sampler.export_run:
+        raise FailedPrecondition(
+            f"sampler weights {sampler.model_path} are sampled on this server's open model, and "
+            f"none is open: create a training client of {sampler.base_model!r} first (one "
+            "server, one model)"
+        )
     if front.models.model is None:
         raise NotFound("no model on this server: its sampling clients ended with it")
     if front.sampling_sessions.pruned(sampler):
@@ -146,6 +152,13 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
             "save_weights_and_get_sampling_client() again, or save it under a name"
         )
     if sampler.export_run:
+        model = front.models.model
+        if model.base_model != sampler.base_model:
+            raise FailedPrecondition(
+                f"sampler weights {sampler.model_path} are of {sampler.base_model!r}; the open "
+                f"model is {model.base_model!r} (one server, one model): open one of "
+                f"{sampler.base_model!r} to sample them"
+            )
         return {"export": sampler.export, "export_run": sampler.export_run}
     if sampler.export is not None:
         return {"export": sampler.export}
