@@ -142,7 +142,7 @@ def with_tied_head(tensors: dict[str, torch.Tensor]) -> None:
     [("qwen3-moe", fused), ("qwen3-moe", without_prefix), ("qwen2.5", with_tied_head)],
     ids=["fused-experts", "no-prefix", "tied-head-saved"],
 )
-def test_every_layout_from_pretrained_loads_loads_here_too(
+def test_every_layout_from_pretrained_takes_loads_here_too(
     architectures, tmp_path, name, change
 ) -> None:
     source = rewritten(architectures.path(name), tmp_path / "source", change)
