@@ -24,9 +24,16 @@ from trainwire.client.manifest import (
 from trainwire.client.overrides import config_with_overrides
 from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.serve_command import command_serve
+from trainwire.serve_command import add_serve_arguments, command_serve
 
 USAGE_ERROR = 2
+# What ``trainwire --help`` says first: plain words (the module docstring is for readers of the
+# code, and its markup would print as is).
+DESCRIPTION = (
+    "Train a model on a server you run, one keyed operation at a time: plan a run, serve a "
+    "session, replay the plan against it (exactly once, through crashes), or try it all with "
+    "trainwire demo."
+)
 logger = logging.getLogger(__name__)
 
 
@@ -196,7 +203,7 @@ def command_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainwire", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="trainwire", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -264,39 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler=command_train)
 
     serve = commands.add_parser("serve", help="serve one training session over gRPC")
-    serve.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any)")
-    serve.add_argument("--state-dir", required=True, help="runs, journals, checkpoints, exports")
-    serve.add_argument("--model-root", help="model paths resolve under this directory")
-    serve.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA where there is one)")
-    serve.add_argument("--token-file", help="a file holding the bearer token clients must send")
-    serve.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
-    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    serve.add_argument("--tls-client-ca", help="PEM CA that must sign client certificates (mTLS)")
-    serve.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="a server tunable: max_message_bytes (largest request accepted, default 64 MiB), "
-        "max_workers (RPC threads) or stop_grace_s (on SIGTERM, time the operation in flight "
-        "may take)",
-    )
-    serve.add_argument("--port-file", help="write the bound port here once listening")
-    serve.add_argument(
-        "--tinker-listen",
-        help="HOST:PORT for the Tinker SDK front on the same session (needs trainwire[tinker])",
-    )
-    serve.add_argument(
-        "--tinker-token-file",
-        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'). "
-        "Required when --token-file is given or the front listens beyond loopback: the two keys "
-        "guard the same run, each on its own port (they may differ)",
-    )
-    serve.add_argument(
-        "--tinker-tokenizer-id",
-        help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
-        "client can read (default: the model's directory on this host)",
-    )
+    add_serve_arguments(serve)
     serve.set_defaults(handler=command_serve)
 
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")

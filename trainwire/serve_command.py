@@ -28,6 +28,50 @@ SERVE_SETTINGS = {
     "stop_grace_s": float,
     "keep_checkpoints": int,  # retention: a run's K newest checkpoints (and best); default all
 }
+# What ``trainwire serve --help`` says of each: every tunable, so none is a secret.
+SERVE_SETTINGS_HELP = {
+    "max_message_bytes": "the largest request accepted (default 64 MiB)",
+    "max_workers": "RPC threads",
+    "stop_grace_s": "on SIGTERM, the time the operation in flight may take",
+    "keep_checkpoints": "retention: after every save, each run keeps its K newest checkpoints "
+    "and the one named best (default: all)",
+}
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """``trainwire serve``'s options."""
+    serve.add_argument("--listen", required=True, help="HOST:PORT to listen on (port 0: any)")
+    serve.add_argument("--state-dir", required=True, help="runs, journals, checkpoints, exports")
+    serve.add_argument("--model-root", help="model paths resolve under this directory")
+    serve.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA where there is one)")
+    serve.add_argument("--token-file", help="a file holding the bearer token clients must send")
+    serve.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
+    serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    serve.add_argument("--tls-client-ca", help="PEM CA that must sign client certificates (mTLS)")
+    tunables = "; ".join(f"{key}: {text}" for key, text in SERVE_SETTINGS_HELP.items())
+    serve.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a server tunable (repeatable). {tunables}",
+    )
+    serve.add_argument("--port-file", help="write the bound port here once listening")
+    serve.add_argument(
+        "--tinker-listen",
+        help="HOST:PORT for the Tinker SDK front on the same session (needs trainwire[tinker])",
+    )
+    serve.add_argument(
+        "--tinker-token-file",
+        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'). "
+        "Required when --token-file is given or the front listens beyond loopback: the two keys "
+        "guard the same run, each on its own port (they may differ)",
+    )
+    serve.add_argument(
+        "--tinker-tokenizer-id",
+        help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
+        "client can read (default: the model's directory on this host)",
+    )
 
 
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
