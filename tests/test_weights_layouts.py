@@ -155,6 +155,12 @@ def test_every_layout_from_pretrained_takes_loads_here_too(
     assert digest_of(params(session)) == digest_of(expected)
 
 
+def fused_as_well(tensors: dict[str, torch.Tensor]) -> None:
+    per_expert = dict(tensors)
+    fused(tensors)
+    tensors.update(per_expert)
+
+
 def drop_expert(tensors: dict[str, torch.Tensor]) -> None:
     del tensors[EXPERT_KEY.format(2)]
 
@@ -173,8 +179,13 @@ def bf16_expert(tensors: dict[str, torch.Tensor]) -> None:
         (drop_expert, r"gate_up_proj"),
         (shrink_expert, r"gate_up_proj"),
         (bf16_expert, r"experts\.1\.gate_proj\.weight: dtype torch\.bfloat16, model has torch\.f"),
+        (
+            fused_as_well,
+            r"experts\.down_proj: given twice, as model\.layers\.0\.mlp\.experts\.down_proj and "
+            r"as model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight and the tensors merged",
+        ),
     ],
-    ids=["missing-expert", "expert-shape", "expert-dtype"],
+    ids=["missing-expert", "expert-shape", "expert-dtype", "both-layouts"],
 )
 def test_moe_weights_that_do_not_fit_are_refused_before_any_live_tensor_changes(
     architectures, tmp_path, damage, message

@@ -81,31 +81,40 @@ def in_live_layout(
     prefix = hf_model.base_model_prefix or None
 
     out: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}  # each result's file name, to name a weight given twice
     pending: dict[str, WeightConverter] = {}
+    merged_from: dict[str, str] = {}  # a converted weight's first file name
     # Checked on each input: stacking experts would promote a stray dtype without a word.
-    dtype_problems: list[str] = []
+    problems: list[str] = []
+
+    def put(name: str, tensor: torch.Tensor, key: str) -> None:
+        if name in origin:
+            problems.append(f"{name}: given twice, as {origin[name]} and as {key}")
+        out[name], origin[name] = tensor, key
+
     # In the library's order: experts are stacked in the order their tensors arrive.
     for key in sorted(source, key=dot_natural_key):
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, expected)
         if renamed not in expected and key in expected:
             renamed, pattern = key, None
         if renamed not in expected:
-            out[key] = source[key]
+            put(key, source[key], key)
         elif pattern is None:
-            out[renamed] = source[key]
+            put(renamed, source[key], key)
         else:
             if source[key].dtype != expected[renamed].dtype:
-                dtype_problems.append(
+                problems.append(
                     f"{key}: dtype {source[key].dtype}, model has {expected[renamed].dtype}"
                 )
             rule = pending.setdefault(renamed, copy.deepcopy(by_pattern[pattern]))
             rule.add_tensor(renamed, key, pattern, source[key])
-    if dtype_problems:
-        raise InvalidArgument(
-            f"the weights do not fit this model: {'; '.join(dtype_problems[:10])}"
-        )
-    for first_name, rule in pending.items():
-        out.update(_converted(rule, first_name, hf_model))
+            merged_from.setdefault(renamed, key)
+    if not problems:
+        for first_name, rule in pending.items():
+            for name, tensor in _converted(rule, first_name, hf_model).items():
+                put(name, tensor, f"{merged_from[first_name]} and the tensors merged with it")
+    if problems:
+        raise InvalidArgument(f"the weights do not fit this model: {'; '.join(problems[:10])}")
     return _resolve_aliases(out, aliases or {})
 
 
