@@ -162,6 +162,27 @@ def test_sampler_weights_of_a_closed_run_sample_as_they_did_before_it_closed(
         )
 
 
+def test_sampler_weights_of_a_closed_run_sample_with_no_model_open_until_one_is_created(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """An evaluation script after training: only a sampling client, no training client. The
+    server opens a run of the saved run's configuration to sample on; a model created later
+    takes its place."""
+    with lora_training(tmp_path / "state", model_root) as run:
+        train_step(run, SENTENCES[0])
+        path = run.training.save_weights_for_sampler("snap").result().path
+        tokenizer = run.tokenizer
+        before = sample_of(run.service.create_sampling_client(model_path=path).result(), tokenizer)
+        close(run.service)
+        later = service_client(run.handle)
+        saved = later.create_sampling_client(model_path=path).result()
+        assert sample_of(saved, tokenizer) == before
+        assert run.handle.session_host.open_run_id.startswith("tinker-sampling-")
+        training = later.create_lora_training_client(base_model="llama", rank=4).result()
+        assert forward_logprobs(training, tokenizer)  # the model's own run took its place
+        assert not run.handle.session_host.open_run_id.startswith("tinker-sampling-")
+
+
 def export_folder(handle: ServerHandle, model_id: str, name: str) -> Path:
     """Where the server wrote external weights ``name`` of run ``model_id``."""
     return handle.session_host.state_dir.run(run_id_for(model_id)).export(EXPORT_PREFIX + name)

@@ -258,6 +258,11 @@ class SessionHost:
         self._executor.release(release)
 
     @property
+    def open_run_id(self) -> str | None:
+        """The open run's id (None when no run is open), at no cost."""
+        return None if self._active is None else self._active.spec.run_id
+
+    @property
     def position(self) -> int:
         """The open run's position (state-changing operations applied; 0 when none is open), at
         no cost: ``info()`` would hash the whole state to give its digest too."""

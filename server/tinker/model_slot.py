@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 from trainwire.server.paths import resolve_under
@@ -53,6 +54,7 @@ from trainwire.server.tinker.start_from import (
 logger = logging.getLogger(__name__)
 
 SESSION_LAPSE_S = 30.0  # a client silent this long (three missed heartbeats) gives up its model
+SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sampler weights
 SESSION_KEEP_S = 600.0  # a session silent this long is not written into a compacted log
 
 T = TypeVar("T")
@@ -83,6 +85,7 @@ class ModelSlot:
         self._seen: dict[str, float] = {}  # session → when it last sent a request (monotonic)
         self._started = time.monotonic()
         self._lock = threading.Lock()  # one create_model or close at a time
+        self._sampling_run: dict[str, str] = {}  # config fingerprint → its sampling run
         self.model = ModelRecord.load(directory)
         if self.model is not None:
             self.sessions.add(self.model.session_id)
@@ -147,6 +150,7 @@ class ModelSlot:
                 self._give_way(self.model, session_id)
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
+            self._end_sampling_run()
             self.host.open(record.run_id, config)
             self.catalog.add_run(run_record(model_id, config, lora_switches(body), body))
             record.save(self.directory)
@@ -176,6 +180,7 @@ class ModelSlot:
             record = ModelRecord.new(
                 model_id, session_id, config, self.tokenizer_id or str(model_dir)
             )
+            self._end_sampling_run()
             self.host.open(record.run_id, config)
             start.apply(self.host, model_id)
             self.host.apply(
@@ -222,6 +227,31 @@ class ModelSlot:
             SESSION_LAPSE_S,
         )
         self._close_model()
+
+    def open_for_sampling(self, config: TrainingConfig) -> None:
+        """With no model open, a run of ``config`` (a closed run's) to sample its saved sampler
+        weights on; the next ``create_model`` closes it. A sampling run of another config is
+        closed first. FailedPrecondition when a model is open (its own run samples)."""
+        with self._lock:
+            if self.model is not None:
+                raise FailedPrecondition(
+                    f"this server trains {self.model.base_model!r} now (one server, one model)"
+                )
+            open_id = self.host.open_run_id
+            if open_id is not None and open_id == self._sampling_run.get(config.fingerprint()):
+                return
+            self._end_sampling_run()
+            run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
+            self.host.open(run_id, config)
+            self._sampling_run = {config.fingerprint(): run_id}
+
+    def _end_sampling_run(self) -> None:
+        """Close a run opened only for sampling (also one a restart restored): a model's run
+        takes its place. Another run open (a gRPC client's) is left alone."""
+        open_id = self.host.open_run_id
+        if open_id is not None and open_id.startswith(SAMPLING_RUN_PREFIX):
+            self.host.close(open_id)
+        self._sampling_run = {}
 
     def _close_model(self) -> None:
         """Close the model's run (its files stay) and forget what the request log kept for it;

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
@@ -138,11 +139,9 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
     if front.sampling_sessions.is_live(sampler):
         return {}
     if front.models.model is None and sampler.export_run:
-        raise FailedPrecondition(
-            f"sampler weights {sampler.model_path} are sampled on this server's open model, and "
-            f"none is open: create a training client of {sampler.base_model!r} first (one "
-            "server, one model)"
-        )
+        source = front.catalog.run(TinkerPath.parse(sampler.model_path).model_id)
+        front.models.open_for_sampling(TrainingConfig.from_dict(source.config))
+        return {"export": sampler.export, "export_run": sampler.export_run}
     if front.models.model is None:
         raise NotFound("no model on this server: its sampling clients ended with it")
     if front.sampling_sessions.pruned(sampler):
