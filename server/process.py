@@ -26,6 +26,7 @@ from trainwire.server.grpc.listener import (
     DEFAULT_MAX_WORKERS,
     GrpcListener,
 )
+from trainwire.server.library_warnings import quiet_library_warnings
 from trainwire.server.service.host import SessionHost
 
 logger = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ def serve(
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
+    quiet_library_warnings()
     listener = GrpcListener(
         listen,
         token=token,

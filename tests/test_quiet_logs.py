@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from trainwire.client.controller import Controller
 from trainwire.client.progress import Progress
 from trainwire.client.retry import RetryPolicy, call_with_retry
 from trainwire.server import serve
+from trainwire.server.library_warnings import QUIET_WARNINGS, quiet_library_warnings
 from trainwire.testing import free_port
 
 
@@ -101,3 +103,15 @@ def test_an_outage_is_one_warning_and_its_end_one_line(
     assert "server back after" in loud[1] and "resuming at microbatch" in loud[1]
     resumed = [p.extra["resumed"] for p in progress if "resumed" in p.extra]
     assert len(resumed) == 2  # the start, and the resume the progress view counts its rate from
+
+
+def test_library_warnings_nobody_acts_on_are_filtered_exactly() -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_library_warnings()
+        for category, message, module in QUIET_WARNINGS:
+            text = message.replace("\\", "") + " and will be removed"
+            module_name = module.replace("\\", "")
+            warnings.warn_explicit(text, category, "library.py", 1, module=module_name)
+            warnings.warn_explicit("another warning", category, "library.py", 1, module=module_name)
+    assert [str(w.message) for w in caught] == ["another warning"] * len(QUIET_WARNINGS)

@@ -28,6 +28,7 @@ from trainwire.client.replay import RunState, training_result
 from trainwire.client.results import TrainingResult
 from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.library_warnings import lightning_fit_quieted, quiet_library_warnings
 from trainwire.server.training.callbacks import StopOnInterrupt
 from trainwire.server.training.checkpoints import (
     CHECKPOINT_DIR,
@@ -98,6 +99,7 @@ def train(
         )
 
     output.mkdir(parents=True, exist_ok=True)
+    quiet_library_warnings()
     session = TrainingSession(
         plan.config, device=hardware.accelerator, max_steps=plan.max_steps, model_root=model_root
     )
@@ -111,7 +113,8 @@ def train(
         enable_progress_bar=enable_progress_bar,
     )
     # With a checkpoint, Lightning restores its loops and callbacks, and the module its session.
-    trainer.fit(module, ckpt_path=None if resume is None else resume.path)
+    with lightning_fit_quieted():
+        trainer.fit(module, ckpt_path=None if resume is None else resume.path)
     return finish(module, checkpoint, hardware, output, config_path=manifest_path)
 
 
