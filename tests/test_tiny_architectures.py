@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
@@ -30,6 +31,14 @@ def test_the_same_architecture_and_seed_write_byte_identical_files(tmp_path: Pat
     assert file_digests(first) == file_digests(second)
     other_seed = make_tiny_architecture(tmp_path / "c", "qwen3-moe", seed=1)
     assert file_digests(other_seed)["model.safetensors"] != file_digests(first)["model.safetensors"]
+
+
+def test_the_callers_torch_rng_is_untouched(tmp_path: Path) -> None:
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    make_tiny_architecture(tmp_path / "gemma3", "gemma3", seed=5)
+    assert torch.equal(torch.rand(3), expected)
 
 
 def test_moe_experts_are_one_tensor_each_on_disk_and_fused_in_memory(tmp_path: Path) -> None:
