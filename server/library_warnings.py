@@ -30,9 +30,13 @@ QUIET_WARNINGS: tuple[tuple[type[Warning], str, str], ...] = (
     ),
 )
 
-# Lightning's CombinedLoader builds torch's deprecated LeafSpec (torch >= 2.10) inside
-# Trainer.fit; Lightning's to fix.
-LIGHTNING_LEAFSPEC = (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", "")
+# Around Trainer.fit: Lightning's CombinedLoader builds torch's deprecated LeafSpec (torch >=
+# 2.10), Lightning's to fix; and its ModelCheckpoint notes a used checkpoint directory, which a
+# resume uses by design (a fresh start into a used directory is refused before fit).
+LIGHTNING_FIT_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated"),
+    (UserWarning, r"Checkpoint directory .* exists and is not empty"),
+)
 
 
 def quiet_library_warnings() -> None:
@@ -44,8 +48,8 @@ def quiet_library_warnings() -> None:
 
 @contextlib.contextmanager
 def lightning_fit_quieted() -> Iterator[None]:
-    """Around ``Trainer.fit`` only: Lightning's own deprecation warning, silenced."""
-    category, message, _ = LIGHTNING_LEAFSPEC
+    """Around ``Trainer.fit`` only: Lightning's notes no user acts on, silenced."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=message, category=category)
+        for category, message in LIGHTNING_FIT_WARNINGS:
+            warnings.filterwarnings("ignore", message=message, category=category)
         yield
