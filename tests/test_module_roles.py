@@ -25,7 +25,7 @@ from transformers import MambaConfig
 from trainwire.server.engine import weights
 from trainwire.server.engine.model_loading import apply_lora, load_model, load_tokenizer
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.tinker.model import fit_max_length, training_config
+from trainwire.server.tinker.model import fit_lora_roles, fit_max_length, training_config
 
 ROLE_NAMES = {
     "attn": re.compile(r"\.(self_attn|attn)\."),
@@ -48,7 +48,8 @@ def architectures(model_root: Path) -> ArchitectureModels:
 def tinker_config(directory: Path, switches: dict[str, bool]):
     """What create_model opens for ``lora_config`` switches on the model in ``directory``."""
     body = {"base_model": directory.name, "lora_config": {"rank": 2, **switches}}
-    return replace(fit_max_length(training_config(body), directory), model=str(directory))
+    fitted = fit_lora_roles(fit_max_length(training_config(body), directory), directory)
+    return replace(fitted, model=str(directory))
 
 
 def role_weights(model: torch.nn.Module, roles: list[str]) -> set[str]:

@@ -121,11 +121,8 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
 def fit_max_length(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
     """``config`` with ``max_length`` at ``MAX_LENGTH``, or at the positions of the model in
     ``model_dir`` (resolved under the model root) where it has fewer: the engine refuses a
-    max_length its model cannot hold, and a small model is still one the SDK can train.
-    create_model fits the config to its model here, so its LoRA switches are named as that
-    model's layers here too (``fit_lora_roles``)."""
+    max_length its model cannot hold, and a small model is still one the SDK can train."""
     positions = model_positions(model_config(model_dir) or {})
-    config = fit_lora_roles(config, model_dir)
     return replace(config, max_length=min(MAX_LENGTH, positions or MAX_LENGTH))
 
 

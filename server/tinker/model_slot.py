@@ -38,6 +38,7 @@ from trainwire.server.tinker.futures import Done
 from trainwire.server.tinker.model import (
     MODEL_FILE,
     ModelRecord,
+    fit_lora_roles,
     fit_max_length,
     training_config,
 )
@@ -144,6 +145,7 @@ class ModelSlot:
         if not model_dir.is_dir():
             raise NotFound(f"create_model: no model {config.model!r} under the model root")
         config = fit_max_length(config, model_dir)  # the engine refuses more than it holds
+        config = fit_lora_roles(config, model_dir)  # the switches, as this model's layers
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
