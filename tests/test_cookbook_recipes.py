@@ -210,14 +210,20 @@ def library_server(
 def test_supervised_entry_point_evaluates_checkpoints_asynchronously_and_resumes(
     tmp_path: Path, workspace: Path, library_server: RecipeServer
 ) -> None:
+    """Killed after its first asynchronous checkpoint, the entry point run again resumes from
+    it (a new run with the optimizer state) and finishes, evaluating as it goes."""
     url, log_path = base_url(library_server), tmp_path / "sft"
-    run_recipe(workspace, driver("supervised", url, log_path), tmp_path / "sft.log")
-    rows = metrics(log_path)
-    assert any("test/nll" in row for row in rows)  # its evaluator ran
-    saved = [json.loads(line)["name"] for line in (log_path / "checkpoints.jsonl").open()]
-    assert saved[-1] == "final" and "000002" in saved
+    first = start_recipe(workspace, driver("supervised", url, log_path), tmp_path / "first.log")
+    checkpoints = log_path / "checkpoints.jsonl"
+    wait_for(lambda: checkpoints.is_file() and checkpoints.read_text().strip(), 300)
+    first.kill()
+    first.wait(timeout=60)
     run_recipe(workspace, driver("supervised", url, log_path), tmp_path / "again.log")
-    assert "Resuming" in (tmp_path / "again.log").read_text(errors="replace")
+    again = (tmp_path / "again.log").read_text(errors="replace")
+    assert "Resumed training from" in again and "/weights/000002" in again
+    assert any("test/nll" in row for row in metrics(log_path))  # its evaluator ran
+    saved = [json.loads(line)["name"] for line in checkpoints.open()]
+    assert saved[0] == "000002" and saved[-1] == "final"
 
 
 @pytest.mark.parametrize("variant", ["plain", "kl", "async", "stream"])
