@@ -4,6 +4,8 @@ its rate over the work done since the run (re)started."""
 from __future__ import annotations
 
 import io
+import logging
+import re
 
 import pytest
 
@@ -116,3 +118,34 @@ def test_without_a_terminal_the_reporter_writes_plain_lines() -> None:
     reporter.close()
     line = stream.getvalue().strip()
     assert line.startswith("1/96 microbatches  step 1/96  loss 0.2500  eval accuracy 0.9844")
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_on_a_terminal_every_drawn_line_fits_and_logs_print_above(width: int) -> None:
+    stream = Terminal()
+    handler = logging.StreamHandler(stream)
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        reporter = ProgressReporter(stream=stream, metric="eval_accuracy", width=width)
+        for i in range(20):
+            evaluation = EVALUATION if i == 9 else None
+            reporter(
+                Progress(i, 96, 0, i + 1, 96, 0.5, update={"loss": 0.5}, evaluation=evaluation)
+            )
+            if i == 10:
+                logging.getLogger("trainwire.client.controller").warning("server unreachable")
+        reporter.close()
+    finally:
+        root.removeHandler(handler)
+    screen = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
+    lines = [line for line in re.split(r"[\r\n]+", screen) if line.strip()]
+    assert all(len(line) < width for line in lines), [len(line) for line in lines]
+    assert "server unreachable" in lines  # a line of its own, not glued to the bar
+    assert "20/96 microbatches" in lines[-1]
+    assert "eval accuracy 0.9844" in lines[-1]
