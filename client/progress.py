@@ -22,4 +22,7 @@ class Progress:
     update: dict[str, Any] | None = None  # the update record, when one followed
     evaluation: dict[str, Any] | None = None  # the evaluation record, when one followed
     tokens: int = 0  # tokens in this microbatch, where known
+    # Runner-specific notes. The controller sets "resumed" ({"microbatch": where the run
+    # (re)started, "at_s": time.monotonic() then}) on the first microbatch after each start, so a
+    # progress view measures its rate from there and never counts an outage as slow training.
     extra: dict[str, Any] = field(default_factory=dict)
