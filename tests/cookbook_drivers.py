@@ -56,15 +56,15 @@ def supervised(base_url: str, log_path: str) -> None:
 
 def rl(base_url: str, log_path: str, variant: str) -> None:
     """The full RL entry point on the arithmetic environment (no download): ``plain``, ``kl``
-    (a KL penalty against the base model), ``async`` (off-policy by one step) or ``stream``
-    (streaming minibatches)."""
+    (the plain synchronous loop with a KL penalty against the base model), ``async``
+    (off-policy by one step) or ``stream`` (streaming minibatches)."""
     from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
     from tinker_cookbook.rl import train
 
     builder = ArithmeticDatasetBuilder(
         batch_size=4,
         group_size=4,
-        n_batches=3,
+        n_batches=2,
         model_name_for_tokenizer=MODEL_NAME,
         renderer_name=RENDERER,
     )
@@ -94,7 +94,7 @@ def rl(base_url: str, log_path: str, variant: str) -> None:
         dataset_builder=builder,
         learning_rate=4e-4,
         lora_rank=8,
-        max_tokens=12,
+        max_tokens=8,
         base_url=base_url,
         loss_fn="importance_sampling",
         save_every=2,
