@@ -73,12 +73,15 @@ def base_url(server: RecipeServer) -> str:
     return server.url
 
 
-def recipe_env() -> dict[str, str]:
+def recipe_env(workspace: Path) -> dict[str, str]:
+    """The key, offline, and a datasets cache of the workspace's own (a shared cache may hold
+    another workspace's rows under the same local name)."""
     return {
         **os.environ,
         "TINKER_API_KEY": KEY,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(workspace / ".datasets-cache"),
         "PYTHONPATH": str(TESTS),
     }
 
@@ -87,7 +90,11 @@ def start_recipe(workspace: Path, args: list[str], log: Path) -> subprocess.Pope
     """A recipe as a user runs it: its own process, from the workspace."""
     with open(log, "ab") as out:
         return subprocess.Popen(
-            [sys.executable, *args], cwd=workspace, env=recipe_env(), stdout=out, stderr=out
+            [sys.executable, *args],
+            cwd=workspace,
+            env=recipe_env(workspace),
+            stdout=out,
+            stderr=out,
         )
 
 
