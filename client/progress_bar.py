@@ -64,7 +64,8 @@ class ProgressReporter:
         elif progress.update is not None and (
             progress.step % self.log_every == 0 or progress.evaluation is not None
         ):
-            print(self.fields(progress).text(), file=self.stream, flush=True)
+            self.stream.write(self.fields(progress).text() + "\n")
+            self.stream.flush()
 
     def fields(self, progress: Progress) -> ProgressFields:
         """What the line says about ``progress`` (the update's loss where one followed)."""
