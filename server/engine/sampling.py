@@ -15,23 +15,24 @@ given.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
 from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
+from trainwire.server.engine import batch_decode
+from trainwire.server.engine.batch_decode import DEFAULT_TILE_ROWS, DecodeJob, Drawn
+from trainwire.server.engine.draws import LENGTH, STOP, _choose
 from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
 from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
 from trainwire.server.errors import InvalidArgument
 
-STOP, LENGTH = "stop", "length"  # Sample.stop_reason
+__all__ = ["LENGTH", "STOP", "SampleCall", "Sampler", "SamplingLimits", "SamplingParams", "_choose"]
 
 
 @dataclass(frozen=True)
@@ -156,6 +157,36 @@ def prompt_problems(prompt: Sequence[int], vocab_size: int, limits: SamplingLimi
     return problems
 
 
+@dataclass(frozen=True)
+class SampleCall:
+    """One request of ``Sampler.sample_many``: its prompt, its checked settings, and where its
+    samples go once its last row has ended."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    on_samples: Callable[[list[Sample]], None]
+
+
+def generate(
+    model: torch.nn.Module,
+    prompt: Sequence[int],
+    params: SamplingParams,
+    *,
+    eos_ids: Sequence[int],
+    device: torch.device,
+    watch: StopStringWatch | None = None,
+    max_positions: int = SamplingLimits.max_sample_positions,
+) -> Drawn:
+    """``params.num_samples`` continuations of ``prompt`` (new tokens, stop reason), decoded
+    alone: the tokens ``Sampler.sample`` scores, whatever decodes beside it there."""
+    decoder = batch_decode.BatchDecoder(
+        model, eos_ids=eos_ids, device=device, max_positions=max_positions
+    )
+    drawn: list[Drawn] = []
+    batch_decode.decode(decoder, [DecodeJob(tuple(prompt), params, watch, drawn.append)], list)
+    return drawn[0]
+
+
 class Sampler:
     """Samples for one session: its tokenizer's EOS, its vocabulary and its limits."""
 
@@ -167,12 +198,14 @@ class Sampler:
         pad_id: int,
         limits: SamplingLimits,
         decode: Callable[[list[int]], str] | None = None,
+        tile_rows: int = DEFAULT_TILE_ROWS,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
         self.limits = limits
         self.decode = decode  # the tokenizer's, for stop strings
+        self.tile_rows = tile_rows  # rows of every decode forward (``batch_decode``)
 
     @classmethod
     def for_model(
@@ -202,9 +235,43 @@ class Sampler:
         gradients; nothing here touches the session's RNG.
         """
         params.check(prompt, self.vocab_size, self.limits)
+        drawn: list[list[Sample]] = []
+        self.sample_many(model, [SampleCall(tuple(prompt), params, drawn.append)])
+        return drawn[0]
+
+    def sample_many(
+        self,
+        model: torch.nn.Module,
+        calls: Sequence[SampleCall],
+        join: Callable[[], list[SampleCall]] = list,
+    ) -> None:
+        """Decode ``calls`` (each checked by the caller) as one batch, and those ``join`` hands
+        over between steps; each call's ``on_samples`` gets its samples, scored, as it ends.
+
+        A call's samples are those ``sample`` gives it alone (``batch_decode`` says why), so
+        whatever decodes beside it changes none of its bits. Called as ``sample`` is.
+        """
         device = next(model.parameters()).device
-        watch = StopStringWatch(params.stop_strings, self.decode)
-        drawn = generate(model, prompt, params, eos_ids=self.eos_ids, device=device, watch=watch)
+        decoder = batch_decode.BatchDecoder(
+            model,
+            eos_ids=self.eos_ids,
+            device=device,
+            max_positions=self.limits.max_sample_positions,
+            tile_rows=self.tile_rows,
+        )
+
+        def job(call: SampleCall) -> DecodeJob:
+            def done(drawn: Drawn) -> None:
+                call.on_samples(self._scored(model, call.prompt, drawn, device))
+
+            watch = StopStringWatch(call.params.stop_strings, self.decode)
+            return DecodeJob(call.prompt, call.params, watch, done)
+
+        batch_decode.decode(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
+
+    def _scored(
+        self, model: torch.nn.Module, prompt: Sequence[int], drawn: Drawn, device: torch.device
+    ) -> list[Sample]:
         # Equal samples (every greedy one, say) share one exact pass: the same input gives the
         # same bits, and the pass is a full forward per distinct sample.
         scored: dict[tuple[int, ...], tuple[float, ...]] = {}
@@ -253,98 +320,6 @@ class Sampler:
         )
         values = batch.split(target_logprobs(model, batch)[batch.mask])[0]
         return tuple(values[len(values) - len(tokens) :])
-
-
-def generate(
-    model: torch.nn.Module,
-    prompt: Sequence[int],
-    params: SamplingParams,
-    *,
-    eos_ids: Sequence[int],
-    device: torch.device,
-    watch: StopStringWatch | None = None,
-) -> list[tuple[list[int], str]]:
-    """Decode ``params.num_samples`` continuations of ``prompt``: (new tokens, stop reason).
-
-    A row ends after a stop token or EOS, or once ``watch`` sees a stop string in its text. Every
-    row draws at every step until all have ended, so where one row stops never moves another
-    row's draws. Runs under ``torch.no_grad`` with the model in eval mode (the caller's job).
-    """
-    stops = set(params.stop_tokens) | set(eos_ids)
-    generator = torch.Generator(device=device).manual_seed(params.seed)
-    rows = params.num_samples
-    input_ids = torch.tensor([list(prompt)] * rows, dtype=torch.long, device=device)
-    attention = torch.ones_like(input_ids)
-    cache = DynamicCache()  # filled in place by every forward below
-    model_kwargs = _decode_keywords(model, cache)
-    sampled: list[list[int]] = [[] for _ in range(rows)]
-    reasons: list[str | None] = [None] * rows
-    for _ in range(params.max_tokens):
-        output = model(input_ids=input_ids, attention_mask=attention, **model_kwargs)
-        chosen = _choose(output.logits[:, -1, :].float(), params, generator)
-        for row, token in enumerate(chosen.tolist()):
-            if reasons[row] is None:
-                sampled[row].append(token)
-                if token in stops or (watch and watch.reached(sampled[row])):
-                    reasons[row] = STOP
-        if all(reason is not None for reason in reasons):
-            break
-        input_ids = chosen.unsqueeze(-1)
-        attention = torch.cat([attention, torch.ones_like(input_ids)], dim=-1)
-    return [(tokens, reason or LENGTH) for tokens, reason in zip(sampled, reasons, strict=True)]
-
-
-def _choose(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
-) -> torch.Tensor:
-    """One token per row: greedy at temperature 0, else temperature → top-k → top-p → draw."""
-    if params.temperature == 0:
-        return torch.argmax(logits, dim=-1)
-    logits = _tempered(logits, float(params.temperature))
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, -math.inf)
-    if params.top_p < 1:
-        ordered, order = torch.sort(logits, dim=-1, descending=True)
-        ordered_probabilities = torch.softmax(ordered, dim=-1)
-        # Drop a token once the ones before it already reach top_p; the first always stays.
-        drop = (ordered_probabilities.cumsum(dim=-1) - ordered_probabilities) >= params.top_p
-        # Stated, not left to the comparison: a top_p that float32 rounds to 0 (5e-324, say)
-        # would drop every token, and a draw from nothing is NaN.
-        drop[:, 0] = False
-        logits = logits.scatter(-1, order, ordered.masked_fill(drop, -math.inf))
-    probabilities = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probabilities, 1, generator=generator).squeeze(-1)
-
-
-def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``logits / temperature``, computed stably where that overflows.
-
-    A temperature near 0 (1e-300, or any that float32 rounds to 0) sends logits / temperature
-    to inf, and a softmax of inf is NaN: the draw would crash on a caller's finite value. There,
-    and only there, the same distribution comes from each row shifted by its largest logit
-    first, in float64: the largest stay 0 and the rest fall to very negative values or -inf, so
-    the draw takes the (tied) most likely tokens, the limit the caller asked for. Any
-    temperature whose quotient is finite takes the plain division, so its samples keep every bit.
-    """
-    scaled = logits / temperature
-    if temperature >= 1 or bool(torch.isfinite(scaled.amax(dim=-1)).all()):
-        return scaled
-    wide = logits.double()
-    return (wide - wide.amax(dim=-1, keepdim=True)) / temperature
-
-
-def _decode_keywords(model: torch.nn.Module, cache: DynamicCache) -> dict[str, Any]:
-    """The keywords of an incremental decode step: the cache under ``cache``, the keyword of
-    transformers' current cache API, where the model takes it (``past_key_values`` on the older
-    releases the package supports), and logits for the last position only where it can."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    accepted = inspect.signature(base.forward).parameters
-    keywords: dict[str, Any] = {"use_cache": True}
-    keywords["cache" if "cache" in accepted else "past_key_values"] = cache
-    if "logits_to_keep" in accepted:
-        keywords["logits_to_keep"] = 1
-    return keywords
 
 
 def _bad_ids(ids: Sequence[int], vocab_size: int) -> bool:

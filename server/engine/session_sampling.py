@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import Sample
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.sample_weights import SampleWeights
-from trainwire.server.engine.sampling import SamplingParams
+from trainwire.server.engine.sampling import SampleCall, SamplingParams
 from trainwire.server.engine.tensor_files import copy_into
 from trainwire.server.engine.weights import (
     WeightsLoad,
@@ -60,6 +61,66 @@ def sample(
     check = functools.partial(params.check, prompt, sampler.vocab_size, sampler.limits)
     with _reading(session, selected, check):
         return sampler.sample(session.model, prompt, params)
+
+
+@dataclass(frozen=True)
+class BatchedSample:
+    """One request of ``sample_many``: what ``sample`` takes, whether the prompt is scored too
+    (``prompt_logprobs``), and where its answer goes: ``on_result(samples, prompt_logprobs or
+    None)`` once it is done, or ``on_error`` with why it was refused or failed."""
+
+    prompt: list[int]
+    params: SamplingParams
+    with_prompt_logprobs: bool
+    on_result: Callable[[list[Sample], list[float] | None], None]
+    on_error: Callable[[Exception], None]
+
+
+def sample_many(
+    session: TrainingSession,
+    selected: SampleWeights,
+    requests: Sequence[BatchedSample],
+    join: Callable[[], list[BatchedSample]] = list,
+) -> None:
+    """``requests`` (and those ``join`` hands over between decode steps), all under
+    ``selected``'s weights, decoded as one batch: each gets what ``sample`` gives it alone.
+
+    Each request is checked on its own first, and refused on its own; a failure of the batch
+    itself (its weights' source missing, out of memory) reaches every request not yet answered.
+    """
+    sampler = session.sampler
+    model = session.model
+
+    def accepted(batch: Sequence[BatchedSample]) -> list[SampleCall]:
+        calls = []
+        for request in batch:
+            try:
+                request.params.check(request.prompt, sampler.vocab_size, sampler.limits)
+            except InvalidArgument as error:
+                request.on_error(error)
+                continue
+            calls.append(SampleCall(tuple(request.prompt), request.params, _answer(request)))
+        return calls
+
+    def _answer(request: BatchedSample) -> Callable[[list[Sample]], None]:
+        def answer(samples: list[Sample]) -> None:
+            scored = None
+            if request.with_prompt_logprobs:
+                scored = sampler.prompt_logprobs(model, request.prompt)
+            request.on_result(samples, scored)
+
+        return answer
+
+    if session.config.task != "causal-lm":
+        error = InvalidArgument(f"sampling needs a causal-lm session, not {session.config.task}")
+        for request in requests:
+            request.on_error(error)
+        return
+    calls = accepted(requests)
+    if not calls:
+        return
+    with _reading(session, selected, lambda: None):
+        sampler.sample_many(model, calls, lambda: accepted(join()))
 
 
 def prompt_logprobs(

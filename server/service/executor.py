@@ -33,6 +33,8 @@ class SessionExecutor:
         self.waiting = 0  # admitted calls: held at the position gate, queued or running
         self._on_worker = 0  # queued on the worker thread or running there
         self._released = False
+        # Moves with every call queued that samples may not decode beside (see ``run``).
+        self.epoch = 0
 
     @property
     def busy(self) -> bool:
@@ -57,14 +59,26 @@ class SessionExecutor:
             with self._lock:
                 self.waiting -= 1
 
-    def run(self, call: Callable[[], T]) -> T:
-        """``call()`` on the executor thread after everything queued before it."""
+    def run(self, call: Callable[[], T], *, joinable: bool = False) -> T:
+        """``call()`` on the executor thread after everything queued before it.
+
+        Every call but a ``joinable`` one (a batch of samples) moves ``epoch``: a sample request
+        that saw an epoch may decode in any batch that started at that epoch or later, but never
+        in one that runs before a call queued after it (``sample_batching``).
+        """
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
             self._on_worker += 1
+            if not joinable:
+                self.epoch += 1
+            try:  # queued under the lock: the queue's order is the epochs' order
+                queued = self._worker.submit(call)
+            except BaseException:
+                self._on_worker -= 1
+                raise
         try:
-            return self._worker.submit(call).result()
+            return queued.result()
         finally:
             with self._lock:
                 self._on_worker -= 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,9 +38,10 @@ from trainwire.server.service.active_run import (
 from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
 from trainwire.server.service.lifecycle import Lifecycle
-from trainwire.server.service.operations import Operation
+from trainwire.server.service.operations import SAMPLE, Operation
 from trainwire.server.service.position_gate import PositionGate
 from trainwire.server.service.run_checkpoints import discard_saved
+from trainwire.server.service.sample_batching import SampleBatcher
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -89,6 +91,7 @@ class SessionHost:
             raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
         self._executor = SessionExecutor()
+        self._batcher = SampleBatcher(self._executor, self._require_active)
         self._active: ActiveRun | None = None
         self._snapshot: SessionInfo | None = None  # as of the last finished operation
         self._gate = PositionGate(lambda: self._active.position if self._active else 0)
@@ -305,11 +308,15 @@ class SessionHost:
             return self._keyed(operation, request, op)
         if op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
+        if operation is SAMPLE:  # decoded beside the samples waiting with it (sample_batching)
+            return self._batcher.submit(request, partial(self._serialized, joinable=True))
         return self._serialized(lambda: operation.apply(self._require_active(), request, None))
 
     # -- the executor ------------------------------------------------------------------------------
 
-    def _serialized(self, call: Callable[..., T], *args: Any, refusable: bool = True) -> T:
+    def _serialized(
+        self, call: Callable[..., T], *args: Any, refusable: bool = True, joinable: bool = False
+    ) -> T:
         """``call(*args)`` on the executor thread, after everything queued before it.
 
         A ``refusable`` call (an operation, a read) counts against the executor's one bound and
@@ -319,9 +326,9 @@ class SessionHost:
         if not refusable:
             return self._executor.run(lambda: call(*args))
         with self._executor.admitted():
-            return self._run_refusable(call, *args)
+            return self._run_refusable(call, *args, joinable=joinable)
 
-    def _run_refusable(self, call: Callable[..., T], *args: Any) -> T:
+    def _run_refusable(self, call: Callable[..., T], *args: Any, joinable: bool = False) -> T:
         self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
@@ -329,7 +336,7 @@ class SessionHost:
             self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
-        return self._executor.run(job)
+        return self._executor.run(job, joinable=joinable)
 
     def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
         """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""

@@ -77,15 +77,20 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
     """Samples (and the prompt's logprobs) under the weights the request selects; the engine
     swaps other weights in and back itself, inside its guard."""
     session = run.session
-    if request.export:
-        saved_by = sibling_run(run.run, request.export_run) if request.export_run else run.run
-        weights = SampleWeights(export=saved_by.export(request.export))
-    else:
-        weights = BASE_MODEL if request.base_model else LIVE_WEIGHTS
+    weights = sample_weights(run, request)
     samples = session.sample(request.prompt_tokens, weights=weights, **request.sampling_settings())
     if not request.prompt_logprobs:
         return SampleResult(samples)
     return SampleResult(samples, session.prompt_logprobs(request.prompt_tokens, weights=weights))
+
+
+def sample_weights(run: ActiveRun, request: SampleRequest) -> SampleWeights:
+    """The weights ``request`` reads: the live ones, an export of this run or of the run
+    ``export_run``, or the base model."""
+    if request.export:
+        saved_by = sibling_run(run.run, request.export_run) if request.export_run else run.run
+        return SampleWeights(export=saved_by.export(request.export))
+    return BASE_MODEL if request.base_model else LIVE_WEIGHTS
 
 
 def check_discard(request: DiscardExportsRequest, _root: Path | None) -> None:

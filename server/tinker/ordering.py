@@ -7,6 +7,10 @@ calls and in request bytes: every waiting call holds its decoded request in memo
 maximal ``forward_backward`` is 256 MiB. Past either bound a call is refused with
 ``ResourceExhausted`` (429: the SDK retries it) before it is logged, except the one call that
 the calls already held are waiting for (nothing could run without it).
+
+Samples released one after another run beside each other (up to ``SAMPLES_BESIDE`` at once), so
+the host decodes them as one batch (``sample_batching``); the next training call runs once every
+sample released before it has ended, as when they ran one at a time.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ DEFAULT_MAX_HELD_BYTES = 256 * 1024 * 1024  # request bytes waiting to run, like
 
 Job = Callable[[], None]
 UNORDERED = None  # the waiting count of the jobs outside any model's order
+# Samples running at once: below the executor's bound of waiting calls (executor.py's 24).
+SAMPLES_BESIDE = 16
 
 
 def digest(value: Any) -> str:
@@ -73,6 +79,7 @@ class SeqOrder:
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
         self._ready: deque[tuple[str | None, int, Job]] = deque()
         self._stopped = False
+        self._samples = _Beside(run, SAMPLES_BESIDE)
         self._thread = threading.Thread(target=self._loop, name="tinker-order", daemon=True)
         self._thread.start()
 
@@ -207,4 +214,39 @@ class SeqOrder:
                 waiting = self._waiting[key]
                 waiting.calls, waiting.size = waiting.calls - 1, waiting.size - size
                 waiting.ready -= 1
+            if key is UNORDERED:
+                self._samples.start(job)
+            else:
+                self._samples.wait()  # a training call runs after the samples released before it
+                self._run(job)
+
+
+class _Beside:
+    """Jobs run beside each other, each on a daemon thread of its own (one that never ends
+    then never holds up the process's exit), at most ``limit`` at once."""
+
+    def __init__(self, run: Callable[[Job], None], limit: int) -> None:
+        self._run = run
+        self._slots = threading.Semaphore(limit)
+        self._idle = threading.Condition()
+        self._running = 0
+
+    def start(self, job: Job) -> None:
+        self._slots.acquire()
+        with self._idle:
+            self._running += 1
+        threading.Thread(target=self._go, args=(job,), name="tinker-sample", daemon=True).start()
+
+    def wait(self) -> None:
+        """Until every job started has ended."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._running == 0)
+
+    def _go(self, job: Job) -> None:
+        try:
             self._run(job)
+        finally:
+            self._slots.release()
+            with self._idle:
+                self._running -= 1
+                self._idle.notify_all()

@@ -109,7 +109,9 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.
-        sampler = front.sampling_sessions.get(request.sampling_session_id)
+        with front.sequencer.serial:  # samples run beside each other; choosing weights may not
+            sampler = front.sampling_sessions.get(request.sampling_session_id)
+            weights = _weights_of(front, sampler)
         seed = request.seed
         if seed is None:  # the same loop twice draws the same samples
             seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
@@ -124,7 +126,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             stop_strings=request.stop_strings,
             seed=seed,
             prompt_logprobs=request.prompt_logprobs,
-            **_weights_of(front, sampler),
+            **weights,
         )
         result = front.host.apply(ops.SAMPLE, sample)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)

@@ -65,6 +65,9 @@ class Sequencer:
         self.order = SeqOrder(self._when_recovered)
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="tinker-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
+        # Held by the part of a sample that may not run beside another (``ordering``): choosing
+        # its weights, which may open a model for sampling.
+        self.serial = threading.Lock()
         self._recovered = threading.Event()
         self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying

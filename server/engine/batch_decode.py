@@ -1,0 +1,288 @@
+"""One KV-cache decode for many sample requests at once, each row's tokens its own request's.
+
+Requests that wait together decode together: one forward per step for all their rows instead of
+a decode loop per request. What a request gets must not depend on what decoded beside it, and
+two things would make it so:
+
+- Shapes. A matmul's kernel (and so the order of its sums) depends on how many rows it
+  multiplies: on CPU fp32 a row's logits alone differ in the last bits from the same row among
+  others, and left padding a shorter prompt changes them too. So rows decode in *tiles* of a
+  fixed row count, every forward of a tile has that many rows (free slots are filled with a copy
+  of a live row and their output thrown away), and a tile only holds rows of one current length:
+  no padding, and a row's forward has the same shape alone and in any company. The tile size is
+  a function of the request alone (``tile_rows_for``), so rows only share tiles with rows of the
+  same size. A row's bits do not depend on its slot in the tile nor on the other rows' values
+  (the same kernel runs each row's sums in the same order), which ``tests/test_sample_batching``
+  holds on CPU; a device whose kernels break that (docs/BENCHMARKS.md) decodes requests alone.
+- Draws. Each request draws from its own ``torch.Generator``, once per step, for all its rows,
+  as ``sampling._choose`` always has; a row that has ended keeps a place in that draw (filled
+  with a live row's logits), because the draw's noise is laid out per row: the other rows'
+  tokens are then those of a decode where the ended row had stayed.
+
+Rows leave when they end; tiles of one length whose live rows fit in fewer tiles are repacked,
+and a tile with no live row is dropped. A request that arrives while others decode joins at the
+next step (``add``) if the KV cache's bound allows, as its own tiles (its length differs).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import DynamicCache
+
+from trainwire.server.engine.draws import LENGTH, STOP, _choose
+
+if TYPE_CHECKING:
+    from trainwire.server.engine.sampling import SamplingParams
+    from trainwire.server.engine.stop_strings import StopStringWatch
+
+DEFAULT_TILE_ROWS = 16  # rows of every decode forward (see tile_rows_for)
+
+Drawn = list[tuple[list[int], str]]  # each sample's new tokens and stop reason
+
+
+@dataclass(eq=False)
+class DecodeJob:
+    """One request's decode; ``on_done`` gets its samples as soon as its last row ends."""
+
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    watch: StopStringWatch | None
+    on_done: Callable[[Drawn], None]
+
+
+def tile_rows_for(rows: int, positions: int, max_positions: int, largest: int) -> int:
+    """The tile size of a request of ``rows`` samples of ``positions`` positions each: the
+    largest power of two up to ``largest`` whose padded tiles stay within ``max_positions``
+    (the bound each request is checked against), so padding never lets a request hold more KV
+    cache than the limit; 1 (no padding) always fits a request that passed its check."""
+    size = max(1, largest)
+    while size > 1 and math.ceil(rows / size) * size * positions > max_positions:
+        size //= 2
+    return size
+
+
+@dataclass(eq=False)
+class _Request:
+    """A job being decoded: its generator, its rows' tokens and ends."""
+
+    job: DecodeJob
+    generator: torch.Generator
+    stops: frozenset[int]
+    tile_rows: int
+    positions: int  # prompt + max_tokens: the longest any of its rows grows
+    sampled: list[list[int]]
+    reasons: list[str | None]
+
+    @property
+    def ended(self) -> bool:
+        return all(reason is not None for reason in self.reasons)
+
+    def drawn(self) -> Drawn:
+        return [(t, r or LENGTH) for t, r in zip(self.sampled, self.reasons, strict=True)]
+
+
+@dataclass(frozen=True)
+class _Row:
+    """One sample's row; equal (and hashed) by its request's identity and its index."""
+
+    request: _Request
+    index: int  # which of its request's samples
+
+    @property
+    def live(self) -> bool:
+        return self.request.reasons[self.index] is None
+
+
+@dataclass(eq=False)
+class _Tile:
+    """Rows of one length in one cache, a fixed number of slots (None: padding, computed and
+    thrown away); ``inputs`` is what the next forward reads (the prompt before the first, then
+    each slot's newest token)."""
+
+    slots: list[_Row | None]
+    inputs: torch.Tensor  # [len(slots), n]
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    length: int = 0  # positions in the cache
+
+    @property
+    def size(self) -> int:
+        return len(self.slots)
+
+    @property
+    def rows(self) -> list[_Row]:
+        return [row for row in self.slots if row is not None]
+
+    def bound(self) -> int:
+        """The most KV positions this tile may come to hold."""
+        return self.size * max(row.request.positions for row in self.rows)
+
+
+class BatchDecoder:
+    """Decodes every job added to it, a step at a time, under ``max_positions``' KV bound."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        eos_ids: Sequence[int],
+        device: torch.device,
+        max_positions: int,
+        tile_rows: int = DEFAULT_TILE_ROWS,
+    ) -> None:
+        self.model = model
+        self.eos_ids = frozenset(eos_ids)
+        self.device = device
+        self.max_positions = max_positions
+        self.tile_rows = tile_rows
+        self.tiles: list[_Tile] = []
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        accepted = inspect.signature(base.forward).parameters
+        self._cache_keyword = "cache" if "cache" in accepted else "past_key_values"
+        self._keep_last = "logits_to_keep" in accepted
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.tiles)
+
+    def fits(self, job: DecodeJob) -> bool:
+        """Whether ``job`` may join now: every tile's bound plus its own stay within the limit
+        (a job always fits an empty decoder, having passed its own check)."""
+        request = self._request(job)
+        held = sum(tile.bound() for tile in self.tiles)
+        rows = request.job.params.num_samples
+        own = math.ceil(rows / request.tile_rows) * request.tile_rows * request.positions
+        return not self.tiles or held + own <= self.max_positions
+
+    def add(self, job: DecodeJob) -> None:
+        """Start ``job``'s rows at the next step, in tiles of their own (they are all at their
+        prompt's length; tiles of other requests of that length are repacked with them later)."""
+        request = self._request(job)
+        rows = [_Row(request, i) for i in range(job.params.num_samples)]
+        prompt = torch.tensor([list(job.prompt)], dtype=torch.long, device=self.device)
+        size = request.tile_rows
+        for start in range(0, len(rows), size):
+            own: list[_Row | None] = [*rows[start : start + size]]
+            own += [None] * (size - len(own))
+            self.tiles.append(_Tile(own, prompt.expand(size, -1).clone()))
+
+    def step(self) -> None:
+        """One forward of every tile, one draw per request, then ends, leaving and repacking."""
+        logits: dict[_Row, torch.Tensor] = {}
+        for tile in self.tiles:
+            keywords: dict[str, Any] = {"use_cache": True, self._cache_keyword: tile.cache}
+            if self._keep_last:
+                keywords["logits_to_keep"] = 1
+            output = self.model(input_ids=tile.inputs, **keywords)
+            last = output.logits[:, -1, :].float()
+            tile.length += tile.inputs.shape[1]
+            logits.update((row, last[slot]) for slot, row in enumerate(tile.slots) if row)
+        for request in {row.request: None for row in logits}:
+            self._draw(request, logits)
+        for tile in self.tiles:
+            tile.slots = [row if row is not None and row.live else None for row in tile.slots]
+        self.tiles = [tile for tile in self.tiles if tile.rows]
+        self._repack()
+        for tile in self.tiles:
+            first = tile.rows[0].request.sampled[tile.rows[0].index][-1]  # padding's token
+            tokens = [first if row is None else row.request.sampled[row.index][-1]
+                      for row in tile.slots]  # fmt: skip
+            tile.inputs = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+
+    def _request(self, job: DecodeJob) -> _Request:
+        params = job.params
+        positions = len(job.prompt) + params.max_tokens
+        rows = params.num_samples
+        return _Request(
+            job,
+            torch.Generator(device=self.device).manual_seed(params.seed),
+            frozenset(params.stop_tokens) | self.eos_ids,
+            tile_rows_for(rows, positions, self.max_positions, self.tile_rows),
+            positions,
+            [[] for _ in range(rows)],
+            [None] * rows,
+        )
+
+    def _draw(self, request: _Request, logits: dict[_Row, torch.Tensor]) -> None:
+        """One draw for all the request's rows; an ended row's place holds a live row's logits
+        (its token is thrown away), so the live rows draw as if it had stayed."""
+        params = request.job.params
+        rows = [_Row(request, i) for i in range(params.num_samples)]
+        present = [logits.get(row) for row in rows]
+        filler = next(value for value in present if value is not None)
+        stacked = torch.stack([filler if value is None else value for value in present])
+        chosen = _choose(stacked, params, request.generator).tolist()
+        watch = request.job.watch
+        for index, token in enumerate(chosen):
+            if request.reasons[index] is not None:
+                continue
+            tokens = request.sampled[index]
+            tokens.append(token)
+            if token in request.stops or (watch and watch.reached(tokens)):
+                request.reasons[index] = STOP
+            elif len(tokens) == params.max_tokens:
+                request.reasons[index] = LENGTH
+        if request.ended:
+            request.job.on_done(request.drawn())
+
+    def _repack(self) -> None:
+        """Tiles of one size and length whose live rows fit in fewer tiles become fewer tiles:
+        the rows' caches gathered, padding refilled from a live row's copy."""
+        groups: dict[tuple[int, int], list[_Tile]] = {}
+        for tile in self.tiles:
+            if tile.length:  # a tile not yet run has no cache to gather
+                groups.setdefault((tile.size, tile.length), []).append(tile)
+        for (size, _), tiles in groups.items():
+            rows = sum(len(tile.rows) for tile in tiles)
+            if math.ceil(rows / size) >= len(tiles) or not hasattr(tiles[0].cache, "layers"):
+                continue
+            packed = _gather(tiles, size, self.device)
+            self.tiles = [tile for tile in self.tiles if tile not in tiles] + packed
+
+
+def _gather(tiles: list[_Tile], size: int, device: torch.device) -> list[_Tile]:
+    """The live rows of ``tiles`` (one size, one length) in as few tiles as hold them."""
+    rows = [row for tile in tiles for row in tile.rows]
+    layers = len(tiles[0].cache.layers)
+    keys, values = [], []
+    for layer in range(layers):
+        keys.append(torch.cat([_live(t, t.cache.layers[layer].keys, device) for t in tiles]))
+        values.append(torch.cat([_live(t, t.cache.layers[layer].values, device) for t in tiles]))
+    packed = []
+    for start in range(0, len(rows), size):
+        own: list[_Row | None] = [*rows[start : start + size]]
+        index = list(range(start, start + len(own))) + [start] * (size - len(own))
+        own += [None] * (size - len(own))
+        chosen = torch.tensor(index, device=device)
+        cache = DynamicCache()
+        for layer in range(layers):
+            cache.update(keys[layer][chosen], values[layer][chosen], layer)
+        packed.append(_Tile(own, tiles[0].inputs, cache, tiles[0].length))
+    return packed
+
+
+def _live(tile: _Tile, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The cache rows of ``tile``'s live rows, in slot order."""
+    slots = [slot for slot, row in enumerate(tile.slots) if row is not None]
+    return tensor[torch.tensor(slots, device=device)]
+
+
+def decode(decoder: BatchDecoder, jobs: Sequence[DecodeJob], join: Callable[[], list[Any]]) -> None:
+    """Decode ``jobs`` and whatever ``join`` hands over between steps until every row ended.
+
+    ``join()`` returns jobs that arrived meanwhile; one that does not fit the KV bound now waits
+    (kept first in line) for rows to end. Each job's ``on_done`` runs as it ends.
+    """
+    waiting: list[DecodeJob] = []
+    for job in jobs:
+        (decoder.add if decoder.fits(job) else waiting.append)(job)
+    while decoder.busy or waiting:
+        waiting += join()
+        while waiting and decoder.fits(waiting[0]):
+            decoder.add(waiting.pop(0))
+        decoder.step()
