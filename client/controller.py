@@ -193,19 +193,7 @@ class Controller:
             except grpc.RpcError as error:
                 if error.code() not in RETRYABLE_CODES:
                     raise
-                now = time.monotonic()
-                if outage_started is None:
-                    # One line per outage (and one when the server is back); the tries between
-                    # are detail, at debug level.
-                    outage_started = now
-                    logger.warning(
-                        "run %s: server unreachable (%s); waiting up to %s for it",
-                        self.run_id,
-                        error.code().name,
-                        duration_text(self.recovery_timeout_s),
-                    )
-                if now - outage_started > self.recovery_timeout_s:
-                    raise
+                outage_started = self._outage(error, outage_started)
                 delay = OUTAGE_BACKOFF.delay_s(attempt)
                 attempt += 1
                 logger.debug(
@@ -217,6 +205,23 @@ class Controller:
                     delay,
                 )
                 time.sleep(delay)
+
+    def _outage(self, error: grpc.RpcError, started: float | None) -> float:
+        """When the outage ``error`` belongs to started; raises ``error`` past the recovery
+        budget. One warning per outage (and one line when the server is back, from
+        ``_synchronize``): the tries between are detail, at debug level."""
+        now = time.monotonic()
+        if started is None:
+            logger.warning(
+                "run %s: server unreachable (%s); waiting up to %s for it",
+                self.run_id,
+                error.code().name,
+                duration_text(self.recovery_timeout_s),
+            )
+            return now
+        if now - started > self.recovery_timeout_s:
+            raise error
+        return started
 
     def _marking_resumes(
         self, on_step: Callable[[Progress], None] | None
