@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from typing import Any
 
 from trainwire.client.progress import Progress
@@ -48,7 +47,6 @@ class ProgressReporter:
         self.width = width
         self.rate = RateWindow()
         self.evaluation = ""
-        self.tokens = 0
         self.live: Any = None
         self._moved_handlers: list[logging.StreamHandler[Any]] = []
 
@@ -56,7 +54,6 @@ class ProgressReporter:
         if self.quiet:
             return
         self.rate.observe(progress)
-        self.tokens += progress.tokens
         if progress.evaluation is not None:
             self.evaluation = evaluation_text(progress.evaluation, self.metric)
         if self._is_terminal():
@@ -70,7 +67,6 @@ class ProgressReporter:
     def fields(self, progress: Progress) -> ProgressFields:
         """What the line says about ``progress`` (the update's loss where one followed)."""
         loss = progress.update["loss"] if progress.update is not None else progress.loss
-        elapsed = time.monotonic() - self.rate.started_s
         return ProgressFields(
             done=progress.microbatch + 1,
             total=progress.batch_count,
@@ -80,7 +76,7 @@ class ProgressReporter:
             loss=loss,
             evaluation=self.evaluation,
             rate=self.rate.per_second(),
-            tokens_per_s=self.tokens / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=self.rate.tokens_per_second(),
         )
 
     def line(self, progress: Progress, width: int) -> str:

@@ -71,10 +71,12 @@ class RateWindow:
         self.started_s = clock()
         self.start_done: int | None = None  # microbatches done when the window opened
         self.last_done = -1
+        self.tokens = 0  # tokens of the microbatches done in the window
 
     def restart(self, done: int, at_s: float | None = None) -> None:
         self.started_s = self.clock() if at_s is None else at_s
         self.start_done = done
+        self.tokens = 0
 
     def observe(self, progress: Progress) -> None:
         """Record a finished microbatch; a resume marker or a step back opens a new window."""
@@ -88,12 +90,22 @@ class RateWindow:
             self.restart(progress.microbatch, self.started_s)
         elif done <= self.last_done:
             self.restart(done)  # a replay from an earlier point: count from here on
+            self.last_done = done
+            return
+        self.tokens += progress.tokens
         self.last_done = done
 
     def per_second(self) -> float:
+        """Microbatches per second in the window (0 before there is one to count)."""
+        return self._rate(self.last_done - (self.start_done or 0))
+
+    def tokens_per_second(self) -> float:
+        """Tokens per second in the window, where the runner reports tokens."""
+        return self._rate(self.tokens)
+
+    def _rate(self, amount: float) -> float:
         elapsed = self.clock() - self.started_s
-        done = self.last_done - (self.start_done or 0)
-        return done / elapsed if elapsed > 0 and done > 0 else 0.0
+        return amount / elapsed if elapsed > 0 and amount > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,7 @@ def test_durations_read_at_a_glance() -> None:
 
 
 def progress(microbatch: int, **extra: object) -> Progress:
-    return Progress(microbatch, 96, 0, microbatch + 1, 96, 0.5, extra=dict(extra))
+    return Progress(microbatch, 96, 0, microbatch + 1, 96, 0.5, tokens=10, extra=dict(extra))
 
 
 class Clock:
@@ -100,6 +100,7 @@ def test_the_rate_counts_the_work_since_the_last_start_not_the_outage() -> None:
     clock.now += 0.25
     window.observe(progress(9))
     assert window.per_second() == 4.0  # two microbatches in the half second since the resume
+    assert window.tokens_per_second() == 40.0  # and their tokens
 
 
 def test_a_resumed_process_counts_only_its_own_microbatches() -> None:
