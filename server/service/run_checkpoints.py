@@ -127,14 +127,9 @@ def latest_checkpoint(
     return None
 
 
-def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[str]) -> list[str]:
-    """Remove this run's checkpoints beyond the ``keep`` newest (by recorded position), sparing
-    ``protected`` names; returns the names removed.
-
-    Right after a SaveState nothing journaled comes after the newest checkpoint, so no replay
-    needs an older one; older intact ones are only the fallback for a damaged newest (keep 2 or
-    more for that). Other runs' checkpoints and unreadable folders are left alone.
-    """
+def restore_points(run: RunDirectory, run_id: str) -> list[RestorePoint]:
+    """Every checkpoint folder of ``run`` that run ``run_id`` wrote (by its recorded entry);
+    unreadable folders and other runs' are left out."""
     points = []
     for path in run.checkpoint_paths():
         try:
@@ -143,8 +138,19 @@ def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[
             continue
         if isinstance(server, dict) and server.get("run_id") == run_id:
             points.append(RestorePoint(path, server))
+    return points
+
+
+def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[str]) -> list[str]:
+    """Remove this run's checkpoints beyond the ``keep`` newest (by recorded position), sparing
+    ``protected`` names; returns the names removed.
+
+    Right after a SaveState nothing journaled comes after the newest checkpoint, so no replay
+    needs an older one; older intact ones are only the fallback for a damaged newest (keep 2 or
+    more for that). Other runs' checkpoints and unreadable folders are left alone.
+    """
     removed = []
-    for point in sorted(points, key=lambda p: -p.position)[keep:]:
+    for point in sorted(restore_points(run, run_id), key=lambda p: -p.position)[keep:]:
         if point.path.name not in protected:
             shutil.rmtree(point.path)
             removed.append(point.path.name)
@@ -163,17 +169,8 @@ def discard_saved(
     applied before it is no longer replayable), so it stays until a newer one supersedes it;
     the caller asks again then.
     """
-    newest = None
-    if is_open:
-        points = []
-        for path in run.checkpoint_paths():
-            try:
-                server = read_extra(path).get(SERVER_EXTRA_KEY)
-            except (NotFound, InvalidArgument):
-                continue
-            if isinstance(server, dict) and server.get("run_id") == run_id:
-                points.append(RestorePoint(path, server))
-        newest = max(points, key=lambda p: p.position).path.name if points else None
+    points = restore_points(run, run_id) if is_open else []
+    newest = max(points, key=lambda p: p.position).path.name if points else None
     kept = []
     for name in checkpoints:
         if name == newest:
