@@ -125,12 +125,15 @@ def apply_update(
     max_grad_norm: float | None,
     rate: float,
     settings: UpdateSettings = UpdateSettings(),
+    total_norm: Callable[[list[torch.Tensor]], torch.Tensor] | None = None,
 ) -> float:
     """One AdamW update at ``rate`` from the pending gradients; returns their norm before clipping.
 
     The gradients of ``accumulated`` microbatches are averaged first, so a partial accumulation
     is normalized by the microbatches it really holds. ``settings`` replace the run's AdamW
     settings for this update; the run's are back in the optimizer afterwards, whatever happens.
+    ``total_norm`` computes the norm where the gradients are shards (``sharding.total_norm``);
+    None is the single-process norm.
     """
     with_grads = [p for p in parameters if p.grad is not None]
     if accumulated > 1:
@@ -138,7 +141,11 @@ def apply_update(
             parameter.grad.div_(accumulated)
     if settings.max_grad_norm is not None:
         max_grad_norm = settings.max_grad_norm or None  # 0: no clipping for this update
-    if max_grad_norm is None:
+    if total_norm is not None:
+        norm = total_norm([p.grad for p in with_grads])
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(with_grads, max_grad_norm, norm)
+    elif max_grad_norm is None:
         norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads])
     else:
         norm = torch.nn.utils.clip_grad_norm_(with_grads, max_grad_norm)

@@ -20,13 +20,14 @@ front that drives it.
 
 from __future__ import annotations
 
-import logging
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from trainwire.client.config import InputExample, TrainingConfig, is_int
 from trainwire.client.outcomes import Sample
@@ -34,7 +35,7 @@ from trainwire.client.tokens import TokenExample
 from trainwire.server.engine import session_persistence as persistence
 from trainwire.server.engine import session_sampling
 from trainwire.server.engine.batching import BatchEncoder, check_max_length
-from trainwire.server.engine.device import refuse_unsupported_setups, resolve_device, resolve_dtype
+from trainwire.server.engine.device import resolve_device, resolve_dtype
 from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
 from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
 from trainwire.server.engine.model_loading import (
@@ -55,10 +56,16 @@ from trainwire.server.engine.sample_weights import SampleWeights
 from trainwire.server.engine.sampling import Sampler, SamplingParams
 from trainwire.server.engine.session_checkpoint import CheckpointContents
 from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
+from trainwire.server.engine.session_setup import check_session_arguments
+from trainwire.server.engine.sharding import (
+    RefusedSampler,
+    ShardedMicrobatch,
+    shard_model,
+    split_microbatch,
+    total_norm,
+)
 from trainwire.server.engine.weights import base_model_fingerprint
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-
-logger = logging.getLogger(__name__)
 
 
 class TrainingSession:
@@ -66,6 +73,10 @@ class TrainingSession:
 
     Operations are serialized by a lock, and each installs the session's own RNG state around
     itself, so sessions in one process never change each other's bits.
+
+    With ``process_group``, every rank of the group builds this session and calls each operation
+    with the same arguments: the model is sharded with FSDP2 and each rank trains on its slice
+    of every batch (``sharding``). None is the single-process session, unchanged.
     """
 
     def __init__(
@@ -76,23 +87,12 @@ class TrainingSession:
         max_steps: int | None = None,
         model_root: str | Path | None = None,
         loss_hook: LossHookFactory = LossHook,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         # Validate everything first: a refused session allocates nothing.
-        if not isinstance(config, TrainingConfig):
-            raise InvalidArgument(f"config must be a TrainingConfig, got {type(config).__name__}")
-        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
-            raise InvalidArgument(
-                f"max_steps must be a positive integer or None, got {max_steps!r}"
-            )
-        refuse_unsupported_setups()
+        self.shards = check_session_arguments(config, max_steps, process_group)
         self.config = config
         self.max_steps = max_steps
-        if max_steps is None and config.lr_scheduler != "constant":
-            logger.warning(
-                "lr_scheduler %r without max_steps: no horizon to decay over, so the rate holds "
-                "at learning_rate after warmup; pass max_steps (a plan's max_steps) to decay",
-                config.lr_scheduler,
-            )
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(config, self.device)
         self.model_root = None if model_root is None else Path(model_root)
@@ -110,9 +110,13 @@ class TrainingSession:
             self.model = load_session_model(
                 config, self.model_dir, self.dtype, self.tokenizer, self.device
             )
+        self.base_fingerprint = base_model_fingerprint(self.model, self.config)  # unsharded
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
         self.sampler = Sampler.for_model(self.model, self.tokenizer)
+        if self.shards is not None:  # before the optimizer: it steps the shards
+            shard_model(self.model, self.shards, self.device)
+            self.sampler = RefusedSampler(self.sampler.vocab_size, self.shards)
         self.optimizer = build_optimizer(self.model, config)
         # Which parameters train never changes after set up; walking a LoRA model's modules
         # for them costs milliseconds a step.
@@ -123,7 +127,6 @@ class TrainingSession:
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
         self._digests = persistence.StateDigests(self._guard)
-        self.base_fingerprint = base_model_fingerprint(self.model, self.config)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -198,13 +201,17 @@ class TrainingSession:
 
     def _encode(
         self, examples: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None
-    ) -> Microbatch:
-        return encode_microbatch(
-            examples,
-            loss_fn,
-            loss_fn_config,
+    ) -> Microbatch | ShardedMicrobatch:
+        encode = functools.partial(
+            encode_microbatch,
+            loss_fn=loss_fn,
+            loss_fn_config=loss_fn_config,
             encoder=self.encoder,
             vocab_size=self.sampler.vocab_size,
+        )
+        whole = encode(examples)  # checked whole on every rank: refused alike everywhere
+        return (
+            whole if self.shards is None else split_microbatch(whole, examples, self.shards, encode)
         )
 
     def optim_step(
@@ -248,6 +255,7 @@ class TrainingSession:
                     max_grad_norm=self.config.max_grad_norm,
                     rate=rate,
                     settings=settings,
+                    total_norm=None if self.shards is None else total_norm,
                 )
             self.step += 1
             self.accumulated = 0

@@ -5,7 +5,9 @@
 each, and keep their signatures and contracts in ``session``. The functions work on the session
 as its own methods would, its guard included: each takes the session's lock first, so none runs
 beside an operation. The checkpoint format they write and read is ``session_checkpoint`` and
-``session_restore``; the weights sources and exports are ``weights``.
+``session_restore``; the weights sources and exports are ``weights``. A sharded session (one
+with a process group) keeps its state in ``sharded_checkpoint`` instead; what is not sharded yet
+(``load_weights``, exporting a checkpoint's weights) it refuses here, by name.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.server.engine import weights
+from trainwire.server.engine import sharded_checkpoint, weights
 from trainwire.server.engine.operation_guard import OperationGuard
 from trainwire.server.engine.session_checkpoint import (
     CheckpointContents,
@@ -61,9 +63,14 @@ class StateDigests:
         self._cached = None
 
 
-def checkpoint_contents(session: TrainingSession) -> CheckpointContents:
+def checkpoint_contents(
+    session: TrainingSession,
+) -> CheckpointContents | sharded_checkpoint.ShardedState:
     """Everything ``save_state`` writes, as the session's live tensors (the caller holds the
-    lock: the tensors are not copied, so nothing may change them while they are read)."""
+    lock: the tensors are not copied, so nothing may change them while they are read). A
+    sharded session's is its ``ShardedState``: its digests, which gather the shards."""
+    if session.shards is not None:
+        return sharded_checkpoint.ShardedState(session)
     return CheckpointContents(
         config=session.config,
         device_type=session.device.type,
@@ -81,6 +88,8 @@ def checkpoint_contents(session: TrainingSession) -> CheckpointContents:
 
 
 def save_state(session: TrainingSession, path: Path, extra: dict[str, Any]) -> None:
+    if session.shards is not None:
+        return sharded_checkpoint.save_state(session, path, extra)
     guard = session._guard
     with guard.lock:
         # A broken session's tensors may be half changed: a checkpoint of them would restore a
@@ -93,6 +102,8 @@ def save_state(session: TrainingSession, path: Path, extra: dict[str, Any]) -> N
 
 
 def load_state(session: TrainingSession, path: Path) -> dict[str, Any]:
+    if session.shards is not None:
+        return sharded_checkpoint.load_state(session, path)
     guard = session._guard
     with guard.lock:
         # A broken session may always be restored: that is how it becomes usable again.
@@ -133,6 +144,8 @@ def _apply_restored(
 
 
 def load_weights(session: TrainingSession, path: Path) -> None:
+    if session.shards is not None:
+        session.shards.refuse("load_weights")
     guard = session._guard
     with guard.operation():
         # Read and check everything first; then apply, and a failure midway (out of memory,
@@ -149,6 +162,8 @@ def load_weights(session: TrainingSession, path: Path) -> None:
 
 
 def export_weights(session: TrainingSession, path: Path) -> None:
+    if session.shards is not None:
+        return sharded_checkpoint.export_weights(session, path)
     guard = session._guard
     with guard.lock:
         guard.refuse_if_broken("cannot export an unusable session")
@@ -163,6 +178,8 @@ def export_weights(session: TrainingSession, path: Path) -> None:
 
 
 def export_checkpoint_weights(session: TrainingSession, checkpoint: Path, path: Path) -> None:
+    if session.shards is not None:
+        session.shards.refuse("exporting a checkpoint's weights")
     with session._guard.lock:  # no operation changes the model while it is copied
         # The checkpoint's weights go into a detached CPU copy, never into the live model: the
         # live state stays untouched even if the export fails midway.

@@ -1,0 +1,47 @@
+"""What a ``TrainingSession`` checks before it allocates anything, and the group it runs on.
+
+Kept apart from ``session`` so its constructor reads as the lifecycle's set-up step: validate
+(here), load, wrap, build the optimizer. A refused session allocates nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+
+from trainwire.client.config import TrainingConfig
+from trainwire.server.engine.device import refuse_unsupported_setups
+from trainwire.server.engine.sharding import ShardGroup
+from trainwire.server.errors import InvalidArgument
+
+logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it
+
+
+def check_session_arguments(
+    config: TrainingConfig, max_steps: int | None, process_group: dist.ProcessGroup | None
+) -> ShardGroup | None:
+    """InvalidArgument for a session that cannot be built; the group it runs on (None: one
+    process). Without a group, a distributed launcher or an initialized default group is
+    refused as before: one process must not silently train on a part of a group's work."""
+    if not isinstance(config, TrainingConfig):
+        raise InvalidArgument(f"config must be a TrainingConfig, got {type(config).__name__}")
+    if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+        raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps!r}")
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise InvalidArgument(
+            f"process_group must be a torch.distributed ProcessGroup or None, got "
+            f"{type(process_group).__name__}"
+        )
+    shards = ShardGroup.of(process_group)
+    if shards is None:
+        refuse_unsupported_setups()
+    elif config.gradient_checkpointing:
+        shards.refuse("gradient_checkpointing")
+    if max_steps is None and config.lr_scheduler != "constant":
+        logger.warning(
+            "lr_scheduler %r without max_steps: no horizon to decay over, so the rate holds "
+            "at learning_rate after warmup; pass max_steps (a plan's max_steps) to decay",
+            config.lr_scheduler,
+        )
+    return shards
