@@ -21,7 +21,12 @@ import torch.multiprocessing as mp
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
 from trainwire.server.engine.losses import LOSSES
-from trainwire.testing import free_port, tiny_text_examples
+from trainwire.testing import (
+    SENTIMENT_LABELS,
+    free_port,
+    tiny_sentiment_examples,
+    tiny_text_examples,
+)
 
 TEXTS = tiny_text_examples(5)
 MAX_STEPS = 20
@@ -163,9 +168,39 @@ def resume_elsewhere(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str
     return report
 
 
+def classifier_config(model: str) -> TrainingConfig:
+    return TrainingConfig(
+        model=model,
+        task="sequence-classification",
+        labels=SENTIMENT_LABELS,
+        batch_size=3,
+        max_length=64,
+        learning_rate=1e-3,
+        max_grad_norm=1.0,
+    )
+
+
+def classify_operations(session: Any) -> list[Any]:
+    """A classifier's mean over examples, split 2 + 1 and 1 + 0; its predictions, in order."""
+    examples = tiny_sentiment_examples(5)
+    seen: list[Any] = [session.forward_backward(examples[:3])]
+    seen.append(session.forward_backward(examples[3:4]))
+    seen.append(asdict(session.optim_step()))
+    seen.append(asdict(session.forward(examples)))
+    return seen
+
+
+def classify(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    from trainwire.server.engine.session import TrainingSession
+
+    session = TrainingSession(classifier_config(spec["model"]), process_group=group)
+    return {"seen": classify_operations(session), "digest": session.state_digest()}
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]] = {
     "train_and_checkpoint": train_and_checkpoint,
     "resume_elsewhere": resume_elsewhere,
+    "classify": classify,
 }
 
 

@@ -10,6 +10,7 @@ rules a rank follows alone (the split, combining metrics) are checked without pr
 from __future__ import annotations
 
 import io
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,17 @@ def test_two_ranks_compute_what_one_process_computes(two_ranks, mode) -> None:
     config = workers.make_config(spec["model"], spec["lora"], 0.0)
     one = TrainingSession(config, max_steps=workers.MAX_STEPS)
     _close(workers.apply_operations(one), reports[0]["seen_without_dropout"])
+
+
+@pytest.mark.slow
+def test_two_ranks_classify_as_one_process_does(tmp_path, tiny_llama_classifier) -> None:
+    """A mean over examples split over ranks, and predictions gathered in example order."""
+    spec = {"model": str(tiny_llama_classifier), "out": str(tmp_path)}
+    reports = workers.launch(2, "classify", spec)
+    assert reports[0] == reports[1]
+    one = TrainingSession(workers.classifier_config(spec["model"]))
+    seen = json.loads(json.dumps(workers.classify_operations(one)))  # tuples as JSON has them
+    _close(seen, reports[0]["seen"])
 
 
 @pytest.mark.slow
