@@ -24,7 +24,7 @@ size alone, so a driver only has to send every rank the same operation:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from trainwire.server.engine.batching import IGNORE_INDEX
 from trainwire.server.engine.loss_hook import LossHook
-from trainwire.server.engine.microbatches import Microbatch, TextMicrobatch
+from trainwire.server.engine.microbatches import Microbatch, TextMicrobatch, TokenMicrobatch
 from trainwire.server.engine.session_results import ForwardResult, TokenOutput
 from trainwire.server.errors import FailedPrecondition
 
@@ -140,12 +140,17 @@ class ShardedMicrobatch:
     token_count: int  # the whole batch's (throughput figures)
     example_count: int  # this rank's real examples (0: it runs a stand-in)
     scale: float  # this rank's share of the whole batch's loss
-    _weight: int = field(default=0)  # tokens behind this rank's metrics
 
     def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
         loss = self.local.loss(model, hook, training=training) * self.scale
         if not training:
             reshard(model)  # no backward follows to do it
+        if isinstance(self.local, TokenMicrobatch):
+            try:  # a metric no rank can combine: refused here, before any backward
+                combine_metrics([(self.local._metrics, 0)])
+            except FailedPrecondition:
+                reshard(model)
+                raise
         return loss
 
     def forward_result(self, loss: torch.Tensor) -> ForwardResult | TokenOutput:
