@@ -176,3 +176,21 @@ def test_training_beside_concurrent_samples_keeps_its_order_and_bits(
     finally:
         plain.wait_idle()
         plain.release()
+
+
+def test_with_batching_off_each_request_decodes_alone_with_the_same_bits(host, monkeypatch):
+    """The mode for a device whose kernels are not batch invariant: one request a batch."""
+    requests = mixed_requests(host.session.sampler.vocab_size)[:3]
+    expected = [host.apply(ops.SAMPLE, r) for r in requests]
+    monkeypatch.setattr(host.session.sampler, "batches", False)
+    sizes = spy_batches(monkeypatch)
+    started, release = held_executor(host, monkeypatch)
+    with ThreadPoolExecutor(len(requests) + 1) as pool:
+        held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
+        assert started.wait(30)
+        futures = [pool.submit(host.apply, ops.SAMPLE, r) for r in requests]
+        wait_for(lambda: host._executor.waiting == len(requests) + 1)
+        release.set()
+        held.result(timeout=60)
+        assert [f.result(timeout=120) for f in futures] == expected
+    assert sizes == [1, 1, 1]

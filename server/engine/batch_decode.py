@@ -41,7 +41,18 @@ if TYPE_CHECKING:
     from trainwire.server.engine.sampling import SamplingParams
     from trainwire.server.engine.stop_strings import StopStringWatch
 
-DEFAULT_TILE_ROWS = 16  # rows of every decode forward (see tile_rows_for)
+# Rows of every decode forward (see tile_rows_for). On CPU a forward costs about its rows (8 keeps
+# padding cheap, bench/sampling_concurrent.py); on an accelerator a step costs about the same for
+# 4 rows as for 64, so fewer, fuller forwards win (32: not measured here, no GPU was at hand).
+CPU_TILE_ROWS = 8
+ACCELERATOR_TILE_ROWS = 32
+
+
+def tile_rows_on(device: torch.device) -> int:
+    """The tile size for ``device``: one per device, so rows of one device always share tiles
+    of one shape."""
+    return CPU_TILE_ROWS if device.type == "cpu" else ACCELERATOR_TILE_ROWS
+
 
 Drawn = list[tuple[list[int], str]]  # each sample's new tokens and stop reason
 
@@ -133,13 +144,13 @@ class BatchDecoder:
         eos_ids: Sequence[int],
         device: torch.device,
         max_positions: int,
-        tile_rows: int = DEFAULT_TILE_ROWS,
+        tile_rows: int | None = None,
     ) -> None:
         self.model = model
         self.eos_ids = frozenset(eos_ids)
         self.device = device
         self.max_positions = max_positions
-        self.tile_rows = tile_rows
+        self.tile_rows = tile_rows_on(device) if tile_rows is None else tile_rows
         self.tiles: list[_Tile] = []
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         accepted = inspect.signature(base.forward).parameters
@@ -160,16 +171,28 @@ class BatchDecoder:
         return not self.tiles or held + own <= self.max_positions
 
     def add(self, job: DecodeJob) -> None:
-        """Start ``job``'s rows at the next step, in tiles of their own (they are all at their
-        prompt's length; tiles of other requests of that length are repacked with them later)."""
+        """Start ``job``'s rows at the next step: full tiles of their own, and the rest in the
+        free slots of a tile of the same size and prompt length that starts then too (so
+        requests arriving together share tiles), else in one more tile. Never more tiles than
+        its own would take, so ``fits``' bound holds."""
         request = self._request(job)
         rows = [_Row(request, i) for i in range(job.params.num_samples)]
-        prompt = torch.tensor([list(job.prompt)], dtype=torch.long, device=self.device)
+        prompt = torch.tensor(list(job.prompt), dtype=torch.long, device=self.device)
         size = request.tile_rows
-        for start in range(0, len(rows), size):
-            own: list[_Row | None] = [*rows[start : start + size]]
-            own += [None] * (size - len(own))
-            self.tiles.append(_Tile(own, prompt.expand(size, -1).clone()))
+        full = len(rows) - len(rows) % size
+        for start in range(0, full, size):
+            self.tiles.append(_Tile([*rows[start : start + size]], prompt.expand(size, -1).clone()))
+        rest = rows[full:]
+        if not rest:
+            return
+        shared = next((t for t in self.tiles if _takes(t, size, len(prompt), len(rest))), None)
+        if shared is None:
+            shared = _Tile([None] * size, prompt.expand(size, -1).clone())
+            self.tiles.append(shared)
+        for row in rest:
+            slot = shared.slots.index(None)
+            shared.slots[slot] = row
+            shared.inputs[slot] = prompt
 
     def step(self) -> None:
         """One forward of every tile, one draw per request, then ends, leaving and repacking."""
@@ -243,6 +266,12 @@ class BatchDecoder:
                 continue
             packed = _gather(tiles, size, self.device)
             self.tiles = [tile for tile in self.tiles if tile not in tiles] + packed
+
+
+def _takes(tile: _Tile, size: int, prompt_length: int, rows: int) -> bool:
+    """Whether ``rows`` new rows of that prompt length fit a tile that has not run yet."""
+    fits = tile.size == size and tile.slots.count(None) >= rows
+    return fits and not tile.length and tile.inputs.shape[1] == prompt_length
 
 
 def _gather(tiles: list[_Tile], size: int, device: torch.device) -> list[_Tile]:

@@ -26,7 +26,7 @@ from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.engine import batch_decode
-from trainwire.server.engine.batch_decode import DEFAULT_TILE_ROWS, DecodeJob, Drawn
+from trainwire.server.engine.batch_decode import DecodeJob, Drawn
 from trainwire.server.engine.draws import LENGTH, STOP, _choose
 from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
 from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
@@ -168,23 +168,13 @@ class SampleCall:
 
 
 def generate(
-    model: torch.nn.Module,
-    prompt: Sequence[int],
-    params: SamplingParams,
-    *,
-    eos_ids: Sequence[int],
-    device: torch.device,
-    watch: StopStringWatch | None = None,
-    max_positions: int = SamplingLimits.max_sample_positions,
-) -> Drawn:
-    """``params.num_samples`` continuations of ``prompt`` (new tokens, stop reason), decoded
-    alone: the tokens ``Sampler.sample`` scores, whatever decodes beside it there."""
-    decoder = batch_decode.BatchDecoder(
-        model, eos_ids=eos_ids, device=device, max_positions=max_positions
-    )
-    drawn: list[Drawn] = []
-    batch_decode.decode(decoder, [DecodeJob(tuple(prompt), params, watch, drawn.append)], list)
-    return drawn[0]
+    decoder: batch_decode.BatchDecoder,
+    jobs: Sequence[DecodeJob],
+    join: Callable[[], list[DecodeJob]],
+) -> None:
+    """The decode every sample goes through (``batch_decode.decode``): the one place a request
+    reaches the model, so it is reached only by requests that passed their checks."""
+    batch_decode.decode(decoder, jobs, join)
 
 
 class Sampler:
@@ -198,14 +188,20 @@ class Sampler:
         pad_id: int,
         limits: SamplingLimits,
         decode: Callable[[list[int]], str] | None = None,
-        tile_rows: int = DEFAULT_TILE_ROWS,
+        tile_rows: int | None = None,
+        batches: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.eos_ids = tuple(eos_ids)
         self.pad_id = pad_id
         self.limits = limits
         self.decode = decode  # the tokenizer's, for stop strings
-        self.tile_rows = tile_rows  # rows of every decode forward (``batch_decode``)
+        # Rows of every decode forward (``batch_decode``; None: the device's size).
+        self.tile_rows = tile_rows
+        # Whether concurrent requests may decode as one batch (the service's ``sample_batching``).
+        # False decodes each alone: for a device whose kernels give a row other bits beside
+        # other rows even in tiles of one shape (see docs/BENCHMARKS.md).
+        self.batches = batches
 
     @classmethod
     def for_model(
@@ -267,7 +263,7 @@ class Sampler:
             watch = StopStringWatch(call.params.stop_strings, self.decode)
             return DecodeJob(call.prompt, call.params, watch, done)
 
-        batch_decode.decode(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
+        generate(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
 
     def _scored(
         self, model: torch.nn.Module, prompt: Sequence[int], drawn: Drawn, device: torch.device

@@ -20,6 +20,7 @@ company (``batch_decode``), so batching changes no result.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from trainwire.server.service.requests import SampleRequest
 if TYPE_CHECKING:
     from trainwire.server.service.active_run import ActiveRun
     from trainwire.server.service.executor import SessionExecutor
+
+SETTLE_S = 0.02  # the longest a batch waits for requests still arriving
+SETTLE_STEP_S = 0.002  # requests arriving further apart than this start apart
 
 
 @dataclass(eq=False)
@@ -88,26 +92,50 @@ class SampleBatcher:
     def _run_batches(self, epoch: int) -> None:
         """On the executor thread: batch after batch of what this call may take."""
         run = self._active()  # no run open: refused, and the requests stay for their own calls
-        while batch := self._take(epoch):
-            self._decode(run, batch, epoch)
+        together = run.session.sampler.batches  # else one request a batch, none joining
+        while True:
+            if together:
+                self._settle()
+            batch = self._take(epoch, alone=not together)
+            if not batch:
+                return
+            self._decode(run, batch, epoch if together else None)
 
-    def _take(self, epoch: int, weights: tuple[str, str, bool] | None = None) -> list[_Waiting]:
+    def _settle(self) -> None:
+        """Wait while requests keep arriving, a few milliseconds at most: requests sent at one
+        moment (a loop's futures) then start as one batch, where one arriving a step late would
+        decode at another length, in tiles of its own (``batch_decode``)."""
+        deadline = time.monotonic() + SETTLE_S
+        seen = -1
+        while time.monotonic() < deadline:
+            with self._lock:
+                arrived = len(self._pending)
+            if arrived == seen:
+                break
+            seen = arrived
+            time.sleep(SETTLE_STEP_S)
+
+    def _take(
+        self, epoch: int, weights: tuple[str, str, bool] | None = None, *, alone: bool = False
+    ) -> list[_Waiting]:
         """The registered requests a batch call of ``epoch`` may take, of ``weights`` (or of
-        the first such request's), removed from the waiting list."""
+        the first such request's; only that one when ``alone``), removed from the waiting list."""
         with self._lock:
             eligible = [w for w in self._pending if w.epoch <= epoch]
             if not eligible:
                 return []
             weights = eligible[0].weights if weights is None else weights
-            taken = [w for w in eligible if w.weights == weights]
+            taken = [w for w in eligible if w.weights == weights][: 1 if alone else None]
             self._pending = [w for w in self._pending if w not in taken]
         return taken
 
-    def _decode(self, run: ActiveRun, batch: list[_Waiting], epoch: int) -> None:
+    def _decode(self, run: ActiveRun, batch: list[_Waiting], epoch: int | None) -> None:
+        """``batch`` as one decode; requests of its weights join it while nothing else waits
+        (none when ``epoch`` is None)."""
         weights = batch[0].weights
 
         def join() -> list[BatchedSample]:
-            if self._executor.epoch != epoch:  # another call waits: nothing joins any more
+            if epoch is None or self._executor.epoch != epoch:  # another call waits: no joins
                 return []
             joined = self._take(epoch, weights)
             batch.extend(joined)

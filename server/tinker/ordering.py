@@ -210,15 +210,20 @@ class SeqOrder:
                     self._lock.wait()
                 if self._stopped:
                     return
+                ordered = self._ready[0][0] is not UNORDERED
+            if ordered:
+                # Waits for the samples released before it, still counted as waiting (only this
+                # thread takes from the front of the queue, so the head stays the same).
+                self._samples.wait()
+            with self._lock:
                 key, size, job = self._ready.popleft()
                 waiting = self._waiting[key]
                 waiting.calls, waiting.size = waiting.calls - 1, waiting.size - size
                 waiting.ready -= 1
-            if key is UNORDERED:
-                self._samples.start(job)
-            else:
-                self._samples.wait()  # a training call runs after the samples released before it
+            if ordered:
                 self._run(job)
+            else:
+                self._samples.start(job)
 
 
 class _Beside:
