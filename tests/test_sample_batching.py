@@ -178,11 +178,12 @@ def test_training_beside_concurrent_samples_keeps_its_order_and_bits(
         plain.release()
 
 
-def test_with_batching_off_each_request_decodes_alone_with_the_same_bits(host, monkeypatch):
-    """The mode for a device whose kernels are not batch invariant: one request a batch."""
+def test_with_batching_off_each_request_decodes_alone_whatever_waits_with_it(host, monkeypatch):
+    """The mode for a device whose kernels are not batch invariant: one request a batch, all
+    its rows in one forward (the decode before batching)."""
     requests = mixed_requests(host.session.sampler.vocab_size)[:3]
-    expected = [host.apply(ops.SAMPLE, r) for r in requests]
     monkeypatch.setattr(host.session.sampler, "batches", False)
+    expected = [host.apply(ops.SAMPLE, r) for r in requests]
     sizes = spy_batches(monkeypatch)
     started, release = held_executor(host, monkeypatch)
     with ThreadPoolExecutor(len(requests) + 1) as pool:

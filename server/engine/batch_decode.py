@@ -48,6 +48,9 @@ CPU_TILE_ROWS = 8
 ACCELERATOR_TILE_ROWS = 32
 
 
+OWN_ROWS = 0  # a tile_rows meaning: each request's tiles are its own sample count (no padding)
+
+
 def tile_rows_on(device: torch.device) -> int:
     """The tile size for ``device``: one per device, so rows of one device always share tiles
     of one shape."""
@@ -225,7 +228,9 @@ class BatchDecoder:
             job,
             torch.Generator(device=self.device).manual_seed(params.seed),
             frozenset(params.stop_tokens) | self.eos_ids,
-            tile_rows_for(rows, positions, self.max_positions, self.tile_rows),
+            rows
+            if self.tile_rows == OWN_ROWS
+            else tile_rows_for(rows, positions, self.max_positions, self.tile_rows),
             positions,
             [[] for _ in range(rows)],
             [None] * rows,

@@ -199,8 +199,10 @@ class Sampler:
         # Rows of every decode forward (``batch_decode``; None: the device's size).
         self.tile_rows = tile_rows
         # Whether concurrent requests may decode as one batch (the service's ``sample_batching``).
-        # False decodes each alone: for a device whose kernels give a row other bits beside
-        # other rows even in tiles of one shape (see docs/BENCHMARKS.md).
+        # False decodes each alone, all its rows in one forward of its own row count (no
+        # padding): for a device whose kernels give a row other bits beside other rows even in
+        # tiles of one shape, or a single-request latency on CPU that tiles would cost (see
+        # docs/BENCHMARKS.md). Samples differ between the two modes, never within one.
         self.batches = batches
 
     @classmethod
@@ -253,7 +255,9 @@ class Sampler:
             eos_ids=self.eos_ids,
             device=device,
             max_positions=self.limits.max_sample_positions,
-            tile_rows=self.tile_rows,
+            # Alone, a request decodes all its rows in one forward (no padding), as before
+            # requests were batched: its samples then depend on its own count of rows only.
+            tile_rows=self.tile_rows if self.batches else batch_decode.OWN_ROWS,
         )
 
         def job(call: SampleCall) -> DecodeJob:
