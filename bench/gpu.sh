@@ -8,10 +8,10 @@
 # 2. runs every CUDA test with deterministic settings (CUBLAS_WORKSPACE_CONFIG=:4096:8): fp32 and
 #    bf16, full weights and LoRA, text and token batches, sampling;
 # 3. runs the GPU benchmarks: the engine against a plain loop on the Qwen2-0.5B shape, token
-#    losses, and sampling against `generate`;
+#    losses, sampling against `generate`, and concurrent sample requests batched;
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 10 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 12 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -60,6 +60,7 @@ step cuda-tests 240 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider \
 step engine 150 "$PYTHON" bench/engine.py --device cuda --quick
 step tokens 120 "$PYTHON" bench/tokens.py --device cuda --shape qwen2-0.5b --quick
 step sampling 120 "$PYTHON" bench/sampling.py --device cuda --shape qwen2-0.5b --quick
+step sampling-concurrent 120 "$PYTHON" bench/sampling_concurrent.py --device cuda --quick
 
 echo "results: $SUMMARY"
 exit "$failed"

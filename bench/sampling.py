@@ -19,6 +19,7 @@ stop costs the session throughput). Each round runs both sides, alternating whic
 times are medians, the ratio is the median over rounds of session tokens/s / generate tokens/s
 ("decode": the same ratio with the logprob pass's time taken out of the session's).
 Goal: >= 0.9 with the logprob pass included. Nothing is asserted; the script prints the figures.
+Concurrent requests, batched by the service: bench/sampling_concurrent.py.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """Sampling from the live weights, with logprobs that are the trainer's own.
 
-Two passes. Generation decodes incrementally with a KV cache, all samples of a prompt as one
-batch, drawing from its own ``torch.Generator`` seeded by the request (never the session's
-training RNG). Then each sample's logprobs are recomputed by ``target_logprobs`` on that sample
-alone, the very code ``forward`` runs, because logprobs read off an incremental decode (or a
-padded batch) differ from a full forward in the last bits, and an on-policy importance ratio
-must be exactly 1.
+Two passes. Generation decodes incrementally with a KV cache (``batch_decode``: the rows of
+requests waiting together decode as one batch, in tiles of a fixed shape, so a request's
+samples never depend on its company), each request drawing from its own ``torch.Generator``
+seeded by the request (never the session's training RNG). Then each sample's logprobs are
+recomputed by ``target_logprobs`` on that sample alone, the very code ``forward`` runs, because
+logprobs read off an incremental decode (or a padded batch) differ from a full forward in the
+last bits, and an on-policy importance ratio must be exactly 1.
 
 Which weights a sample reads is the caller's choice (``sample_weights.SampleWeights``): the live
 ones, an export of the run, or the base model. Putting other weights in for one call, and the
