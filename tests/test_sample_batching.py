@@ -12,11 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from host_operations import run_ops
-from sample_requests import held_executor, mixed_requests, spy_batches
+from sample_requests import held_executor, mixed_requests, prompts, spy_batches
 from service_fixtures import wait_for
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import session_sampling
+from trainwire.server.engine import batch_decode, session_sampling
 from trainwire.server.engine.batch_decode import tile_rows_for
 from trainwire.server.engine.sample_weights import LIVE_WEIGHTS
 from trainwire.server.engine.session import TrainingSession
@@ -195,3 +195,38 @@ def test_with_batching_off_each_request_decodes_alone_whatever_waits_with_it(hos
         held.result(timeout=60)
         assert [f.result(timeout=120) for f in futures] == expected
     assert sizes == [1, 1, 1]
+
+
+def test_rows_that_end_leave_and_the_rest_repack_into_fewer_tiles_with_the_same_bits(
+    session, monkeypatch
+):
+    vocab = session.sampler.vocab_size
+    prompt = prompts(vocab)[1]
+    half = range(3, vocab, 2)  # rows of both stop at their own steps
+    requests = [  # two full tiles of one length
+        SampleRequest(prompt, max_tokens=16, num_samples=8, seed=1, stop_tokens=half),
+        SampleRequest(prompt, max_tokens=16, num_samples=8, seed=2, stop_tokens=half),
+    ]
+    expected = [alone(session, r) for r in requests]
+    assert {len(s.tokens) for s in expected[0] + expected[1]} != {16}
+    tiles_seen: list[int] = []
+    step, gather = batch_decode.BatchDecoder.step, batch_decode._gather
+    gathered: list[int] = []
+
+    def counted(decoder):
+        tiles_seen.append(len(decoder.tiles))
+        step(decoder)
+
+    def counted_gather(tiles, size, device):
+        gathered.append(len(tiles))
+        return gather(tiles, size, device)
+
+    monkeypatch.setattr(batch_decode.BatchDecoder, "step", counted)
+    monkeypatch.setattr(batch_decode, "_gather", counted_gather)
+    monkeypatch.setattr(session.sampler, "tile_rows", 8)
+    results: dict[int, object] = {}
+    calls = [batched(r, results, i) for i, r in enumerate(requests)]
+    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    assert [results[0][0], results[1][0]] == expected
+    assert gathered == [2]  # the live rows of both tiles, once they fit one
+    assert tiles_seen[0] == 2 and tiles_seen[-1] == 1
