@@ -238,7 +238,9 @@ class BatchDecoder:
 
     def _draw(self, request: _Request, logits: dict[_Row, torch.Tensor]) -> None:
         """One draw for all the request's rows; an ended row's place holds a live row's logits
-        (its token is thrown away), so the live rows draw as if it had stayed."""
+        (its token is thrown away), so the live rows draw as if it had stayed. One exception:
+        ``_tempered`` picks its stable path when any row overflows at a near-zero temperature,
+        and an ended row no longer counts there (before, its own logits did)."""
         params = request.job.params
         rows = [_Row(request, i) for i in range(params.num_samples)]
         present = [logits.get(row) for row in rows]
