@@ -93,6 +93,7 @@ def serve(
     tinker_listen: str | None = None,
     tinker_token: str | None = None,
     tinker_tokenizer_id: str | None = None,
+    sample_batching: bool = True,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
@@ -104,6 +105,7 @@ def serve(
     (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send;
     ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
     a path the client can read; None: the model's directory on this host).
+    ``sample_batching`` False decodes each sample request alone (see ``SessionHost``).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
@@ -125,6 +127,7 @@ def serve(
             device=device,
             on_serving=listener.set_serving,
             keep_checkpoints=keep_checkpoints,
+            sample_batching=sample_batching,
         )
     except BaseException:
         listener.stop(None)  # release the port of a refused start

@@ -230,3 +230,21 @@ def test_rows_that_end_leave_and_the_rest_repack_into_fewer_tiles_with_the_same_
     assert [results[0][0], results[1][0]] == expected
     assert gathered == [2]  # the live rows of both tiles, once they fit one
     assert tiles_seen[0] == 2 and tiles_seen[-1] == 1
+
+
+def test_a_host_without_sample_batching_gives_its_sessions_samplers_that_decode_alone(
+    make_host, host_config
+):
+    """``trainwire serve --no-sample-batching``: every session the host opens decodes each
+    request alone (and the flag reaches the host)."""
+    from trainwire.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--listen", ":0", "--state-dir", "s"])
+    assert args.no_sample_batching is False
+    args = build_parser().parse_args(
+        ["serve", "--listen", ":0", "--state-dir", "s", "--no-sample-batching"]
+    )
+    assert args.no_sample_batching is True
+    host = make_host(sample_batching=False)
+    host.open("run", host_config, 10, "sha256:plan")
+    assert host.session.sampler.batches is False

@@ -68,6 +68,12 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "guard the same run, each on its own port (they may differ)",
     )
     serve.add_argument(
+        "--no-sample-batching",
+        action="store_true",
+        help="decode each sample request alone instead of batching concurrent ones (for a "
+        "device whose kernels change a row's bits with the batch size; see docs/BENCHMARKS.md)",
+    )
+    serve.add_argument(
         "--tinker-tokenizer-id",
         help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
         "client can read (default: the model's directory on this host)",
@@ -127,6 +133,7 @@ def command_serve(args: argparse.Namespace) -> int:
         tinker_listen=args.tinker_listen,
         tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
         tinker_tokenizer_id=args.tinker_tokenizer_id,
+        sample_batching=not args.no_sample_batching,
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")

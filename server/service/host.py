@@ -28,7 +28,7 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -67,6 +67,8 @@ class SessionHost:
         on_serving: called with True/False when the host can/cannot take operations (health).
         keep_checkpoints: retention: after each SaveState keep a run's K newest checkpoints
             (and the one named ``best``); None keeps them all.
+        sample_batching: concurrent samples decode together (``sample_batching``); False
+            decodes each request alone, for a device whose kernels are not batch-invariant.
     """
 
     def __init__(
@@ -77,6 +79,7 @@ class SessionHost:
         device: str | None = None,
         on_serving: Callable[[bool], None] | None = None,
         keep_checkpoints: int | None = None,
+        sample_batching: bool = True,
     ) -> None:
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
@@ -90,12 +93,12 @@ class SessionHost:
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
+        self.sample_batching = sample_batching
         self._executor = SessionExecutor()
         self._batcher = SampleBatcher(self._executor, self._require_active)
         self._active: ActiveRun | None = None
         self._snapshot: SessionInfo | None = None  # as of the last finished operation
         self._gate = PositionGate(lambda: self._active.position if self._active else 0)
-        self._closed_info: SessionInfo | None = None
         open_runs = self.state_dir.open_runs()
         self._pending = open_runs[0] if len(open_runs) == 1 else None
         if self._pending is not None:
@@ -193,33 +196,23 @@ class SessionHost:
         info = active.info(state=outcomes.CLOSED)
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
-        self._active, self._closed_info = None, info
+        self._active, self.lifecycle.closed_info = None, info
         self.lifecycle.phase = outcomes.CLOSED
         self._snapshot = None
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
 
     def _closed_run_info(self, run_id: str) -> SessionInfo:
-        """Close of ``run_id`` when it is not the open run: already closed, or refused."""
-        if self.phase == outcomes.OPEN:
-            open_id = self._require_active().spec.run_id
-            raise FailedPrecondition(
-                f"run {run_id!r} is not the open run ({open_id!r}); nothing was closed"
-            )
-        if self._closed_info is not None and self._closed_info.run_id == run_id:
-            return self._closed_info
-        if not self.state_dir.run(run_id).exists():
-            raise NotFound(f"no run {run_id!r} on this server")
-        return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
+        recorded = self.state_dir.run(run_id).exists()
+        return self.lifecycle.closed_run_info(run_id, self.open_run_id, recorded, str(self.device))
 
     def discard_saved(
         self, run_id: str, *, checkpoints: Sequence[str] = (), exports: Sequence[str] = ()
     ) -> list[str]:
         """Remove checkpoints and exports of run ``run_id`` (open or closed), on the executor
         so no operation is reading them; returns the checkpoints kept for now (the open run's
-        recovery point: see ``run_checkpoints.discard_saved``)."""
-        for name in (run_id, *checkpoints, *exports):
-            check_name(name, "run id, checkpoint or export")
+        recovery point: see ``run_checkpoints.discard_saved``). Names are checked where the
+        folders are resolved (``state_dir.confined``)."""
 
         def discard() -> list[str]:
             active = self._active
@@ -381,9 +374,11 @@ class SessionHost:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _new_session(self, config: TrainingConfig, max_steps: int | None) -> TrainingSession:
-        return TrainingSession(
+        session = TrainingSession(
             config, device=self.device, max_steps=max_steps, model_root=self.model_root
         )
+        session.sampler.batches = self.sample_batching
+        return session
 
     def _require_active(self) -> ActiveRun:
         self.lifecycle.require(outcomes.OPEN)
@@ -391,10 +386,8 @@ class SessionHost:
         return self._active
 
     def _idle_info(self) -> SessionInfo:
-        if self.phase == outcomes.CLOSED and self._closed_info is not None:
-            return self._closed_info
         run_id = self._pending.run_id if self._pending else ""
-        return SessionInfo(run_id=run_id, device=str(self.device), state=self.phase)
+        return self.lifecycle.idle_info(run_id, str(self.device))
 
     def _fail(self, message: str) -> None:
         self.lifecycle.fail(message)

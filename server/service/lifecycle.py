@@ -15,7 +15,8 @@ import logging
 from collections.abc import Callable
 
 from trainwire.client import outcomes
-from trainwire.server.errors import FailedPrecondition, Unavailable
+from trainwire.client.outcomes import SessionInfo
+from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,30 @@ class Lifecycle:
         self.phase = outcomes.IDLE
         self.failure = ""
         self.shutting_down = False
+        self.closed_info: SessionInfo | None = None  # the run closed last, as it closed
         self._on_serving = on_serving
+
+    def idle_info(self, pending_run_id: str, device: str) -> SessionInfo:
+        """Where things stand while no run is open: the run closed last, or the one a restart
+        is restoring (``pending_run_id``)."""
+        if self.phase == outcomes.CLOSED and self.closed_info is not None:
+            return self.closed_info
+        return SessionInfo(run_id=pending_run_id, device=device, state=self.phase)
+
+    def closed_run_info(
+        self, run_id: str, open_run_id: str | None, recorded: bool, device: str
+    ) -> SessionInfo:
+        """A Close of ``run_id`` when it is not the open run: already closed (``recorded`` on
+        disk), or refused while another run is open (nothing is closed)."""
+        if open_run_id is not None:
+            raise FailedPrecondition(
+                f"run {run_id!r} is not the open run ({open_run_id!r}); nothing was closed"
+            )
+        if self.closed_info is not None and self.closed_info.run_id == run_id:
+            return self.closed_info
+        if not recorded:
+            raise NotFound(f"no run {run_id!r} on this server")
+        return SessionInfo(run_id=run_id, device=device, state=outcomes.CLOSED)
 
     def require(self, *phases: str) -> None:
         """Refuse a call that needs one of ``phases``, with what the caller should do instead."""
