@@ -32,6 +32,7 @@ from trainwire.server.tinker.external_weights import EXPORT_PREFIX
 from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.start_from import START_CHECKPOINT
 
+pytestmark = pytest.mark.slow  # ~35 s of servers and SDK clients; make test stays short
 KEY_TEXT = SENTENCES[2]  # the datum every comparison trains or scores on
 
 
