@@ -68,3 +68,34 @@ def test_with_both_keys_each_port_takes_its_own(tmp_path, model_root) -> None:
         assert httpx.post(url, json={}, headers={"X-API-Key": KEY}).status_code == 200
     finally:
         handle.stop(grace=5)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/v1/weights_files/../training_runs",
+        "/api/v1/weights_files/%2e%2e/training_runs",
+        "/api/v1/weights_files/not-a-signed-token",
+    ],
+)
+def test_the_signed_download_route_is_the_only_one_without_a_key(
+    tmp_path: Path, model_root: Path, path: str
+) -> None:
+    """A download URL is its own credential; nothing else is reachable through its prefix:
+    a path climbing out of it matches no route (404), and an unsigned token is 401."""
+    import socket
+
+    from tinker_loops import tinker_server
+
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        host, port = handle.tinker.base_url.removeprefix("http://").split(":")
+
+        def status_of(target: str) -> str:
+            with socket.create_connection((host, int(port))) as sock:
+                request = f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                sock.sendall(request.encode())
+                return sock.recv(4096).decode(errors="replace").split(" ", 2)[1]
+
+        assert status_of("/api/v1/training_runs") == "401"  # keyed routes stay keyed
+        expected = "401" if path.endswith("token") else "404"
+        assert status_of(path) == expected
