@@ -44,7 +44,7 @@ from trainwire.server.engine.model_loading import (
     model_positions,
     resolve_model_dir,
 )
-from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
+from trainwire.server.engine.operation_guard import refuse_out_of_memory
 from trainwire.server.engine.optimization import (
     UpdateSettings,
     apply_update,
@@ -53,14 +53,16 @@ from trainwire.server.engine.optimization import (
 )
 from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.sample_weights import SampleWeights
-from trainwire.server.engine.sampling import Sampler, SamplingParams
+from trainwire.server.engine.sampling import SamplingParams
 from trainwire.server.engine.session_checkpoint import CheckpointContents
 from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
-from trainwire.server.engine.session_setup import check_session_arguments
+from trainwire.server.engine.session_setup import (
+    check_session_arguments,
+    seeded_guard,
+    shard_for_group,
+)
 from trainwire.server.engine.sharding import (
-    RefusedSampler,
     ShardedMicrobatch,
-    shard_model,
     split_microbatch,
     total_norm,
 )
@@ -99,12 +101,7 @@ class TrainingSession:
         self.model_dir = resolve_model_dir(config, self.model_root)
         check_max_length(config, model_positions(self.model_dir))  # before any weights load
 
-        if self.device.type == "cuda":
-            # Initialize CUDA before seeding, so the session's RNG snapshot holds the CUDA
-            # generators too; lazily initialized, they would take whatever seed came last.
-            torch.cuda.init()
-        cuda = self.device.type == "cuda"
-        self._guard = OperationGuard(RngState.seeded(config.seed, cuda=cuda), cuda=cuda)
+        self._guard = seeded_guard(config.seed, self.device)
         with self._guard.session_rng():  # LoRA initialization draws from it
             self.tokenizer = load_tokenizer(self.model_dir)
             self.model = load_session_model(
@@ -113,10 +110,8 @@ class TrainingSession:
         self.base_fingerprint = base_model_fingerprint(self.model, self.config)  # unsharded
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
-        self.sampler = Sampler.for_model(self.model, self.tokenizer)
-        if self.shards is not None:  # before the optimizer: it steps the shards
-            shard_model(self.model, self.shards, self.device)
-            self.sampler = RefusedSampler(self.sampler.vocab_size, self.shards)
+        # Sharded before the optimizer is built: it steps the shards.
+        self.sampler = shard_for_group(self.model, self.tokenizer, self.shards, self.device)
         self.optimizer = build_optimizer(self.model, config)
         # Which parameters train never changes after set up; walking a LoRA model's modules
         # for them costs milliseconds a step.

@@ -1,4 +1,5 @@
-"""What a ``TrainingSession`` checks before it allocates anything, and the group it runs on.
+"""What a ``TrainingSession`` checks before it allocates anything, the group it runs on, and the
+parts of its set-up that depend on the device or the group.
 
 Kept apart from ``session`` so its constructor reads as the lifecycle's set-up step: validate
 (here), load, wrap, build the optimizer. A refused session allocates nothing.
@@ -7,12 +8,17 @@ Kept apart from ``session`` so its constructor reads as the lifecycle's set-up s
 from __future__ import annotations
 
 import logging
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from trainwire.client.config import TrainingConfig
 from trainwire.server.engine.device import refuse_unsupported_setups
-from trainwire.server.engine.sharding import ShardGroup
+from trainwire.server.engine.operation_guard import OperationGuard
+from trainwire.server.engine.rng import RngState
+from trainwire.server.engine.sampling import Sampler
+from trainwire.server.engine.sharding import RefusedSampler, ShardGroup, shard_model
 from trainwire.server.errors import InvalidArgument
 
 logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it
@@ -45,3 +51,25 @@ def check_session_arguments(
             config.lr_scheduler,
         )
     return shards
+
+
+def seeded_guard(seed: int, device: torch.device) -> OperationGuard:
+    """The session's operation guard, its RNG seeded from ``seed``. CUDA is initialized first,
+    so the snapshot holds the CUDA generators too; lazily initialized, they would take whatever
+    seed came last."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.init()
+    return OperationGuard(RngState.seeded(seed, cuda=cuda), cuda=cuda)
+
+
+def shard_for_group(
+    model: torch.nn.Module, tokenizer: Any, shards: ShardGroup | None, device: torch.device
+) -> Sampler:
+    """The session's sampler; with a group, the model is sharded first (FSDP2) and sampling
+    refused by name until it runs on shards."""
+    sampler = Sampler.for_model(model, tokenizer)
+    if shards is None:
+        return sampler
+    shard_model(model, shards, device)
+    return RefusedSampler(sampler.vocab_size, shards)
