@@ -9,7 +9,6 @@ load, export and seed like any other.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,11 +18,11 @@ import torch
 from architecture_models import ArchitectureModels
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_weights import parameter_digest, params  # the same digests as the weights tests
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import LoraSettings
 from trainwire.server.engine import weights
-from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.testing import tiny_text_examples
@@ -41,20 +40,6 @@ EXPERT_KEY = "model.layers.0.mlp.experts.{}.gate_proj.weight"
 @pytest.fixture(scope="module")
 def architectures(model_root: Path) -> ArchitectureModels:
     return ArchitectureModels(model_root)
-
-
-def digest_of(named: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
-    update_with_tensors(digest, named)
-    return digest.hexdigest()
-
-
-def params(session: TrainingSession, *, adapters: bool | None = None) -> dict[str, torch.Tensor]:
-    return {
-        name: p.detach().clone()
-        for name, p in session.model.named_parameters()
-        if adapters is None or ("lora_" in name) == adapters
-    }
 
 
 def trained(config, steps: int = 1) -> TrainingSession:
@@ -94,7 +79,7 @@ def test_a_full_moe_export_loads_back_though_its_files_hold_one_tensor_per_exper
 
     fresh = TrainingSession(config)
     fresh.load_weights(tmp_path / "export")
-    assert digest_of(params(fresh)) == digest_of(params(session))
+    assert parameter_digest(params(fresh)) == parameter_digest(params(session))
 
 
 def test_a_full_moe_model_seeds_lora_adapters_on_its_experts(architectures, tmp_path) -> None:
@@ -107,7 +92,7 @@ def test_a_full_moe_model_seeds_lora_adapters_on_its_experts(architectures, tmp_
     base_fingerprint = session.base_fingerprint
     session.load_weights(tmp_path / "full")
 
-    assert digest_of(params(session, adapters=True)) == digest_of(adapters)
+    assert parameter_digest(params(session, adapters=True)) == parameter_digest(adapters)
     trained_weights = params(full)
     for name, parameter in params(session, adapters=False).items():
         assert torch.equal(parameter, trained_weights[weights.native_name(name)]), name
@@ -148,11 +133,13 @@ def test_every_layout_from_pretrained_takes_loads_here_too(
     source = rewritten(architectures.path(name), tmp_path / "source", change)
     expected = dict(AutoModelForCausalLM.from_pretrained(source).named_parameters())
     base = dict(AutoModelForCausalLM.from_pretrained(architectures.path(name)).named_parameters())
-    assert digest_of(expected) == digest_of(base)  # the same weights in another layout
+    assert parameter_digest(expected) == parameter_digest(
+        base
+    )  # the same weights in another layout
 
     session = trained(architectures.config(name))
     session.load_weights(source)
-    assert digest_of(params(session)) == digest_of(expected)
+    assert parameter_digest(params(session)) == parameter_digest(expected)
 
 
 def fused_as_well(tensors: dict[str, torch.Tensor]) -> None:
@@ -215,7 +202,7 @@ def test_expert_adapters_train_and_an_adapter_export_loads_only_with_the_same_ta
     assert before and all(".experts." in name for name in before)
     session.forward_backward(tiny_text_examples(4)[:2])
     session.optim_step()
-    assert digest_of(params(session, adapters=True)) != digest_of(before)
+    assert parameter_digest(params(session, adapters=True)) != parameter_digest(before)
     session.export_weights(tmp_path / "adapter")
     saved = json.loads((tmp_path / "adapter" / weights.ADAPTER_CONFIG_FILE).read_text())
     assert saved["target_parameters"] == ["gate_up_proj"]
@@ -223,7 +210,7 @@ def test_expert_adapters_train_and_an_adapter_export_loads_only_with_the_same_ta
 
     again = TrainingSession(config)
     again.load_weights(tmp_path / "adapter")
-    assert digest_of(params(again)) == digest_of(params(session))
+    assert parameter_digest(params(again)) == parameter_digest(params(session))
 
     both = lora.to_dict() | {"target_parameters": ["gate_up_proj", "down_proj"]}
     other = TrainingSession(architectures.config("gpt-oss", lora=LoraSettings(**both)))
