@@ -73,6 +73,7 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
         client.close_channel()
 
 
+@pytest.mark.slow  # the 24 held calls are let go one idle timeout (2 s) after another
 def test_calls_held_at_the_position_gate_count_against_the_bound_and_health_answers(
     tmp_path, model_root, llama_config
 ):
