@@ -170,7 +170,7 @@ class RequestLog:
             self._fd = self._open()
             self.records = kept
             self._synced = self._written  # the kept records are durable, the others gone on purpose
-        logger.info("%s compacted to %d records", self.path, len(kept))
+        logger.debug("%s compacted to %d records", self.path, len(kept))
         return True
 
     def close(self) -> None:

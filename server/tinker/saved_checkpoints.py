@@ -67,7 +67,7 @@ def delete(front: TinkerFront, path: TinkerPath) -> None:
     else:
         front.host.discard_saved(record.run_id, exports=[saved.stored_as])
         shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
-    logger.info("Tinker front: checkpoint %s deleted", path)
+    logger.debug("Tinker front: checkpoint %s deleted", path)
 
 
 def finish_removals(front: TinkerFront, model_id: str) -> None:
