@@ -250,3 +250,17 @@ def test_one_live_clients_model_holds_the_server_503_for_others_400_for_itself(
         assert "already trains model" in again.json()["detail"]
         train_step(run, SENTENCES[0])  # the open model is untouched
         assert run.handle.session_host.info().step == 1
+
+
+def test_bad_user_metadata_is_refused_before_anything_opens(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        api = FrontApi(handle)
+        session_id = api.session()
+        for metadata in ({"renderer": 3}, ["not", "an", "object"], {"k": "x" * 5000}):
+            body = {"session_id": session_id, "base_model": "llama", "user_metadata": metadata}
+            refused = api.post("create_model", body)
+            assert refused.status_code == 400 and "user_metadata" in refused.json()["detail"]
+            assert handle.session_host.open_run_id is None  # nothing opened, nothing listed
+        assert api.create_model(session_id).status_code == 200  # the next create opens

@@ -147,6 +147,7 @@ class ModelSlot:
         config = fit_max_length(config, model_dir)  # the engine refuses more than it holds
         config = fit_lora_roles(config, model_dir)  # the switches, as this model's layers
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
+        listed = run_record(model_id, config, lora_switches(body), body)  # checked before opening
         with self._lock:
             if self.model is not None and self.model.model_id != model_id:
                 self._give_way(self.model, session_id)
@@ -154,7 +155,7 @@ class ModelSlot:
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self._end_sampling_run()
             self.host.open(record.run_id, config)
-            self.catalog.add_run(run_record(model_id, config, lora_switches(body), body))
+            self.catalog.add_run(listed)
             record.save(self.directory)
             self.model = record
         self._seen[session_id] = time.monotonic()  # loading the model took a while
@@ -173,6 +174,7 @@ class ModelSlot:
         start = StartFrom.of(body, self.catalog)
         config = start.config(self.model_root)
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
+        listed = run_record(model_id, config, start.source.switches, body)  # checked first
         with self._lock:
             if self.model is not None and self.model.model_id == model_id:
                 return self._resolve_from_state(model_id, start)  # a retry of a finished create
@@ -184,13 +186,14 @@ class ModelSlot:
             )
             self._end_sampling_run()
             self.host.open(record.run_id, config)
-            start.apply(self.host, model_id)
-            self.host.apply(
-                ops.SAVE_STATE,
-                CheckpointRequest(START_CHECKPOINT),
-                OperationSpec(f"{model_id}/start"),
-            )
-            self.catalog.add_run(run_record(model_id, config, start.source.switches, body))
+            try:
+                start.apply(self.host, model_id)
+                first = CheckpointRequest(START_CHECKPOINT)
+                self.host.apply(ops.SAVE_STATE, first, OperationSpec(f"{model_id}/start"))
+            except Exception:
+                self.host.close(record.run_id)  # refused or failed: no model, nothing open
+                raise
+            self.catalog.add_run(listed)
             record.save(self.directory)
             self.model = record
         self._seen[session_id] = time.monotonic()
