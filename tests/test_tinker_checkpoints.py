@@ -8,9 +8,9 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
+from test_tinker_request_log import FrontApi  # raw calls, no SDK retries
 from tinker_loops import (
     KEY,
     SENTENCES,
@@ -97,24 +97,6 @@ def test_saved_checkpoints_are_listed_with_their_kind_path_expiry_and_run_metada
         assert (info.train_attn, info.train_mlp, info.train_unembed) == (True, True, False)
 
 
-class FrontApi:
-    """Raw HTTP calls to a server's Tinker front, as the SDK makes them (no SDK retries)."""
-
-    def __init__(self, handle: ServerHandle) -> None:
-        self.base = f"{handle.tinker.base_url}/api/v1"
-
-    def post(self, route: str, body: object = None) -> httpx.Response:
-        return httpx.post(f"{self.base}/{route}", json=body, headers={"X-API-Key": KEY}, timeout=60)
-
-    def session(self) -> str:
-        return self.post("create_session", {}).json()["session_id"]
-
-    def create_model(self, session_id: str, model_seq_id: int = 0) -> httpx.Response:
-        body = {"session_id": session_id, "model_seq_id": model_seq_id, "base_model": "llama"}
-        body["lora_config"] = {"rank": 4}
-        return self.post("create_model", body)
-
-
 def test_list_training_runs_pages_through_every_run_newest_first(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
@@ -122,7 +104,7 @@ def test_list_training_runs_pages_through_every_run_newest_first(
         api, created = FrontApi(handle), []
         for _ in range(3):
             session_id = api.session()
-            created.append(api.create_model(session_id).json()["model_id"])
+            created.append(api.create_model(session_id, lora_rank=4).json()["model_id"])
             assert api.post(f"sessions/{session_id}/finish").status_code == 200
         rest = rest_client(handle)
         first = rest.list_training_runs(limit=2, offset=0).result()
@@ -241,11 +223,11 @@ def test_one_live_clients_model_holds_the_server_503_for_others_400_for_itself(
 ) -> None:
     with lora_training(tmp_path / "state", model_root) as run:
         api = FrontApi(run.handle)
-        other = api.create_model(api.session())
+        other = api.create_model(api.session(), lora_rank=4)
         assert other.status_code == 503
         assert "of another client" in other.json()["detail"]
         assert "gives way once that client has sent nothing for 30 s" in other.json()["detail"]
-        again = api.create_model(run.service.holder.get_session_id(), model_seq_id=1)
+        again = api.create_model(run.service.holder.get_session_id(), 1, lora_rank=4)
         assert again.status_code == 400
         assert "already trains model" in again.json()["detail"]
         train_step(run, SENTENCES[0])  # the open model is untouched
@@ -263,4 +245,4 @@ def test_bad_user_metadata_is_refused_before_anything_opens(
             refused = api.post("create_model", body)
             assert refused.status_code == 400 and "user_metadata" in refused.json()["detail"]
             assert handle.session_host.open_run_id is None  # nothing opened, nothing listed
-        assert api.create_model(session_id).status_code == 200  # the next create opens
+        assert api.create_model(session_id, lora_rank=4).status_code == 200  # the next create opens

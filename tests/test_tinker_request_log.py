@@ -97,13 +97,20 @@ class FrontApi:
         self.base = f"{handle.tinker.base_url}/api/v1"
 
     def post(self, route: str, body: Any = None) -> httpx.Response:
-        return httpx.post(f"{self.base}/{route}", json=body, headers={"X-API-Key": KEY})
+        headers = {"X-API-Key": KEY}
+        return httpx.post(f"{self.base}/{route}", json=body, headers=headers, timeout=60)
 
     def session(self) -> str:
         return self.post("create_session", {}).json()["session_id"]
 
-    def create_model(self, session_id: str) -> httpx.Response:
-        return self.post("create_model", {"session_id": session_id, "base_model": "llama"})
+    def create_model(
+        self, session_id: str, model_seq_id: int = 0, lora_rank: int | None = None
+    ) -> httpx.Response:
+        body: dict[str, Any] = {"session_id": session_id, "base_model": "llama"}
+        body["model_seq_id"] = model_seq_id
+        if lora_rank is not None:
+            body["lora_config"] = {"rank": lora_rank}
+        return self.post("create_model", body)
 
     def model(self) -> tuple[str, str]:
         """A new session and its model: (session id, model id)."""
