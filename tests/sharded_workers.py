@@ -197,10 +197,28 @@ def classify(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
     return {"seen": classify_operations(session), "digest": session.state_digest()}
 
 
+# -- checkpoints only (tests/test_sharded_checkpoint_files.py reads them in one process) --------
+
+
+def save_checkpoints(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """For each of ``spec["saves"]`` (``{"path", "extra"}``): one more update and a pending
+    microbatch (every tensor group filled), then a checkpoint; the state digest at each."""
+    session = _session(spec, group, lora=spec["lora"], dropout=spec["dropout"])
+    digests = []
+    for save in spec["saves"]:
+        session.forward_backward(TEXTS[:3])
+        session.optim_step()
+        session.forward_backward(TEXTS[3:])
+        session.save_state(Path(save["path"]), extra=save["extra"])
+        digests.append(session.state_digest())
+    return {"digests": digests}
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]] = {
     "train_and_checkpoint": train_and_checkpoint,
     "resume_elsewhere": resume_elsewhere,
     "classify": classify,
+    "save_checkpoints": save_checkpoints,
 }
 
 

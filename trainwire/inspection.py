@@ -97,8 +97,9 @@ def _files(directory: Path) -> str:
 
 
 def describe_checkpoint(path: Path) -> str:
-    """A session checkpoint's step, digest, config and files, from its ``session.json``."""
-    from trainwire.server.engine.session_checkpoint import SESSION_FILE
+    """A session checkpoint's step, digest, config and files, from its ``session.json``; a
+    sharded one's world size and tensors digest too."""
+    from trainwire.server.engine.session_checkpoint import SESSION_FILE, is_sharded_checkpoint
 
     meta = _read_json(path / SESSION_FILE)
     config = meta.get("config", {})
@@ -106,6 +107,7 @@ def describe_checkpoint(path: Path) -> str:
     lines = [
         f"checkpoint   {path}",
         f"format       {meta.get('format')}",
+        *(_sharding(meta) if is_sharded_checkpoint(path) else []),
         f"model        {config.get('model')} ({config.get('task')}, "
         + ("LoRA" if config.get("lora") else "full weights")
         + f", {config.get('precision')}, {meta.get('device_type')})",
@@ -128,6 +130,16 @@ def describe_checkpoint(path: Path) -> str:
         )
     lines.append(f"files        {_files(path)}")
     return "\n".join(lines)
+
+
+def _sharding(meta: dict[str, Any]) -> list[str]:
+    """What a sharded checkpoint adds: the ranks it was written by, the digest of its tensors
+    alone (equal on every world size; the state digest holds the ranks' RNG too)."""
+    return [
+        f"world size   {meta.get('world_size')} (sharded: loads on any world size, bit for bit "
+        "on this one)",
+        f"tensors      {meta.get('tensors_digest')}",
+    ]
 
 
 def describe_export(path: Path) -> str:

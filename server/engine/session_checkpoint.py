@@ -76,8 +76,30 @@ def is_session_checkpoint(path: Path) -> bool:
     return (path / SESSION_FILE).is_file()
 
 
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether ``path``'s ``session.json`` names the sharded format (``sharded_checkpoint``):
+    the checkpoint readers the service calls (``read_extra``, ``verify_checkpoint``) hand
+    those to ``sharded_verify``. Anything unreadable is left to ``read_session_json`` to name.
+    """
+    try:
+        found = json.loads((path / SESSION_FILE).read_text()).get("format")
+    except (OSError, ValueError, RecursionError, AttributeError):
+        return False
+    if found == CHECKPOINT_FORMAT:
+        return False
+    # Imported here, not at the top: sharded_checkpoint imports this module (for its file
+    # names and keys), and with it torch.distributed, which a single-process server never needs.
+    from trainwire.server.engine.sharded_checkpoint import SHARDED_FORMAT
+
+    return found == SHARDED_FORMAT
+
+
 def read_extra(path: Path) -> dict[str, Any]:
-    """A checkpoint's ``extra`` state without loading its tensors."""
+    """A checkpoint's ``extra`` state without loading its tensors (either format)."""
+    if is_sharded_checkpoint(path):
+        from trainwire.server.engine.sharded_verify import read_sharded_extra  # see above
+
+        return read_sharded_extra(path)
     return dict(read_session_json(path).get(EXTRA_KEY) or {})
 
 
@@ -172,8 +194,13 @@ def verify_checkpoint(path: Path) -> str:
     ``NotFound`` for a missing file) says what is damaged.
 
     Recovery runs this before it trusts a checkpoint, since a truncated or changed file would
-    otherwise fail the restore (or, worse, restore other bits than the journal recorded).
+    otherwise fail the restore (or, worse, restore other bits than the journal recorded). A
+    sharded checkpoint is verified in this process, without a process group (``sharded_verify``).
     """
+    if is_sharded_checkpoint(path):
+        from trainwire.server.engine.sharded_verify import verify_sharded_checkpoint  # see above
+
+        return verify_sharded_checkpoint(path)
     meta = read_session_json(path)
     recorded = meta.get("state_digest")
     try:

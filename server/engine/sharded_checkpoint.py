@@ -26,7 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -89,27 +89,48 @@ class ShardedState:
     def tensors_digest(self) -> str:
         if self._tensors is None:
             session = self.session
-            digest = hashlib.sha256(b"trainwire.sharded-tensors/v1|")
-            digest.update(f"step={session.step}|accumulated={session.accumulated}|".encode())
-            digest.update(f"max_steps={session.max_steps}|".encode())
-            groups = (
+            groups = (  # in DIGESTED_GROUPS order
                 dict(session.model.named_parameters()),
                 _optimizer_tensors(session),
                 session.pending_gradients(),
                 session.loss_hook.session_state_dict(),
             )
-            for group in groups:
-                update_with_tensors(digest, _Whole(group))
-            self._tensors = "sha256:" + digest.hexdigest()
+            self._tensors = sharded_tensors_digest(
+                session.step,
+                session.accumulated,
+                session.max_steps,
+                (_Whole(group) for group in groups),
+            )
         return self._tensors
 
     def state_digest(self) -> str:
         shards = _shards(self.session)
-        digest = hashlib.sha256(b"trainwire.sharded-state/v1|")
-        digest.update(f"world_size={shards.world_size}|{self.tensors_digest()}|".encode())
-        for fingerprint in shards.gather(self.session.rng_state.fingerprint()):
-            digest.update(fingerprint.encode())
-        return "sha256:" + digest.hexdigest()
+        fingerprints = shards.gather(self.session.rng_state.fingerprint())
+        return sharded_state_digest(shards.world_size, self.tensors_digest(), fingerprints)
+
+
+DIGESTED_GROUPS = (MODEL_KEY, OPTIMIZER_KEY, GRADIENTS_KEY, LOSS_HOOK_KEY)  # in digest order
+
+
+def sharded_tensors_digest(
+    step: int, accumulated: int, max_steps: int | None, groups: Iterable[Mapping[str, torch.Tensor]]
+) -> str:
+    """The tensors digest, one definition for a live session and its files (``sharded_verify``):
+    the counters, then each group (``DIGESTED_GROUPS`` order) read one whole tensor at a time."""
+    digest = hashlib.sha256(b"trainwire.sharded-tensors/v1|")
+    digest.update(f"step={step}|accumulated={accumulated}|max_steps={max_steps}|".encode())
+    for group in groups:
+        update_with_tensors(digest, group)
+    return "sha256:" + digest.hexdigest()
+
+
+def sharded_state_digest(world_size: int, tensors: str, rng_fingerprints: Iterable[str]) -> str:
+    """The state digest: world size, tensors digest, every rank's RNG in rank order."""
+    digest = hashlib.sha256(b"trainwire.sharded-state/v1|")
+    digest.update(f"world_size={world_size}|{tensors}|".encode())
+    for fingerprint in rng_fingerprints:
+        digest.update(fingerprint.encode())
+    return "sha256:" + digest.hexdigest()
 
 
 def _shards(session: TrainingSession) -> ShardGroup:
@@ -246,7 +267,7 @@ def _rng_to_json(rng: RngState) -> dict[str, Any]:
     return {**rng.to_json(), "tensors": raw}
 
 
-def _rng_from_json(data: dict[str, Any]) -> RngState:
+def rng_from_json(data: dict[str, Any]) -> RngState:
     tensors = {
         name: torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
         for name, text in data["tensors"].items()
@@ -270,7 +291,7 @@ def load_state(session: TrainingSession, path: Path) -> dict[str, Any]:
         try:
             saved_rngs = meta["rng"]
             # Same world size: each rank its own RNG. Another: the rank it takes the place of.
-            rng = _rng_from_json(saved_rngs[shards.rank % len(saved_rngs)])
+            rng = rng_from_json(saved_rngs[shards.rank % len(saved_rngs)])
             layout = meta["layout"]
             step, accumulated = int(meta["step"]), int(meta["accumulated"])
         except (KeyError, TypeError, ValueError, IndexError) as error:
