@@ -1,0 +1,522 @@
+"""One session on several GPUs (deploy/components/gpus, deploy/multi-pod), without a cluster.
+
+The one-pod component is rendered into deploy/ as `kubectl kustomize` renders it; the multi-pod
+LeaderWorkerSet is rendered from its own folder. Built-in kinds are validated against the
+Kubernetes schemas; the LeaderWorkerSet (a custom resource, whose schema kubernetes-validate does
+not ship) by its envelope's fields and its two pod templates as PodTemplates. Command lines are
+parsed as they run: `trainwire serve`'s own parser, and torchrun's flags by a small mirror that is
+checked against torchrun's real parser where torch is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from deploy_files import (
+    DEPLOY,
+    DISPATCHER_LABELS,
+    PORT,
+    STATEFULSET,
+    TLS_PROBE,
+    deploy_kustomization,
+    env_values,
+    load_documents,
+    manifest_files,
+    parse_serve,
+    serve_parser,
+)
+from kustomize_render import render, rendered, rendered_statefulset, retag
+from test_deploy import validate_against_schemas
+
+GPUS = DEPLOY / "components" / "gpus"
+MULTI_POD = DEPLOY / "multi-pod"
+MULTI_POD_TLS_PROBE = MULTI_POD / "components" / "tls" / TLS_PROBE.name
+LEADER_WORKER_SET = ("LeaderWorkerSet", "trainwire-sharded")
+LEADER_SERVICE = ("Service", "trainwire-sharded-leader")
+STATE_CLAIM_FILE = "state-pvc.yaml"
+SHARDED_SELECTOR = {
+    "app.kubernetes.io/name": "trainwire",
+    "app.kubernetes.io/component": "sharded-worker",
+}
+# What LeaderWorkerSet sets on its pods (sigs.k8s.io/lws, api/leaderworkerset/v1, v0.6 and newer).
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+# The LeaderWorkerSet fields these manifests may use: those of LeaderWorkerSetSpec and
+# LeaderWorkerTemplate since v0.6 (the first release that sets LWS_WORKER_INDEX).
+LWS_SPEC_FIELDS = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy"}
+LWS_TEMPLATE_FIELDS = {"leaderTemplate", "workerTemplate", "size", "restartPolicy"}
+TORCHRUN_MASTER_PORT = 29500
+
+
+# ---- reading the manifests ---------------------------------------------------------------------
+
+
+def multi_pod_kustomization() -> dict:
+    return yaml.safe_load((MULTI_POD / "kustomization.yaml").read_text())
+
+
+def render_multi_pod(*components: str) -> dict[tuple[str, str], dict]:
+    """deploy/multi-pod rendered with ``components`` (under its components/) enabled, by name.
+
+    The Python rendering retags pod templates under spec.template only; kustomize retags every
+    ``containers`` list, the LeaderWorkerSet's two templates included, and so does this.
+    """
+    kustomization = multi_pod_kustomization()
+    kustomization["components"] = [f"components/{component}" for component in components]
+    documents = render(kustomization, MULTI_POD)
+    for document in documents:
+        if document["kind"] == LEADER_WORKER_SET[0]:
+            for template in pod_templates(document):
+                for image in kustomization["images"]:
+                    retag({"spec": {"template": template}}, image)
+    return {(d["kind"], d["metadata"]["name"]): d for d in documents}
+
+
+def pod_templates(leader_worker_set: dict) -> list[dict]:
+    """The leader's pod template, then the workers'."""
+    template = leader_worker_set["spec"]["leaderWorkerTemplate"]
+    return [template["leaderTemplate"], template["workerTemplate"]]
+
+
+def container(template: dict) -> dict:
+    (found,) = template["spec"]["containers"]
+    return found
+
+
+def serve_settings(running: dict) -> argparse.Namespace:
+    """What `trainwire serve` reads from a torchrun container's arguments (those after serve)."""
+    arguments = running["args"]
+    return parse_serve(arguments[arguments.index("serve") + 1 :])
+
+
+def state_claim() -> dict:
+    (claim,) = load_documents(MULTI_POD / STATE_CLAIM_FILE)
+    return claim
+
+
+def option(arguments: list[str], flag: str) -> str:
+    (index,) = [i for i, argument in enumerate(arguments) if argument == flag]
+    return arguments[index + 1]
+
+
+def serve_knows_nproc() -> bool:
+    return any("--nproc" in action.option_strings for action in serve_parser()._actions)
+
+
+def parse_serve_with_nproc(arguments: list[str]) -> argparse.Namespace:
+    if not serve_knows_nproc():
+        pytest.skip("`trainwire serve` has no --nproc yet: the one-pod arguments cannot be parsed")
+    return parse_serve(arguments)
+
+
+# ---- torchrun ----------------------------------------------------------------------------------
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's flags that the manifests use, spelled as torch.distributed.run spells them."""
+    parser = argparse.ArgumentParser(prog="torchrun", allow_abbrev=False)
+    parser.add_argument("--nnodes", required=True)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", required=True)
+    parser.add_argument("--node-rank", "--node_rank", type=int, required=True)
+    parser.add_argument("--master-addr", "--master_addr", required=True)
+    parser.add_argument("--master-port", "--master_port", type=int, required=True)
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, required=True)
+    parser.add_argument("-m", "--module", action="store_true")
+    parser.add_argument("training_script")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def lws_environment(leader_worker_set: dict, worker_index: int) -> dict[str, str]:
+    """What LeaderWorkerSet's pod webhook adds to every container of pod ``worker_index``.
+
+    Group 0 under the Shared subdomain policy: the leader's address is
+    ``<name>-<group>.<name>.<namespace>`` (LeaderWorkerSet's own headless Service).
+    """
+    name = leader_worker_set["metadata"]["name"]
+    namespace = leader_worker_set["metadata"].get("namespace", "trainwire")
+    return {
+        "LWS_LEADER_ADDRESS": f"{name}-0.{name}.{namespace}",
+        "LWS_GROUP_SIZE": str(leader_worker_set["spec"]["leaderWorkerTemplate"]["size"]),
+        "LWS_WORKER_INDEX": str(worker_index),
+    }
+
+
+def expand(argument: str, environment: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of a container argument ($$ escapes; unknown stays)."""
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else environment.get(m.group(1), m.group(0)),
+        argument,
+    )
+
+
+def pod_command(leader_worker_set: dict, worker_index: int) -> list[str]:
+    """Pod ``worker_index``'s command line (command, then args) as its container runs it."""
+    templates = pod_templates(leader_worker_set)
+    running = container(templates[0] if worker_index == 0 else templates[1])
+    environment = lws_environment(leader_worker_set, worker_index)
+    return [expand(a, environment) for a in running["command"] + running["args"]]
+
+
+def gpus(running: dict) -> int:
+    resources = running["resources"]
+    limit = int(resources["limits"]["nvidia.com/gpu"])
+    assert int(resources["requests"].get("nvidia.com/gpu", limit)) == limit
+    return limit
+
+
+# ---- one pod, N GPUs: components/gpus ----------------------------------------------------------
+
+
+def test_the_gpus_component_lists_its_files_and_patches_the_worker():
+    component = yaml.safe_load((GPUS / "kustomization.yaml").read_text())
+    assert component["kind"] == "Component"
+    assert {patch["path"] for patch in component["patches"]} == manifest_files(GPUS)
+    for patch in component["patches"]:
+        assert patch["target"] == {
+            "group": "apps",
+            "version": "v1",
+            "kind": STATEFULSET[0],
+            "name": STATEFULSET[1],
+        }
+    # The default deployment stays one GPU per session: the component is opt-in.
+    assert "components/gpus" not in deploy_kustomization().get("components", [])
+
+
+@pytest.mark.parametrize("components", [("gpus",), ("gpus", "tls", "tls-client-auth")])
+def test_one_pod_spawns_one_rank_per_gpu_it_is_given(components):
+    running = rendered_statefulset(*components)["spec"]["template"]["spec"]["containers"][0]
+    arguments = running["args"]
+    assert int(option(arguments, "--nproc")) == gpus(running) > 1
+    assert option(arguments, "--device") == "cuda"
+    settings = parse_serve_with_nproc(arguments)
+    assert settings.nproc == gpus(running)
+    assert settings.device == "cuda"
+
+
+def test_n_is_written_once_in_the_gpus_patch():
+    text = (GPUS / "statefulset-patch.yaml").read_text()
+    assert len(re.findall(r"^  value: &gpus ", text, re.MULTILINE)) == 1
+    operations = yaml.safe_load(text)
+    (nproc,) = [o for o in operations if o.get("value") == "--nproc"]
+    anchored = operations[operations.index(nproc) + 1]
+    assert anchored["path"] == nproc["path"] == "/spec/template/spec/containers/0/args/-"
+    assert isinstance(anchored["value"], str), "container arguments are strings"
+    # Every GPU count in the patch is the anchor (`*gpus`), never a second literal.
+    counts = re.findall(r"nvidia\.com/gpu: (\S+)", text)
+    assert counts and set(counts) == {"*gpus"}
+
+
+def test_one_pod_gets_shared_memory_for_nccl_within_its_memory():
+    pod = rendered_statefulset("gpus")["spec"]["template"]["spec"]
+    (running,) = pod["containers"]
+    shm = next(m for m in running["volumeMounts"] if m["mountPath"] == "/dev/shm")
+    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
+    assert volume["emptyDir"]["medium"] == "Memory"
+    # A memory-backed emptyDir counts against the container's memory limit.
+    limits, requests = running["resources"]["limits"], running["resources"]["requests"]
+    assert limits["memory"] == requests["memory"]
+    assert gibibytes(volume["emptyDir"]["sizeLimit"]) < gibibytes(limits["memory"])
+
+
+def test_one_pod_keeps_the_workers_probes_and_security(statefulset):
+    patched = rendered_statefulset("gpus")
+    (running,) = patched["spec"]["template"]["spec"]["containers"]
+    (original,) = statefulset["spec"]["template"]["spec"]["containers"]
+    for field in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "securityContext"):
+        assert running[field] == original[field], field
+    pod, original_pod = patched["spec"]["template"]["spec"], statefulset["spec"]["template"]["spec"]
+    assert pod["securityContext"] == original_pod["securityContext"]
+
+
+def gibibytes(quantity: str) -> float:
+    units = {"Gi": 1, "Ti": 1024, "Mi": 1 / 1024}
+    number, unit = re.fullmatch(r"(\d+)(Gi|Ti|Mi)", quantity).groups()
+    return int(number) * units[unit]
+
+
+# ---- several pods: deploy/multi-pod ------------------------------------------------------------
+
+
+def test_the_multi_pod_kustomization_lists_every_manifest_but_the_state_claim():
+    kustomization = multi_pod_kustomization()
+    assert kustomization["kind"] == "Kustomization"
+    resources = kustomization["resources"]
+    assert len(resources) == len(set(resources))
+    # The state claim is applied by hand, so `kubectl delete -k` never takes checkpoints with it.
+    assert set(resources) == manifest_files(MULTI_POD) - {STATE_CLAIM_FILE}
+    assert kustomization["namespace"] == deploy_kustomization()["namespace"]
+    assert kustomization["images"] == deploy_kustomization()["images"]
+    assert "secretGenerator" not in kustomization and "components" not in kustomization
+    for component in ("tls", "tls-client-auth"):
+        assert f"#   - components/{component}" in (MULTI_POD / "kustomization.yaml").read_text()
+
+
+def multi_pod_documents() -> list[tuple[str, dict]]:
+    documents = [(STATE_CLAIM_FILE, state_claim())]
+    for components in ((), ("tls",), ("tls", "tls-client-auth")):
+        name = "multi-pod" + "".join(f" + components/{c}" for c in components)
+        for (kind, object_name), document in render_multi_pod(*components).items():
+            if kind != LEADER_WORKER_SET[0]:
+                documents.append((f"{name}: {kind} {object_name}", document))
+                continue
+            for role, template in zip(("leader", "worker"), pod_templates(document), strict=True):
+                pod_template = {
+                    "apiVersion": "v1",
+                    "kind": "PodTemplate",
+                    "metadata": {"name": f"{object_name}-{role}"},
+                    "template": template,
+                }
+                documents.append((f"{name}: {kind} {object_name} {role}", pod_template))
+    documents.append(("one pod: gpus + tls", rendered_statefulset("gpus", "tls")))
+    return documents
+
+
+@pytest.mark.parametrize(
+    "document", [pytest.param(document, id=name) for name, document in multi_pod_documents()]
+)
+def test_every_sharded_manifest_validates_against_the_kubernetes_schemas(document):
+    validate_against_schemas(document)
+
+
+def test_the_leader_worker_set_recreates_its_group_and_uses_only_its_api_fields():
+    leader_worker_set = render_multi_pod()[LEADER_WORKER_SET]
+    assert leader_worker_set["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = leader_worker_set["spec"]
+    assert set(spec) <= LWS_SPEC_FIELDS
+    assert set(spec["leaderWorkerTemplate"]) <= LWS_TEMPLATE_FIELDS
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart"
+    # The leader is Ready only once every worker has joined: LeaderReady would deadlock.
+    assert spec["startupPolicy"] == "LeaderCreated"
+    # One group is one session with one state claim.
+    assert spec["replicas"] == 1
+    assert spec["leaderWorkerTemplate"]["size"] >= 2
+    for template in pod_templates(leader_worker_set):
+        assert SHARDED_SELECTOR.items() <= template["metadata"]["labels"].items()
+
+
+def test_every_pod_runs_torchrun_as_one_node_of_the_group():
+    leader_worker_set = render_multi_pod()[LEADER_WORKER_SET]
+    size = leader_worker_set["spec"]["leaderWorkerTemplate"]["size"]
+    leader, worker = (container(t) for t in pod_templates(leader_worker_set))
+    # One command line for every pod: torchrun tells them apart (--node-rank).
+    assert leader["command"] == worker["command"] == ["torchrun"]
+    assert leader["args"] == worker["args"]
+    for worker_index in range(size):
+        command = pod_command(leader_worker_set, worker_index)
+        launch = torchrun_parser().parse_args(command[1:])
+        assert launch.nnodes == str(size)
+        assert launch.node_rank == worker_index
+        assert launch.master_addr == lws_environment(leader_worker_set, 0)["LWS_LEADER_ADDRESS"]
+        assert launch.master_port == TORCHRUN_MASTER_PORT
+        assert launch.max_restarts == 0
+        assert launch.module and launch.training_script == "trainwire"
+        subcommand, *serve_arguments = launch.training_script_args
+        assert subcommand == "serve"
+        settings = parse_serve(serve_arguments)
+        assert settings.device == "cuda"
+        assert settings.listen == f"0.0.0.0:{PORT}"
+        # Under torchrun the ranks come from torchrun: no --nproc.
+        assert "--nproc" not in serve_arguments
+        running = leader if worker_index == 0 else worker
+        assert int(launch.nproc_per_node) == gpus(running)
+
+
+def test_the_image_has_torchrun_on_its_path(dockerfile, runtime):
+    # torchrun is torch's console script, in the virtual environment the runtime stage copies.
+    assert any(k == "RUN" and "torch==" in arguments for k, arguments in dockerfile)
+    assert "/opt/venv/bin" in env_values(runtime)["PATH"].split(":")
+    assert ("COPY", "--from=builder /opt/venv /opt/venv") in runtime
+
+
+def test_the_torchrun_mirror_reads_the_command_as_torchrun_does():
+    run = pytest.importorskip("torch.distributed.run")
+    leader_worker_set = render_multi_pod()[LEADER_WORKER_SET]
+    command = pod_command(leader_worker_set, 1)
+    mirrored = torchrun_parser().parse_args(command[1:])
+    real = run.get_args_parser().parse_args(command[1:])
+    for field in vars(mirrored):
+        assert str(getattr(real, field)) == str(getattr(mirrored, field)), field
+
+
+def test_the_leader_service_selects_only_the_leader_on_its_grpc_port():
+    objects = render_multi_pod()
+    service, leader_worker_set = objects[LEADER_SERVICE], objects[LEADER_WORKER_SET]
+    selector = service["spec"]["selector"]
+    assert selector == {
+        **SHARDED_SELECTOR,
+        LWS_NAME_LABEL: leader_worker_set["metadata"]["name"],
+        LWS_WORKER_INDEX_LABEL: "0",
+    }
+    # LeaderWorkerSet creates a headless Service named after itself: this one must not clash.
+    assert service["metadata"]["name"] != leader_worker_set["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    (port,) = service["spec"]["ports"]
+    leader = container(pod_templates(leader_worker_set)[0])
+    grpc_port = next(p for p in leader["ports"] if p["name"] == port["targetPort"])
+    assert port["port"] == grpc_port["containerPort"] == PORT
+
+
+def test_only_the_leader_is_probed_by_grpc_health():
+    leader, worker = (container(t) for t in pod_templates(render_multi_pod()[LEADER_WORKER_SET]))
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader[probe]["grpc"] == {"port": PORT}, probe
+        assert probe not in worker, f"workers have no listener: no {probe}"
+    assert "ports" not in worker
+    startup, liveness = leader["startupProbe"], leader["livenessProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 10 * 60
+
+
+def test_every_pod_mounts_one_read_write_many_state_claim_and_the_models_read_only(
+    deploy_objects,
+):
+    claim = state_claim()
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    for template in pod_templates(render_multi_pod()[LEADER_WORKER_SET]):
+        running = container(template)
+        settings = serve_settings(running)
+        mounts = {m["mountPath"]: m for m in running["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        state = mounts[settings.state_dir]
+        assert not state.get("readOnly", False) and "subPath" not in state
+        assert volumes[state["name"]]["persistentVolumeClaim"] == {
+            "claimName": claim["metadata"]["name"]
+        }
+        models = mounts[settings.model_root]
+        assert models["readOnly"] is True
+        models_claim = volumes[models["name"]]["persistentVolumeClaim"]
+        assert models_claim["readOnly"] is True
+        # The same model root as deploy/'s workers.
+        assert ("PersistentVolumeClaim", models_claim["claimName"]) in deploy_objects
+        shm = volumes[mounts["/dev/shm"]["name"]]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        memory = running["resources"]["limits"]["memory"]
+        assert gibibytes(shm["emptyDir"]["sizeLimit"]) < gibibytes(memory)
+
+
+def test_every_pod_has_the_workers_security_and_token(statefulset):
+    objects = render_multi_pod()
+    worker_pod = statefulset["spec"]["template"]["spec"]
+    (worker_container,) = worker_pod["containers"]
+    worker_volumes = {v["name"]: v for v in worker_pod["volumes"]}
+    for template in pod_templates(objects[LEADER_WORKER_SET]):
+        pod, running = template["spec"], container(template)
+        assert pod["securityContext"] == worker_pod["securityContext"]
+        assert running["securityContext"] == worker_container["securityContext"]
+        assert pod["tolerations"] == worker_pod["tolerations"]
+        assert pod["automountServiceAccountToken"] is False
+        assert pod["enableServiceLinks"] is False
+        account = objects[("ServiceAccount", pod["serviceAccountName"])]
+        assert account["automountServiceAccountToken"] is False
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        token_file = Path(serve_settings(running).token_file)
+        assert token_file == Path(parse_serve(worker_container["args"]).token_file)
+        token = next(m for m in running["volumeMounts"] if m["mountPath"] == str(token_file.parent))
+        assert token["readOnly"] is True
+        assert volumes[token["name"]] == worker_volumes[token["name"]]
+        tmp = next(m for m in running["volumeMounts"] if m["mountPath"] == "/tmp")
+        assert volumes[tmp["name"]] == worker_volumes[tmp["name"]]
+
+
+def test_the_network_policy_admits_the_dispatcher_and_the_sessions_own_pods():
+    objects = render_multi_pod()
+    spec = objects[("NetworkPolicy", "trainwire-sharded")]["spec"]
+    assert spec["podSelector"]["matchLabels"] == SHARDED_SELECTOR
+    assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
+    dispatcher, ranks = spec["ingress"]
+    assert dispatcher["from"] == [{"podSelector": {"matchLabels": DISPATCHER_LABELS}}]
+    assert dispatcher["ports"] == [{"port": PORT, "protocol": "TCP"}]
+    # torchrun's store and NCCL's ports, between the session's pods only.
+    assert ranks == {"from": [{"podSelector": {"matchLabels": SHARDED_SELECTOR}}]}
+    peers, dns = spec["egress"]
+    assert peers == {"to": [{"podSelector": {"matchLabels": SHARDED_SELECTOR}}]}
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
+    # The pods are not deploy/'s workers: its policy (no egress) and Service do not select them.
+    pod_labels = pod_templates(objects[LEADER_WORKER_SET])[1]["metadata"]["labels"]
+    assert pod_labels["app.kubernetes.io/component"] != "worker"
+
+
+def test_the_multi_pod_tls_components_reach_every_rank_and_probe_the_leader_over_tls(
+    example_secrets,
+):
+    assert MULTI_POD_TLS_PROBE.read_text() == TLS_PROBE.read_text(), "keep the copy identical"
+    for component in ("tls", "tls-client-auth"):
+        folder = MULTI_POD / "components" / component
+        spec = yaml.safe_load((folder / "kustomization.yaml").read_text())
+        generated = {f for g in spec.get("configMapGenerator", []) for f in g["files"]}
+        listed = {patch["path"] for patch in spec["patches"]} | generated
+        assert listed == manifest_files(folder) | {p.name for p in folder.glob("*.py")}
+    objects = render_multi_pod("tls", "tls-client-auth")
+    (config_map,) = [d for (kind, _), d in objects.items() if kind == "ConfigMap"]
+    assert config_map["data"] == {TLS_PROBE.name: TLS_PROBE.read_text()}
+    generator = yaml.safe_load((MULTI_POD / "components/tls/kustomization.yaml").read_text())
+    # kustomize would not rewrite a hashed name inside a LeaderWorkerSet: keep it as written.
+    assert generator["configMapGenerator"][0]["options"]["disableNameSuffixHash"] is True
+    leader_template, worker_template = pod_templates(objects[LEADER_WORKER_SET])
+    for template in (leader_template, worker_template):
+        running = container(template)
+        settings = serve_settings(running)
+        mounts = {m["mountPath"]: m for m in running["volumeMounts"]}
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        tls_directory = Path(settings.tls_cert).parent
+        secret = volumes[mounts[str(tls_directory)]["name"]]["secret"]
+        assert example_secrets[secret["secretName"]]["type"] == "kubernetes.io/tls"
+        for path in (settings.tls_cert, settings.tls_key, settings.tls_client_ca):
+            assert Path(path).parent == tls_directory
+    leader = container(leader_template)
+    (probe_volume,) = [v for v in leader_template["spec"]["volumes"] if "configMap" in v]
+    assert probe_volume["configMap"]["name"] == config_map["metadata"]["name"]
+    probe_mount = next(m for m in leader["volumeMounts"] if m["name"] == probe_volume["name"])
+    probe = [
+        "/opt/venv/bin/python",
+        str(Path(probe_mount["mountPath"]) / TLS_PROBE.name),
+        str(PORT),
+    ]
+    for name in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert leader[name] == {**leader[name], "exec": {"command": probe}}
+        assert "grpc" not in leader[name]
+        assert name not in container(worker_template)
+    environment = {e["name"]: e for e in leader["env"]}
+    assert environment["TRAINWIRE_TLS_SERVER_NAME"]["value"] == (
+        f"{LEADER_SERVICE[1]}.$(POD_NAMESPACE).svc"
+    )
+
+
+# ---- the real kustomize, where kubectl is installed --------------------------------------------
+
+
+def kubectl_kustomize(folder: Path, components: list[str], tmp_path: Path) -> list[dict]:
+    """`kubectl kustomize` of a copy of deploy/ with ``components`` enabled in ``folder``'s."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    target = copy / folder.relative_to(DEPLOY)
+    kustomization = yaml.safe_load((target / "kustomization.yaml").read_text())
+    kustomization["components"] = components
+    (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    output = subprocess.run(
+        ["kubectl", "kustomize", str(target)], capture_output=True, text=True, check=False
+    )
+    assert output.returncode == 0, output.stderr
+    return [d for d in yaml.safe_load_all(output.stdout) if d]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+def test_kubectl_kustomize_renders_what_these_tests_read(tmp_path):
+    gpus_only = kubectl_kustomize(DEPLOY, ["components/gpus"], tmp_path / "one")
+    assert by_kind_and_name(gpus_only) == by_kind_and_name(rendered("gpus"))
+    components = ["components/tls", "components/tls-client-auth"]
+    multi_pod = kubectl_kustomize(MULTI_POD, components, tmp_path / "multi")
+    assert by_kind_and_name(multi_pod) == render_multi_pod("tls", "tls-client-auth")
+
+
+def by_kind_and_name(documents: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in documents}
