@@ -21,13 +21,14 @@ from typing import Any
 import grpc
 
 from trainwire.client.files import Pem
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.grpc.listener import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_WORKERS,
     GrpcListener,
 )
 from trainwire.server.library_warnings import quiet_library_warnings
-from trainwire.server.service.host import SessionHost
+from trainwire.server.service.host import SessionFactory, SessionHost
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,7 @@ def serve(
     tinker_token: str | None = None,
     tinker_tokenizer_id: str | None = None,
     sample_batching: bool = True,
+    session_factory: SessionFactory | None = None,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
@@ -106,6 +108,7 @@ def serve(
     ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
     a path the client can read; None: the model's directory on this host).
     ``sample_batching`` False decodes each sample request alone (see ``SessionHost``).
+    ``session_factory`` builds the sessions (rank 0 of a group: ``GroupLeader.open_session``).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
@@ -128,6 +131,7 @@ def serve(
             on_serving=listener.set_serving,
             keep_checkpoints=keep_checkpoints,
             sample_batching=sample_batching,
+            session_factory=session_factory or TrainingSession,
         )
     except BaseException:
         listener.stop(None)  # release the port of a refused start

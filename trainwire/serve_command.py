@@ -74,6 +74,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "device whose kernels change a row's bits with the batch size; see docs/BENCHMARKS.md)",
     )
     serve.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="run the session across N processes on this node, one per device, each holding a "
+        "shard of the model (FSDP2; rank 0 serves). Under torchrun, leave it out: the ranks "
+        "come from torchrun (see docs/SHARDING.md)",
+    )
+    serve.add_argument(
         "--tinker-tokenizer-id",
         help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
         "client can read (default: the model's directory on this host)",
@@ -102,12 +110,57 @@ def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def command_serve(args: argparse.Namespace) -> int:
-    """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0."""
-    from trainwire.client.files import write_text_atomic
-    from trainwire.server.process import serve
+    """``trainwire serve``: serve until SIGTERM or SIGINT, then stop gracefully and exit 0.
+
+    With ``--nproc N`` this process supervises N rank processes (``server/group``); under a
+    launcher (torchrun, or that supervisor) it is one rank: rank 0 serves, the others follow.
+    """
+    from trainwire.server.group.ranks import Launch, join_group, leave_group
 
     settings = serve_settings(args)
     token = _read_token(args.token_file) if args.token_file else None
+    launch = Launch.from_environment()
+    check_nproc(args.nproc, launch)
+    if launch is None and args.nproc > 1:
+        from trainwire.server.group.supervisor import supervise
+
+        return supervise(args.argv, args.nproc, settings["stop_grace_s"])
+    if launch is None:
+        return _serve_until_stopped(args, settings, token, None)
+    group = join_group(launch, args.device)
+    try:
+        if not launch.leads:
+            from trainwire.server.group.follower import follow
+            from trainwire.server.library_warnings import quiet_library_warnings
+
+            quiet_library_warnings()  # as rank 0's serve() does: the same engine calls
+            follow(group)
+            return 0
+        from trainwire.server.group.leader import GroupLeader
+
+        return _serve_until_stopped(args, settings, token, GroupLeader(group))
+    finally:
+        leave_group()
+
+
+def check_nproc(nproc: int, launch: Any) -> None:
+    """``--nproc`` is at least 1, and under a launcher it agrees with the launcher's world."""
+    if nproc < 1:
+        raise ValueError(f"--nproc must be at least 1, got {nproc}")
+    if launch is not None and nproc not in (1, launch.world_size):
+        raise ValueError(
+            f"--nproc {nproc}, but the launcher started WORLD_SIZE={launch.world_size} ranks; "
+            "under torchrun leave --nproc out"
+        )
+
+
+def _serve_until_stopped(
+    args: argparse.Namespace, settings: dict[str, Any], token: str | None, leader: Any
+) -> int:
+    """One server (a single process, or rank 0 of a group led by ``leader``) until a signal."""
+    from trainwire.client.files import write_text_atomic
+    from trainwire.server.process import serve
+
     # Signal handlers first: a SIGTERM that arrives while the server starts still stops it cleanly.
     stop_requested = threading.Event()
     received: list[str] = []
@@ -122,7 +175,7 @@ def command_serve(args: argparse.Namespace) -> int:
         listen=args.listen,
         state_dir=args.state_dir,
         model_root=args.model_root,
-        device=args.device,
+        device=args.device if leader is None else str(leader.group.device),
         token=token,
         tls_cert=args.tls_cert and Path(args.tls_cert),
         tls_key=args.tls_key and Path(args.tls_key),
@@ -134,6 +187,7 @@ def command_serve(args: argparse.Namespace) -> int:
         tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
         tinker_tokenizer_id=args.tinker_tokenizer_id,
         sample_batching=not args.no_sample_batching,
+        session_factory=None if leader is None else leader.open_session,
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")
@@ -141,6 +195,8 @@ def command_serve(args: argparse.Namespace) -> int:
         pass
     logger.info("%s received: finishing the operation in flight, then stopping", received[0])
     handle.stop(grace=settings["stop_grace_s"])
+    if leader is not None:
+        leader.stop()
     return 0
 
 

@@ -20,7 +20,6 @@ front that drives it.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,8 +35,9 @@ from trainwire.server.engine import session_persistence as persistence
 from trainwire.server.engine import session_sampling
 from trainwire.server.engine.batching import BatchEncoder, check_max_length
 from trainwire.server.engine.device import resolve_device, resolve_dtype
+from trainwire.server.engine.lockstep import Announcer, collective
 from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
-from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch, encode_microbatch
+from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch
 from trainwire.server.engine.model_loading import (
     load_session_model,
     load_tokenizer,
@@ -61,11 +61,7 @@ from trainwire.server.engine.session_setup import (
     seeded_guard,
     shard_for_group,
 )
-from trainwire.server.engine.sharding import (
-    ShardedMicrobatch,
-    split_microbatch,
-    total_norm,
-)
+from trainwire.server.engine.sharding import ShardedMicrobatch, encode_for_group, total_norm
 from trainwire.server.engine.weights import base_model_fingerprint
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
@@ -122,6 +118,7 @@ class TrainingSession:
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
         self._digests = persistence.StateDigests(self._guard)
+        self.announcer: Announcer | None = None  # rank 0 of a served group (``lockstep``)
 
     # -- helpers -------------------------------------------------------------------------------
 
@@ -148,6 +145,7 @@ class TrainingSession:
 
     # -- operations ----------------------------------------------------------------------------
 
+    @collective
     def forward(
         self,
         examples: Sequence[InputExample | TokenExample],
@@ -167,6 +165,7 @@ class TrainingSession:
                 loss = microbatch.loss(self.model, self.loss_hook, training=False)
             return microbatch.forward_result(loss)
 
+    @collective
     def forward_backward(
         self,
         examples: Sequence[InputExample | TokenExample],
@@ -197,18 +196,12 @@ class TrainingSession:
     def _encode(
         self, examples: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None
     ) -> Microbatch | ShardedMicrobatch:
-        encode = functools.partial(
-            encode_microbatch,
-            loss_fn=loss_fn,
-            loss_fn_config=loss_fn_config,
-            encoder=self.encoder,
-            vocab_size=self.sampler.vocab_size,
-        )
-        whole = encode(examples)  # checked whole on every rank: refused alike everywhere
-        return (
-            whole if self.shards is None else split_microbatch(whole, examples, self.shards, encode)
+        vocab_size = self.sampler.vocab_size
+        return encode_for_group(
+            examples, loss_fn, loss_fn_config, self.encoder, vocab_size, self.shards
         )
 
+    @collective
     def optim_step(
         self,
         *,
@@ -257,6 +250,7 @@ class TrainingSession:
             self._guard.changed()
             return StepResult(self.step, rate, grad_norm)
 
+    @collective
     def sample(
         self,
         prompt_tokens: Sequence[int],
@@ -299,6 +293,7 @@ class TrainingSession:
         selected = SampleWeights.of(weights)
         return session_sampling.sample(self, list(prompt_tokens), params, selected)
 
+    @collective
     def prompt_logprobs(
         self,
         prompt_tokens: Sequence[int],
@@ -334,6 +329,7 @@ class TrainingSession:
         """The session's own RNG snapshot (installed around each operation)."""
         return self._guard.rng
 
+    @collective
     def state_digest(self) -> str:
         """sha256 over the whole continuation state: parameters, optimizer moments, schedule
         position, pending gradients, accumulation counter, RNG and loss-hook state.
@@ -348,6 +344,7 @@ class TrainingSession:
         """The digest if it is cached for the current state, else "" (no lock, no hashing)."""
         return self._digests.known()
 
+    @collective
     def drop_digest_cache(self) -> None:
         """Forget the cached digest, as an operation does (benchmarks time its computation)."""
         with self._guard.lock:
@@ -361,6 +358,7 @@ class TrainingSession:
     def _contents(self) -> CheckpointContents:
         return persistence.checkpoint_contents(self)
 
+    @collective
     def save_state(self, path: str | Path, *, extra: dict[str, Any] | None = None) -> None:
         """Write the complete continuation state to a checkpoint directory, atomically.
 
@@ -369,6 +367,7 @@ class TrainingSession:
         """
         persistence.save_state(self, Path(path), extra or {})
 
+    @collective
     def load_state(self, path: str | Path) -> dict[str, Any]:
         """Restore everything into this fresh (or just restored) session; returns ``extra``.
 
@@ -377,6 +376,7 @@ class TrainingSession:
         """
         return persistence.load_state(self, Path(path))
 
+    @collective
     def load_weights(self, path: str | Path) -> None:
         """Copy weights only, from a session checkpoint, a native model or a PEFT adapter.
 
@@ -386,10 +386,12 @@ class TrainingSession:
         """
         persistence.load_weights(self, Path(path))
 
+    @collective
     def export_weights(self, path: str | Path) -> None:
         """Write a directory ``transformers`` (full) or ``peft`` (adapter) loads, atomically."""
         persistence.export_weights(self, Path(path))
 
+    @collective
     def export_checkpoint_weights(self, checkpoint: str | Path, path: str | Path) -> None:
         """Export the weights of a checkpoint from a detached CPU copy; live state untouched."""
         persistence.export_checkpoint_weights(self, Path(checkpoint), Path(path))

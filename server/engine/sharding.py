@@ -23,19 +23,25 @@ size alone, so a driver only has to send every rank the same operation:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainwire.server.engine.batching import IGNORE_INDEX
+from trainwire.server.engine.batching import IGNORE_INDEX, BatchEncoder
 from trainwire.server.engine.loss_hook import LossHook
-from trainwire.server.engine.microbatches import Microbatch, TextMicrobatch, TokenMicrobatch
+from trainwire.server.engine.microbatches import (
+    Microbatch,
+    TextMicrobatch,
+    TokenMicrobatch,
+    encode_microbatch,
+)
 from trainwire.server.engine.session_results import ForwardResult, TokenOutput
 from trainwire.server.errors import FailedPrecondition
 
@@ -90,15 +96,25 @@ def shard_model(model: torch.nn.Module, shards: ShardGroup, device: torch.device
         raise FailedPrecondition(
             f"{type(model).__name__} names no decoder layer (_no_split_modules) to shard"
         )
+    policy = precision_policy(model)
     for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum, not average: every rank's loss is its share of the whole batch's. A plain
             # SUM collective with no factor (gloo has no PREMUL_SUM or AVG), on every backend.
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+
+
+def precision_policy(model: torch.nn.Module) -> MixedPrecisionPolicy:
+    """bf16 weights reduce their gradients in fp32: a sum over ranks in bf16 would round at
+    every addition, which one process never does. fp32 weights keep FSDP's default (no cast),
+    so the CPU path computes exactly what it did before."""
+    if any(p.dtype == torch.bfloat16 for p in model.parameters()):
+        return MixedPrecisionPolicy(reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -198,6 +214,28 @@ def combine_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, 
                 "across ranks"
             )
     return out
+
+
+def encode_for_group(
+    examples: Sequence[Any],
+    loss_fn: str,
+    loss_fn_config: Mapping[str, float] | None,
+    encoder: BatchEncoder,
+    vocab_size: int,
+    shards: ShardGroup | None,
+) -> Microbatch | ShardedMicrobatch:
+    """The batch as this rank trains on it: the whole microbatch without a group, else this
+    rank's slice. The whole batch is encoded and checked on every rank either way, so a bad
+    example is refused alike everywhere, before any collective."""
+    encode = functools.partial(
+        encode_microbatch,
+        loss_fn=loss_fn,
+        loss_fn_config=loss_fn_config,
+        encoder=encoder,
+        vocab_size=vocab_size,
+    )
+    whole = encode(examples)
+    return whole if shards is None else split_microbatch(whole, examples, shards, encode)
 
 
 def split_microbatch(

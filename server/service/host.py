@@ -53,6 +53,7 @@ from trainwire.server.service.state_dir import (
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+SessionFactory = Callable[..., TrainingSession]  # (config, *, device, max_steps, model_root)
 RequestT = TypeVar("RequestT")
 
 
@@ -69,6 +70,7 @@ class SessionHost:
             (and the one named ``best``); None keeps them all.
         sample_batching: concurrent samples decode together (``sample_batching``); False
             decodes each request alone, for a device whose kernels are not batch-invariant.
+        session_factory: builds each session (rank 0 of a group builds it on every rank).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class SessionHost:
         on_serving: Callable[[bool], None] | None = None,
         keep_checkpoints: int | None = None,
         sample_batching: bool = True,
+        session_factory: SessionFactory = TrainingSession,
     ) -> None:
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
@@ -94,6 +97,7 @@ class SessionHost:
             raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
         self.keep_checkpoints = keep_checkpoints
         self.sample_batching = sample_batching
+        self._session_factory = session_factory
         self._executor = SessionExecutor()
         self._batcher = SampleBatcher(self._executor, self._require_active)
         self._active: ActiveRun | None = None
@@ -374,7 +378,7 @@ class SessionHost:
     # -- helpers ---------------------------------------------------------------------------------
 
     def _new_session(self, config: TrainingConfig, max_steps: int | None) -> TrainingSession:
-        session = TrainingSession(
+        session = self._session_factory(
             config, device=self.device, max_steps=max_steps, model_root=self.model_root
         )
         session.sampler.batches = self.sample_batching

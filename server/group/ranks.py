@@ -1,0 +1,115 @@
+"""Which rank this process is, its device, and joining the group.
+
+A launcher says who is who through the environment torchrun defines: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``. ``trainwire serve --nproc N`` sets the same
+variables for the N processes it starts (``supervisor``), so one path serves both.
+
+Two process groups. The world group carries the session's collectives (FSDP's all-gathers and
+reduce-scatters, digests, checkpoints): gloo on the CPU, NCCL for CUDA tensors with gloo beside it
+for the CPU objects the engine gathers. The control group carries rank 0's announcements
+(``channel``): always gloo, with a timeout long enough that the other ranks may wait for the next
+operation as long as a server stays idle; a rank that dies closes its sockets, so the others
+hear of it at once rather than at the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainwire.server.engine.device import resolve_device
+from trainwire.server.group.channel import BroadcastChannel
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# How long the other ranks may wait for rank 0's next announcement: an idle server's ranks
+# wait here, so it bounds nothing a user would notice (a dead rank is heard of at once).
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the group, as its launcher set it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Launch | None:
+        """None when no launcher started this process (a plain ``trainwire serve``)."""
+        if "RANK" not in environ and "WORLD_SIZE" not in environ:
+            return None
+        missing = [name for name in LAUNCH_VARIABLES if not environ.get(name)]
+        if missing:
+            raise ValueError(
+                f"a launcher set RANK/WORLD_SIZE but not {', '.join(missing)}; start the ranks "
+                "with torchrun or trainwire serve --nproc N"
+            )
+        try:
+            launch = cls(
+                int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"])
+            )
+        except ValueError as error:
+            raise ValueError(
+                f"RANK, WORLD_SIZE and LOCAL_RANK must be integers ({error})"
+            ) from None
+        if not 0 <= launch.rank < launch.world_size or launch.local_rank < 0:
+            raise ValueError(f"RANK {launch.rank} is outside WORLD_SIZE {launch.world_size}")
+        return launch
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 serves: listeners, journal, state directory, recovery."""
+        return self.rank == 0
+
+
+def rank_device(requested: str | None, launch: Launch) -> torch.device:
+    """One device per rank: ``cuda`` (or none given, on a machine with CUDA) is the local rank's
+    GPU; ``cuda:N`` would put every rank of a node on one GPU, so it is refused."""
+    device = resolve_device(requested)
+    if device.type != "cuda":
+        return device
+    if requested not in (None, "cuda") and launch.world_size > 1:
+        raise ValueError(
+            f"--device {requested}: each rank takes its local rank's GPU; give --device cuda"
+        )
+    if launch.local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"LOCAL_RANK {launch.local_rank}: this node has {torch.cuda.device_count()} GPUs"
+        )
+    torch.cuda.set_device(launch.local_rank)
+    return torch.device("cuda", launch.local_rank)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """The joined group: this rank, its device, the session's group and rank 0's channel."""
+
+    launch: Launch
+    device: torch.device
+    world: dist.ProcessGroup
+    channel: BroadcastChannel
+
+
+def join_group(launch: Launch, requested_device: str | None) -> RankGroup:
+    """Join the world and control groups (blocks until every rank has joined)."""
+    device = rank_device(requested_device, launch)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method="env://", rank=launch.rank, world_size=launch.world_size
+    )
+    world = dist.group.WORLD
+    assert world is not None
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    return RankGroup(launch, device, world, BroadcastChannel(control))
+
+
+def leave_group() -> None:
+    """Tear the process groups down (at a clean stop; a dead group needs no goodbye)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,172 @@
+"""``trainwire serve --nproc N``: start N rank processes on this node and keep them a group.
+
+Each rank is ``python -m trainwire`` with the same arguments and the environment torchrun would
+give it (``ranks.LAUNCH_VARIABLES``), so a node served this way and one started by torchrun run
+the same code. The supervisor itself holds nothing of the session: no port, no state directory.
+
+A rank that exits while the server is not stopping takes the group down: the supervisor kills
+the rest (SIGKILL: a rank may be blocked in a collective that will never complete; nothing is
+lost, since every answered operation is in the journal) and starts a new group on a new
+rendezvous port. Its rank 0 recovers from the latest checkpoint and the journal, as a restarted
+single-process server does; clients retry meanwhile. A group that keeps failing within
+``QUICK_FAILURE_S`` of its start (a model that cannot load, a port taken) is given up after
+``MAX_QUICK_FAILURES`` tries in a row, so a broken setup ends with its error rather than a loop.
+
+SIGTERM or SIGINT to the supervisor is passed to rank 0, which stops gracefully (the operation
+in flight finishes and commits) and then tells the other ranks to exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger(__name__)
+
+QUICK_FAILURE_S = 30.0
+MAX_QUICK_FAILURES = 5
+POLL_S = 0.1
+STOP_WAIT_S = 10.0  # after rank 0 has stopped, how long the others may take to follow
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+
+
+class GroupSupervisor:
+    """Starts, watches and restarts the ranks of one node's group."""
+
+    def __init__(self, argv: Sequence[str], nproc: int, stop_grace_s: float) -> None:
+        self.argv = list(argv)
+        self.nproc = nproc
+        self.stop_grace_s = stop_grace_s
+        self.stopping = threading.Event()
+        self.restarts = 0
+        self._ranks: list[subprocess.Popen[bytes]] = []
+
+    def run(self) -> int:
+        """Keep a group running until asked to stop; the exit code of the whole command."""
+        quick_failures = 0
+        while True:
+            started = time.monotonic()
+            self._start()
+            failed = self._watch()
+            if failed is None:
+                return self._stop()
+            rank, code = failed
+            self._kill_all()
+            lived = time.monotonic() - started
+            quick_failures = quick_failures + 1 if lived < QUICK_FAILURE_S else 0
+            if quick_failures >= MAX_QUICK_FAILURES:
+                logger.error(
+                    "rank %d exited with code %s; the group failed %d times in a row within "
+                    "%.0f s of starting: giving up (see the ranks' errors above)",
+                    rank,
+                    code,
+                    quick_failures,
+                    QUICK_FAILURE_S,
+                )
+                return 1
+            self.restarts += 1
+            logger.warning(
+                "rank %d exited with code %s after %.1f s: restarting the group (restart %d); "
+                "rank 0 recovers from the latest checkpoint and journal",
+                rank,
+                code,
+                lived,
+                self.restarts,
+            )
+            time.sleep(min(2.0**quick_failures, 30.0) if quick_failures else 0.0)
+
+    def _start(self) -> None:
+        port = _free_port()
+        self._ranks = []
+        for rank in range(self.nproc):
+            environ = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(self.nproc),
+                "LOCAL_WORLD_SIZE": str(self.nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+            # Its own session: a terminal's Ctrl-C reaches the supervisor alone, which stops
+            # the ranks in order rather than all at once.
+            process = subprocess.Popen(
+                [sys.executable, "-m", "trainwire", *self.argv],
+                env=environ,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
+            self._ranks.append(process)
+        pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(self._ranks))
+        logger.info("started %d ranks (%s), rendezvous port %d", self.nproc, pids, port)
+
+    def _watch(self) -> tuple[int, int | None] | None:
+        """Wait until a rank exits (its rank and code) or a stop is asked for (None)."""
+        while not self.stopping.wait(POLL_S):
+            for rank, process in enumerate(self._ranks):
+                code = process.poll()
+                if code is not None:
+                    return rank, code
+        return None
+
+    def _stop(self) -> int:
+        """Rank 0 stops gracefully and releases the others; stragglers are killed."""
+        leader = self._ranks[0]
+        if leader.poll() is None:
+            leader.send_signal(signal.SIGTERM)
+        try:
+            code = leader.wait(self.stop_grace_s + STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("rank 0 did not stop within %.0f s: killing it", self.stop_grace_s)
+            code = None
+        deadline = time.monotonic() + STOP_WAIT_S
+        for process in self._ranks[1:]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(max(0.0, deadline - time.monotonic()))
+        self._kill_all()
+        return 0 if code == 0 else 1
+
+    def _kill_all(self) -> None:
+        for process in self._ranks:
+            if process.poll() is None:
+                process.kill()
+        for process in self._ranks:
+            process.wait()
+
+
+def supervise(argv: Sequence[str], nproc: int, stop_grace_s: float) -> int:
+    """Run ``GroupSupervisor`` until SIGTERM or SIGINT; its exit code."""
+    supervisor = GroupSupervisor(argv, nproc, stop_grace_s)
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("%s received: stopping the group", signal.Signals(signum).name)
+        supervisor.stopping.set()
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    return supervisor.run()
+
+
+def _die_with_parent() -> None:
+    """In the rank, before it runs: a supervisor that is killed (SIGKILL leaves it no time to
+    stop its ranks) takes its ranks with it, so no orphan keeps the port or the state
+    directory from the next server. Linux's parent-death signal; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _free_port() -> int:
+    """A port for the group's rendezvous, free now (the ranks bind it a moment later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
