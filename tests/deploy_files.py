@@ -8,6 +8,9 @@
 - The manifests: :func:`load_documents`, :func:`deploy_kustomization`, :func:`resource_objects`,
   :func:`example_documents`. The kustomization rendered as `kubectl kustomize` renders it is in
   kustomize.py; the fixtures over all this are in conftest.py.
+- One session on several GPUs: deploy/multi-pod's LeaderWorkerSet (:func:`pod_templates`,
+  :func:`state_claim`) and its pods' command lines as they run (:func:`pod_command`, with the
+  variables LeaderWorkerSet sets, read by :func:`torchrun_parser` and :func:`serve_settings`).
 """
 
 from __future__ import annotations
@@ -172,3 +175,101 @@ def example_documents() -> dict[str, dict]:
 
 def manifest_files(directory: Path) -> set[str]:
     return {p.name for p in directory.glob("*.y*ml")} - {"kustomization.yaml"}
+
+
+# ---- one session on several pods: deploy/multi-pod --------------------------------------------
+
+MULTI_POD = DEPLOY / "multi-pod"
+LEADER_WORKER_SET = ("LeaderWorkerSet", "trainwire-sharded")
+LEADER_SERVICE = ("Service", "trainwire-sharded-leader")
+STATE_CLAIM_FILE = "state-pvc.yaml"
+SHARDED_SELECTOR = {
+    "app.kubernetes.io/name": "trainwire",
+    "app.kubernetes.io/component": "sharded-worker",
+}
+# What LeaderWorkerSet sets on its pods (sigs.k8s.io/lws, api/leaderworkerset/v1, v0.6 and newer).
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+TORCHRUN_MASTER_PORT = 29500
+
+
+def multi_pod_kustomization() -> dict:
+    return yaml.safe_load((MULTI_POD / "kustomization.yaml").read_text())
+
+
+def pod_templates(leader_worker_set: dict) -> list[dict]:
+    """The leader's pod template, then the workers'."""
+    template = leader_worker_set["spec"]["leaderWorkerTemplate"]
+    return [template["leaderTemplate"], template["workerTemplate"]]
+
+
+def only_container(template: dict) -> dict:
+    """A pod template's one container."""
+    (found,) = template["spec"]["containers"]
+    return found
+
+
+def serve_settings(running: dict) -> argparse.Namespace:
+    """What `trainwire serve` reads from a torchrun container's arguments (those after serve)."""
+    arguments = running["args"]
+    return parse_serve(arguments[arguments.index("serve") + 1 :])
+
+
+def state_claim() -> dict:
+    (claim,) = load_documents(MULTI_POD / STATE_CLAIM_FILE)
+    return claim
+
+
+def option(arguments: list[str], flag: str) -> str:
+    (index,) = [i for i, argument in enumerate(arguments) if argument == flag]
+    return arguments[index + 1]
+
+
+# ---- several pods: torchrun -------------------------------------------------------------------
+
+
+def torchrun_parser() -> argparse.ArgumentParser:
+    """torchrun's flags that the manifests use, spelled as torch.distributed.run spells them."""
+    parser = argparse.ArgumentParser(prog="torchrun", allow_abbrev=False)
+    parser.add_argument("--nnodes", required=True)
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", required=True)
+    parser.add_argument("--node-rank", "--node_rank", type=int, required=True)
+    parser.add_argument("--master-addr", "--master_addr", required=True)
+    parser.add_argument("--master-port", "--master_port", type=int, required=True)
+    parser.add_argument("--max-restarts", "--max_restarts", type=int, required=True)
+    parser.add_argument("-m", "--module", action="store_true")
+    parser.add_argument("training_script")
+    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def lws_environment(leader_worker_set: dict, worker_index: int) -> dict[str, str]:
+    """What LeaderWorkerSet's pod webhook adds to every container of pod ``worker_index``.
+
+    Group 0 under the Shared subdomain policy: the leader's address is
+    ``<name>-<group>.<name>.<namespace>`` (LeaderWorkerSet's own headless Service).
+    """
+    name = leader_worker_set["metadata"]["name"]
+    namespace = leader_worker_set["metadata"].get("namespace", "trainwire")
+    return {
+        "LWS_LEADER_ADDRESS": f"{name}-0.{name}.{namespace}",
+        "LWS_GROUP_SIZE": str(leader_worker_set["spec"]["leaderWorkerTemplate"]["size"]),
+        "LWS_WORKER_INDEX": str(worker_index),
+    }
+
+
+def expand(argument: str, environment: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion of a container argument ($$ escapes; unknown stays)."""
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else environment.get(m.group(1), m.group(0)),
+        argument,
+    )
+
+
+def pod_command(leader_worker_set: dict, worker_index: int) -> list[str]:
+    """Pod ``worker_index``'s command line (command, then args) as its container runs it."""
+    templates = pod_templates(leader_worker_set)
+    running = only_container(templates[0] if worker_index == 0 else templates[1])
+    environment = lws_environment(leader_worker_set, worker_index)
+    return [expand(a, environment) for a in running["command"] + running["args"]]

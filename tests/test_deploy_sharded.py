@@ -21,44 +21,44 @@ import yaml
 from deploy_files import (
     DEPLOY,
     DISPATCHER_LABELS,
+    LEADER_SERVICE,
+    LEADER_WORKER_SET,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    MULTI_POD,
     PORT,
+    SHARDED_SELECTOR,
+    STATE_CLAIM_FILE,
     STATEFULSET,
     TLS_PROBE,
+    TORCHRUN_MASTER_PORT,
     deploy_kustomization,
     env_values,
-    load_documents,
+    lws_environment,
     manifest_files,
+    multi_pod_kustomization,
+    only_container,
+    option,
     parse_serve,
+    pod_command,
+    pod_templates,
     serve_parser,
+    serve_settings,
+    state_claim,
+    torchrun_parser,
 )
 from kustomize_render import render, rendered, rendered_statefulset, retag
 from test_deploy import validate_against_schemas
 
 GPUS = DEPLOY / "components" / "gpus"
-MULTI_POD = DEPLOY / "multi-pod"
 MULTI_POD_TLS_PROBE = MULTI_POD / "components" / "tls" / TLS_PROBE.name
-LEADER_WORKER_SET = ("LeaderWorkerSet", "trainwire-sharded")
-LEADER_SERVICE = ("Service", "trainwire-sharded-leader")
-STATE_CLAIM_FILE = "state-pvc.yaml"
-SHARDED_SELECTOR = {
-    "app.kubernetes.io/name": "trainwire",
-    "app.kubernetes.io/component": "sharded-worker",
-}
-# What LeaderWorkerSet sets on its pods (sigs.k8s.io/lws, api/leaderworkerset/v1, v0.6 and newer).
-LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
-LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 # The LeaderWorkerSet fields these manifests may use: those of LeaderWorkerSetSpec and
 # LeaderWorkerTemplate since v0.6 (the first release that sets LWS_WORKER_INDEX).
 LWS_SPEC_FIELDS = {"replicas", "leaderWorkerTemplate", "rolloutStrategy", "startupPolicy"}
 LWS_TEMPLATE_FIELDS = {"leaderTemplate", "workerTemplate", "size", "restartPolicy"}
-TORCHRUN_MASTER_PORT = 29500
 
 
 # ---- reading the manifests ---------------------------------------------------------------------
-
-
-def multi_pod_kustomization() -> dict:
-    return yaml.safe_load((MULTI_POD / "kustomization.yaml").read_text())
 
 
 def render_multi_pod(*components: str) -> dict[tuple[str, str], dict]:
@@ -78,33 +78,6 @@ def render_multi_pod(*components: str) -> dict[tuple[str, str], dict]:
     return {(d["kind"], d["metadata"]["name"]): d for d in documents}
 
 
-def pod_templates(leader_worker_set: dict) -> list[dict]:
-    """The leader's pod template, then the workers'."""
-    template = leader_worker_set["spec"]["leaderWorkerTemplate"]
-    return [template["leaderTemplate"], template["workerTemplate"]]
-
-
-def container(template: dict) -> dict:
-    (found,) = template["spec"]["containers"]
-    return found
-
-
-def serve_settings(running: dict) -> argparse.Namespace:
-    """What `trainwire serve` reads from a torchrun container's arguments (those after serve)."""
-    arguments = running["args"]
-    return parse_serve(arguments[arguments.index("serve") + 1 :])
-
-
-def state_claim() -> dict:
-    (claim,) = load_documents(MULTI_POD / STATE_CLAIM_FILE)
-    return claim
-
-
-def option(arguments: list[str], flag: str) -> str:
-    (index,) = [i for i, argument in enumerate(arguments) if argument == flag]
-    return arguments[index + 1]
-
-
 def serve_knows_nproc() -> bool:
     return any("--nproc" in action.option_strings for action in serve_parser()._actions)
 
@@ -113,56 +86,6 @@ def parse_serve_with_nproc(arguments: list[str]) -> argparse.Namespace:
     if not serve_knows_nproc():
         pytest.skip("`trainwire serve` has no --nproc yet: the one-pod arguments cannot be parsed")
     return parse_serve(arguments)
-
-
-# ---- torchrun ----------------------------------------------------------------------------------
-
-
-def torchrun_parser() -> argparse.ArgumentParser:
-    """torchrun's flags that the manifests use, spelled as torch.distributed.run spells them."""
-    parser = argparse.ArgumentParser(prog="torchrun", allow_abbrev=False)
-    parser.add_argument("--nnodes", required=True)
-    parser.add_argument("--nproc-per-node", "--nproc_per_node", required=True)
-    parser.add_argument("--node-rank", "--node_rank", type=int, required=True)
-    parser.add_argument("--master-addr", "--master_addr", required=True)
-    parser.add_argument("--master-port", "--master_port", type=int, required=True)
-    parser.add_argument("--max-restarts", "--max_restarts", type=int, required=True)
-    parser.add_argument("-m", "--module", action="store_true")
-    parser.add_argument("training_script")
-    parser.add_argument("training_script_args", nargs=argparse.REMAINDER)
-    return parser
-
-
-def lws_environment(leader_worker_set: dict, worker_index: int) -> dict[str, str]:
-    """What LeaderWorkerSet's pod webhook adds to every container of pod ``worker_index``.
-
-    Group 0 under the Shared subdomain policy: the leader's address is
-    ``<name>-<group>.<name>.<namespace>`` (LeaderWorkerSet's own headless Service).
-    """
-    name = leader_worker_set["metadata"]["name"]
-    namespace = leader_worker_set["metadata"].get("namespace", "trainwire")
-    return {
-        "LWS_LEADER_ADDRESS": f"{name}-0.{name}.{namespace}",
-        "LWS_GROUP_SIZE": str(leader_worker_set["spec"]["leaderWorkerTemplate"]["size"]),
-        "LWS_WORKER_INDEX": str(worker_index),
-    }
-
-
-def expand(argument: str, environment: dict[str, str]) -> str:
-    """The kubelet's $(VAR) expansion of a container argument ($$ escapes; unknown stays)."""
-    return re.sub(
-        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
-        lambda m: "$" if m.group(0) == "$$" else environment.get(m.group(1), m.group(0)),
-        argument,
-    )
-
-
-def pod_command(leader_worker_set: dict, worker_index: int) -> list[str]:
-    """Pod ``worker_index``'s command line (command, then args) as its container runs it."""
-    templates = pod_templates(leader_worker_set)
-    running = container(templates[0] if worker_index == 0 else templates[1])
-    environment = lws_environment(leader_worker_set, worker_index)
-    return [expand(a, environment) for a in running["command"] + running["args"]]
 
 
 def gpus(running: dict) -> int:
@@ -305,7 +228,7 @@ def test_the_leader_worker_set_recreates_its_group_and_uses_only_its_api_fields(
 def test_every_pod_runs_torchrun_as_one_node_of_the_group():
     leader_worker_set = render_multi_pod()[LEADER_WORKER_SET]
     size = leader_worker_set["spec"]["leaderWorkerTemplate"]["size"]
-    leader, worker = (container(t) for t in pod_templates(leader_worker_set))
+    leader, worker = (only_container(t) for t in pod_templates(leader_worker_set))
     # One command line for every pod: torchrun tells them apart (--node-rank).
     assert leader["command"] == worker["command"] == ["torchrun"]
     assert leader["args"] == worker["args"]
@@ -360,13 +283,14 @@ def test_the_leader_service_selects_only_the_leader_on_its_grpc_port():
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
     (port,) = service["spec"]["ports"]
-    leader = container(pod_templates(leader_worker_set)[0])
+    leader = only_container(pod_templates(leader_worker_set)[0])
     grpc_port = next(p for p in leader["ports"] if p["name"] == port["targetPort"])
     assert port["port"] == grpc_port["containerPort"] == PORT
 
 
 def test_only_the_leader_is_probed_by_grpc_health():
-    leader, worker = (container(t) for t in pod_templates(render_multi_pod()[LEADER_WORKER_SET]))
+    leader_worker_set = render_multi_pod()[LEADER_WORKER_SET]
+    leader, worker = (only_container(t) for t in pod_templates(leader_worker_set))
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert leader[probe]["grpc"] == {"port": PORT}, probe
         assert probe not in worker, f"workers have no listener: no {probe}"
@@ -382,7 +306,7 @@ def test_every_pod_mounts_one_read_write_many_state_claim_and_the_models_read_on
     claim = state_claim()
     assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
     for template in pod_templates(render_multi_pod()[LEADER_WORKER_SET]):
-        running = container(template)
+        running = only_container(template)
         settings = serve_settings(running)
         mounts = {m["mountPath"]: m for m in running["volumeMounts"]}
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -409,7 +333,7 @@ def test_every_pod_has_the_workers_security_and_token(statefulset):
     (worker_container,) = worker_pod["containers"]
     worker_volumes = {v["name"]: v for v in worker_pod["volumes"]}
     for template in pod_templates(objects[LEADER_WORKER_SET]):
-        pod, running = template["spec"], container(template)
+        pod, running = template["spec"], only_container(template)
         assert pod["securityContext"] == worker_pod["securityContext"]
         assert running["securityContext"] == worker_container["securityContext"]
         assert pod["tolerations"] == worker_pod["tolerations"]
@@ -463,7 +387,7 @@ def test_the_multi_pod_tls_components_reach_every_rank_and_probe_the_leader_over
     assert generator["configMapGenerator"][0]["options"]["disableNameSuffixHash"] is True
     leader_template, worker_template = pod_templates(objects[LEADER_WORKER_SET])
     for template in (leader_template, worker_template):
-        running = container(template)
+        running = only_container(template)
         settings = serve_settings(running)
         mounts = {m["mountPath"]: m for m in running["volumeMounts"]}
         volumes = {v["name"]: v for v in template["spec"]["volumes"]}
@@ -472,7 +396,7 @@ def test_the_multi_pod_tls_components_reach_every_rank_and_probe_the_leader_over
         assert example_secrets[secret["secretName"]]["type"] == "kubernetes.io/tls"
         for path in (settings.tls_cert, settings.tls_key, settings.tls_client_ca):
             assert Path(path).parent == tls_directory
-    leader = container(leader_template)
+    leader = only_container(leader_template)
     (probe_volume,) = [v for v in leader_template["spec"]["volumes"] if "configMap" in v]
     assert probe_volume["configMap"]["name"] == config_map["metadata"]["name"]
     probe_mount = next(m for m in leader["volumeMounts"] if m["name"] == probe_volume["name"])
@@ -484,7 +408,7 @@ def test_the_multi_pod_tls_components_reach_every_rank_and_probe_the_leader_over
     for name in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert leader[name] == {**leader[name], "exec": {"command": probe}}
         assert "grpc" not in leader[name]
-        assert name not in container(worker_template)
+        assert name not in only_container(worker_template)
     environment = {e["name"]: e for e in leader["env"]}
     assert environment["TRAINWIRE_TLS_SERVER_NAME"]["value"] == (
         f"{LEADER_SERVICE[1]}.$(POD_NAMESPACE).svc"
