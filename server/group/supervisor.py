@@ -96,6 +96,7 @@ class GroupSupervisor:
                 "LOCAL_WORLD_SIZE": str(self.nproc),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": self._threads_per_rank(),
             }
             # Its own session: a terminal's Ctrl-C reaches the supervisor alone, which stops
             # the ranks in order rather than all at once.
@@ -108,6 +109,13 @@ class GroupSupervisor:
             self._ranks.append(process)
         pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(self._ranks))
         logger.info("started %d ranks (%s), rendezvous port %d", self.nproc, pids, port)
+
+    def _threads_per_rank(self) -> str:
+        """The ranks share the node's cores: each gets its share of CPU threads (torchrun gives
+        each one) unless OMP_NUM_THREADS says otherwise. The thread count is part of what a CPU
+        computation's bits depend on, so it is fixed for a run, never left to chance."""
+        given = os.environ.get("OMP_NUM_THREADS")
+        return given or str(max(1, (os.cpu_count() or 1) // self.nproc))
 
     def _watch(self) -> tuple[int, int | None] | None:
         """Wait until a rank exits (its rank and code) or a stop is asked for (None)."""
