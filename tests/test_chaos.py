@@ -10,126 +10,27 @@ journal's final lineage holding each operation exactly once.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import random
-import signal
-import sqlite3
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 from plans import sentiment_plan
+from process_cluster import (
+    AIM_TIMEOUT_S,
+    RUN_ID,
+    Cluster,
+    file_hashes,
+    kill_at_position,
+    wait_until,
+)
 
 from trainwire.client import ManagedTrainingPlan, write_manifest
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
-from trainwire.testing import free_port
 
-RUN_ID = "chaos"
 RUN_TIMEOUT_S = 240
-AIM_TIMEOUT_S = 60  # the longest wait for the moment a kill aims at
 KILL_ATTEMPTS = 5  # what a kill aims at can pass between being seen and the kill
-
-
-def file_hashes(directory: Path) -> dict[str, str]:
-    return {
-        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
-
-
-class Cluster:
-    """One server process and one controller process, restartable, killable."""
-
-    def __init__(self, tmp: Path, model_root: Path, manifest: Path, *, window: int = 1) -> None:
-        self.state = tmp / "state"
-        self.work = tmp / "work"
-        self.logs = tmp / "logs"
-        self.logs.mkdir()
-        port = free_port()
-        self.target = f"127.0.0.1:{port}"
-        cli = [sys.executable, "-m", "trainwire"]
-        self.server_args = [*cli, "serve", "--listen", self.target, "--state-dir", str(self.state),
-                            "--model-root", str(model_root), "--device", "cpu"]  # fmt: skip
-        self.controller_args = [*cli, "run", "--server", self.target, "--manifest", str(manifest),
-                                "--run-id", RUN_ID, "--work-dir", str(self.work),
-                                "--checkpoint-every", "2", "--window", str(window),
-                                "--quiet"]  # fmt: skip
-        self.server: subprocess.Popen | None = None
-        self.controller: subprocess.Popen | None = None
-        self.starts = 0
-
-    def _start(self, args: list[str], name: str) -> subprocess.Popen:
-        self.starts += 1
-        log = open(self.logs / f"{name}-{self.starts}.log", "wb")  # noqa: SIM115 - kept by Popen
-        return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-
-    def start_server(self) -> None:
-        self.server = self._start(self.server_args, "server")
-
-    def start_controller(self) -> None:
-        self.controller = self._start(self.controller_args, "controller")
-
-    @staticmethod
-    def kill(process: subprocess.Popen | None) -> None:
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
-
-    def journal_position(self) -> int:
-        path = self.state / "runs" / RUN_ID / "journal.sqlite3"
-        if not path.exists():
-            return 0
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            try:
-                row = db.execute(
-                    "SELECT MAX(position) FROM operations WHERE rolled_back = 0"
-                ).fetchone()
-            except sqlite3.Error:
-                return 0
-        return row[0] or 0
-
-    def cursor_position(self) -> int:
-        try:
-            return json.loads((self.work / "cursor.json").read_text())["position"]
-        except (OSError, ValueError, KeyError):
-            return 0
-
-    def checkpoints_in_flight(self) -> set[str]:
-        """The hidden directories of checkpoints being written (or left by a killed writer)."""
-        folder = self.state / "runs" / RUN_ID / "checkpoints"
-        try:
-            return {p.name for p in folder.iterdir() if p.name.startswith(".")}
-        except FileNotFoundError:
-            return set()
-
-    def journal_lineage(self) -> list[tuple[int, str]]:
-        path = self.state / "runs" / RUN_ID / "journal.sqlite3"
-        with contextlib.closing(sqlite3.connect(path)) as db:
-            return db.execute(
-                "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
-                "ORDER BY position"
-            ).fetchall()
-
-    def logs_text(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-            for p in sorted(self.logs.iterdir())
-        )
-
-
-def wait_until(condition, timeout_s: float = AIM_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.001)
-    return False
 
 
 def kill_server_during_checkpoint(cluster: Cluster) -> str:
@@ -164,23 +65,6 @@ def kill_controller_after_commit(cluster: Cluster) -> str:
         if journal > cursor:
             return f"controller after commit {journal}, cursor at {cursor} (attempt {attempt})"
     pytest.fail(f"{KILL_ATTEMPTS} times the cursor caught up before the kill reached it")
-
-
-def kill_at_position(cluster: Cluster, which: str, ahead: int) -> str:
-    """Kill the server once its journal, or the controller once its cursor, is ``ahead``
-    operations further than now."""
-    if which == "server":
-        position, process, restart = cluster.journal_position, "server", cluster.start_server
-    else:
-        position, process, restart = cluster.cursor_position, "controller", cluster.start_controller
-    aim = position() + ahead
-    reached = wait_until(lambda: position() >= aim)
-    assert reached, f"{which} never reached position {aim}\n{cluster.logs_text()}"
-    cluster.kill(getattr(cluster, process))
-    landed = position()  # the dead process's files: where the kill really fell
-    restart()
-    assert landed >= aim
-    return f"{which} at position {landed} (aimed at {aim})"
 
 
 @pytest.fixture(scope="module")

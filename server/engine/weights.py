@@ -38,6 +38,8 @@ EXPORT_FORMAT = "trainwire.export/v1"
 EXPORT_FILE = "trainwire_export.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+# The adapter config's fields PEFT holds as sets (and writes in set order).
+PEFT_SET_FIELDS = ("target_modules", "exclude_modules")
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 PEFT_PREFIX = "base_model.model."
 
@@ -293,6 +295,23 @@ def record_attention_implementation(directory: Path, model: torch.nn.Module) -> 
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def order_adapter_config(directory: Path) -> None:
+    """Write the sets in the adapter's ``adapter_config.json`` as sorted lists.
+
+    PEFT keeps ``target_modules`` (and the like) as Python sets and writes them in set order,
+    which follows the process's string-hash seed: the same adapter would give other bytes in
+    another process. Sorted, the same weights give the same export files anywhere; PEFT reads
+    them back into the same sets.
+    """
+    config_path = directory / ADAPTER_CONFIG_FILE
+    data = json.loads(config_path.read_text())
+    for key in PEFT_SET_FIELDS:
+        value = data.get(key)
+        if isinstance(value, list) and all(isinstance(item, str) for item in value):
+            data[key] = sorted(value)
+    config_path.write_text(json.dumps(data, indent=2, sort_keys=True))
+
+
 def write_export(
     path: Path,
     model: torch.nn.Module,
@@ -306,6 +325,8 @@ def write_export(
         model.save_pretrained(tmp, safe_serialization=True)
         if config.lora is None:
             record_attention_implementation(tmp, model)
+        else:
+            order_adapter_config(tmp)
         tokenizer.save_pretrained(tmp)
         write_json(
             tmp / EXPORT_FILE,
