@@ -8,11 +8,13 @@ the test runs exactly the calls the ranks run.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -135,8 +137,6 @@ def _refusals(session: Any, out: Path) -> list[str]:
     messages = []
     calls: list[Callable[[], Any]] = [
         lambda: session.sample([5, 6, 7], max_tokens=2),
-        lambda: session.load_weights(out / "export"),
-        lambda: session.export_checkpoint_weights(out / "checkpoint", out / "again"),
     ]
     for call in calls:
         try:
@@ -214,11 +214,86 @@ def save_checkpoints(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str
     return {"digests": digests}
 
 
+# -- weights in and out (tests/test_sharded_weights.py) ------------------------------------------
+
+
+def weights_in_and_out(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """For full weights and LoRA: a sharded checkpoint exported, one process's, a missing one;
+    then ``load_weights`` from each kind of source, a refused one and one failing midway."""
+    return {mode: _weights_of(spec, group, mode) for mode in ("full", "lora")}
+
+
+def _weights_of(spec: dict[str, Any], group: dist.ProcessGroup, mode: str) -> dict[str, Any]:
+    from trainwire.server.engine.weights import WeightsLoad
+
+    lora, out, one_process = mode == "lora", Path(spec["out"]) / mode, spec["one_process"][mode]
+    source = _session(spec, group, lora=lora, dropout=0.0)
+    two_more_steps(source)
+    source.forward_backward(TEXTS[:3])  # pending: in the checkpoint, never in an export
+    source.save_state(out / "checkpoint")
+    source.export_weights(out / "at-save")
+    report: dict[str, Any] = {"saved": weights_seen(source)}
+    two_more_steps(source)  # the live weights move on past the checkpoint
+    digest = source.state_digest()
+    source.export_checkpoint_weights(out / "checkpoint", out / "from-checkpoint")
+    source.export_checkpoint_weights(Path(one_process), out / "from-one-process")
+    report["untouched"] = source.state_digest() == digest
+    report["missing"] = _raised(lambda: source.export_checkpoint_weights(out / "none", out / "x"))
+
+    target = _session(spec, group, lora=lora, dropout=0.0)
+    digest = target.state_digest()
+    report["wrong_shape"] = _raised(lambda: target.load_weights(Path(spec["wrong_shape"])))
+    # A full-weights run's sharded checkpoint (the "full" pass runs first) in a LoRA session.
+    other = Path(spec["out"]) / "full" / "checkpoint"
+    report["other_settings"] = _raised(lambda: target.load_weights(other)) if lora else ""
+    report["unchanged"] = target.state_digest() == digest and not target.broken
+    # Each load replaces what the one before left, in an order where each changes the weights.
+    for name, path in [
+        ("native", Path(spec["native"])),
+        ("checkpoint", out / "checkpoint"),
+        ("one_process", Path(one_process)),
+        ("export", out / "at-save"),
+    ]:
+        target.load_weights(path)
+        report[f"{name}_loaded"] = weights_seen(target)
+    with mock.patch.object(WeightsLoad, "apply", side_effect=RuntimeError("pulled midway")):
+        report["midway"] = _raised(lambda: target.load_weights(out / "at-save"))
+    report["broken"] = target.broken or ""
+    return report
+
+
+def weights_seen(session: Any) -> dict[str, Any]:
+    """What a session's weights are and give: every parameter whole, hashed by name (a
+    collective on a sharded session), the logprobs of a token batch, the base fingerprint and
+    the step (a weights load leaves the run's schedule where it was)."""
+    from trainwire.server.engine.digest import update_with_tensors
+    from trainwire.server.engine.sharding import full_tensor
+
+    parameters = {name: full_tensor(p.detach()) for name, p in session.model.named_parameters()}
+    digest = hashlib.sha256()
+    update_with_tensors(digest, parameters)
+    return {
+        "parameters": digest.hexdigest(),
+        "logprobs": session.forward(token_examples()).logprobs,
+        "base": session.base_fingerprint,
+        "step": session.step,
+    }
+
+
+def _raised(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except Exception as error:  # the test reads the message
+        return f"{type(error).__name__}: {error}"
+    return ""
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]] = {
     "train_and_checkpoint": train_and_checkpoint,
     "resume_elsewhere": resume_elsewhere,
     "classify": classify,
     "save_checkpoints": save_checkpoints,
+    "weights_in_and_out": weights_in_and_out,
 }
 
 

@@ -6,8 +6,8 @@ each, and keep their signatures and contracts in ``session``. The functions work
 as its own methods would, its guard included: each takes the session's lock first, so none runs
 beside an operation. The checkpoint format they write and read is ``session_checkpoint`` and
 ``session_restore``; the weights sources and exports are ``weights``. A sharded session (one
-with a process group) keeps its state in ``sharded_checkpoint`` instead; what is not sharded yet
-(``load_weights``, exporting a checkpoint's weights) it refuses here, by name.
+with a process group) keeps its state in ``sharded_checkpoint`` instead, and its weights go in
+and out through ``sharded_weights``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.server.engine import sharded_checkpoint, weights
+from trainwire.server.engine import sharded_checkpoint, sharded_weights, weights
 from trainwire.server.engine.operation_guard import OperationGuard
 from trainwire.server.engine.session_checkpoint import (
     CheckpointContents,
@@ -145,7 +145,7 @@ def _apply_restored(
 
 def load_weights(session: TrainingSession, path: Path) -> None:
     if session.shards is not None:
-        session.shards.refuse("load_weights")
+        return sharded_weights.load_weights(session, path)
     guard = session._guard
     with guard.operation():
         # Read and check everything first; then apply, and a failure midway (out of memory,
@@ -163,7 +163,7 @@ def load_weights(session: TrainingSession, path: Path) -> None:
 
 def export_weights(session: TrainingSession, path: Path) -> None:
     if session.shards is not None:
-        return sharded_checkpoint.export_weights(session, path)
+        return sharded_weights.export_weights(session, path)
     guard = session._guard
     with guard.lock:
         guard.refuse_if_broken("cannot export an unusable session")
@@ -179,7 +179,7 @@ def export_weights(session: TrainingSession, path: Path) -> None:
 
 def export_checkpoint_weights(session: TrainingSession, checkpoint: Path, path: Path) -> None:
     if session.shards is not None:
-        session.shards.refuse("exporting a checkpoint's weights")
+        return sharded_weights.export_checkpoint_weights(session, checkpoint, path)
     with session._guard.lock:  # no operation changes the model while it is copied
         # The checkpoint's weights go into a detached CPU copy, never into the live model: the
         # live state stays untouched even if the export fails midway.

@@ -1,4 +1,5 @@
-"""A sharded session's state in and out: its digest, its checkpoints, its export.
+"""A sharded session's state in and out: its digest and its checkpoints (its weights alone, in
+and out, are ``sharded_weights``).
 
 A sharded checkpoint is one directory, published atomically as a single-process one is::
 
@@ -32,13 +33,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainwire.client.files import atomic_directory
-from trainwire.server.engine import weights
 from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.model_loading import load_session_model
-from trainwire.server.engine.rng import RngState, preserved_global_rng
+from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.session_checkpoint import EXTRA_KEY, SESSION_FILE
 from trainwire.server.engine.session_restore import check_compatible
 from trainwire.server.engine.sharding import ShardGroup, full_tensor, reshard
@@ -360,36 +358,3 @@ def _install(
         session.optimizer.state[live[name]][field] = value
     for name, parameter in live.items():
         parameter.grad = gradients.get(name)
-
-
-# -- exporting ---------------------------------------------------------------------------------
-
-
-def export_weights(session: TrainingSession, path: Path) -> None:
-    """The full weights gathered to rank 0, written as the single-process export is."""
-    shards, guard = _shards(session), session._guard
-    with guard.lock:
-        guard.refuse_if_broken("cannot export an unusable session")
-        provenance = {
-            "base_model_fingerprint": session.base_fingerprint,
-            "step": session.step,
-            "state_digest": session.state_digest(),
-        }
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(session.model, options=options)  # rank 0 holds it
-
-        def write() -> None:
-            # A fresh unsharded copy on the CPU takes the gathered weights and writes them with
-            # the same code as a single-process export (same files, same record).
-            with preserved_global_rng():  # a LoRA copy draws initial adapters; discarded
-                model = load_session_model(
-                    session.config,
-                    session.model_dir,
-                    session.dtype,
-                    session.tokenizer,
-                    torch.device("cpu"),
-                )
-            model.load_state_dict(full)
-            weights.write_export(path, model, session.tokenizer, session.config, provenance)
-
-        on_rank_zero(shards, path, write)

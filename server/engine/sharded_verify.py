@@ -1,4 +1,5 @@
-"""A sharded checkpoint read back in one process, with no process group: verified, its extra.
+"""A sharded checkpoint read back in one process, with no process group: verified, its extra,
+its parameters.
 
 The service reads its checkpoints without a session (recovery picks the newest one that
 verifies, and reads the journal entry its ``extra`` carries), and a sharded session's checkpoints
@@ -10,6 +11,9 @@ and dropped before the next: memory for one whole tensor, never the whole state.
 The tensors hash with ``sharded_tensors_digest`` (the live session's definition), and the state
 digest is recomputed from them, the world size and every rank's recorded RNG; a checkpoint
 verifies only when both equal what it was written with.
+
+``stored_parameters`` reads the parameters the same way, whole, one at a time, for what takes a
+checkpoint's weights alone (``sharded_weights``: an export of them, ``load_weights``).
 """
 
 from __future__ import annotations
@@ -74,11 +78,8 @@ def verify_sharded_checkpoint(path: Path) -> str:
         )
     reader = _IndexedReader(path, _read_index(path))
     layouts = _group_layouts(path, reader.index, saved)
-    # dcp.load says once per call that it reads in one process: that is the point here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        groups = (_StoredGroup(reader, group, layouts[group]) for group in DIGESTED_GROUPS)
-        found = sharded_tensors_digest(*counters, groups)
+    groups = (StoredGroup(reader, group, layouts[group]) for group in DIGESTED_GROUPS)
+    found = sharded_tensors_digest(*counters, groups)
     if found != recorded_tensors:
         raise InvalidArgument(
             f"checkpoint {path.name} is damaged: its shards hash to {found}, but it was written "
@@ -165,17 +166,42 @@ class _IndexedReader(dcp.FileSystemReader):
         return self.index
 
 
-class _StoredGroup(Mapping[str, torch.Tensor]):
+def stored_parameters(path: Path) -> StoredGroup:
+    """Sharded checkpoint ``path``'s parameters by name, each read whole when asked for, in this
+    process and without a process group (a rank of a group may call it too: it reads alone).
+    Their shapes and dtypes come from the shard index, before any is read. ``InvalidArgument``
+    names a checkpoint whose index or tensors do not read."""
+    index = _read_index(path)
+    layout: Layout = {}
+    for key, entry in index.state_dict_metadata.items():
+        group, _, name = key.partition(".")
+        if group == MODEL_KEY and isinstance(entry, TensorStorageMetadata):
+            layout[name] = (list(entry.size), entry.properties.dtype)
+    return StoredGroup(_IndexedReader(path, index), MODEL_KEY, layout)
+
+
+class StoredGroup(Mapping[str, torch.Tensor]):
     """One group's tensors, each read whole from every rank's shards when asked for."""
 
     def __init__(self, reader: _IndexedReader, group: str, layout: Layout) -> None:
         self._reader, self._group, self._layout = reader, group, layout
 
+    def placeholders(self) -> dict[str, torch.Tensor]:
+        """Each tensor's shape and dtype as a tensor on the meta device (no data, nothing read):
+        what a caller checks names, shapes and dtypes against before it reads any."""
+        return {
+            name: torch.empty(shape, dtype=dtype, device="meta")
+            for name, (shape, dtype) in self._layout.items()
+        }
+
     def __getitem__(self, name: str) -> torch.Tensor:
         shape, dtype = self._layout[name]
         state = {self._group: {name: torch.zeros(shape, dtype=dtype)}}
         try:
-            dcp.load(state, storage_reader=self._reader, no_dist=True)
+            # dcp.load warns on every call that it reads in one process: that is the point here.
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, storage_reader=self._reader, no_dist=True)
         except (Exception, CheckpointException) as error:  # CheckpointException: not Exception
             raise InvalidArgument(
                 f"checkpoint {self._reader.checkpoint} is damaged: {self._group} tensor {name} "
