@@ -214,6 +214,24 @@ def save_checkpoints(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str
     return {"digests": digests}
 
 
+# -- a managed run (tests/test_sharded_serve.py compares a served group's run with it) ---------
+
+
+def managed_run(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """The plan of ``spec["manifest"]`` run uninterrupted in-process on the group, as
+    ``trainwire run`` drives a server: its digest, history and export (written by rank 0)."""
+    from trainwire.client import ManagedTrainingPlan
+    from trainwire.server.engine.managed import ManagedTraining
+    from trainwire.server.engine.session import TrainingSession
+
+    plan = ManagedTrainingPlan.from_manifest(json.loads(Path(spec["manifest"]).read_text()))
+    session = TrainingSession(plan.config, max_steps=plan.max_steps, process_group=group)
+    training = ManagedTraining(session, plan, checkpoint_dir=Path(spec["out"]) / "checkpoints")
+    result = training.run()
+    training.export_weights(Path(spec["out"]) / "export")
+    return {"state_digest": result.state_digest, "history": result.history}
+
+
 # -- weights in and out (tests/test_sharded_weights.py) ------------------------------------------
 
 
@@ -288,12 +306,32 @@ def _raised(call: Callable[[], Any]) -> str:
     return ""
 
 
+def token_steps(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """``spec["steps"]`` (each: token examples and an update's settings) as the Tinker front
+    applies an SDK loop's calls: a cross-entropy forward_backward, then an update that adds
+    the microbatches' gradients. The losses and the final digest."""
+    from trainwire.server.engine.session import TrainingSession
+
+    config = TrainingConfig.from_dict(spec["config"])
+    session = TrainingSession(
+        config, max_steps=spec["max_steps"], model_root=spec["model_root"], process_group=group
+    )
+    losses = []
+    for step in spec["steps"]:
+        examples = [TokenExample(**example) for example in step["examples"]]
+        losses.append(session.forward_backward(examples, loss_fn="cross_entropy").loss)
+        session.optim_step(**step["update"], sum_microbatches=True)
+    return {"losses": losses, "state_digest": session.state_digest()}
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]] = {
     "train_and_checkpoint": train_and_checkpoint,
     "resume_elsewhere": resume_elsewhere,
     "classify": classify,
     "save_checkpoints": save_checkpoints,
     "weights_in_and_out": weights_in_and_out,
+    "managed_run": managed_run,
+    "token_steps": token_steps,
 }
 
 

@@ -1,0 +1,169 @@
+"""``trainwire serve --nproc 2``: one session on two CPU ranks behind the real server, exactly once.
+
+The reference is the same plan run uninterrupted in-process on two ranks (``sharded_workers``'
+``managed_run``: ``ManagedTraining`` on a sharded ``TrainingSession``). A real ``trainwire run``
+drives a real ``trainwire serve --nproc 2`` through the same plan: once uninterrupted, and once
+while rank 1, rank 0 and the controller are SIGKILLed at seeded moments (the supervisor restarts
+the group after a rank's death; the controller is restarted by the test). Both must end with the
+reference's state digest, history and export files, the journal's final lineage holding each
+operation once. The uninterrupted run trains a LoRA adapter with dropout (the ranks' RNG takes
+part), the interrupted one full weights; each test costs about a minute, so one of each.
+
+Both sides run each rank on one CPU thread (``OMP_NUM_THREADS=1``): a CPU computation's bits
+depend on its thread count, and the reference's ranks run on one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sharded_workers as workers
+from process_cluster import Cluster, file_hashes, wait_until
+
+from trainwire.client import LoraSettings, ManagedTrainingPlan, write_manifest
+from trainwire.testing import tiny_text_examples
+
+RUN_TIMEOUT_S = 300
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+MODES = {"full": None, "lora": LoraSettings(r=4, alpha=8, dropout=0.1)}
+
+
+@pytest.fixture(scope="module")
+def served_plan(request, llama_config, tmp_path_factory) -> tuple[Path, dict[str, Any]]:
+    """A causal-lm plan (two epochs of 10 texts in microbatches of 3, an update every two),
+    full or LoRA with dropout; its manifest, and the in-process two-rank run of it."""
+    plan = ManagedTrainingPlan(
+        tiny_text_examples(10),
+        llama_config(
+            lora=MODES[request.param],
+            gradient_accumulation_steps=2,
+            num_epochs=2,
+            lr_scheduler="constant",
+        ),
+    )
+    folder = tmp_path_factory.mktemp(f"sharded-serve-{request.param}")
+    manifest = folder / "manifest.json"
+    write_manifest(manifest, plan.to_manifest())
+    out = folder / "reference"
+    report = workers.launch(2, "managed_run", {"manifest": str(manifest), "out": str(out)})[0]
+    report["export"] = file_hashes(out / "export")
+    report["operations"] = _operation_count(plan, report["history"])
+    return manifest, report
+
+
+def _operation_count(plan: ManagedTrainingPlan, history: list[dict[str, Any]]) -> int:
+    """Microbatches, updates, the checkpoints ``--checkpoint-every 2`` writes, the export."""
+    updates = [record for record in history if record["kind"] == "update"]
+    checkpoints = [record for record in updates if record["step"] % 2 == 0]
+    return plan.batch_count + len(updates) + len(checkpoints) + 1
+
+
+def _sharded_cluster(tmp_path: Path, model_root: Path, manifest: Path) -> Cluster:
+    return Cluster(
+        tmp_path,
+        model_root,
+        manifest,
+        server_options=["--nproc", "2"],
+        server_environment=ONE_THREAD,
+    )
+
+
+def _finish(cluster: Cluster, started: float, landed: list[str]) -> None:
+    while cluster.controller is not None and cluster.controller.poll() is None:
+        assert time.monotonic() - started < RUN_TIMEOUT_S, f"{landed}\n{cluster.logs_text()}"
+        time.sleep(0.1)
+    assert cluster.controller.returncode == 0, f"{landed}\n{cluster.logs_text()}"
+
+
+def _assert_equals_reference(cluster: Cluster, reference: dict[str, Any]) -> None:
+    summary = json.loads((cluster.work / "training_summary.json").read_text())
+    assert summary["state_digest"] == reference["state_digest"]
+    assert summary["result"]["history"] == reference["history"]
+    assert file_hashes(cluster.work / "export") == reference["export"]
+    lineage = cluster.journal_lineage()
+    keys = [key for _, key in lineage]
+    assert [position for position, _ in lineage] == list(range(1, len(lineage) + 1))
+    assert len(set(keys)) == len(keys), "each key of the final lineage applied once"
+    assert len(lineage) == reference["operations"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("served_plan", ["lora"], indirect=True)
+def test_a_run_served_on_two_ranks_ends_with_the_in_process_two_rank_bits(
+    served_plan, model_root, tmp_path
+):
+    manifest, reference = served_plan
+    cluster = _sharded_cluster(tmp_path, model_root, manifest)
+    cluster.start_server()
+    cluster.start_controller()
+    try:
+        _finish(cluster, time.monotonic(), [])
+        assert sorted(cluster.rank_pids()) == [0, 1], "the supervisor runs two ranks"
+    finally:
+        cluster.kill(cluster.controller)
+        cluster.kill(cluster.server)
+    _assert_equals_reference(cluster, reference)
+
+
+def _kill_rank(cluster: Cluster, rank: int, ahead: int) -> str:
+    """SIGKILL one rank once the journal is ``ahead`` operations further; the supervisor
+    restarts the group (new rank processes) without the test's help."""
+    aim = cluster.journal_position() + ahead
+    reached = wait_until(lambda: cluster.journal_position() >= aim)
+    assert reached, f"the journal never reached {aim}\n{cluster.logs_text()}"
+    before = cluster.rank_pids()
+    os.kill(before[rank], signal.SIGKILL)
+    landed = cluster.journal_position()
+    restarted = wait_until(
+        lambda: (
+            len(now := cluster.rank_pids()) == 2 and not set(now.values()) & set(before.values())
+        )
+    )
+    assert restarted, f"the group was not restarted\n{cluster.logs_text()}"
+    return f"rank {rank} at position {landed} (aimed at {aim})"
+
+
+def _kill_controller(cluster: Cluster, ahead: int) -> str:
+    aim = cluster.cursor_position() + ahead
+    reached = wait_until(lambda: cluster.cursor_position() >= aim)
+    assert reached, f"the cursor never reached {aim}\n{cluster.logs_text()}"
+    cluster.kill(cluster.controller)
+    landed = cluster.cursor_position()
+    cluster.start_controller()
+    return f"controller at position {landed} (aimed at {aim})"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(("served_plan", "seed"), [("full", 1)], indirect=["served_plan"])
+def test_sigkilled_ranks_and_controller_end_with_the_uninterrupted_two_rank_bits(
+    seed, served_plan, model_root, tmp_path
+):
+    manifest, reference = served_plan
+    rng = random.Random(seed)
+    kills = rng.sample(["rank 1", "rank 0", "controller"], 3)
+    cluster = _sharded_cluster(tmp_path, model_root, manifest)
+    cluster.start_server()
+    cluster.start_controller()
+    started = time.monotonic()
+    landed: list[str] = []
+    try:
+        for kill in kills:
+            ahead = rng.randint(1, 3)
+            if kill == "controller":
+                landed.append(_kill_controller(cluster, ahead))
+            else:
+                landed.append(_kill_rank(cluster, int(kill[-1]), ahead))
+        _finish(cluster, started, landed)
+    finally:
+        cluster.kill(cluster.controller)
+        cluster.kill(cluster.server)
+    _assert_equals_reference(cluster, reference)
