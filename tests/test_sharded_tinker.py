@@ -81,7 +81,8 @@ def test_the_sdk_on_two_ranks_gives_the_in_process_two_rank_bits(tmp_path, model
         client.close_channel()
     finally:
         server.terminate()
-        server.wait(60)
+        stopped = server.wait(60)
+    assert stopped == 0, "a SIGTERM stops the group cleanly"
     spec = RunDirectory(state / "runs" / info.run_id).read_spec()
     update = adam_settings({"adam_params": {"learning_rate": LEARNING_RATE}})
     reference = workers.launch(

@@ -130,17 +130,30 @@ def command_serve(args: argparse.Namespace) -> int:
     group = join_group(launch, args.device)
     try:
         if not launch.leads:
-            from trainwire.server.group.follower import follow
             from trainwire.server.library_warnings import quiet_library_warnings
 
             quiet_library_warnings()  # as rank 0's serve() does: the same engine calls
-            follow(group)
-            return 0
+            return _follow_until_stopped(group)
         from trainwire.server.group.leader import GroupLeader
 
         return _serve_until_stopped(args, settings, token, GroupLeader(group))
     finally:
         leave_group()
+
+
+def _follow_until_stopped(group: Any) -> int:
+    """A rank other than 0: follow until rank 0 stops (0) or the group is lost (one line, and
+    the code that tells the supervisor or torchrun to restart the group)."""
+    from trainwire.server.group.follower import follow
+    from trainwire.server.group.leader import GROUP_LOST_EXIT
+
+    try:
+        follow(group)
+    except RuntimeError as error:
+        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        logger.error("rank %d left the group: %s", group.launch.rank, reason)
+        return GROUP_LOST_EXIT
+    return 0
 
 
 def check_nproc(nproc: int, launch: Any) -> None:

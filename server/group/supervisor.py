@@ -8,9 +8,11 @@ A rank that exits while the server is not stopping takes the group down: the sup
 the rest (SIGKILL: a rank may be blocked in a collective that will never complete; nothing is
 lost, since every answered operation is in the journal) and starts a new group on a new
 rendezvous port. Its rank 0 recovers from the latest checkpoint and the journal, as a restarted
-single-process server does; clients retry meanwhile. A group that keeps failing within
-``QUICK_FAILURE_S`` of its start (a model that cannot load, a port taken) is given up after
-``MAX_QUICK_FAILURES`` tries in a row, so a broken setup ends with its error rather than a loop.
+single-process server does; clients retry meanwhile. A rank 0 that exits with
+the usage-error code (2: a bad option, a missing model root) would fail the same way again, so
+the supervisor stops with it at once; a group that keeps failing within ``QUICK_FAILURE_S`` of its
+start (a model that cannot load, a port taken) is given up after ``max_quick_failures`` tries in
+a row. Either way a broken setup ends with its error rather than a loop.
 
 SIGTERM or SIGINT to the supervisor is passed to rank 0, which stops gracefully (the operation
 in flight finishes and commits) and then tells the other ranks to exit.
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 QUICK_FAILURE_S = 30.0
 MAX_QUICK_FAILURES = 5
+USAGE_ERROR_EXIT = 2  # the CLI's code for a user's mistake (trainwire.cli.USAGE_ERROR)
+LEADER_EXIT_WAIT_S = 2.0  # how long a failed group waits for rank 0's own exit code
 POLL_S = 0.1
 STOP_WAIT_S = 10.0  # after rank 0 has stopped, how long the others may take to follow
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
@@ -42,10 +46,18 @@ PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
 class GroupSupervisor:
     """Starts, watches and restarts the ranks of one node's group."""
 
-    def __init__(self, argv: Sequence[str], nproc: int, stop_grace_s: float) -> None:
+    def __init__(
+        self,
+        argv: Sequence[str],
+        nproc: int,
+        stop_grace_s: float,
+        *,
+        max_quick_failures: int = MAX_QUICK_FAILURES,
+    ) -> None:
         self.argv = list(argv)
         self.nproc = nproc
         self.stop_grace_s = stop_grace_s
+        self.max_quick_failures = max_quick_failures
         self.stopping = threading.Event()
         self.restarts = 0
         self._ranks: list[subprocess.Popen[bytes]] = []
@@ -60,10 +72,14 @@ class GroupSupervisor:
             if failed is None:
                 return self._stop()
             rank, code = failed
+            if self._leader_refused_its_arguments():
+                self._kill_all()
+                logger.error("rank 0 refused its arguments (see its error above)")
+                return USAGE_ERROR_EXIT
             self._kill_all()
             lived = time.monotonic() - started
             quick_failures = quick_failures + 1 if lived < QUICK_FAILURE_S else 0
-            if quick_failures >= MAX_QUICK_FAILURES:
+            if quick_failures >= self.max_quick_failures:
                 logger.error(
                     "rank %d exited with code %s; the group failed %d times in a row within "
                     "%.0f s of starting: giving up (see the ranks' errors above)",
@@ -110,6 +126,10 @@ class GroupSupervisor:
         pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(self._ranks))
         logger.info("started %d ranks (%s), rendezvous port %d", self.nproc, pids, port)
 
+    def ranks_started(self) -> list[int]:
+        """The process ids of the current group's ranks, in rank order (empty before a start)."""
+        return [process.pid for process in self._ranks]
+
     def _threads_per_rank(self) -> str:
         """The ranks share the node's cores: each gets its share of CPU threads (torchrun gives
         each one) unless OMP_NUM_THREADS says otherwise. The thread count is part of what a CPU
@@ -125,6 +145,14 @@ class GroupSupervisor:
                 if code is not None:
                     return rank, code
         return None
+
+    def _leader_refused_its_arguments(self) -> bool:
+        """Whether rank 0 exited with the usage-error code. When another rank noticed first
+        (rank 0's refusal closed the group under it), rank 0 is given a moment to finish."""
+        try:
+            return self._ranks[0].wait(LEADER_EXIT_WAIT_S) == USAGE_ERROR_EXIT
+        except subprocess.TimeoutExpired:
+            return False
 
     def _stop(self) -> int:
         """Rank 0 stops gracefully and releases the others; stragglers are killed."""

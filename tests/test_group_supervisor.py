@@ -1,0 +1,46 @@
+"""``trainwire serve --nproc N``'s supervisor gives up on a setup that cannot work, rather than
+restarting it forever: a rank's usage error ends it at once with that code, and a group that
+keeps dying right after it starts ends it after ``max_quick_failures`` tries. (Restarting a
+group whose rank died mid-run is tests/test_sharded_serve.py's.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainwire.server.group.supervisor import USAGE_ERROR_EXIT, GroupSupervisor
+
+
+def serve_argv(state: Path, *extra: str) -> list[str]:
+    return ["serve", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--nproc", "2", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_ranks_usage_error_ends_the_supervisor_with_it(tmp_path):
+    argv = serve_argv(tmp_path / "state", "--model-root", str(tmp_path / "missing"))
+    started = time.monotonic()
+    assert GroupSupervisor(argv, 2, stop_grace_s=5.0).run() == USAGE_ERROR_EXIT
+    assert time.monotonic() - started < 60, "no restarts"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_group_that_dies_right_after_starting_is_given_up(tmp_path):
+    supervisor = GroupSupervisor(
+        serve_argv(tmp_path / "state"), 2, stop_grace_s=5.0, max_quick_failures=1
+    )
+    result: list[int] = []
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not supervisor.ranks_started() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(supervisor.ranks_started()[1], signal.SIGKILL)
+    thread.join(60)
+    assert result == [1] and supervisor.restarts == 0
