@@ -8,10 +8,11 @@
 # 2. runs every CUDA test with deterministic settings (CUBLAS_WORKSPACE_CONFIG=:4096:8): fp32 and
 #    bf16, full weights and LoRA, text and token batches, sampling;
 # 3. runs the GPU benchmarks: the engine against a plain loop on the Qwen2-0.5B shape, token
-#    losses, sampling against `generate`, and concurrent sample requests batched;
+#    losses, sampling against `generate`, concurrent sample requests batched, and the sharded
+#    session's path (FSDP2 on a 1-rank NCCL group) beside a plain session: memory and step time;
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 12 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 13 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -61,6 +62,7 @@ step engine 150 "$PYTHON" bench/engine.py --device cuda --quick
 step tokens 120 "$PYTHON" bench/tokens.py --device cuda --shape qwen2-0.5b --quick
 step sampling 120 "$PYTHON" bench/sampling.py --device cuda --shape qwen2-0.5b --quick
 step sampling-concurrent 120 "$PYTHON" bench/sampling_concurrent.py --device cuda --quick
+step sharding 120 "$PYTHON" bench/sharding.py --device cuda --nproc 1
 
 echo "results: $SUMMARY"
 exit "$failed"

@@ -32,5 +32,10 @@ def test_every_test_file_and_benchmark_it_runs_exists():
     """The script runs on a GPU machine only: a renamed file would otherwise fail there first."""
     root = SCRIPT.parents[1]
     named = set(re.findall(r"\b((?:tests|bench)/[\w/]+\.py)\b", SCRIPT.read_text()))
-    assert {"tests/test_tokens_cuda.py", "bench/engine.py", "bench/sampling.py"} <= named
+    assert {
+        "tests/test_tokens_cuda.py",
+        "bench/engine.py",
+        "bench/sampling.py",
+        "bench/sharding.py",
+    } <= named
     assert [path for path in sorted(named) if not (root / path).is_file()] == []
