@@ -199,3 +199,12 @@ def test_a_follower_refuses_a_call_on_a_session_it_does_not_hold():
 def test_a_follower_refuses_a_message_no_rank_knows():
     with pytest.raises(RuntimeError, match="which no rank knows"):
         follower.follow(Group(["hello", Stop()]))  # type: ignore[arg-type]
+
+
+def test_a_replaced_sessions_calls_are_refused_and_never_reach_the_other_ranks():
+    _, announcer, channel = failures()
+    replaced = Engine(announcer)
+    announcer.retire("the session was replaced by another on this group")
+    with pytest.raises(FailedPrecondition, match="state_digest: the session was replaced"):
+        replaced.state_digest()
+    assert channel.sent == [] and replaced.ran == []

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from trainwire.server.errors import TrainwireError, is_out_of_memory
+from trainwire.server.errors import FailedPrecondition, TrainwireError, is_out_of_memory
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -72,18 +72,36 @@ class Announcer:
 
     ``on_failure`` gets what a call raised when the ranks may no longer be in step (see
     ``raised_alike_on_every_rank``); it is expected not to return (it takes the group down).
+
+    One announcer per session; the sessions a group builds one after another share ``lock``,
+    so nothing of one interleaves with the next. Once a session is replaced its announcer is
+    ``retire``d: the other ranks hold only the newest session, so a call to an older one must
+    not reach them (they would make it on the newest).
     """
 
-    def __init__(self, channel: Channel, on_failure: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        on_failure: Callable[[BaseException], None],
+        lock: threading.RLock | None = None,
+    ) -> None:
         self._channel = channel
         self._on_failure = on_failure
-        self._lock = threading.RLock()
+        self._lock = lock or threading.RLock()
         self._depth = 0  # marked calls in progress on the thread holding the lock
+        self._retired: str | None = None
+
+    def retire(self, reason: str) -> None:
+        """Refuse every later call with ``reason`` (FailedPrecondition), announcing nothing."""
+        with self._lock:
+            self._retired = reason
 
     @contextlib.contextmanager
     def turn(self, call: Call) -> Iterator[None]:
         """Hold the group for ``call``: announce it (unless nested in another), then run it."""
         with self._lock:
+            if self._retired is not None:
+                raise FailedPrecondition(f"{call.name}: {self._retired}")
             if self._depth == 0:
                 self.send(call)
             self._depth += 1
@@ -95,13 +113,6 @@ class Announcer:
                 raise
             finally:
                 self._depth -= 1
-
-    @contextlib.contextmanager
-    def holding(self) -> Iterator[None]:
-        """Hold the group without a call: nothing is announced meanwhile (opening a session,
-        sending a control message)."""
-        with self._lock:
-            yield
 
     def send(self, message: Any) -> None:
         """A message to the other ranks (a call, or opening a session), in order with the calls.

@@ -2,8 +2,9 @@
 
 The session host builds its sessions through ``GroupLeader.open_session`` instead of
 ``TrainingSession`` directly; everything else on rank 0 is the single-process server unchanged.
-The session it returns carries the leader's ``Announcer``, so each of its collective methods
-reaches every rank (``lockstep``).
+The session it returns carries its own ``Announcer`` (sharing the leader's lock), so each of its
+collective methods reaches every rank (``lockstep``); a session that is replaced has its announcer
+retired, so nothing called on it reaches ranks that now hold the next one.
 
 When the ranks may no longer be in step (a rank died, one rank ran out of memory, a call failed
 in a way that is not a refusal every rank made), rank 0 exits at once with ``GROUP_LOST_EXIT``:
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from pathlib import Path
 
 import torch
@@ -49,7 +51,8 @@ class GroupLeader:
 
     def __init__(self, group: RankGroup) -> None:
         self.group = group
-        self.announcer = Announcer(group.channel, on_failure=take_group_down)
+        self._lock = threading.RLock()  # shared by every session's announcer
+        self._announcer: Announcer | None = None  # the newest session's
 
     def open_session(
         self,
@@ -61,8 +64,12 @@ class GroupLeader:
     ) -> TrainingSession:
         """``TrainingSession(...)`` on every rank, sharded over the group; a refusal (a bad
         config) is raised here and alike on the other ranks, which then hold no session."""
-        with self.announcer.holding():
-            self.announcer.send(OpenSession(config, max_steps, model_root))
+        with self._lock:
+            if self._announcer is not None:
+                self._announcer.retire("the session was replaced by another on this group")
+            announcer = Announcer(self.group.channel, take_group_down, self._lock)
+            self._announcer = announcer
+            announcer.send(OpenSession(config, max_steps, model_root))
             try:
                 session = TrainingSession(
                     config,
@@ -75,14 +82,14 @@ class GroupLeader:
                 if not raised_alike_on_every_rank(error):
                     take_group_down(error)
                 raise
-            session.announcer = self.announcer
+            session.announcer = announcer
             return session
 
     def stop(self) -> None:
         """The server stopped cleanly: the other ranks exit too. A rank already gone (the
         launcher may stop them all at once) is no reason to fail a clean stop."""
         try:
-            with self.announcer.holding():
+            with self._lock:
                 self.group.channel.send(Stop())
         except RuntimeError as error:
             logger.warning("could not tell every rank to stop (%s)", error)
