@@ -324,6 +324,44 @@ def token_steps(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any
     return {"losses": losses, "state_digest": session.state_digest()}
 
 
+# -- a checkpoint at every cut (tests/test_sharded_resume.py) ------------------------------------
+
+
+def cut_operations() -> list[Callable[[Any], Any]]:
+    """A short run whose every cut leaves something different pending: microbatches of text and
+    tokens accumulated, an update, a clipped update, the loss hook's state."""
+    return [
+        lambda s: s.forward_backward(TEXTS[:3]),
+        lambda s: s.forward_backward(token_examples(), loss_fn="importance_sampling"),
+        lambda s: s.optim_step(),
+        lambda s: s.forward_backward(TEXTS[3:]),
+        lambda s: s.optim_step(max_grad_norm=0.05),
+        lambda s: s.forward_backward(token_examples(), loss_fn="ppo"),
+    ]
+
+
+def resume_every_cut(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """The run uninterrupted, then for each cut k: a session that ran the first k operations
+    saves a checkpoint, a fresh one loads it and runs the rest; every final digest."""
+    lora, dropout, out = spec["lora"], spec["dropout"], Path(spec["out"])
+    operations = cut_operations()
+    whole = _session(spec, group, lora=lora, dropout=dropout)
+    for operation in operations:
+        operation(whole)
+    resumed = []
+    for cut in range(len(operations) + 1):
+        before = _session(spec, group, lora=lora, dropout=dropout)
+        for operation in operations[:cut]:
+            operation(before)
+        before.save_state(out / f"cut-{cut}")
+        after = _session(spec, group, lora=lora, dropout=dropout)
+        after.load_state(out / f"cut-{cut}")
+        for operation in operations[cut:]:
+            operation(after)
+        resumed.append(after.state_digest())
+    return {"uninterrupted": whole.state_digest(), "resumed": resumed}
+
+
 SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]] = {
     "train_and_checkpoint": train_and_checkpoint,
     "resume_elsewhere": resume_elsewhere,
@@ -332,6 +370,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any
     "weights_in_and_out": weights_in_and_out,
     "managed_run": managed_run,
     "token_steps": token_steps,
+    "resume_every_cut": resume_every_cut,
 }
 
 
