@@ -134,9 +134,14 @@ def train_and_checkpoint(spec: dict[str, Any], group: dist.ProcessGroup) -> dict
 
 def _refusals(session: Any, out: Path) -> list[str]:
     """What a sharded session refuses by name, rather than do wrongly."""
+    from dataclasses import replace
+
+    from trainwire.server.engine.session import TrainingSession
+
     messages = []
+    checkpointing = replace(session.config, gradient_checkpointing=True)
     calls: list[Callable[[], Any]] = [
-        lambda: session.sample([5, 6, 7], max_tokens=2),
+        lambda: TrainingSession(checkpointing, process_group=session.shards.group),
     ]
     for call in calls:
         try:
@@ -324,6 +329,14 @@ def token_steps(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any
     return {"losses": losses, "state_digest": session.state_digest()}
 
 
+def sampling(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[str, Any]:
+    """Sampling a sharded session (tests/test_sharded_sampling.py): the calls live beside the
+    one-process reference that makes them too."""
+    from test_sharded_sampling import sampling_calls
+
+    return sampling_calls(spec, group)
+
+
 # -- a checkpoint at every cut (tests/test_sharded_resume.py) ------------------------------------
 
 
@@ -371,6 +384,7 @@ SCENARIOS: dict[str, Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any
     "managed_run": managed_run,
     "token_steps": token_steps,
     "resume_every_cut": resume_every_cut,
+    "sampling": sampling,
 }
 
 

@@ -19,6 +19,12 @@ two things would make it so:
   with a live row's logits), because the draw's noise is laid out per row: the other rows'
   tokens are then those of a decode where the ended row had stayed.
 
+On a sharded session every rank runs this decode on the FSDP model, and every forward gathers
+weights from every rank: the ranks must run the same forwards, which a row's tokens decide (when
+it ends, what is repacked). Their logits may differ in the last bits on a device (each rank's
+kernels are its own), so a draw could differ; ``agree`` makes each draw rank 0's on every rank
+(a broadcast of the drawn token ids, one small tensor a request a step) before anything reads it.
+
 Rows leave when they end; tiles of one length whose live rows fit in fewer tiles are repacked,
 and a tile with no live row is dropped. A request that arrives while others decode joins at the
 next step (``add``) if the KV cache's bound allows, as its own tiles (its length differs).
@@ -148,8 +154,12 @@ class BatchDecoder:
         device: torch.device,
         max_positions: int,
         tile_rows: int | None = None,
+        agree: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.model = model
+        # The group's draw from this rank's (``ShardGroup.from_rank_zero``); None: one process,
+        # whose draws are its own, untouched.
+        self.agree = agree
         self.eos_ids = frozenset(eos_ids)
         self.device = device
         self.max_positions = max_positions
@@ -246,7 +256,8 @@ class BatchDecoder:
         present = [logits.get(row) for row in rows]
         filler = next(value for value in present if value is not None)
         stacked = torch.stack([filler if value is None else value for value in present])
-        chosen = _choose(stacked, params, request.generator).tolist()
+        drawn = _choose(stacked, params, request.generator)
+        chosen = (drawn if self.agree is None else self.agree(drawn)).tolist()
         watch = request.job.watch
         for index, token in enumerate(chosen):
             if request.reasons[index] is not None:

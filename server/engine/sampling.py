@@ -205,6 +205,9 @@ class Sampler:
         # tiles of one shape, or a single-request latency on CPU that tiles would cost (see
         # docs/BENCHMARKS.md). Samples differ between the two modes, never within one.
         self.batches = batches
+        # On a sharded session, rank 0's draws made the group's (``batch_decode``); None in one
+        # process. Set once the model is sharded (``session_setup.shard_for_group``).
+        self.agree: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def for_model(
@@ -259,6 +262,7 @@ class Sampler:
             # Alone, a request decodes all its rows in one forward (no padding), as before
             # requests were batched: its samples then depend on its own count of rows only.
             tile_rows=self.tile_rows if self.batches else batch_decode.OWN_ROWS,
+            agree=self.agree,
         )
 
         def job(call: SampleCall) -> DecodeJob:

@@ -18,6 +18,15 @@ swap. The order is what makes that safe:
    weights than the session's state says it has, so only it marks the session broken (it refuses
    everything until a ``load_state``).
 
+A sharded session (``session.shards``) samples the same way on every rank, each rank calling
+with the same arguments (``lockstep`` announces the call): the decode runs on the FSDP model,
+each forward gathering the weights, with rank 0's draws (``batch_decode``) and rank 0's decoding
+mode, so every rank runs the same forwards; every rank returns rank 0's answer. Other weights
+are planned with ``sharded_weights.agreed_load`` (each rank reads and checks the whole source
+with the single-process checks, the ranks agree, each takes its shards) and swapped into each
+rank's shards; the live shards come back bit for bit. Every FSDP module is resharded before
+the swap and after the decode, so what is swapped, put back, stepped and hashed are the shards.
+
 The session's state version does not move: the bits afterwards are the bits before, so the cached
 state digest stays true. The base model under LoRA is the model with its adapter disabled: no
 copy at all. What the other sources cost, per call: a copy of the trainable weights in memory (the
@@ -40,6 +49,8 @@ from trainwire.client.outcomes import Sample
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.sample_weights import SampleWeights
 from trainwire.server.engine.sampling import SampleCall, SamplingParams
+from trainwire.server.engine.sharded_weights import agreed_load
+from trainwire.server.engine.sharding import ShardGroup, reshard
 from trainwire.server.engine.tensor_files import copy_into
 from trainwire.server.engine.weights import (
     WeightsLoad,
@@ -60,7 +71,12 @@ def sample(
     # Checked before any weights are read (the sampler checks it again: a cheap repeat).
     check = functools.partial(params.check, prompt, sampler.vocab_size, sampler.limits)
     with _reading(session, selected, check):
-        return sampler.sample(session.model, prompt, params)
+        shards = session.shards
+        if shards is None:
+            return sampler.sample(session.model, prompt, params)
+        # The tiles' shape decides the forwards: rank 0's mode (the host sets it there only).
+        sampler.batches, sampler.tile_rows = shards.broadcast((sampler.batches, sampler.tile_rows))
+        return shards.broadcast(sampler.sample(session.model, prompt, params))
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,15 @@ def sample_many(
 
     Each request is checked on its own first, and refused on its own; a failure of the batch
     itself (its weights' source missing, out of memory) reaches every request not yet answered.
+    A sharded session refuses: what joins a batch is rank 0's timing alone, which the other
+    ranks cannot follow; it samples through ``sample`` (announced to every rank), one request
+    at a time (``service.sample_batching``).
     """
+    if session.shards is not None:
+        raise FailedPrecondition(
+            "sample_many: a sharded session samples one request at a time through "
+            "TrainingSession.sample and prompt_logprobs, which every rank calls"
+        )
     sampler = session.sampler
     model = session.model
 
@@ -127,7 +151,8 @@ def prompt_logprobs(
     session: TrainingSession, prompt: list[int], selected: SampleWeights
 ) -> list[float]:
     with _reading(session, selected, lambda: session.sampler.check_prompt(prompt)):
-        return session.sampler.prompt_logprobs(session.model, prompt)
+        scored = session.sampler.prompt_logprobs(session.model, prompt)
+        return scored if session.shards is None else session.shards.broadcast(scored)
 
 
 @contextlib.contextmanager
@@ -141,6 +166,8 @@ def _reading(
         if session.config.task != "causal-lm":
             raise InvalidArgument(f"sampling needs a causal-lm session, not {session.config.task}")
         check()
+        if session.shards is not None:
+            reshard(session.model)  # what a swap plans against and writes: the shards
         swap = weights_for_reading(
             session.model,
             selected,
@@ -148,11 +175,25 @@ def _reading(
             base_fingerprint=session.base_fingerprint,
             base_model_dir=session.model_dir,
             guard=guard,
+            shards=session.shards,
         )
         session._set_training(False)
-        # Innermost, so an out-of-memory error is reported only after the live bits are back.
-        with swap, torch.no_grad(), refuse_out_of_memory("sample"):
+        resharded = _resharded_after(session.model, session.shards)
+        # Innermost, so an out-of-memory error is reported only after the live bits are back;
+        # resharded inside the swap, so the live bits go back into the shards.
+        with swap, resharded, torch.no_grad(), refuse_out_of_memory("sample"):
             yield
+
+
+@contextlib.contextmanager
+def _resharded_after(model: torch.nn.Module, shards: ShardGroup | None) -> Iterator[None]:
+    """Every FSDP module back to its shards after the block (``sharding.reshard``: a forward
+    alone leaves the root's weights gathered); nothing without a group."""
+    try:
+        yield
+    finally:
+        if shards is not None:
+            reshard(model)
 
 
 def weights_for_reading(
@@ -163,31 +204,44 @@ def weights_for_reading(
     base_fingerprint: str | None,
     base_model_dir: Path,
     guard: OperationGuard,
+    shards: ShardGroup | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """A context in which ``model`` holds ``selected``'s weights.
 
     The source is read and checked now, when this is called; the weights go in when the context
     is entered and the live bits come back when it exits. Call it inside the session's
-    ``guard.operation(changes_state=False)``, and only read the model within.
+    ``guard.operation(changes_state=False)``, and only read the model within. With ``shards``
+    (a collective then: every rank calls it), the model is sharded and resharded: every rank
+    reads and checks the whole source, the ranks agree, and each swaps its own shards.
     """
     if selected.live:
         return contextlib.nullcontext()
     if selected.base_model and config.lora is not None:
         return _adapter_disabled(model, guard)
-    if selected.base_model:
-        # The directory the session loaded, read as a native model (whatever else it holds).
-        tensors = read_native_model_tensors(base_model_dir)
-        return _swapped_in(model, WeightsLoad(pairs=plan_native_load(model, tensors)), guard)
-    assert selected.export is not None
-    if not selected.export.is_dir():
+
+    def plan() -> WeightsLoad:
+        if selected.base_model:
+            # The directory the session loaded, read as a native model (whatever else it holds).
+            tensors = read_native_model_tensors(base_model_dir)
+            return WeightsLoad(pairs=plan_native_load(model, tensors))
+        assert selected.export is not None
+        _refuse_missing(selected.export)
+        return plan_weights_load(model, selected.export, config, base_fingerprint)
+
+    if shards is None:
+        return _swapped_in(model, plan(), guard)
+    _, in_shards = agreed_load(shards, model, plan)
+    return _swapped_in(model, in_shards, guard)
+
+
+def _refuse_missing(export: Path) -> None:
+    if not export.is_dir():
         # Named by its directory, never by the server's path: clients read this message.
         raise FailedPrecondition(
-            f"no weights to sample at {selected.export.name!r}: that export of this run was "
+            f"no weights to sample at {export.name!r}: that export of this run was "
             "removed (an old snapshot pruned, say) or never written; nothing changed. Export the "
             "weights again and sample that, or sample the live weights"
         )
-    load = plan_weights_load(model, selected.export, config, base_fingerprint)
-    return _swapped_in(model, load, guard)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ from trainwire.server.engine.device import refuse_unsupported_setups
 from trainwire.server.engine.operation_guard import OperationGuard
 from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.sampling import Sampler
-from trainwire.server.engine.sharding import RefusedSampler, ShardGroup, shard_model
+from trainwire.server.engine.sharding import ShardGroup, shard_model
 from trainwire.server.errors import InvalidArgument
 
 logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it
@@ -66,10 +66,12 @@ def seeded_guard(seed: int, device: torch.device) -> OperationGuard:
 def shard_for_group(
     model: torch.nn.Module, tokenizer: Any, shards: ShardGroup | None, device: torch.device
 ) -> Sampler:
-    """The session's sampler; with a group, the model is sharded first (FSDP2) and sampling
-    refused by name until it runs on shards."""
+    """The session's sampler; with a group, the model is sharded too (FSDP2), and the sampler
+    decodes on the shards with rank 0's draws (``batch_decode``), so every rank runs the same
+    forwards. The sampler reads the vocabulary and positions before sharding (whole shapes)."""
     sampler = Sampler.for_model(model, tokenizer)
     if shards is None:
         return sampler
     shard_model(model, shards, device)
-    return RefusedSampler(sampler.vocab_size, shards)
+    sampler.agree = shards.from_rank_zero
+    return sampler

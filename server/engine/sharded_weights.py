@@ -24,7 +24,7 @@ lockstep, and a refusal must leave every rank at the same point (``lockstep``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -147,16 +147,7 @@ def load_weights(session: TrainingSession, path: Path) -> None:
     shards, guard = _shards(session), session._guard
     with guard.operation():
         reshard(session.model)  # the registered parameters, copied into, are the shards
-        failure: Exception | None = None
-        planned: tuple[weights.WeightsLoad, weights.WeightsLoad] | None = None
-        try:
-            load = _plan(session, path)
-            planned = load, _in_shards(load, session.model)
-        except Exception as error:
-            failure = error
-        raise_alike(shards, failure)
-        assert planned is not None  # raise_alike raised otherwise
-        load, staged = planned
+        load, staged = agreed_load(shards, session.model, lambda: _plan(session, path))
         # Hashed from the whole source tensors before anything changes: a collective only for
         # the parameters the source leaves as they are, which every rank gathers alike.
         fingerprint = _base_fingerprint(session, load)
@@ -164,6 +155,26 @@ def load_weights(session: TrainingSession, path: Path) -> None:
             staged.apply(session.model)
         session.base_fingerprint = fingerprint
         guard.changed()
+
+
+def agreed_load(
+    shards: ShardGroup, model: torch.nn.Module, plan: Callable[[], weights.WeightsLoad]
+) -> tuple[weights.WeightsLoad, weights.WeightsLoad]:
+    """``plan()`` on every rank (the source read whole and checked against ``model``, resharded
+    first), the ranks agreed on it (if any refused, every rank raises: ``raise_alike``), and
+    this rank's shards of it: (the whole load, the load in shards). Nothing has changed yet.
+    A collective: ``load_weights`` and sampling other weights (``session_sampling``) both
+    call it on every rank."""
+    failure: Exception | None = None
+    planned: tuple[weights.WeightsLoad, weights.WeightsLoad] | None = None
+    try:
+        load = plan()
+        planned = load, _in_shards(load, model)
+    except Exception as error:
+        failure = error
+    raise_alike(shards, failure)
+    assert planned is not None  # raise_alike raised otherwise
+    return planned
 
 
 def _plan(session: TrainingSession, path: Path) -> weights.WeightsLoad:

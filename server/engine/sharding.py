@@ -81,6 +81,14 @@ class ShardGroup:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
         return box[0]
 
+    def from_rank_zero(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``tensor`` on every rank (the same shape and dtype on every rank, on the
+        device the group's backend sends from): a decision rank 0 made becomes the group's, so
+        the ranks cannot part ways on it."""
+        tensor = tensor.contiguous()  # a collective sends contiguous memory
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tensor
+
     def refuse(self, what: str) -> None:
         """FailedPrecondition: ``what`` does not run across ranks yet (never a silent guess)."""
         raise FailedPrecondition(f"{what} {NOT_YET_SHARDED.format(size=self.world_size)}")
@@ -262,16 +270,3 @@ def _loss_count(microbatch: TextMicrobatch) -> int:
     if microbatch.config.task == "causal-lm":
         return int((labels[:, 1:] != IGNORE_INDEX).sum())
     return microbatch.batch.example_count
-
-
-class RefusedSampler:
-    """A sharded session's sampler: its vocabulary for encoding and detokenizing, and a clear
-    refusal for everything that samples or scores prompts (not sharded yet). Each sampling
-    path reads a sampler attribute before it touches the weights, so nothing runs first."""
-
-    def __init__(self, vocab_size: int, shards: ShardGroup) -> None:
-        self.vocab_size = vocab_size
-        self._shards = shards
-
-    def __getattr__(self, name: str) -> Any:
-        self._shards.refuse("sampling (and prompt logprobs)")

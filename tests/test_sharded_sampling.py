@@ -1,0 +1,212 @@
+"""Sampling and prompt logprobs on a sharded session: two CPU ranks over gloo decode on the FSDP
+model with rank 0's draws, and answer what one process answers.
+
+``sampling_calls`` is what each side runs: for full weights and LoRA, a session trains a step,
+exports, trains another, then samples its live weights (twice, greedy, with a stop token and a
+stop string), scores its prompt, samples the export and the base model, and is refused a
+missing export; then it trains on. A fresh session samples and loads the export, and a control
+session trains the same steps without sampling. The two ranks run it as the ``sampling`` scenario
+(``sharded_workers``). The reference is one process sampling the same weights (the base model,
+the ranks' export) on one thread, as each rank runs (a CPU matmul's bits depend on its thread
+count): equal bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sharded_workers as workers
+import torch
+import torch.distributed as dist
+
+from trainwire.client import TokenExample
+from trainwire.client.outcomes import Sample
+from trainwire.server.engine.sample_weights import BASE_MODEL
+from trainwire.server.engine.session import TrainingSession
+from trainwire.testing import tiny_token_examples
+
+OPTIONS = {"max_tokens": 8, "num_samples": 3, "temperature": 1.0, "seed": 7}
+MODES = {"full": False, "lora": True}  # LoRA without dropout: sampling runs in eval mode anyway
+
+
+# -- the calls, on two ranks and in one process --------------------------------------------------
+
+
+def sampling_calls(spec: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Every mode's calls (see the module docstring); what each gave, as JSON holds it."""
+    out = Path(spec["out"])
+    return {mode: _calls_of(spec["model"], group, lora, out / mode) for mode, lora in MODES.items()}
+
+
+def _open(model: str, group: dist.ProcessGroup | None, lora: bool) -> TrainingSession:
+    config = workers.make_config(model, lora)
+    return TrainingSession(config, max_steps=workers.MAX_STEPS, process_group=group)
+
+
+def _train_a_step(session: TrainingSession, seed: int) -> None:
+    examples = tiny_token_examples(4, vocab_size=len(session.tokenizer), seed=seed)
+    session.forward_backward(examples)
+    session.optim_step(learning_rate=5e-2)  # large enough that every step moves the samples
+
+
+def _sampled(samples: list[Sample]) -> list[Any]:
+    return [[list(s.tokens), list(s.logprobs), s.stop_reason] for s in samples]
+
+
+def _calls_of(model: str, group: dist.ProcessGroup | None, lora: bool, out: Path) -> dict[str, Any]:
+    session = _open(model, group, lora)
+    prompt = session.tokenize(["the movie was"])[0]
+    _train_a_step(session, seed=0)
+    session.export_weights(out / "export")
+    _train_a_step(session, seed=1)  # the live weights move past the export
+    digest = session.state_digest()
+    seen: dict[str, Any] = {"live": _sampled(session.sample(prompt, **OPTIONS))}
+    seen["again"] = _sampled(session.sample(prompt, **OPTIONS))
+    seen["forward"] = [
+        session.forward([TokenExample(full[:-1], full[1:])]).logprobs[0][len(prompt) - 1 :]
+        for full in ([*prompt, *tokens] for tokens, _, _ in seen["live"])
+    ]
+    seen.update(_stops(session, prompt))
+    scored = session.prompt_logprobs(prompt)
+    seen["prompt_nan"], seen["prompt"] = math.isnan(scored[0]), scored[1:]
+    seen["export"] = _sampled(session.sample(prompt, weights=out / "export", **OPTIONS))
+    seen["export_prompt"] = session.prompt_logprobs(prompt, weights=out / "export")[1:]
+    seen["base"] = _sampled(session.sample(prompt, weights=BASE_MODEL, **OPTIONS))
+    seen["missing"] = workers._raised(
+        lambda: session.sample(prompt, weights=out / "removed", **OPTIONS)
+    )
+    session.drop_digest_cache()
+    seen["digest_unchanged"] = session.state_digest() == digest and session.broken is None
+    _train_a_step(session, seed=2)  # training goes on after sampling, as if none had run
+
+    fresh = _open(model, group, lora)
+    seen["fresh"] = _sampled(fresh.sample(prompt, **OPTIONS))
+    fresh.load_weights(out / "export")
+    seen["loaded"] = _sampled(fresh.sample(prompt, **OPTIONS))
+    control = _open(model, group, lora)
+    for seed in range(3):
+        _train_a_step(control, seed)
+    seen["trains_on_as_without_sampling"] = session.state_digest() == control.state_digest()
+    return seen
+
+
+def _stops(session: TrainingSession, prompt: list[int]) -> dict[str, Any]:
+    """Greedy samples, and greedy ended by its third token (a stop token) or by the text of its
+    first two (a stop string)."""
+    greedy = _sampled(session.sample(prompt, max_tokens=8, num_samples=2, temperature=0.0))
+    tokens = greedy[0][0]
+    stop_string = session.detokenize([tokens[:2]])[0].strip()[-3:]
+    return {
+        "greedy": greedy,
+        "stop_token": _sampled(
+            session.sample(prompt, max_tokens=8, temperature=0.0, stop_tokens=[tokens[2]])
+        ),
+        "stop_string": _sampled(
+            session.sample(prompt, max_tokens=8, temperature=0.0, stop_strings=[stop_string])
+        ),
+    }
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> list[dict[str, Any]]:
+    out = tmp_path_factory.mktemp("sharded-sampling")
+    reports = workers.launch(2, "sampling", {"model": str(tiny_llama), "out": str(out)})
+    for report in reports:
+        report["out"] = str(out)
+    return reports
+
+
+@pytest.fixture(scope="module")
+def one_process(two_ranks, tiny_llama: Path) -> dict[str, Any]:
+    """One process sampling the weights the ranks sampled: the base model, and the ranks'
+    export (read as other weights, then loaded). Their live weights are not one process's:
+    training sums a batch's gradients in another order on two ranks (test_sharded_session)."""
+    out = Path(two_ranks[0]["out"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs (sharded_workers)
+    try:
+        report = {}
+        for mode, lora in MODES.items():
+            session = _open(str(tiny_llama), None, lora)
+            prompt = session.tokenize(["the movie was"])[0]
+            export = out / mode / "export"
+            seen = {"fresh": _sampled(session.sample(prompt, **OPTIONS))}
+            seen["export"] = _sampled(session.sample(prompt, weights=export, **OPTIONS))
+            session.load_weights(export)
+            seen["loaded"] = _sampled(session.sample(prompt, **OPTIONS))
+            seen["export_prompt"] = session.prompt_logprobs(prompt)[1:]
+            report[mode] = seen
+    finally:
+        torch.set_num_threads(threads)
+    return json.loads(json.dumps(report))  # tuples as the ranks' JSON holds them
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_every_rank_answers_alike_and_the_same_call_twice_samples_the_same(two_ranks, mode) -> None:
+    first, second = (report[mode] for report in two_ranks)
+    assert first == second
+    assert first["live"] == first["again"]
+    assert len({tuple(tokens) for tokens, _, _ in first["live"]}) > 1  # really drawn
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_sharded_sample_has_exactly_the_logprobs_its_own_forward_gives(two_ranks, mode) -> None:
+    seen = two_ranks[0][mode]
+    assert [logprobs for _, logprobs, _ in seen["live"]] == seen["forward"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_sample_and_score_exactly_what_one_process_does(
+    two_ranks, one_process, mode
+) -> None:
+    """On the same weights, the ranks' forwards gather every weight whole and run the one
+    process's kernels on the same shapes, on one thread each: the same bits, not merely close
+    ones (samples, their logprobs, prompt logprobs)."""
+    seen = two_ranks[0][mode]
+    for key, expected in one_process[mode].items():
+        assert seen[key] == expected, key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_sampling_changes_no_state_and_training_goes_on_as_without_it(two_ranks, mode) -> None:
+    seen = two_ranks[0][mode]
+    assert seen["digest_unchanged"]
+    assert seen["trains_on_as_without_sampling"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_greedy_stop_tokens_and_stop_strings_end_sharded_samples(two_ranks, mode) -> None:
+    seen = two_ranks[0][mode]
+    (greedy, _, _), again = seen["greedy"][0], seen["greedy"][1]
+    assert again[0] == greedy
+    ((stopped, _, reason),) = seen["stop_token"]
+    assert reason == "stop" and stopped == greedy[: greedy.index(greedy[2]) + 1]
+    ((ended, _, reason),) = seen["stop_string"]
+    assert reason == "stop" and ended == greedy[: len(ended)] and len(ended) <= 2
+    assert seen["prompt_nan"] and len(seen["prompt"]) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_other_weights_are_swapped_into_the_shards_and_the_live_ones_put_back(
+    two_ranks, mode
+) -> None:
+    seen = two_ranks[0][mode]
+    assert seen["export"] == seen["loaded"]  # a session that loaded the export samples alike
+    assert seen["base"] == seen["fresh"]  # the base model samples as a fresh session
+    assert seen["export"] != seen["live"] != seen["base"]
+    assert seen["export_prompt"] != seen["prompt"]
+    assert seen["missing"].startswith("FailedPrecondition: no weights to sample at 'removed'")
+    assert seen["digest_unchanged"]
