@@ -19,7 +19,8 @@ import pytest
 import sharded_workers as workers
 import tinker
 from tinker import types
-from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
+from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum, supervised_loop
+from transformers import AutoTokenizer
 
 from trainwire.client import SessionClient
 from trainwire.client.tokens import TokenExample
@@ -28,26 +29,16 @@ from trainwire.server.tinker.model import adam_settings
 from trainwire.testing import free_port
 
 STEPS = 3
-LEARNING_RATE = 1e-2
+LEARNING_RATE = 1e-2  # supervised_loop's
 
 
-def _sdk_loop(base_url: str) -> tuple[list[float], list[list[TokenExample]]]:
-    """The docs' loop; its losses and each step's datums as token examples."""
+def _sdk_loop(base_url: str) -> list[float]:
+    """The docs' loop (``tinker_loops.supervised_loop``, learning rate 1e-2); its losses."""
     service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
     try:
-        training = service.create_lora_training_client(base_model="llama", rank=4).result()
-        tokenizer = training.get_tokenizer()
-        data = [supervised_datum(tokenizer, text) for text in SENTENCES]
-        losses = []
-        for _ in range(STEPS):
-            fwd_bwd = training.forward_backward(data, "cross_entropy")
-            step = training.optim_step(types.AdamParams(learning_rate=LEARNING_RATE))
-            losses.append(fwd_bwd.result(timeout=120).metrics["loss:sum"])
-            step.result(timeout=120)
+        return supervised_loop(service, steps=STEPS)
     finally:
         close_quietly(service)
-    examples = [_token_example(datum) for datum in data]
-    return losses, [examples] * STEPS
 
 
 def _token_example(datum: types.Datum) -> TokenExample:
@@ -76,7 +67,7 @@ def test_the_sdk_on_two_ranks_gives_the_in_process_two_rank_bits(tmp_path, model
     try:
         client = SessionClient(grpc_target)
         client.wait_until_serving(timeout_s=120)
-        losses, steps = _sdk_loop(f"http://127.0.0.1:{tinker_port}")
+        losses = _sdk_loop(f"http://127.0.0.1:{tinker_port}")
         info = client.info()
         client.close_channel()
     finally:
@@ -84,6 +75,8 @@ def test_the_sdk_on_two_ranks_gives_the_in_process_two_rank_bits(tmp_path, model
         stopped = server.wait(60)
     assert stopped == 0, "a SIGTERM stops the group cleanly"
     spec = RunDirectory(state / "runs" / info.run_id).read_spec()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)  # what get_tokenizer() loads
+    examples = [_token_example(supervised_datum(tokenizer, text)) for text in SENTENCES]
     update = adam_settings({"adam_params": {"learning_rate": LEARNING_RATE}})
     reference = workers.launch(
         2,
@@ -92,10 +85,7 @@ def test_the_sdk_on_two_ranks_gives_the_in_process_two_rank_bits(tmp_path, model
             "config": spec.config,
             "max_steps": spec.max_steps,
             "model_root": str(model_root),
-            "steps": [
-                {"examples": [e.to_dict() for e in examples], "update": update}
-                for examples in steps
-            ],
+            "steps": [{"examples": [e.to_dict() for e in examples], "update": update}] * STEPS,
             "out": str(tmp_path / "reference"),
         },
     )[0]
