@@ -44,3 +44,14 @@ def test_a_group_that_dies_right_after_starting_is_given_up(tmp_path):
     os.kill(supervisor.ranks_started()[1], signal.SIGKILL)
     thread.join(60)
     assert result == [1] and supervisor.restarts == 0
+
+
+def test_a_listener_on_port_0_is_pinned_once_so_a_restarted_group_listens_where_it_did():
+    argv = ["serve", "--listen", "127.0.0.1:0", "--tinker-listen=127.0.0.1:0", "--nproc", "2"]
+    supervisor = GroupSupervisor(argv, 2, stop_grace_s=5.0)
+    listen, tinker = supervisor.argv[2], supervisor.argv[3]
+    assert listen.startswith("127.0.0.1:") and not listen.endswith(":0")
+    assert tinker.startswith("--tinker-listen=127.0.0.1:") and not tinker.endswith(":0")
+    assert supervisor.argv[4:] == ["--nproc", "2"]
+    given = ["serve", "--listen", "127.0.0.1:50051"]
+    assert GroupSupervisor(given, 2, stop_grace_s=5.0).argv == given

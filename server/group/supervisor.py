@@ -14,6 +14,9 @@ the supervisor stops with it at once; a group that keeps failing within ``QUICK_
 start (a model that cannot load, a port taken) is given up after ``max_quick_failures`` tries in
 a row. Either way a broken setup ends with its error rather than a loop.
 
+A listener given port 0 is pinned to one free port before the first group starts, so a restarted
+group listens where the first did.
+
 SIGTERM or SIGINT to the supervisor is passed to rank 0, which stops gracefully (the operation
 in flight finishes and commits) and then tells the other ranks to exit.
 """
@@ -54,7 +57,7 @@ class GroupSupervisor:
         *,
         max_quick_failures: int = MAX_QUICK_FAILURES,
     ) -> None:
-        self.argv = list(argv)
+        self.argv = pin_listen_ports(argv)
         self.nproc = nproc
         self.stop_grace_s = stop_grace_s
         self.max_quick_failures = max_quick_failures
@@ -192,6 +195,33 @@ def supervise(argv: Sequence[str], nproc: int, stop_grace_s: float) -> int:
     return supervisor.run()
 
 
+LISTEN_OPTIONS = ("--listen", "--tinker-listen")
+
+
+def pin_listen_ports(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each listener's port 0 replaced by a port free now, chosen once.
+
+    Port 0 asks for any free port; every restarted group would then listen on another one, and
+    a client retrying the old address would never find the server again. Chosen here, once,
+    every group the supervisor starts listens where the first one did.
+    """
+    pinned = list(argv)
+    for index, item in enumerate(pinned):
+        for option in LISTEN_OPTIONS:
+            if item == option and index + 1 < len(pinned):
+                pinned[index + 1] = _pinned(pinned[index + 1])
+            elif item.startswith(option + "="):
+                pinned[index] = f"{option}={_pinned(item.split('=', 1)[1])}"
+    return pinned
+
+
+def _pinned(listen: str) -> str:
+    host, _, port = listen.rpartition(":")
+    if port != "0":
+        return listen
+    return f"{host}:{_free_port(host.strip('[]') or '127.0.0.1')}"
+
+
 def _die_with_parent() -> None:
     """In the rank, before it runs: a supervisor that is killed (SIGKILL leaves it no time to
     stop its ranks) takes its ranks with it, so no orphan keeps the port or the state
@@ -201,8 +231,9 @@ def _die_with_parent() -> None:
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _free_port() -> int:
-    """A port for the group's rendezvous, free now (the ranks bind it a moment later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A port on ``host`` free now (its user binds it a moment later)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
         return int(probe.getsockname()[1])
