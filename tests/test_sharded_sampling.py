@@ -9,25 +9,34 @@ session trains the same steps without sampling. The two ranks run it as the ``sa
 (``sharded_workers``). The reference is one process sampling the same weights (the base model,
 the ranks' export) on one thread, as each rank runs (a CPU matmul's bits depend on its thread
 count): equal bit for bit.
+
+Served: a real ``trainwire serve --nproc 2`` with the Tinker front answers an SDK sampling client
+and a gRPC ``Sample``, each request announced to both ranks, and the group trains on afterwards.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import sharded_workers as workers
+import tinker
 import torch
 import torch.distributed as dist
+from tinker import types
+from tinker_loops import KEY, close_quietly, rl_step, supervised_datum
 
-from trainwire.client import TokenExample
+from trainwire.client import SessionClient, TokenExample
 from trainwire.client.outcomes import Sample
 from trainwire.server.engine.sample_weights import BASE_MODEL
 from trainwire.server.engine.session import TrainingSession
-from trainwire.testing import tiny_token_examples
+from trainwire.testing import free_port, tiny_token_examples
 
 OPTIONS = {"max_tokens": 8, "num_samples": 3, "temperature": 1.0, "seed": 7}
 MODES = {"full": False, "lora": True}  # LoRA without dropout: sampling runs in eval mode anyway
@@ -210,3 +219,55 @@ def test_other_weights_are_swapped_into_the_shards_and_the_live_ones_put_back(
     assert seen["export_prompt"] != seen["prompt"]
     assert seen["missing"].startswith("FailedPrecondition: no weights to sample at 'removed'")
     assert seen["digest_unchanged"]
+
+
+# -- served: trainwire serve --nproc 2 -----------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_served_two_rank_group_samples_for_tinker_and_grpc_and_trains_on(
+    tmp_path, model_root, tiny_llama
+) -> None:
+    key_file = tmp_path / "tinker.key"
+    key_file.write_text(KEY)
+    grpc_target, tinker_port = f"127.0.0.1:{free_port()}", free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "trainwire", "serve", "--listen", grpc_target,
+         "--state-dir", str(tmp_path / "state"), "--model-root", str(model_root),
+         "--device", "cpu", "--tinker-listen", f"127.0.0.1:{tinker_port}",
+         "--tinker-token-file", str(key_file), "--nproc", "2"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    service = None
+    try:
+        client = SessionClient(grpc_target)
+        client.wait_until_serving(timeout_s=120)
+        service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{tinker_port}", api_key=KEY)
+        training = service.create_lora_training_client(base_model="llama", rank=4).result()
+        tokenizer = training.get_tokenizer()
+        # An SDK RL step: a snapshot's sampling client samples one completion, which trains.
+        # Alone in its batch, its sampler logprobs are the trainer's bit for bit.
+        sampled, trained, _ = rl_step(training, tokenizer, "importance_sampling", seed=3, group=1)
+        assert sampled == trained and len(sampled[0]) > 0
+        sampler = training.save_weights_and_get_sampling_client().result(timeout=120)
+        prompt = tokenizer.encode("the cat sat")
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result(timeout=120)
+        assert scored[0] is None and len(scored) == len(prompt)
+        # gRPC Sample of the live weights: the same call twice, the same samples.
+        first = client.sample(prompt, max_tokens=5, num_samples=2, seed=11)
+        assert client.sample(prompt, max_tokens=5, num_samples=2, seed=11) == first
+        assert len(first) == 2 and all(0 < len(s.tokens) <= 5 for s in first)
+        # The group trains on: every rank is still in step.
+        datum = supervised_datum(tokenizer, "a dog ran in the park")
+        training.forward_backward([datum], "cross_entropy").result(timeout=120)
+        step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
+        assert step is not None
+        info = client.info()
+        assert info.step == 2 and info.state_digest
+        client.close_channel()
+    finally:
+        if service is not None:
+            close_quietly(service)
+        server.terminate()
+        server.wait(60)

@@ -15,6 +15,11 @@ ran first anyway) plus at most the one decode step under way.
 Requests of one batch read the same weights (the live ones, one export, or the base model):
 requests for other weights wait for the next batch. What a request draws does not depend on its
 company (``batch_decode``), so batching changes no result.
+
+A sharded session (``session.shards``) is never batched here: every rank must make each engine
+call rank 0 makes, and what joins a batch is rank 0's timing alone. So each request runs alone,
+in the executor's order, through the session's announced calls (``reads.sample``:
+``session.sample``, then ``prompt_logprobs`` if asked), which every rank makes (``lockstep``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from trainwire.client.outcomes import Sample
 from trainwire.server.engine.sampling import SamplingParams
 from trainwire.server.engine.session_sampling import BatchedSample, sample_many
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.service import reads
 from trainwire.server.service.reads import SampleResult, sample_weights
 from trainwire.server.service.requests import SampleRequest
 
@@ -92,6 +98,9 @@ class SampleBatcher:
     def _run_batches(self, epoch: int) -> None:
         """On the executor thread: batch after batch of what this call may take."""
         run = self._active()  # no run open: refused, and the requests stay for their own calls
+        if run.session.shards is not None:
+            self._run_announced(run, epoch)
+            return
         together = run.session.sampler.batches  # else one request a batch, none joining
         while True:
             if together:
@@ -100,6 +109,18 @@ class SampleBatcher:
             if not batch:
                 return
             self._decode(run, batch, epoch if together else None)
+
+    def _run_announced(self, run: ActiveRun, epoch: int) -> None:
+        """A sharded session: each request this call may take, alone and in order, through the
+        session's calls that every rank makes (see the module docstring)."""
+        while batch := self._take(epoch, alone=True):
+            (waiting,) = batch
+            try:
+                waiting.answer.set_result(reads.sample(run, waiting.request, None))
+            except BaseException as error:  # this request's answer; the next one still runs
+                waiting.answer.set_exception(error)
+                if not isinstance(error, Exception):
+                    raise
 
     def _settle(self) -> None:
         """Wait while requests keep arriving, a few milliseconds at most: requests sent at one
