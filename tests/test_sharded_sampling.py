@@ -94,6 +94,7 @@ def _calls_of(model: str, group: dist.ProcessGroup | None, lora: bool, out: Path
 
     fresh = _open(model, group, lora)
     seen["fresh"] = _sampled(fresh.sample(prompt, **OPTIONS))
+    seen["alone"] = _decoded_alone(fresh, prompt, group)
     fresh.load_weights(out / "export")
     seen["loaded"] = _sampled(fresh.sample(prompt, **OPTIONS))
     control = _open(model, group, lora)
@@ -101,6 +102,18 @@ def _calls_of(model: str, group: dist.ProcessGroup | None, lora: bool, out: Path
         _train_a_step(control, seed)
     seen["trains_on_as_without_sampling"] = session.state_digest() == control.state_digest()
     return seen
+
+
+def _decoded_alone(
+    session: TrainingSession, prompt: list[int], group: dist.ProcessGroup | None
+) -> list[Any]:
+    """Samples decoded alone (``Sampler.batches`` False), set on rank 0 only, as a served group's
+    host sets it: rank 0's mode is the group's. Nine rows: alone, one forward a step; batched,
+    two tiles of 8 (a follower that kept its own mode would run other forwards and hang)."""
+    session.sampler.batches = group is not None and dist.get_rank(group) != 0
+    alone = _sampled(session.sample(prompt, max_tokens=3, num_samples=9, seed=5))
+    session.sampler.batches = True  # every rank back to the default
+    return alone
 
 
 def _stops(session: TrainingSession, prompt: list[int]) -> dict[str, Any]:
@@ -147,6 +160,7 @@ def one_process(two_ranks, tiny_llama: Path) -> dict[str, Any]:
             prompt = session.tokenize(["the movie was"])[0]
             export = out / mode / "export"
             seen = {"fresh": _sampled(session.sample(prompt, **OPTIONS))}
+            seen["alone"] = _decoded_alone(session, prompt, None)
             seen["export"] = _sampled(session.sample(prompt, weights=export, **OPTIONS))
             session.load_weights(export)
             seen["loaded"] = _sampled(session.sample(prompt, **OPTIONS))
