@@ -211,8 +211,8 @@ def weights_for_reading(
     The source is read and checked now, when this is called; the weights go in when the context
     is entered and the live bits come back when it exits. Call it inside the session's
     ``guard.operation(changes_state=False)``, and only read the model within. With ``shards``
-    (a collective then: every rank calls it), the model is sharded and resharded: every rank
-    reads and checks the whole source, the ranks agree, and each swaps its own shards.
+    (a collective then: every rank calls it, its model resharded first), every rank reads and
+    checks the whole source, the ranks agree, and each swaps its own shards.
     """
     if selected.live:
         return contextlib.nullcontext()
