@@ -1,6 +1,6 @@
 """A sharded checkpoint's files, read by the service in one process with no process group.
 
-Two gloo ranks (``sharded_workers.save_checkpoints``, once for the module) write two SaveState
+Two gloo ranks (``sharded_runs.save_checkpoints``, once for the module) write two SaveState
 checkpoints into a run's folder, as a server with a sharded session would; this process then
 verifies them to the state digest the ranks reported, finds each kind of damage, reads their
 journal entries, falls back past a damaged one in recovery's choice, and inspects one.

@@ -6,6 +6,7 @@ rank's RNG is part of the continuation). The cuts fall after text and token micr
 from __future__ import annotations
 
 import pytest
+import sharded_runs as runs
 import sharded_workers as workers
 
 from trainwire.testing import make_tiny_model
@@ -22,5 +23,5 @@ def test_a_resume_from_every_cut_ends_with_the_uninterrupted_bits(mode, model_ro
     ranks = workers.launch(2, "resume_every_cut", spec)
     assert ranks[0] == ranks[1], "every rank reports the same digests"
     report = ranks[0]
-    assert len(report["resumed"]) == len(workers.cut_operations()) + 1
+    assert len(report["resumed"]) == len(runs.cut_operations()) + 1
     assert report["resumed"] == [report["uninterrupted"]] * len(report["resumed"])

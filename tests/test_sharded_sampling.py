@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sharded_runs as runs
 import sharded_workers as workers
 import tinker
 import torch
@@ -85,7 +86,7 @@ def _calls_of(model: str, group: dist.ProcessGroup | None, lora: bool, out: Path
     seen["export"] = _sampled(session.sample(prompt, weights=out / "export", **OPTIONS))
     seen["export_prompt"] = session.prompt_logprobs(prompt, weights=out / "export")[1:]
     seen["base"] = _sampled(session.sample(prompt, weights=BASE_MODEL, **OPTIONS))
-    seen["missing"] = workers._raised(
+    seen["missing"] = runs.raised(
         lambda: session.sample(prompt, weights=out / "removed", **OPTIONS)
     )
     session.drop_digest_cache()

@@ -1,6 +1,6 @@
 """``trainwire serve --nproc 2``: one session on two CPU ranks behind the real server, exactly once.
 
-The reference is the same plan run uninterrupted in-process on two ranks (``sharded_workers``'
+The reference is the same plan run uninterrupted in-process on two ranks (``sharded_runs``'
 ``managed_run``: ``ManagedTraining`` on a sharded ``TrainingSession``). A real ``trainwire run``
 drives a real ``trainwire serve --nproc 2`` through the same plan: once uninterrupted, and once
 while rank 1, rank 0 and the controller are SIGKILLed at seeded moments (the supervisor restarts

@@ -3,7 +3,7 @@ session given the same engine calls.
 
 The SDK runs the docs' supervised loop (a cross-entropy ``forward_backward`` on three sentences,
 an ``optim_step``, three times) against a real two-rank server. The reference replays those
-calls in-process on two ranks (``sharded_workers``' ``token_steps``): the run's config as the
+calls in-process on two ranks (``sharded_runs``' ``token_steps``): the run's config as the
 server recorded it, each datum as the token example it is, each ``AdamParams`` as the front's
 own ``adam_settings`` reads it, gradients added over microbatches as Tinker does. The losses and
 the final state digest must be equal, exactly. Both sides run each rank on one CPU thread.

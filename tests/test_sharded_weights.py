@@ -1,6 +1,6 @@
 """A sharded session's weights alone, in and out: a checkpoint's export and ``load_weights``.
 
-Two gloo ranks (``sharded_workers.weights_in_and_out``, once for the module) train, checkpoint
+Two gloo ranks (``sharded_runs.weights_in_and_out``, once for the module) train, checkpoint
 and export, export the checkpoint after training on, and load weights from each kind of source
 into a fresh session. One process here writes the single-process checkpoint they also take, and
 computes what they should see. The export of a checkpoint is the export taken when it was saved,
@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sharded_runs as runs
 import sharded_workers as workers
 
 from trainwire.server.engine.session import TrainingSession
@@ -41,10 +42,10 @@ def _one_process(config: Any, folder: Path, native: Path) -> dict[str, Any]:
     workers.two_more_steps(session)
     session.save_state(folder / "checkpoint")
     session.export_checkpoint_weights(folder / "checkpoint", folder / "export")
-    expected = {"one_process_saved": workers.weights_seen(session)}
+    expected = {"one_process_saved": runs.weights_seen(session)}
     loaded = TrainingSession(config, max_steps=workers.MAX_STEPS)
     loaded.load_weights(native)
-    expected["native_loaded"] = workers.weights_seen(loaded)
+    expected["native_loaded"] = runs.weights_seen(loaded)
     return expected
 
 
