@@ -162,8 +162,6 @@ def load_weights(session: TrainingSession, path: Path) -> None:
 
 
 def export_weights(session: TrainingSession, path: Path) -> None:
-    if session.shards is not None:
-        return sharded_weights.export_weights(session, path)
     guard = session._guard
     with guard.lock:
         guard.refuse_if_broken("cannot export an unusable session")
@@ -174,6 +172,9 @@ def export_weights(session: TrainingSession, path: Path) -> None:
             "step": session.step,
             "state_digest": session.state_digest(),
         }
+        if session.shards is not None:
+            sharded_weights.export_weights(session, path, provenance)
+            return
         weights.write_export(path, session.model, session.tokenizer, session.config, provenance)
 
 

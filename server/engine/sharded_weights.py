@@ -72,27 +72,20 @@ def _cpu_copy(session: TrainingSession) -> torch.nn.Module:
 # -- exports -----------------------------------------------------------------------------------
 
 
-def export_weights(session: TrainingSession, path: Path) -> None:
-    """The full weights gathered to rank 0, written as the single-process export is."""
-    shards, guard = _shards(session), session._guard
-    with guard.lock:
-        guard.refuse_if_broken("cannot export an unusable session")
-        provenance = {
-            "base_model_fingerprint": session.base_fingerprint,
-            "step": session.step,
-            "state_digest": session.state_digest(),
-        }
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(session.model, options=options)  # rank 0 holds it
+def export_weights(session: TrainingSession, path: Path, provenance: dict[str, Any]) -> None:
+    """The full weights gathered to rank 0, written as the single-process export is, with the
+    same ``provenance``. The caller holds the session's lock."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    full = get_model_state_dict(session.model, options=options)  # rank 0 holds it
 
-        def write() -> None:
-            # The copy takes the gathered weights and writes them with the same code as a
-            # single-process export (same files, same record).
-            model = _cpu_copy(session)
-            model.load_state_dict(full)
-            weights.write_export(path, model, session.tokenizer, session.config, provenance)
+    def write() -> None:
+        # The copy takes the gathered weights and writes them with the same code as a
+        # single-process export (same files, same record).
+        model = _cpu_copy(session)
+        model.load_state_dict(full)
+        weights.write_export(path, model, session.tokenizer, session.config, provenance)
 
-        on_rank_zero(shards, path, write)
+    on_rank_zero(_shards(session), path, write)
 
 
 def export_checkpoint_weights(session: TrainingSession, checkpoint: Path, path: Path) -> None:
