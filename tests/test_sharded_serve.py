@@ -6,8 +6,9 @@ drives a real ``trainwire serve --nproc 2`` through the same plan: once uninterr
 while rank 1, rank 0 and the controller are SIGKILLed at seeded moments (the supervisor restarts
 the group after a rank's death; the controller is restarted by the test). Both must end with the
 reference's state digest, history and export files, the journal's final lineage holding each
-operation once. The uninterrupted run trains a LoRA adapter with dropout (the ranks' RNG takes
-part), the interrupted one full weights; each test costs about a minute, so one of each.
+operation once. So must the same run served by two torchrun agents of one rank each, as two pods
+of deploy/multi-pod/ run it. The uninterrupted run trains a LoRA adapter with dropout (the ranks'
+RNG takes part), the others full weights; each test costs under a minute, so one of each.
 
 Both sides run each rank on one CPU thread (``OMP_NUM_THREADS=1``): a CPU computation's bits
 depend on its thread count, and the reference's ranks run on one.
@@ -19,6 +20,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,7 @@ import sharded_workers as workers
 from process_cluster import Cluster, file_hashes, wait_until
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan, write_manifest
-from trainwire.testing import tiny_text_examples
+from trainwire.testing import free_port, tiny_text_examples
 
 RUN_TIMEOUT_S = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
@@ -166,4 +169,40 @@ def test_sigkilled_ranks_and_controller_end_with_the_uninterrupted_two_rank_bits
     finally:
         cluster.kill(cluster.controller)
         cluster.kill(cluster.server)
+    _assert_equals_reference(cluster, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("served_plan", ["full"], indirect=True)
+def test_two_nodes_under_torchrun_serve_a_run_with_the_in_process_two_rank_bits(
+    served_plan, model_root, tmp_path
+):
+    """Two torchrun agents with one rank each, as two pods of a LeaderWorkerSet run them
+    (deploy/multi-pod/): global rank 0 serves, no --nproc."""
+    manifest, reference = served_plan
+    cluster = _sharded_cluster(tmp_path, model_root, manifest)
+    serve = cluster.server_args[cluster.server_args.index("serve") :]
+    serve = serve[: serve.index("--nproc")]
+    rendezvous = str(free_port())
+    nodes = []
+    for node_rank in (0, 1):
+        log = open(cluster.logs / f"node-{node_rank}.log", "wb")  # noqa: SIM115 - kept by Popen
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                    "--nproc-per-node", "1", "--node-rank", str(node_rank),
+                    "--master-addr", "127.0.0.1", "--master-port", rendezvous,
+                    "--max-restarts", "0", "-m", "trainwire", *serve]  # fmt: skip
+        environment = {**os.environ, **ONE_THREAD}
+        nodes.append(
+            subprocess.Popen(torchrun, stdout=log, stderr=subprocess.STDOUT, env=environment)
+        )
+    cluster.start_controller()
+    try:
+        _finish(cluster, time.monotonic(), [])
+    finally:
+        cluster.kill(cluster.controller)
+        for node in nodes:
+            node.terminate()  # torchrun passes it to its rank and exits with its own code
+        for node in nodes:
+            node.wait(60)
     _assert_equals_reference(cluster, reference)
