@@ -42,8 +42,6 @@ def check_session_arguments(
     shards = ShardGroup.of(process_group)
     if shards is None:
         refuse_unsupported_setups()
-    elif config.gradient_checkpointing:
-        shards.refuse("gradient_checkpointing")
     if max_steps is None and config.lr_scheduler != "constant":
         logger.warning(
             "lr_scheduler %r without max_steps: no horizon to decay over, so the rate holds "

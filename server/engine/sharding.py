@@ -45,8 +45,6 @@ from trainwire.server.engine.microbatches import (
 from trainwire.server.engine.session_results import ForwardResult, TokenOutput
 from trainwire.server.errors import FailedPrecondition
 
-NOT_YET_SHARDED = "is not served on a sharded session yet (a process group of {size} ranks)"
-
 
 @dataclass(frozen=True)
 class ShardGroup:
@@ -88,10 +86,6 @@ class ShardGroup:
         tensor = tensor.contiguous()  # a collective sends contiguous memory
         dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
         return tensor
-
-    def refuse(self, what: str) -> None:
-        """FailedPrecondition: ``what`` does not run across ranks yet (never a silent guess)."""
-        raise FailedPrecondition(f"{what} {NOT_YET_SHARDED.format(size=self.world_size)}")
 
 
 def shard_model(model: torch.nn.Module, shards: ShardGroup, device: torch.device) -> None:
