@@ -1,8 +1,7 @@
 """A sharded session's weights in and out: exports, a checkpoint's export, ``load_weights``.
 
 Each function is the single-process one (``session_persistence`` and ``weights``) with the work
-placed on the ranks, calling the same checks and writers rather than defining its own (the one
-exception, ``_check_settings``, says why):
+placed on the ranks, calling the same checks and writers rather than defining its own:
 
 - An export is written by rank 0 alone, from a fresh unsharded copy of the model on the CPU,
   with ``weights.write_export``: the directory one process writes, file for file.
@@ -32,7 +31,6 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.server import errors
 from trainwire.server.engine import weights
 from trainwire.server.engine.model_loading import load_session_model
@@ -51,7 +49,6 @@ if TYPE_CHECKING:
 PROVENANCE_KEYS = ("base_model_fingerprint", "step", "state_digest")
 # The settings a checkpoint's weights must share with the session, as
 # ``weights.check_checkpoint_settings`` compares them for one process's checkpoints.
-WEIGHT_SETTINGS = ("task", "labels", "lora")
 
 
 def _shards(session: TrainingSession) -> ShardGroup:
@@ -176,27 +173,9 @@ def _plan(session: TrainingSession, path: Path) -> weights.WeightsLoad:
         return weights.plan_weights_load(
             session.model, path, session.config, session.base_fingerprint
         )
-    _check_settings(path, read_sharded_meta(path), session.config)
+    weights.check_saved_settings(path.name, read_sharded_meta(path).get("config"), session.config)
     live = dict(session.model.named_parameters())
     return weights.WeightsLoad(pairs=_checkpoint_pairs(live, path))
-
-
-def _check_settings(checkpoint: Path, meta: dict[str, Any], config: TrainingConfig) -> None:
-    """``weights.check_checkpoint_settings`` for a sharded checkpoint's ``session.json``: the
-    same settings, the same message (that one reads one process's format only)."""
-    saved = meta.get("config")
-    if not isinstance(saved, dict):
-        raise InvalidArgument(f"{checkpoint.name}: malformed session.json (no config)")
-    now = config.to_dict()
-    differences = setting_differences(
-        {key: saved[key] for key in WEIGHT_SETTINGS if key in saved},
-        {key: now[key] for key in WEIGHT_SETTINGS},
-    )
-    if differences:
-        raise InvalidArgument(
-            f"checkpoint {checkpoint.name} was trained with other settings: "
-            + "; ".join(differences)
-        )
 
 
 def _in_shards(load: weights.WeightsLoad, model: torch.nn.Module) -> weights.WeightsLoad:

@@ -39,6 +39,7 @@ EXPORT_FILE = "trainwire_export.json"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 # The adapter config's fields PEFT holds as sets (and writes in set order).
+WEIGHT_SETTINGS = ("task", "labels", "lora")  # what a checkpoint's weights must share
 PEFT_SET_FIELDS = ("target_modules", "exclude_modules")
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 PEFT_PREFIX = "base_model.model."
@@ -118,16 +119,22 @@ def plan_checkpoint_load(
 def check_checkpoint_settings(checkpoint: Path, config: TrainingConfig) -> None:
     """A checkpoint's weights fit only a session of the same task, labels and LoRA settings
     (equal shapes are not enough: another alpha would rescale the adapter silently)."""
-    keys = ("task", "labels", "lora")
-    saved = read_session_json(checkpoint).get("config", {})
+    check_saved_settings(checkpoint.name, read_session_json(checkpoint).get("config", {}), config)
+
+
+def check_saved_settings(name: str, saved: Any, config: TrainingConfig) -> None:
+    """``check_checkpoint_settings`` on the config checkpoint ``name`` recorded, whichever
+    format recorded it (a sharded checkpoint's ``session.json`` holds it too)."""
+    if not isinstance(saved, dict):
+        raise InvalidArgument(f"{name}: malformed session.json (no config)")
     now = config.to_dict()
     differences = setting_differences(
-        {k: saved[k] for k in keys if k in saved}, {k: now[k] for k in keys}
+        {key: saved[key] for key in WEIGHT_SETTINGS if key in saved},
+        {key: now[key] for key in WEIGHT_SETTINGS},
     )
     if differences:
         raise InvalidArgument(
-            f"checkpoint {checkpoint.name} was trained with other settings: "
-            + "; ".join(differences)
+            f"checkpoint {name} was trained with other settings: " + "; ".join(differences)
         )
 
 
