@@ -68,7 +68,7 @@ class GroupSupervisor:
     def run(self) -> int:
         """Keep a group running until asked to stop; the exit code of the whole command."""
         quick_failures = 0
-        while True:
+        while not self.stopping.is_set():
             started = time.monotonic()
             self._start()
             failed = self._watch()
@@ -101,7 +101,8 @@ class GroupSupervisor:
                 lived,
                 self.restarts,
             )
-            time.sleep(min(2.0**quick_failures, 30.0) if quick_failures else 0.0)
+            self.stopping.wait(min(2.0**quick_failures, 30.0) if quick_failures else 0.0)
+        return 0  # asked to stop between two groups: nothing is running
 
     def _start(self) -> None:
         port = _free_port()
