@@ -106,7 +106,7 @@ class GroupSupervisor:
 
     def _start(self) -> None:
         port = _free_port()
-        self._ranks = []
+        ranks = []
         for rank in range(self.nproc):
             environ = {
                 **os.environ,
@@ -126,8 +126,9 @@ class GroupSupervisor:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-            self._ranks.append(process)
-        pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(self._ranks))
+            ranks.append(process)
+        self._ranks = ranks  # whole: a reader never sees half a group
+        pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(ranks))
         logger.info("started %d ranks (%s), rendezvous port %d", self.nproc, pids, port)
 
     def ranks_started(self) -> list[int]:
