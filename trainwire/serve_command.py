@@ -12,9 +12,13 @@ import signal
 import threading
 import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainwire.client.overrides import checked_config_overrides
+
+if TYPE_CHECKING:  # torch behind them: imported where a command needs them
+    from trainwire.server.group.leader import GroupLeader
+    from trainwire.server.group.ranks import Launch, RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +145,7 @@ def command_serve(args: argparse.Namespace) -> int:
         leave_group()
 
 
-def _follow_until_stopped(group: Any) -> int:
+def _follow_until_stopped(group: RankGroup) -> int:
     """A rank other than 0: follow until rank 0 stops (0) or the group is lost (one line, and
     the code that tells the supervisor or torchrun to restart the group)."""
     from trainwire.server.group.follower import follow
@@ -156,7 +160,7 @@ def _follow_until_stopped(group: Any) -> int:
     return 0
 
 
-def check_nproc(nproc: int, launch: Any) -> None:
+def check_nproc(nproc: int, launch: Launch | None) -> None:
     """``--nproc`` is at least 1, and under a launcher it agrees with the launcher's world."""
     if nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {nproc}")
@@ -168,7 +172,10 @@ def check_nproc(nproc: int, launch: Any) -> None:
 
 
 def _serve_until_stopped(
-    args: argparse.Namespace, settings: dict[str, Any], token: str | None, leader: Any
+    args: argparse.Namespace,
+    settings: dict[str, Any],
+    token: str | None,
+    leader: GroupLeader | None,
 ) -> int:
     """One server (a single process, or rank 0 of a group led by ``leader``) until a signal."""
     from trainwire.client.files import write_text_atomic
