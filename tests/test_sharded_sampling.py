@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import sharded_runs as runs
 import sharded_workers as workers
@@ -273,6 +274,12 @@ def test_a_served_two_rank_group_samples_for_tinker_and_grpc_and_trains_on(
         first = client.sample(prompt, max_tokens=5, num_samples=2, seed=11)
         assert client.sample(prompt, max_tokens=5, num_samples=2, seed=11) == first
         assert len(first) == 2 and all(0 < len(s.tokens) <= 5 for s in first)
+        # A refusal every rank makes alike in the engine (no microbatch to update with) is
+        # answered, and the group goes on.
+        with pytest.raises(grpc.RpcError) as refused:
+            client.optim_step(operation_key="nothing-accumulated")
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "no microbatch accumulated" in refused.value.details()
         # The group trains on: every rank is still in step.
         datum = supervised_datum(tokenizer, "a dog ran in the park")
         training.forward_backward([datum], "cross_entropy").result(timeout=120)
