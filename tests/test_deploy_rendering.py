@@ -23,13 +23,17 @@ def test_the_kustomization_renders_every_manifest_in_its_namespace_with_the_tagg
     )
 
 
-def test_uncommenting_the_components_renders_the_tls_probe_the_pods_mount():
+def test_uncommenting_the_components_renders_the_tls_probe_the_pods_mount_on_their_gpus():
     text = (DEPLOY / "kustomization.yaml").read_text()
     text = text.replace("# components:", "components:").replace(
         "#   - components/", "  - components/"
     )
     kustomization = yaml.safe_load(text)
-    assert kustomization["components"] == ["components/tls", "components/tls-client-auth"]
+    assert kustomization["components"] == [
+        "components/tls",
+        "components/tls-client-auth",
+        "components/gpus",
+    ]
     documents = render(kustomization)
     (config_map,) = [d for d in documents if d["kind"] == "ConfigMap"]
     assert config_map["data"] == {TLS_PROBE.name: TLS_PROBE.read_text()}
@@ -40,6 +44,7 @@ def test_uncommenting_the_components_renders_the_tls_probe_the_pods_mount():
     (probe_volume,) = [v for v in pod["volumes"] if "configMap" in v]
     assert probe_volume["configMap"]["name"] == config_map["metadata"]["name"]
     assert pod["containers"][0]["image"] == "trainwire-worker:0.1.0"
+    assert "--nproc" in pod["containers"][0]["args"]
 
 
 def test_the_tls_components_pass_the_secret_files_and_probe_over_tls(statefulset, example_secrets):
