@@ -19,6 +19,8 @@ import argparse
 import contextlib
 import json
 import re
+import shutil
+import subprocess
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -273,3 +275,38 @@ def pod_command(leader_worker_set: dict, worker_index: int) -> list[str]:
     running = only_container(templates[0] if worker_index == 0 else templates[1])
     environment = lws_environment(leader_worker_set, worker_index)
     return [expand(a, environment) for a in running["command"] + running["args"]]
+
+
+# -- shared by the one-pod and multi-pod tests --------------------------------------------------
+
+
+def gpus(running: dict) -> int:
+    resources = running["resources"]
+    limit = int(resources["limits"]["nvidia.com/gpu"])
+    assert int(resources["requests"].get("nvidia.com/gpu", limit)) == limit
+    return limit
+
+
+def gibibytes(quantity: str) -> float:
+    units = {"Gi": 1, "Ti": 1024, "Mi": 1 / 1024}
+    number, unit = re.fullmatch(r"(\d+)(Gi|Ti|Mi)", quantity).groups()
+    return int(number) * units[unit]
+
+
+def kubectl_kustomize(folder: Path, components: list[str], tmp_path: Path) -> list[dict]:
+    """`kubectl kustomize` of a copy of deploy/ with ``components`` enabled in ``folder``'s."""
+    copy = tmp_path / "deploy"
+    shutil.copytree(DEPLOY, copy)
+    target = copy / folder.relative_to(DEPLOY)
+    kustomization = yaml.safe_load((target / "kustomization.yaml").read_text())
+    kustomization["components"] = components
+    (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    output = subprocess.run(
+        ["kubectl", "kustomize", str(target)], capture_output=True, text=True, check=False
+    )
+    assert output.returncode == 0, output.stderr
+    return [d for d in yaml.safe_load_all(output.stdout) if d]
+
+
+def by_kind_and_name(documents: list[dict]) -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in documents}

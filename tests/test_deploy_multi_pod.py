@@ -1,7 +1,7 @@
-"""One session on several GPUs (deploy/components/gpus, deploy/multi-pod), without a cluster.
+"""One session on several pods (deploy/multi-pod), without a cluster.
 
-The one-pod component is rendered into deploy/ as `kubectl kustomize` renders it; the multi-pod
-LeaderWorkerSet is rendered from its own folder. Built-in kinds are validated against the
+The LeaderWorkerSet is rendered from its own folder (and compared with `kubectl kustomize`
+where kubectl is installed). Built-in kinds are validated against the
 Kubernetes schemas; the LeaderWorkerSet (a custom resource, whose schema kubernetes-validate does
 not ship) by its envelope's fields and its two pod templates as PodTemplates. Command lines are
 parsed as they run: `trainwire serve`'s own parser, and torchrun's flags by a small mirror that is
@@ -10,16 +10,12 @@ checked against torchrun's real parser where torch is installed.
 
 from __future__ import annotations
 
-import argparse
-import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 from deploy_files import (
-    DEPLOY,
     DISPATCHER_LABELS,
     LEADER_SERVICE,
     LEADER_WORKER_SET,
@@ -29,28 +25,28 @@ from deploy_files import (
     PORT,
     SHARDED_SELECTOR,
     STATE_CLAIM_FILE,
-    STATEFULSET,
     TLS_PROBE,
     TORCHRUN_MASTER_PORT,
+    by_kind_and_name,
     deploy_kustomization,
     env_values,
+    gibibytes,
+    gpus,
+    kubectl_kustomize,
     lws_environment,
     manifest_files,
     multi_pod_kustomization,
     only_container,
-    option,
     parse_serve,
     pod_command,
     pod_templates,
-    serve_parser,
     serve_settings,
     state_claim,
     torchrun_parser,
 )
-from kustomize_render import render, rendered, rendered_statefulset, retag
+from kustomize_render import render, rendered_statefulset, retag
 from test_deploy import validate_against_schemas
 
-GPUS = DEPLOY / "components" / "gpus"
 MULTI_POD_TLS_PROBE = MULTI_POD / "components" / "tls" / TLS_PROBE.name
 # The LeaderWorkerSet fields these manifests may use: those of LeaderWorkerSetSpec and
 # LeaderWorkerTemplate since v0.6 (the first release that sets LWS_WORKER_INDEX).
@@ -76,93 +72,6 @@ def render_multi_pod(*components: str) -> dict[tuple[str, str], dict]:
                 for image in kustomization["images"]:
                     retag({"spec": {"template": template}}, image)
     return {(d["kind"], d["metadata"]["name"]): d for d in documents}
-
-
-def serve_knows_nproc() -> bool:
-    return any("--nproc" in action.option_strings for action in serve_parser()._actions)
-
-
-def parse_serve_with_nproc(arguments: list[str]) -> argparse.Namespace:
-    if not serve_knows_nproc():
-        pytest.skip("`trainwire serve` has no --nproc yet: the one-pod arguments cannot be parsed")
-    return parse_serve(arguments)
-
-
-def gpus(running: dict) -> int:
-    resources = running["resources"]
-    limit = int(resources["limits"]["nvidia.com/gpu"])
-    assert int(resources["requests"].get("nvidia.com/gpu", limit)) == limit
-    return limit
-
-
-# ---- one pod, N GPUs: components/gpus ----------------------------------------------------------
-
-
-def test_the_gpus_component_lists_its_files_and_patches_the_worker():
-    component = yaml.safe_load((GPUS / "kustomization.yaml").read_text())
-    assert component["kind"] == "Component"
-    assert {patch["path"] for patch in component["patches"]} == manifest_files(GPUS)
-    for patch in component["patches"]:
-        assert patch["target"] == {
-            "group": "apps",
-            "version": "v1",
-            "kind": STATEFULSET[0],
-            "name": STATEFULSET[1],
-        }
-    # The default deployment stays one GPU per session: the component is opt-in.
-    assert "components/gpus" not in deploy_kustomization().get("components", [])
-
-
-@pytest.mark.parametrize("components", [("gpus",), ("gpus", "tls", "tls-client-auth")])
-def test_one_pod_spawns_one_rank_per_gpu_it_is_given(components):
-    running = rendered_statefulset(*components)["spec"]["template"]["spec"]["containers"][0]
-    arguments = running["args"]
-    assert int(option(arguments, "--nproc")) == gpus(running) > 1
-    assert option(arguments, "--device") == "cuda"
-    settings = parse_serve_with_nproc(arguments)
-    assert settings.nproc == gpus(running)
-    assert settings.device == "cuda"
-
-
-def test_n_is_written_once_in_the_gpus_patch():
-    text = (GPUS / "statefulset-patch.yaml").read_text()
-    assert len(re.findall(r"^  value: &gpus ", text, re.MULTILINE)) == 1
-    operations = yaml.safe_load(text)
-    (nproc,) = [o for o in operations if o.get("value") == "--nproc"]
-    anchored = operations[operations.index(nproc) + 1]
-    assert anchored["path"] == nproc["path"] == "/spec/template/spec/containers/0/args/-"
-    assert isinstance(anchored["value"], str), "container arguments are strings"
-    # Every GPU count in the patch is the anchor (`*gpus`), never a second literal.
-    counts = re.findall(r"nvidia\.com/gpu: (\S+)", text)
-    assert counts and set(counts) == {"*gpus"}
-
-
-def test_one_pod_gets_shared_memory_for_nccl_within_its_memory():
-    pod = rendered_statefulset("gpus")["spec"]["template"]["spec"]
-    (running,) = pod["containers"]
-    shm = next(m for m in running["volumeMounts"] if m["mountPath"] == "/dev/shm")
-    volume = next(v for v in pod["volumes"] if v["name"] == shm["name"])
-    assert volume["emptyDir"]["medium"] == "Memory"
-    # A memory-backed emptyDir counts against the container's memory limit.
-    limits, requests = running["resources"]["limits"], running["resources"]["requests"]
-    assert limits["memory"] == requests["memory"]
-    assert gibibytes(volume["emptyDir"]["sizeLimit"]) < gibibytes(limits["memory"])
-
-
-def test_one_pod_keeps_the_workers_probes_and_security(statefulset):
-    patched = rendered_statefulset("gpus")
-    (running,) = patched["spec"]["template"]["spec"]["containers"]
-    (original,) = statefulset["spec"]["template"]["spec"]["containers"]
-    for field in ("ports", "startupProbe", "readinessProbe", "livenessProbe", "securityContext"):
-        assert running[field] == original[field], field
-    pod, original_pod = patched["spec"]["template"]["spec"], statefulset["spec"]["template"]["spec"]
-    assert pod["securityContext"] == original_pod["securityContext"]
-
-
-def gibibytes(quantity: str) -> float:
-    units = {"Gi": 1, "Ti": 1024, "Mi": 1 / 1024}
-    number, unit = re.fullmatch(r"(\d+)(Gi|Ti|Mi)", quantity).groups()
-    return int(number) * units[unit]
 
 
 # ---- several pods: deploy/multi-pod ------------------------------------------------------------
@@ -415,32 +324,8 @@ def test_the_multi_pod_tls_components_reach_every_rank_and_probe_the_leader_over
     )
 
 
-# ---- the real kustomize, where kubectl is installed --------------------------------------------
-
-
-def kubectl_kustomize(folder: Path, components: list[str], tmp_path: Path) -> list[dict]:
-    """`kubectl kustomize` of a copy of deploy/ with ``components`` enabled in ``folder``'s."""
-    copy = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, copy)
-    target = copy / folder.relative_to(DEPLOY)
-    kustomization = yaml.safe_load((target / "kustomization.yaml").read_text())
-    kustomization["components"] = components
-    (target / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    output = subprocess.run(
-        ["kubectl", "kustomize", str(target)], capture_output=True, text=True, check=False
-    )
-    assert output.returncode == 0, output.stderr
-    return [d for d in yaml.safe_load_all(output.stdout) if d]
-
-
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
-def test_kubectl_kustomize_renders_what_these_tests_read(tmp_path):
-    gpus_only = kubectl_kustomize(DEPLOY, ["components/gpus"], tmp_path / "one")
-    assert by_kind_and_name(gpus_only) == by_kind_and_name(rendered("gpus"))
+def test_kubectl_kustomize_renders_the_multi_pod_group_as_these_tests_read_it(tmp_path):
     components = ["components/tls", "components/tls-client-auth"]
-    multi_pod = kubectl_kustomize(MULTI_POD, components, tmp_path / "multi")
+    multi_pod = kubectl_kustomize(MULTI_POD, components, tmp_path)
     assert by_kind_and_name(multi_pod) == render_multi_pod("tls", "tls-client-auth")
-
-
-def by_kind_and_name(documents: list[dict]) -> dict[tuple[str, str], dict]:
-    return {(d["kind"], d["metadata"]["name"]): d for d in documents}
