@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -55,3 +57,36 @@ def test_a_listener_on_port_0_is_pinned_once_so_a_restarted_group_listens_where_
     assert supervisor.argv[4:] == ["--nproc", "2"]
     given = ["serve", "--listen", "127.0.0.1:50051"]
     assert GroupSupervisor(given, 2, stop_grace_s=5.0).argv == given
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_ranks_die_with_a_sigkilled_supervisor(tmp_path):
+    """SIGKILL leaves the supervisor no time to stop its ranks: they go with it (the parent-death
+    signal), so no orphan keeps the port or the state directory from the next server."""
+    supervisor = subprocess.Popen(
+        [sys.executable, "-m", "trainwire", *serve_argv(tmp_path / "state")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    children = Path(f"/proc/{supervisor.pid}/task/{supervisor.pid}/children")
+    deadline = time.monotonic() + 60
+    ranks: list[int] = []
+    while len(ranks) < 2 and time.monotonic() < deadline:
+        ranks = [int(pid) for pid in children.read_text().split()]
+        time.sleep(0.05)
+    assert len(ranks) == 2
+    supervisor.kill()
+    supervisor.wait()
+    deadline = time.monotonic() + 30
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in ranks)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie, reaped by init later, counts as gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
