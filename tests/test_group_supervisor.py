@@ -38,13 +38,18 @@ def test_a_group_that_dies_right_after_starting_is_given_up(tmp_path):
         serve_argv(tmp_path / "state"), 2, stop_grace_s=5.0, max_quick_failures=1
     )
     result: list[int] = []
-    thread = threading.Thread(target=lambda: result.append(supervisor.run()))
+    # A daemon, stopped in any case: a failed test must not leave a group running behind it.
+    thread = threading.Thread(target=lambda: result.append(supervisor.run()), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while len(supervisor.ranks_started()) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    os.kill(supervisor.ranks_started()[1], signal.SIGKILL)
-    thread.join(60)
+    try:
+        deadline = time.monotonic() + 60
+        while len(supervisor.ranks_started()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(supervisor.ranks_started()[1], signal.SIGKILL)
+        thread.join(60)
+    finally:
+        supervisor.stopping.set()
+        thread.join(30)
     assert result == [1] and supervisor.restarts == 0
 
 
@@ -81,7 +86,10 @@ def test_the_ranks_die_with_a_sigkilled_supervisor(tmp_path):
     deadline = time.monotonic() + 30
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive(pid) for pid in ranks)
+    survivors = [pid for pid in ranks if alive(pid)]
+    for pid in survivors:  # the test fails; nothing of it is left running
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors
 
 
 def alive(pid: int) -> bool:
