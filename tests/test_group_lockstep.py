@@ -141,6 +141,7 @@ LAUNCHED = {
 
 def test_a_launch_is_read_from_torchruns_variables_and_absent_without_them():
     assert Launch.from_environment({}) is None
+    assert Launch.from_environment({"WORLD_SIZE": "1"}) is None
     launch = Launch.from_environment(LAUNCHED)
     assert launch == Launch(rank=1, world_size=2, local_rank=1) and not launch.leads
 
@@ -149,6 +150,7 @@ def test_a_launch_is_read_from_torchruns_variables_and_absent_without_them():
     ("change", "message"),
     [
         ({"MASTER_PORT": ""}, "not MASTER_PORT"),
+        ({"RANK": ""}, "not RANK"),
         ({"RANK": "two"}, "must be integers"),
         ({"RANK": "2"}, "RANK 2 is outside WORLD_SIZE 2"),
     ],

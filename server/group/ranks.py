@@ -41,8 +41,9 @@ class Launch:
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Launch | None:
-        """None when no launcher started this process (a plain ``trainwire serve``)."""
-        if "RANK" not in environ and "WORLD_SIZE" not in environ:
+        """None when no launcher started this process (a plain ``trainwire serve``; a lone
+        ``WORLD_SIZE=1``, which some environments set, is no launcher either)."""
+        if "RANK" not in environ and environ.get("WORLD_SIZE", "").strip() in ("", "1"):
             return None
         missing = [name for name in LAUNCH_VARIABLES if not environ.get(name)]
         if missing:
