@@ -10,6 +10,7 @@ the test runs exactly the calls the ranks run.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -210,10 +211,16 @@ def _rank(rank: int, world_size: int, port: int, scenario: str, spec: dict[str, 
 
     try:
         report = {**SCENARIOS, **RUN_SCENARIOS}[scenario](spec, dist.group.WORLD)
+        dist.barrier()  # every rank is done with the group before any tears it down
         path = Path(spec["out"]) / f"rank{rank}.json"
         path.write_text(json.dumps(report, allow_nan=True))
     finally:
         dist.destroy_process_group()
+    # Straight out, past the interpreter's finalization: gloo's worker threads may still hold
+    # objects whose release at that point aborts the process (SIGABRT, "terminate called
+    # without an active exception"; seen twice here, in launches under load), after the
+    # report the test reads is written.
+    os._exit(0)
 
 
 def launch(world_size: int, scenario: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
