@@ -119,7 +119,7 @@ def command_serve(args: argparse.Namespace) -> int:
     With ``--nproc N`` this process supervises N rank processes (``server/group``); under a
     launcher (torchrun, or that supervisor) it is one rank: rank 0 serves, the others follow.
     """
-    from trainwire.server.group.ranks import Launch, join_group, leave_group
+    from trainwire.server.group.ranks import Launch, join_group, leave_group, leave_group_and_exit
 
     settings = serve_settings(args)
     token = _read_token(args.token_file) if args.token_file else None
@@ -137,12 +137,15 @@ def command_serve(args: argparse.Namespace) -> int:
             from trainwire.server.library_warnings import quiet_library_warnings
 
             quiet_library_warnings()  # as rank 0's serve() does: the same engine calls
-            return _follow_until_stopped(group)
-        from trainwire.server.group.leader import GroupLeader
+            code = _follow_until_stopped(group)
+        else:
+            from trainwire.server.group.leader import GroupLeader
 
-        return _serve_until_stopped(args, settings, token, GroupLeader(group))
-    finally:
+            code = _serve_until_stopped(args, settings, token, GroupLeader(group))
+    except BaseException:
         leave_group()
+        raise
+    leave_group_and_exit(code)
 
 
 def _follow_until_stopped(group: RankGroup) -> int:

@@ -15,9 +15,12 @@ hear of it at once rather than at the timeout.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -114,3 +117,16 @@ def leave_group() -> None:
     """Tear the process groups down (at a clean stop; a dead group needs no goodbye)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def leave_group_and_exit(code: int) -> NoReturn:
+    """Leave the group and end the process with ``code`` at once, past the interpreter's
+    finalization: gloo's worker threads may still hold objects whose release at that point
+    aborts the process (SIGABRT, "terminate called without an active exception"), which would
+    turn a clean stop into a failure the supervisor or torchrun acts on. Everything a rank keeps
+    is on disk by now (the journal commits before answering); the logs are flushed first."""
+    leave_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
