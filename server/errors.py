@@ -23,6 +23,11 @@ class FailedPrecondition(TrainwireError, RuntimeError):
     """The session is in the wrong state for this call (FAILED_PRECONDITION)."""
 
 
+class InUse(FailedPrecondition):
+    """A removal of something an open run still needs (a checkpoint its journaled operations
+    read back after a restart): refused until that need ends (HTTP 409 Conflict)."""
+
+
 class PositionMismatch(FailedPrecondition):
     """``expected_position`` is not where the session is; ``position`` is where it is (the
     servicer sends it in the trailing metadata too)."""
@@ -70,6 +75,7 @@ class Status:
 STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
     (RequestTooLarge, Status("INVALID_ARGUMENT", 413)),
     (InvalidArgument, Status("INVALID_ARGUMENT", 400)),
+    (InUse, Status("FAILED_PRECONDITION", 409)),
     (FailedPrecondition, Status("FAILED_PRECONDITION", 400)),
     (NotFound, Status("NOT_FOUND", 404)),
     (AlreadyExists, Status("ALREADY_EXISTS", 400)),

@@ -180,6 +180,10 @@ class Catalog:
         self.directory = directory / CATALOG_DIR
         self.directory.mkdir(parents=True, exist_ok=True)
         self.clock = clock
+        # Held while a checkpoint is removed and while a load that names one runs: a removal
+        # then either sees the load's logged request (and is refused) or comes first (and the
+        # load fails, as it will again on replay), never between the two.
+        self.removal_guard = threading.Lock()
         self._lock = threading.Lock()
         self._runs: dict[str, TrainingRunRecord] = {}
         for path in sorted(self.directory.glob("*.json")):
@@ -221,12 +225,16 @@ class Catalog:
                 record.last_request_s = saved.created_s
                 self._save(record)
 
-    def find(self, path: TinkerPath) -> tuple[TrainingRunRecord, SavedCheckpoint]:
-        """The run and checkpoint ``path`` names; NotFound when it is not (or no longer) there."""
+    def find(
+        self, path: TinkerPath, *, expired_ok: bool = False
+    ) -> tuple[TrainingRunRecord, SavedCheckpoint]:
+        """The run and checkpoint ``path`` names; NotFound when it is not (or no longer) there.
+        ``expired_ok``: one past its TTL but not yet removed is found too (a request accepted
+        before it expired, replayed after a restart, reads what it read then)."""
         with self._lock:
             record = self._runs.get(path.model_id)
             saved = None if record is None else record.checkpoints.get(path.checkpoint_id)
-        if record is None or saved is None or saved.expired(self.clock()):
+        if record is None or saved is None or (not expired_ok and saved.expired(self.clock())):
             raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")
         return record, saved
 

@@ -8,14 +8,14 @@ supersedes it (the catalog remembers those, and the next save asks again).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwire.server.errors import NotFound
+from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
+from trainwire.server.tinker.records import CallRecord, ResultRecord
 
 if TYPE_CHECKING:
     from trainwire.server.tinker.front import TinkerFront
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENCRYPTED_DIR = "encrypted"  # the front's age-encrypted copies of external weights
+LOAD_ROUTE = "load_weights"  # the logged route of load_state, whose replay reads a checkpoint
 
 
 def encrypted_dir(front: TinkerFront, path: TinkerPath) -> Path:
@@ -54,9 +55,52 @@ def record_saved(
     sweep(front)
 
 
+def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
+    """The logged requests a restart would run again that read checkpoint ``path``: the open
+    model's ``load_state`` calls since its last checkpoint whose result is not recorded (a
+    success is the journal's, and replaying it reads the checkpoint again). A checkpoint of the
+    model itself counts too: recovery restores its newest checkpoint, not an older one it
+    loaded since."""
+    records = list(front.sequencer.log.records)
+    answered = {r.request_id for r in records if isinstance(r, ResultRecord)}
+    readers = []
+    for record in records:
+        if (
+            isinstance(record, CallRecord)
+            and record.route == LOAD_ROUTE
+            and record.request_id not in answered
+            and isinstance(record.body, dict)
+            and _names(record.body.get("path"), path)
+        ):
+            readers.append(record.request_id)
+    return readers
+
+
+def _names(given: object, path: TinkerPath) -> bool:
+    try:
+        return TinkerPath.parse(given) == path
+    except InvalidArgument:
+        return False
+
+
 def delete(front: TinkerFront, path: TinkerPath) -> None:
     """Take ``path`` out of the catalog and remove its files (or, for the open run's recovery
-    point, remember to once it is superseded)."""
+    point, remember to once it is superseded).
+
+    Refused (``InUse``, HTTP 409) while a request of the open run that a restart replays reads
+    it: removing it would make that replay fail and change a result already answered."""
+    with front.catalog.removal_guard:
+        readers = replay_readers(front, path)
+        if readers:
+            raise InUse(
+                f"checkpoint {str(path)!r} cannot be deleted yet: the open run's "
+                f"load_state {readers[0]!r} read it, and a restart replays that call from it; "
+                "delete it once that run has saved a checkpoint (save_state) or closed"
+            )
+        _delete(front, path)
+
+
+def _delete(front: TinkerFront, path: TinkerPath) -> None:
     record = front.catalog.run(path.model_id)
     saved = front.catalog.remove(path)
     front.sampling_sessions.forget_named(str(path))
@@ -81,5 +125,9 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
 def sweep(front: TinkerFront) -> None:
     """Delete every checkpoint past its TTL."""
     for path in front.catalog.expired():
-        with contextlib.suppress(NotFound):  # a concurrent call's sweep removed it first
+        try:
             delete(front, path)
+        except NotFound:  # a concurrent call's sweep removed it first
+            continue
+        except InUse as error:  # hidden (expired) and kept until no replay reads it
+            logger.debug("Tinker front: expired %s kept for now: %s", path, error)

@@ -100,6 +100,12 @@ class Sequencer:
         if records:
             logger.info("Tinker front: %d request records read back", len(records))
 
+    @property
+    def taking_back(self) -> bool:
+        """Whether the records read at start are being submitted again now (a route that checks
+        what a request names may then find what was valid when it was accepted)."""
+        return self._replayed is not None
+
     def resume_at(self, model_id: str, record: ResumeRecord) -> None:
         """A compacted log goes on at ``record``'s seq_id and journal position."""
         self.order.start_model(model_id, record.next_seq)

@@ -139,17 +139,21 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         path = TinkerPath.parse(get_str(body, "path"))
         if path.segment != "weights":
             raise InvalidArgument(f"load_state {str(path)!r}: give a training checkpoint's path")
-        source, saved = front.catalog.find(path)
+        # A replayed request reads what it read when it was accepted, expired since or not.
+        source, saved = front.catalog.find(path, expired_ok=front.sequencer.taking_back)
         run_id = "" if source.model_id == model_id else source.run_id
         with_optimizer = get_bool(body, "optimizer")
 
         def call(key: str) -> dict[str, Any]:
             op = OperationSpec(key)
-            if with_optimizer:  # the engine restores a full state only into a fresh session
-                front.host.apply(ops.LOAD_STATE, CheckpointRequest(saved.stored_as, run_id), op)
-            else:
-                source = WeightsSource("checkpoint", saved.stored_as)
-                front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, run_id), op)
+            with front.catalog.removal_guard:  # see saved_checkpoints.delete
+                front.catalog.find(path, expired_ok=True)  # not deleted since it was accepted
+                if with_optimizer:  # the engine restores a full state only into a fresh session
+                    request = CheckpointRequest(saved.stored_as, run_id)
+                    front.host.apply(ops.LOAD_STATE, request, op)
+                else:
+                    source = WeightsSource("checkpoint", saved.stored_as)
+                    front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, run_id), op)
             front.sampling_sessions.weights_changed()
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
