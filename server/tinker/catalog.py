@@ -96,6 +96,7 @@ class SavedCheckpoint:
     created_s: float
     size_bytes: int
     expires_s: float | None = None
+    saved_by: str = ""  # the request that saved it: its replay keeps this record, a new save not
 
     @property
     def segment(self) -> str:
@@ -216,14 +217,21 @@ class Catalog:
 
     # -- checkpoints -----------------------------------------------------------------------------
 
-    def add_checkpoint(self, path: TinkerPath, saved: SavedCheckpoint) -> None:
-        """Record ``saved`` under ``path`` (again after a replay: the first record stays)."""
+    def add_checkpoint(self, path: TinkerPath, saved: SavedCheckpoint) -> SavedCheckpoint | None:
+        """Record ``saved`` under ``path``; returns the record it replaced, if any.
+
+        The same request recorded again (its replay after a crash) keeps the first record;
+        another save under a used name wrote new files, so its record (time, size, TTL)
+        replaces the old one too."""
         with self._lock:
             record = self._require(path.model_id)
-            if path.checkpoint_id not in record.checkpoints:
-                record.checkpoints[path.checkpoint_id] = saved
-                record.last_request_s = saved.created_s
-                self._save(record)
+            existing = record.checkpoints.get(path.checkpoint_id)
+            if existing is not None and existing.saved_by == saved.saved_by:
+                return None
+            record.checkpoints[path.checkpoint_id] = saved
+            record.last_request_s = saved.created_s
+            self._save(record)
+            return existing
 
     def find(
         self, path: TinkerPath, *, expired_ok: bool = False

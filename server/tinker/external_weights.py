@@ -65,7 +65,9 @@ def save_weights_external(front: TinkerFront, body: dict[str, Any]) -> str:
             )
             if recipients:
                 encrypt(front, path, export, recipients)
-            saved_checkpoints.record_saved(front, path, export, ttl)
+            else:  # an earlier save under this name was encrypted: its files are not these
+                shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
+            saved_checkpoints.record_saved(front, path, export, ttl, key)
             size = sum(f.size_bytes for f in outcome.files)
             return {"type": "save_weights_external", "path": str(path), "size_bytes": size}
 

@@ -57,7 +57,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
             if path:
                 sessions.snapshot(None, path, model_name, export, seq_id)
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
-                saved_checkpoints.record_saved(front, saved, export, ttl)
+                saved_checkpoints.record_saved(front, saved, export, ttl, key)
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{sampling_seq}"
             pruned = sessions.snapshot(sampling_id, None, model_name, export, seq_id)

@@ -40,16 +40,21 @@ def folder_bytes(folder: Path) -> int:
 
 
 def record_saved(
-    front: TinkerFront, path: TinkerPath, stored_as: str, ttl_seconds: int | None
+    front: TinkerFront, path: TinkerPath, stored_as: str, ttl_seconds: int | None, saved_by: str
 ) -> None:
-    """Put the checkpoint a call just saved (``stored_as``: the run's checkpoint for
-    ``weights``, its export otherwise) in the catalog, then finish removals that waited."""
+    """Put the checkpoint request ``saved_by`` just saved (``stored_as``: the run's checkpoint
+    for ``weights``, its export otherwise) in the catalog, then finish removals that waited."""
     run = front.host.state_dir.run(front.catalog.run(path.model_id).run_id)
     folder = run.checkpoint(stored_as) if path.segment == "weights" else run.export(stored_as)
     now = front.catalog.clock()
     expires = None if ttl_seconds is None else now + ttl_seconds
-    saved = SavedCheckpoint(path.checkpoint_id, stored_as, now, folder_bytes(folder), expires)
-    front.catalog.add_checkpoint(path, saved)
+    size = folder_bytes(folder)
+    saved = SavedCheckpoint(path.checkpoint_id, stored_as, now, size, expires, saved_by)
+    replaced = front.catalog.add_checkpoint(path, saved)
+    if replaced is not None and replaced.stored_as != stored_as:  # no record names it now
+        front.host.discard_saved(
+            front.catalog.run(path.model_id).run_id, exports=[replaced.stored_as]
+        )
     if path.segment == "weights":
         finish_removals(front, path.model_id)
     sweep(front)

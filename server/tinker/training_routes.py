@@ -111,7 +111,7 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         def call(key: str) -> dict[str, Any]:
             saved = front.host.apply(ops.SAVE_STATE, CheckpointRequest(name), OperationSpec(key))
             _compact_at(front, seq_id, saved.position)
-            saved_checkpoints.record_saved(front, path, name, ttl)
+            saved_checkpoints.record_saved(front, path, name, ttl, key)
             return {"type": "save_weights", "path": str(path)}
 
         return call
