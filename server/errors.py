@@ -53,6 +53,11 @@ class Unavailable(TrainwireError, RuntimeError):
     """Restoring or shutting down; retry later (UNAVAILABLE)."""
 
 
+class Cancelled(TrainwireError, RuntimeError):
+    """The caller gave up on the request (its RPC was cancelled or its connection went away):
+    the work stopped there, and nobody is left to read this answer (CANCELLED)."""
+
+
 class Unauthenticated(TrainwireError, PermissionError):
     """A credential that is missing, wrong or expired (a download URL's signature, say)."""
 
@@ -82,6 +87,7 @@ STATUSES: tuple[tuple[type[BaseException], Status], ...] = (
     (ResourceExhausted, Status("RESOURCE_EXHAUSTED", 429)),
     (Unavailable, Status("UNAVAILABLE", 503)),
     (Unauthenticated, Status("UNAUTHENTICATED", 401)),
+    (Cancelled, Status("CANCELLED", 499)),  # 499: nginx's "client closed request"
     (ValueError, Status("INVALID_ARGUMENT", 400)),
     (FileNotFoundError, Status("NOT_FOUND", 404)),
     (MemoryError, Status("RESOURCE_EXHAUSTED", 429)),

@@ -54,6 +54,7 @@ CPU_TILE_ROWS = 8
 ACCELERATOR_TILE_ROWS = 32
 
 
+CANCELLED = "cancelled"  # a row's end when its caller gave up (never in an answer)
 OWN_ROWS = 0  # a tile_rows meaning: each request's tiles are its own sample count (no padding)
 
 
@@ -66,6 +67,16 @@ def tile_rows_on(device: torch.device) -> int:
 Drawn = list[tuple[list[int], str]]  # each sample's new tokens and stop reason
 
 
+@dataclass(frozen=True)
+class Cancel:
+    """How a decode hears that its caller gave up: ``asked()`` is polled before every step, and
+    once it is true the request's rows leave and ``answer()`` tells the caller, instead of
+    decoding to ``max_tokens`` for nobody."""
+
+    asked: Callable[[], bool]
+    answer: Callable[[], None]
+
+
 @dataclass(eq=False)
 class DecodeJob:
     """One request's decode; ``on_done`` gets its samples as soon as its last row ends."""
@@ -74,6 +85,7 @@ class DecodeJob:
     params: SamplingParams
     watch: StopStringWatch | None
     on_done: Callable[[Drawn], None]
+    cancel: Cancel | None = None
 
 
 def tile_rows_for(rows: int, positions: int, max_positions: int, largest: int) -> int:
@@ -209,6 +221,7 @@ class BatchDecoder:
 
     def step(self) -> None:
         """One forward of every tile, one draw per request, then ends, leaving and repacking."""
+        self._drop_cancelled()
         logits: dict[_Row, torch.Tensor] = {}
         for tile in self.tiles:
             keywords: dict[str, Any] = {"use_cache": True, self._cache_keyword: tile.cache}
@@ -229,6 +242,25 @@ class BatchDecoder:
             tokens = [first if row is None else row.request.sampled[row.index][-1]
                       for row in tile.slots]  # fmt: skip
             tile.inputs = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
+
+    def _drop_cancelled(self) -> None:
+        """Rows of requests whose caller gave up leave before the next forward. What the
+        others draw does not depend on them (see the module's note), so nothing else changes.
+        Never on a sharded session: there only rank 0 would know, and every rank must run the
+        same forwards (``agree`` is set there, and the service passes no ``cancel``)."""
+        requests = {row.request: None for tile in self.tiles for row in tile.rows}
+        gone = [r for r in requests if r.job.cancel is not None and r.job.cancel.asked()]
+        if not gone:
+            return
+        for request in gone:
+            request.reasons = [reason or CANCELLED for reason in request.reasons]
+        for tile in self.tiles:
+            tile.slots = [row if row is not None and row.live else None for row in tile.slots]
+        self.tiles = [tile for tile in self.tiles if tile.rows]
+        self._repack()
+        for request in gone:
+            assert request.job.cancel is not None
+            request.job.cancel.answer()
 
     def _request(self, job: DecodeJob) -> _Request:
         params = job.params

@@ -166,6 +166,7 @@ class SampleCall:
     prompt: tuple[int, ...]
     params: SamplingParams
     on_samples: Callable[[list[Sample]], None]
+    cancel: batch_decode.Cancel | None = None
 
 
 def generate(
@@ -270,7 +271,7 @@ class Sampler:
                 call.on_samples(self._scored(model, call.prompt, drawn, device))
 
             watch = StopStringWatch(call.params.stop_strings, self.decode)
-            return DecodeJob(call.prompt, call.params, watch, done)
+            return DecodeJob(call.prompt, call.params, watch, done, call.cancel)
 
         generate(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
 

@@ -46,6 +46,7 @@ import torch
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import Sample
+from trainwire.server.engine.batch_decode import Cancel
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.sample_weights import SampleWeights
 from trainwire.server.engine.sampling import SampleCall, SamplingParams
@@ -58,7 +59,7 @@ from trainwire.server.engine.weights import (
     plan_weights_load,
     read_native_model_tensors,
 )
-from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.errors import Cancelled, FailedPrecondition, InvalidArgument
 
 if TYPE_CHECKING:
     from trainwire.server.engine.session import TrainingSession
@@ -90,6 +91,7 @@ class BatchedSample:
     with_prompt_logprobs: bool
     on_result: Callable[[list[Sample], list[float] | None], None]
     on_error: Callable[[Exception], None]
+    cancelled: Callable[[], bool] | None = None  # whether the caller gave up (polled per step)
 
 
 def sample_many(
@@ -123,8 +125,15 @@ def sample_many(
             except InvalidArgument as error:
                 request.on_error(error)
                 continue
-            calls.append(SampleCall(tuple(request.prompt), request.params, _answer(request)))
+            prompt, answer = tuple(request.prompt), _answer(request)
+            calls.append(SampleCall(prompt, request.params, answer, _cancel(request)))
         return calls
+
+    def _cancel(request: BatchedSample) -> Cancel | None:
+        if request.cancelled is None:
+            return None
+        gave_up = Cancelled("sample: the caller gave up; decoding stopped")
+        return Cancel(request.cancelled, lambda: request.on_error(gave_up))
 
     def _answer(request: BatchedSample) -> Callable[[list[Sample]], None]:
         def answer(samples: list[Sample]) -> None:

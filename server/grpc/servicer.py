@@ -185,7 +185,12 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return wire.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
-        decode = partial(requests.SampleRequest, **wire.sample_request_from_proto(request))
+        fields = wire.sample_request_from_proto(request)
+
+        def gone() -> bool:  # the RPC was cancelled, or its client went away
+            return not context.is_active()
+
+        decode = partial(requests.SampleRequest, **fields, cancelled=gone)
         return wire.samples_to_proto(self._apply(context, ops.SAMPLE, decode).samples)
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:

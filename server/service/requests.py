@@ -6,7 +6,7 @@ added here is read by its operation's payload and apply, and decoded by each tra
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -90,12 +90,16 @@ class SampleRequest:
     export_run: str = ""  # the run that wrote ``export``, when not the open one
     base_model: bool = False
     prompt_logprobs: bool = False
+    # Whether the caller gave up (a cancelled RPC): not part of what is asked, so never compared.
+    cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def sampling_settings(self) -> dict[str, Any]:
-        """The engine's ``sample`` keywords: every field but the prompt and the weights' choice."""
+        """The engine's ``sample`` keywords: every field but the prompt, the weights' choice and
+        the caller's liveness."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("prompt_tokens", "export", "export_run", "base_model", "prompt_logprobs"):
             del settings[name]
+        del settings["cancelled"]
         return settings
 
 

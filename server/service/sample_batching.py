@@ -186,6 +186,7 @@ def _batched(waiting: _Waiting) -> BatchedSample:
         request.prompt_logprobs,
         on_result,
         answer.set_exception,
+        request.cancelled,
     )
 
 
