@@ -54,8 +54,10 @@ def swap_mode(request, monkeypatch) -> str:
     return request.param
 
 
+CRASHED = 17  # the child's exit code when it died where it was aimed
+NO_EXCHANGE = 3  # the child's exit code when this filesystem cannot exchange
 CRASH_IN_THE_SWAP = textwrap.dedent(
-    """
+    f"""
     import os, sys
     from pathlib import Path
     from trainwire.client import files
@@ -63,20 +65,34 @@ CRASH_IN_THE_SWAP = textwrap.dedent(
     target, mode = Path(sys.argv[1]), sys.argv[2]
     if mode == "fallback":
         files.exchange_paths = lambda a, b: False
-    real_replace = os.replace
+        real_replace = os.replace
 
-    def replace(src, dst):
-        # Die where the new directory would take the name: after the old one was moved aside.
-        if Path(dst) == target and ".tmp-" in Path(src).name:
-            os._exit(17)
-        real_replace(src, dst)
+        def replace(src, dst):
+            # Die where the new directory would take the name: the old one is moved aside.
+            if Path(dst) == target and ".tmp-" in Path(src).name:
+                os._exit({CRASHED})
+            real_replace(src, dst)
 
-    os.replace = replace
+        os.replace = replace
+    else:
+        real_exchange = files.exchange_paths
+
+        def exchange(a, b):
+            # Die right after the kernel swapped them: the old directory waits under the
+            # temporary's name for a cleanup that never came.
+            if not real_exchange(a, b):
+                os._exit({NO_EXCHANGE})
+            os._exit({CRASHED})
+
+        files.exchange_paths = exchange
     with files.atomic_directory(target) as tmp:
         (tmp / "weights.bin").write_text("new")
-        (tmp / "session.json").write_text('{"version": "new"}')
+        (tmp / "session.json").write_text('{{"version": "new"}}')
     """
 )
+# What a restart sees after each crash: the exchange had swapped in the new directory; the
+# fallback had moved the old one aside, and the restart's cleanup puts it back.
+VISIBLE_AFTER_CRASH = {"exchange": {"latest": "new"}, "fallback": {"latest": "old"}}
 
 
 def test_a_crash_while_a_checkpoint_is_replaced_leaves_a_whole_one_visible(tmp_path, swap_mode):
@@ -84,14 +100,16 @@ def test_a_crash_while_a_checkpoint_is_replaced_leaves_a_whole_one_visible(tmp_p
     with atomic_directory(folder / "latest") as tmp:
         _write_version(tmp, "old")
 
-    subprocess.run(
+    child = subprocess.run(
         [sys.executable, "-c", CRASH_IN_THE_SWAP, str(folder / "latest"), swap_mode],
         check=False,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
     )
+    assert child.returncode == CRASHED, f"the child did not crash in the swap ({child})"
+    assert len(list(folder.iterdir())) == 2, "the crash left no half-done swap to clean"
 
     visible = _visible(folder)  # opening the state directory is a restart
-    assert visible in ({"latest": "old"}, {"latest": "new"})
+    assert visible == VISIBLE_AFTER_CRASH[swap_mode]
     assert sorted(p.name for p in folder.iterdir()) == ["latest"], "leftovers were not cleaned"
 
 
