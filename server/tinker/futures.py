@@ -18,7 +18,8 @@ result is carried in the log while ``retained`` keeps it:
   waits that long belongs to a client that is gone).
 
 A lost response is asked again within the SDK's retries, while at most as many polls are in flight
-as the SDK has connections, well under those bounds.
+as the SDK has connections, well under those bounds. The requests of an SDK session the front
+forgot (``model_slot``: it ended, or lapsed with nothing left to fetch) leave the store with it.
 """
 
 from __future__ import annotations
@@ -182,8 +183,12 @@ class FutureStore:
                 entry.delivered_at = self._clock()
 
     def resolve(self, request_id: str, outcome: Outcome, at: float | None = None) -> None:
+        """A request's outcome; nothing for one forgotten meanwhile (its session ended: no
+        client asks for it)."""
         with self._lock:
-            entry = self._entries.setdefault(request_id, _Entry())
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return
             entry.outcome, entry.resolved_at = outcome, at or self._clock()
             waiters = self._waiters.pop(request_id, [])
         for loop, waiter in waiters:
@@ -207,6 +212,38 @@ class FutureStore:
             ]
         return {r.request_id: r for r in retained(results, self._clock())}
 
+    def unfetched_owners(self, owner_of: Callable[[str], str]) -> set[str]:
+        """The owners (``owner_of(request_id)``) of the requests a client may still fetch: pending
+        ones, and results never handed out that ``KEEP_UNDELIVERED`` still keeps in time."""
+        with self._lock:
+            now = self._clock()
+            return {
+                owner_of(request_id)
+                for request_id, entry in self._entries.items()
+                if entry.outcome is None
+                or (
+                    entry.delivered_at is None
+                    and now - (entry.resolved_at or now) <= KEEP_UNDELIVERED.seconds
+                )
+            }
+
+    def forget(self, gone: Callable[[str], bool]) -> int:
+        """Drop every request whose id ``gone`` names (its client is gone); a poll held on one
+        is woken and answered as for an unknown request. How many were dropped."""
+        with self._lock:
+            dropped = [request_id for request_id in self._entries if gone(request_id)]
+            waiters = []
+            for request_id in dropped:
+                del self._entries[request_id]
+                waiters.extend(self._waiters.pop(request_id, []))
+        for loop, waiter in waiters:
+            loop.call_soon_threadsafe(_wake, waiter)
+        return len(dropped)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
     async def wait(self, request_id: str, hold_s: float) -> Outcome | None:
         """The outcome once there is one; None after ``hold_s`` (answer ``try_again``).
 
@@ -227,7 +264,9 @@ class FutureStore:
             waiting = self._waiters.get(request_id, [])
             if waiter is not None and (waiter.get_loop(), waiter) in waiting:
                 waiting.remove((waiter.get_loop(), waiter))
-            entry = self._entries[request_id]
+            entry = self._entries.get(request_id)
+            if entry is None:  # forgotten while the poll was held
+                raise KeyError(request_id)
             if entry.outcome is not None:  # kept from the last hand-out: it may be lost again
                 entry.delivered_at = self._clock()
             return entry.outcome

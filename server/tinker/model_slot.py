@@ -8,8 +8,17 @@ run (its files stay) and ends its sampling sessions. A model whose client sent n
 
 A call belongs to the run it was sent to: it runs only while that run is the open one
 (``while_open``, which a close or a create_model waits for), and fails with nothing applied once
-its model was closed, never on the next model's run. The request log keeps the sessions heard from
-in the last ``SESSION_KEEP_S`` and the model's own, not every session ever created.
+its model was closed, never on the next model's run.
+
+Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still
+asked for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the
+known sessions, its futures, its sampling sessions and its records in the request log (left out
+of a restart at once, out of the file at the next compaction). A session its client closed goes
+the same way, without waiting for the lapse. A heartbeat, or any request naming the session (its
+models' and sampling sessions' calls included), keeps it. A forgotten session's heartbeat and
+calls are refused 404 with the reason: the SDK keeps heartbeating and warns with it, where a 410
+would stop its heartbeats silently. Lapsed sessions are looked for before each compaction, and on
+``create_session`` at most every ``SWEEP_EVERY_S`` (new sessions are what makes them pile up).
 
 State changes come before the records that log them, so a compaction that reads this state (see
 ``Sequencer.compact_at``) never drops a record of something it does not also keep.
@@ -18,8 +27,8 @@ State changes come before the records that log them, so a compaction that reads 
 from __future__ import annotations
 
 import logging
+import math
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +53,7 @@ from trainwire.server.tinker.model import (
 )
 from trainwire.server.tinker.records import Record, SessionRecord
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
+from trainwire.server.tinker.sdk_sessions import SDK_HEARTBEAT_S, SdkSessions, session_of
 from trainwire.server.tinker.sequencer import Sequencer
 from trainwire.server.tinker.start_from import (
     START_CHECKPOINT,
@@ -54,9 +64,16 @@ from trainwire.server.tinker.start_from import (
 
 logger = logging.getLogger(__name__)
 
-SESSION_LAPSE_S = 30.0  # a client silent this long (three missed heartbeats) gives up its model
+# A client silent for three heartbeats gives up its model to another client's create_model: a
+# script that exited without closing is usually run again at once.
+SESSION_LAPSE_S = 3 * SDK_HEARTBEAT_S
+# A session silent for 60 heartbeats, with nothing of its own still asked for, is forgotten. The
+# SDK itself warns after 120 s of failed heartbeats that its session will be terminated; five
+# times that rides out what it still calls an unreliable connection (or a paused client), while
+# the sessions of scripts that crashed do not pile up in memory and in the request log.
+SESSION_KEEP_S = 60 * SDK_HEARTBEAT_S
+SWEEP_EVERY_S = 6 * SDK_HEARTBEAT_S  # create_session looks for lapsed sessions at most this often
 SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sampler weights
-SESSION_KEEP_S = 600.0  # a session silent this long is not written into a compacted log
 
 T = TypeVar("T")
 
@@ -82,57 +99,80 @@ class ModelSlot:
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
         self.sampling_sessions = SamplingSessions(restarted=bool(sequencer.log.records))
-        self.sessions: set[str] = set()
-        self._seen: dict[str, float] = {}  # session → when it last sent a request (monotonic)
-        self._started = time.monotonic()
+        self.sessions = SdkSessions()  # a test may give its ``clock``
+        self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
         self._lock = threading.Lock()  # one create_model or close at a time
         self._sampling_run: dict[str, str] = {}  # config fingerprint → its sampling run
         self.model = ModelRecord.load(directory)
         if self.model is not None:
             self.sessions.add(self.model.session_id)
             self._resolve_create(self.model.model_id)
+        sequencer.admit = self._admit
+        sequencer.before_compaction = self.forget_lapsed
 
     # -- sessions ------------------------------------------------------------------------------
 
     def create_session(self) -> str:
+        if self.sessions.clock() - self._swept_at >= SWEEP_EVERY_S:
+            self.forget_lapsed()
         session_id = f"tw-{uuid.uuid4().hex[:16]}"
         self.sessions.add(session_id)
         self.sequencer.record(SessionRecord(session_id))
-        self._seen[session_id] = time.monotonic()
         return session_id
 
     def require_session(self, session_id: str) -> None:
         """NotFound for a session this server does not know; a known one counts as alive."""
-        if session_id not in self.sessions:
-            raise NotFound(f"no session {session_id!r} on this server; create_session first")
-        self._seen[session_id] = time.monotonic()
+        if not self.sessions.heard_from(session_id):
+            raise NotFound(unknown_session(session_id))
+
+    def _admit(self, request_id: str) -> None:
+        """A request is taken only for a session still known, and keeps it alive."""
+        self.require_session(session_of(request_id))
 
     def session_records(self) -> list[Record]:
-        """What a compacted request log starts with: the sessions heard from in the last
-        ``SESSION_KEEP_S`` (after a restart, counted from it) and the model's."""
-        model = self.model
-        now = time.monotonic()
-        return [
-            SessionRecord(session_id)
-            for session_id in sorted(self.sessions)
-            if now - self._seen.get(session_id, self._started) <= SESSION_KEEP_S
-            or (model is not None and model.session_id == session_id)
-        ]
+        """What a compacted request log starts with: the sessions known (lapsed ones were
+        forgotten before it, ``Sequencer.before_compaction``)."""
+        return [SessionRecord(session_id) for session_id in self.sessions]
 
     def _lapsed(self, session_id: str) -> bool:
-        """No request and no heartbeat (the SDK sends one every 10 s) for SESSION_LAPSE_S;
-        after a restart, counted from the restart."""
-        return time.monotonic() - self._seen.get(session_id, self._started) > SESSION_LAPSE_S
+        """No request and no heartbeat for SESSION_LAPSE_S; after a restart, counted from it."""
+        return self.sessions.silent_for(session_id) > SESSION_LAPSE_S
+
+    def forget_lapsed(self) -> None:
+        """Forget every session silent for more than ``SESSION_KEEP_S`` with nothing of its own
+        still asked for: not the open model's, and none with a future left to fetch (a pending
+        sample of one of its sampling sessions included)."""
+        self._swept_at = self.sessions.clock()
+        model = self.model
+        silent = self.sessions.silent(SESSION_KEEP_S) - {model.session_id if model else ""}
+        if silent:
+            silent -= self.sequencer.futures.unfetched_owners(session_of)
+        # Checked again as they go: a session heard from meanwhile (a create_model, a sample) stays.
+        self._forget(silent, silent_s=SESSION_KEEP_S)
+
+    def _forget(self, session_ids: set[str], *, silent_s: float = -math.inf) -> None:
+        """Forget ``session_ids`` everywhere (those still silent for ``silent_s``), and with them
+        whatever is left of a session no longer known."""
+        gone = self.sessions.forget(session_ids, silent_s=silent_s)
+        self.sampling_sessions.forget(
+            lambda sampling_id: session_of(sampling_id) not in self.sessions
+        )
+        self.sequencer.forget_sessions(gone, self.sessions.__contains__)
+        if gone:
+            logger.info("Tinker front: %d SDK session(s) forgotten: %s", len(gone), sorted(gone))
 
     def finish_session(self, session_id: str) -> None:
-        """The SDK closed its ServiceClient: its model's run closes (a new one may be created)."""
+        """The SDK closed its ServiceClient: its model's run closes (a new one may be created),
+        and the session is forgotten once nothing of its own is left to fetch (its calls still
+        queued answer that their model was closed)."""
         self.require_session(session_id)
         with self._lock:
-            self.sessions.discard(session_id)
+            self.sessions.close(session_id)
             model = self.model
-            if model is None or model.session_id != session_id:
-                return  # the log keeps its record: a session known after a restart is harmless
-            self._close_model()
+            if model is not None and model.session_id == session_id:
+                self._close_model()  # its compaction looks for lapsed sessions first
+            else:
+                self.forget_lapsed()
 
     # -- the model -----------------------------------------------------------------------------
 
@@ -158,7 +198,7 @@ class ModelSlot:
             self.catalog.add_run(listed)
             record.save(self.directory)
             self.model = record
-        self._seen[session_id] = time.monotonic()  # loading the model took a while
+        self.sessions.heard_from(session_id)  # loading the model took a while
         return self._resolve_create(model_id)
 
     def create_from_state(self, body: dict[str, Any]) -> str:
@@ -196,7 +236,7 @@ class ModelSlot:
             self.catalog.add_run(listed)
             record.save(self.directory)
             self.model = record
-        self._seen[session_id] = time.monotonic()
+        self.sessions.heard_from(session_id)
         return self._resolve_from_state(model_id, start)
 
     def _resolve_from_state(self, model_id: str, start: StartFrom) -> str:
@@ -297,3 +337,11 @@ class ModelSlot:
     def model_name(self) -> str:
         model = self.model
         return model.base_model if model is not None else ""
+
+
+def unknown_session(session_id: str) -> str:
+    """Why a session is not known, and what to do (a client paused past the lapse reads this)."""
+    return (
+        f"no session {session_id!r} on this server: never created here, closed, or forgotten "
+        f"after {SESSION_KEEP_S:.0f} s without a heartbeat; create a new ServiceClient"
+    )

@@ -14,6 +14,8 @@ back. The JSON form is the log's file format: it stays readable across versions.
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
   in a compacted log, one whose request's record is gone but which is still kept (see
   ``futures``'s retention): then with its payload's digest and when it was resolved and handed out.
+- ``ForgottenRecord``: SDK sessions the front forgot (``model_slot``): a restart leaves out every
+  record of theirs (``session_of_record``) until a compaction drops them.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from trainwire.server.tinker.futures import Done, Failed, Outcome, Resolved
+from trainwire.server.tinker.sdk_sessions import session_of
 
 Body = dict[str, Any] | bytes  # a JSON request or result, or protobuf bytes
 
@@ -147,6 +150,14 @@ class ResultRecord:
 RESULT_EXTRAS = ("digest", "resolved_at", "delivered_at")
 
 
+@dataclass(frozen=True)
+class ForgottenRecord:
+    session_ids: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "forgotten", "session_ids": list(self.session_ids)}
+
+
 Record = (
     SessionRecord
     | SamplerRecord
@@ -155,7 +166,20 @@ Record = (
     | CallRecord
     | SampleRecord
     | ResultRecord
+    | ForgottenRecord
 )
+
+
+def session_of_record(record: Record) -> str | None:
+    """The SDK session a record belongs to (None: the server's, as where to resume, or named
+    sampler weights, which outlive the session that saved them)."""
+    if isinstance(record, SessionRecord):
+        return record.session_id
+    if isinstance(record, SamplerRecord):
+        return session_of(record.sampling_session_id) if not record.named else None
+    if isinstance(record, CallRecord | SampleRecord | ResultRecord):
+        return session_of(record.request_id)
+    return None
 
 
 def record_from_json(data: dict[str, Any]) -> Record:
@@ -175,6 +199,8 @@ def record_from_json(data: dict[str, Any]) -> Record:
         return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)
     if kind == "sample":
         return SampleRecord(data["request_id"], data["body"])
+    if kind == "forgotten":
+        return ForgottenRecord(tuple(data["session_ids"]))
     if kind == "result":
         if "error" in data:
             outcome: Outcome = Failed(data["error"], data["category"])

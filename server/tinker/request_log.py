@@ -12,7 +12,8 @@ was never made durable, so its request id was never handed out) is dropped. ``co
 the file atomically, keeping what a restart still needs and nothing more (``compacted``): the
 requests since the latest checkpoint, the samples not yet answered, and the results the SDK can
 still ask for (``futures``'s retention bounds them in time, count and bytes), each carried in one
-record with its payload's digest once its request's record is gone.
+record with its payload's digest once its request's record is gone; none of an SDK session the
+front forgot (``Sequencer.forget_sessions``).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ A sampling client samples the weights of its snapshot, never weights trained aft
 weights at no cost, afterwards the engine swaps the export in for the call. Disk stays bounded:
 the newest ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a
 ``path``, are never pruned); sampling an older one is refused with a clear error. Closing the
-model forgets its sampling sessions.
+model forgets its sampling sessions, and forgetting an SDK session forgets its own (``forget``).
 
 ``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
 process. A restarted front starts it at 1, so a snapshot restored from the request log, whose
@@ -16,6 +16,7 @@ version is unknown, and the base model are never mistaken for the live weights.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from trainwire.server.errors import NotFound
@@ -136,11 +137,24 @@ class SamplingSessions:
             self._sessions[sampling_id] = sampler
             return sampler
 
+    def forget(self, gone: Callable[[str], bool]) -> None:
+        """Drop the sampling sessions whose id ``gone`` names (their SDK session ended); named
+        snapshots stay: they belong to the model, not to a client."""
+        with self._lock:
+            self._sessions = {k: v for k, v in self._sessions.items() if not gone(k)}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
     def get(self, sampling_id: str) -> SamplingSession:
         with self._lock:
             sampler = self._sessions.get(sampling_id)
         if sampler is None:
-            raise NotFound(f"no sampling session {sampling_id!r}; create a sampling client first")
+            raise NotFound(
+                f"no sampling session {sampling_id!r} (never created here, or it ended with its "
+                "model or its ServiceClient's session); create a sampling client first"
+            )
         return sampler
 
     # -- the request log -------------------------------------------------------------------------

@@ -17,6 +17,11 @@ has restored its run (``recovered``); the engine restarted from its latest check
 journal answers the keyed calls before it and the ones since run again, the same bits. A
 checkpoint compacts the log (``compact_at``): the results of the calls before it that the SDK may
 still ask for are carried, bounded by ``futures``'s retention.
+
+SDK sessions come and go (``model_slot`` forgets them): a request is taken only for a session the
+front knows (``admit``), a forgotten session's futures go at once, and its records stay out of a
+restart (``ForgottenRecord``) until a compaction leaves them out of the log, which the model slot
+makes sure of by forgetting the lapsed sessions first (``before_compaction``).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from trainwire.server.errors import InvalidArgument, TrainwireError
+from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
 from trainwire.server.tinker.futures import (
     USER_ERRORS,
     Done,
@@ -44,12 +49,15 @@ from trainwire.server.tinker.ordering import SeqOrder, payload
 from trainwire.server.tinker.records import (
     Body,
     CallRecord,
+    ForgottenRecord,
     Record,
     ResultRecord,
     ResumeRecord,
     SampleRecord,
+    session_of_record,
 )
 from trainwire.server.tinker.request_log import RequestLog, compacted
+from trainwire.server.tinker.sdk_sessions import session_of
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +81,19 @@ class Sequencer:
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
         self.resume_position = 0  # the journal position the log was last compacted at
+        # What the model slot plugs in: ``admit(request_id)`` raises NotFound for a request of a
+        # session it does not know (and counts the request as its session's sign of life);
+        # ``before_compaction()`` forgets the sessions that lapsed, so a compaction leaves their
+        # records out.
+        self.admit: Callable[[str], None] = lambda request_id: None
+        self.before_compaction: Callable[[], None] = lambda: None
+        # Sessions whose records the log still holds, behind a ForgottenRecord.
+        self._forgotten = {
+            session_id
+            for record in self.log.records
+            if isinstance(record, ForgottenRecord)
+            for session_id in record.session_ids
+        }
 
     def stop(self) -> None:
         self.order.stop()
@@ -85,8 +106,8 @@ class Sequencer:
     def replaying(self) -> Iterator[list[Record]]:
         """The records read back at start; calls submitted meanwhile are not logged again, and
         those with a recorded result are answered with it. A result whose request's record was
-        compacted away is answerable at once."""
-        records = list(self.log.records)
+        compacted away is answerable at once. A forgotten session's records are left out."""
+        records = self._without_forgotten(self.log.records)
         results = {r.request_id: r for r in records if isinstance(r, ResultRecord)}
         requested = {r.request_id for r in records if isinstance(r, CallRecord | SampleRecord)}
         for request_id, result in results.items():
@@ -178,26 +199,65 @@ class Sequencer:
         ``head`` (what the front must know first: sessions, samplers) is read while no record
         can be appended."""
         self._finisher.submit(lambda: None).result()  # every call before it is answered now
+        self.before_compaction()
 
         def choose(records: list[Record]) -> list[Record] | None:
             first = [*head(), ResumeRecord(seq_id, position)]
-            return compacted(records, seq_id, self._settled, first, self._carry)
+            kept = compacted(records, seq_id, self._settled, first, self._carry)
+            return None if kept is None else self._without_forgotten(kept)
 
         with self._lock:
-            self.log.compact(choose)
+            if self.log.compact(choose):
+                self._forgotten.clear()
 
     def forget_all_but(self, head: Callable[[], list[Record]]) -> None:
         """Keep only ``head`` and the results still kept (the model closed: none of its calls
         replays again)."""
+        self.before_compaction()
 
         def choose(records: list[Record]) -> list[Record]:
             requests = [
                 r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)
             ]
-            return [*head(), *self._carry([r.request_id for r in requests])]
+            carried = self._carry([r.request_id for r in requests])
+            return self._without_forgotten([*head(), *carried])
 
         with self._lock:
             self.log.compact(choose)
+            self._forgotten.clear()
+
+    def forget_sessions(self, sessions: set[str], known: Callable[[str], bool]) -> None:
+        """The model slot forgot SDK ``sessions``: the futures of every session not ``known`` go
+        (theirs, and any a restart read back for a session that had ended), and a durable
+        ``ForgottenRecord`` keeps a restart from taking their records back. Those records leave
+        the log at the next compaction, or now when they are most of it (so a front that never
+        compacts, sampling only, still keeps its log bounded; each rewrite drops at least half
+        the records, so rewriting costs each record a constant, however long the log)."""
+        with self._lock:
+            self.futures.forget(lambda request_id: not known(session_of(request_id)))
+            if not sessions:
+                return
+            self._forgotten |= sessions
+            try:
+                self.log.write(ForgottenRecord(tuple(sorted(sessions))))
+            except (OSError, ResourceExhausted) as error:
+                # Gone from memory all the same: a restart before the next compaction takes them
+                # back, and they lapse again.
+                logger.warning("Tinker front: forgotten sessions not recorded: %s", error)
+                return
+            records = self.log.records
+            if 2 * (len(records) - len(self._without_forgotten(records))) >= len(records):
+                self.log.compact(self._without_forgotten)
+                self._forgotten.clear()
+
+    def _without_forgotten(self, records: list[Record]) -> list[Record]:
+        """``records`` less the forgotten sessions' (and the records that say they are)."""
+        forgotten = self._forgotten
+        return [
+            r
+            for r in records
+            if not isinstance(r, ForgottenRecord) and session_of_record(r) not in forgotten
+        ]
 
     def _settled(self, request_id: str) -> bool:
         return not self.futures.pending(request_id)
@@ -263,20 +323,24 @@ class Sequencer:
     def _resent(self, request_id: str, model_id: str, seq_id: int, digest: str, size: int) -> bool:
         """Whether a call is a re-send (under ``_lock``); raises when it cannot be taken: another
         payload under its key, its model closed, too much already waiting."""
+        self.admit(request_id)
         if self.futures.resent(request_id, digest):
             return True
         bounded = self._replayed is None  # a restart takes back all it accepted before
         return not self.order.accepts(model_id, seq_id, digest, size, bounded=bounded)
 
     def submit_unordered(
-        self, request_id: str, body: dict[str, Any], call: Callable[[], Any]
+        self, request_id: str, body: dict[str, Any], call: Callable[[], Any], size: int = 0
     ) -> bool:
         """Queue ``call`` outside any model's sequence (a sample) as ``request_id``, once the
         request is durable; False for a re-send (its future already exists). The same
-        ``request_id`` with another body is refused (``AlreadyExists``)."""
-        digest, size = payload(body)
+        ``request_id`` with another body is refused (``AlreadyExists``). ``size``: the bytes
+        the request holds until it has run (default: the body's)."""
+        digest, body_size = payload(body)
+        size = size or body_size
         job = partial(self._answer, request_id, self._recorded(request_id), lambda _: call(), False)
         with self._lock:
+            self.admit(request_id)
             if self.futures.resent(request_id, digest):
                 return False
             if self._replayed is None:  # a restart takes back all it accepted before
@@ -315,8 +379,11 @@ class Sequencer:
         self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
 
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
-        """Resolve a future, writing its outcome to the log first unless already durable."""
+        """Resolve a future, writing its outcome to the log first unless already durable (or
+        forgotten meanwhile with its session: nobody asks for it)."""
         at = time.time()
+        if not self.futures.known(request_id):
+            return
         if not durable:
             outcome = self.log.write_result(request_id, outcome, at)
         self.futures.resolve(request_id, outcome, at)
