@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc
@@ -22,6 +21,7 @@ from service_fixtures import (
     training_ops,
     wait_for,
 )
+from slow_commit_serve import events
 
 from trainwire.client import outcomes
 from trainwire.server.service.journal import Journal
@@ -158,8 +158,10 @@ def test_a_server_killed_while_a_save_waits_for_an_earlier_commit_replays_exactl
     ]
     for call in calls:  # the save is held at the position gate until run/0 is applied
         threading.Thread(target=until_the_kill, args=(call,), daemon=True).start()
-    time.sleep(1.5)  # run/0 applied, its commit on the slow disk; the save waits behind it
+    # Aimed by state: run/0 applied and its commit on the slow disk, the save waiting behind it.
+    wait_for(lambda: {"commit run/0", "durable-wait"} <= set(events(state_dir)), 60)
     assert slow.stop(signal.SIGKILL) == -signal.SIGKILL
+    assert "committed run/0" not in events(state_dir), "the kill landed after the commit"
     trainer.close_channel()
     saver.close_channel()
     checkpoints = state_dir / "runs" / "run" / "checkpoints"

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 import tinker
 from service_fixtures import connect, wait_for
+from slow_commit_serve import events
 from tinker import types
 from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
 
@@ -65,6 +65,14 @@ class TinkerServeProcess:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=60)
+
+
+def logged_request_id(state_dir: Path, route: str, seq: int) -> str:
+    """The request id of call ``seq``, a ``route``, in the front's request log."""
+    path = state_dir / FRONT_DIR / LOG_FILE
+    lines = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    (found,) = [r["request_id"] for r in lines if r.get("seq") == seq and r.get("route") == route]
+    return found
 
 
 def logged(state_dir: Path, route: str, seq: int) -> Callable[[], bool]:
@@ -215,8 +223,13 @@ def run_save_behind_a_commit(
         if not crash:
             return
         wait_for(logged(state_dir, "save_weights", 4), 60)  # the save is accepted, behind seq 3
-        time.sleep(1.0)  # the forward_backward applied, its commit on the slow disk
+        # Aimed by state: the forward_backward (seq 3) applied and its commit on the slow disk,
+        # the save accepted behind it. On this transport a call runs once the one before it is
+        # durable, so the save waits in seq_id order rather than at the journal.
+        request_id = logged_request_id(state_dir, "forward_backward", 3)
+        wait_for(lambda: f"commit {request_id}" in events(state_dir), 60)
         servers[0].kill()
+        assert f"committed {request_id}" not in events(state_dir), "the kill landed too late"
         servers.append(TinkerServeProcess(tmp, state_dir, model_root, port, "second"))
         started.append(servers[-1])
 
@@ -235,8 +248,8 @@ def test_a_server_killed_while_a_save_waits_behind_a_commit_answers_as_uninterru
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
     """Issue 21.1 on the Tinker transport: the kill lands while a forward_backward's journal
-    commit is on a slow disk and the save_state sent behind it waits; after the restart the
-    SDK's polls get an uninterrupted run's answers and the weights are the same."""
+    commit is on a slow disk and the save_state sent behind it waits its turn; after the restart
+    the SDK's polls get an uninterrupted run's answers and the weights are the same."""
     started: list[TinkerServeProcess] = []
     try:
         expected = run_save_behind_a_commit(tmp_path / "plain", model_root, started, crash=False)
