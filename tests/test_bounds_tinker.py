@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +25,8 @@ from tinker_loops import KEY, tinker_server
 
 from trainwire.server.engine.sampling import SamplingLimits
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker import sample_codec
-from trainwire.server.tinker.codec import MAX_BODY_BYTES
+from trainwire.server.tinker import app, sample_codec
+from trainwire.server.tinker.codec import INFLATE_CHUNK_BYTES, MAX_FORWARD_BACKWARD_BYTES
 from trainwire.server.tinker.records import SampleRecord
 from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
 
@@ -199,13 +201,53 @@ def zstd_of_zeros(size: int) -> bytes:
 
 
 def test_a_zstd_body_that_inflates_past_its_bound_is_413_not_busy(front: Front) -> None:
-    body = zstd_of_zeros(MAX_BODY_BYTES + 1024 * 1024)
+    body = zstd_of_zeros(MAX_FORWARD_BACKWARD_BYTES + 1024 * 1024)
     assert len(body) < 64 * 1024
     before = front.log_bytes()
     headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
     response = front.client.post("/forward_backward", content=body, headers=headers)
     assert response.status_code == 413, response.text  # the SDK does not retry it
-    assert f"inflates past {MAX_BODY_BYTES} bytes" in response.json()["detail"]
+    assert f"inflates past {MAX_FORWARD_BACKWARD_BYTES} bytes" in response.json()["detail"]
+    assert front.log_bytes() == before
+
+
+def test_zstd_bodies_sent_at_once_inflate_a_few_at_a_time(front: Front) -> None:
+    """Eight bombs sent together: at most ``MAX_DECODING`` inflate at a time, each stopped at
+    the route's bound, so the process never holds more than that many bounds of them."""
+    body = zstd_of_zeros(2 * MAX_FORWARD_BACKWARD_BYTES)
+    headers = {"Content-Type": "application/x-protobuf", "Content-Encoding": "zstd"}
+    statuses: list[int] = []
+
+    def send() -> None:
+        statuses.append(
+            front.client.post("/forward_backward", content=body, headers=headers).status_code
+        )
+
+    senders = [threading.Thread(target=send) for _ in range(8)]
+    tracemalloc.start()
+    try:
+        for thread in senders:
+            thread.start()
+        for thread in senders:
+            thread.join(120)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert statuses == [413] * 8
+    # Each inflating body grows in place (up to an eighth over its bound) beside one read chunk.
+    per_body = MAX_FORWARD_BACKWARD_BYTES * 9 // 8 + 2 * INFLATE_CHUNK_BYTES
+    assert peak <= app.MAX_DECODING * per_body + 16 * 1024 * 1024, peak
+
+
+def test_a_json_route_refuses_a_compressed_body_unread(front: Front) -> None:
+    """Only forward_backward inflates a body; a JSON route says so instead of parsing bytes."""
+    before = front.log_bytes()
+    headers = {"Content-Type": "application/json", "Content-Encoding": "zstd"}
+    body = zstd_of_zeros(64 * 1024 * 1024)
+    for route in ("optim_step", "asample", "create_model"):
+        response = front.client.post(f"/{route}", content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        assert "Content-Encoding 'zstd' is only for forward_backward" in response.json()["detail"]
     assert front.log_bytes() == before
 
 

@@ -24,7 +24,7 @@ from tinker_loops import (
 )
 
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker import futures, model_slot, ordering
+from trainwire.server.tinker import codec, futures, model_slot, ordering
 from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.server.tinker.records import CallRecord, Record, SessionRecord, record_from_json
 from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
@@ -192,7 +192,8 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
 ) -> None:
     """Item 9: behind a running call, forward_backwards wait up to the model's byte budget; the
     next is refused with 429 (the SDK retries it) and not logged; once they ran it is taken."""
-    size = len(forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5)))
+    body = forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5))
+    size = codec.held_bytes(codec.parse_forward_backward(body))  # what each holds decoded
     monkeypatch.setattr(ordering, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:

@@ -56,6 +56,65 @@ def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> 
     order.stop()
 
 
+def held_runner() -> tuple[SeqOrder, threading.Event]:
+    """An order whose runner is inside model a's first job (100 bytes) until the returned event
+    is set; the bounds: 2 calls or 250 bytes per model and for samples, 400 bytes in all."""
+    running, release = threading.Event(), threading.Event()
+    order = SeqOrder(lambda job: job(), max_held=2, max_bytes=250, max_total_bytes=400)
+
+    def first() -> None:
+        running.set()
+        release.wait(30)
+
+    order.start_model("a")
+    order.start_model("b")
+    order.submit("a", 1, "a1", first, size=100)
+    assert running.wait(5)
+    return order, release
+
+
+def test_a_running_call_holds_its_bytes_until_it_has_run() -> None:
+    order, release = held_runner()
+    ran = threading.Event()
+    assert order.submit("a", 2, "a2", lambda: None, size=100)  # nothing waits before it
+    with pytest.raises(ResourceExhausted, match="1 calls wait to run"):
+        order.submit("a", 3, "a3", lambda: None, size=100)  # 100 running + 100 waiting + 100
+    release.set()
+    order.run_unordered(ran.set)  # after both have run
+    assert ran.wait(5)
+    assert order.submit("a", 3, "a3", lambda: None, size=100)
+    order.stop()
+
+
+def test_the_bytes_of_every_model_and_the_samples_are_bounded_together() -> None:
+    order, release = held_runner()
+    ran = threading.Event()
+    assert order.submit("a", 2, "a2", lambda: None, size=100)
+    assert order.submit("b", 1, "b1", lambda: None, size=150)  # 350 held in all
+    with pytest.raises(ResourceExhausted, match="holds 350 bytes of decoded requests"):
+        order.check_room(100)  # a sample: its own bound has room, all together have not
+    with pytest.raises(ResourceExhausted, match="its bound is 400"):
+        order.submit("b", 2, "b2", lambda: None, size=100)
+    release.set()
+    order.run_unordered(ran.set)
+    assert ran.wait(5)
+    order.check_room(100)
+    assert order.submit("b", 2, "b2", lambda: None, size=100)
+    order.stop()
+
+
+def test_the_call_a_models_held_calls_wait_for_is_taken_past_the_bound_of_all() -> None:
+    """Refusing it would hold them until they time out: nothing of theirs runs without it."""
+    order, release = held_runner()
+    assert order.submit("b", 2, "b2", lambda: None, size=150)  # held for b's seq_id 1
+    assert order.submit("a", 2, "a2", lambda: None, size=100)  # 350 held in all
+    with pytest.raises(ResourceExhausted, match="its bound is 400"):
+        order.submit("b", 3, "b3", lambda: None, size=100)
+    assert order.submit("b", 1, "b1", lambda: None, size=100)  # what b2 waits for
+    release.set()
+    order.stop()
+
+
 def decode_forward_backward(body: bytes, content_encoding: str = ""):
     """What the front does with a body: parse it, then check and convert its data."""
     return forward_backward_call(parse_forward_backward(body, content_encoding))

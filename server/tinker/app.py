@@ -11,6 +11,7 @@ Errors of a call that was accepted come back through its future as ``{"error", "
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +44,12 @@ SEQUENCED_JSON_ROUTES: dict[str, Callable[[TinkerFront, dict[str, Any]], str]] =
     "save_weights_external": external_weights.save_weights_external,
 }
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
+# forward_backward bodies decoded at once (inflated, parsed, their datums built); the rest wait
+# their turn, holding only the body they sent. Decoding is Python work under the GIL, so more
+# at once would be no faster, only hold more: at most this many inflated bodies (each within
+# ``codec.MAX_FORWARD_BACKWARD_BYTES``) and their decoded datums exist at a time. Waiting rather
+# than 429: the SDK sends a batch's chunks together, and each decode is short and bounded.
+MAX_DECODING = 2
 MAX_JSON_DEPTH = 64  # a Tinker request nests a few levels; far below Python's recursion limit
 CONTAINERS = (dict, list)  # what JSON nests
 
@@ -66,6 +73,18 @@ def read_json_object(raw: bytes) -> dict[str, Any]:
     if brackets > MAX_JSON_DEPTH and nesting_depth(data) > MAX_JSON_DEPTH:
         raise InvalidArgument(too_deep())
     return data
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """A JSON route's body object. Only forward_backward inflates a Content-Encoding: a JSON
+    route refuses one (400) before reading the body, rather than parse compressed bytes."""
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    if encoding not in ("", "identity"):
+        raise InvalidArgument(
+            f"this route takes a plain JSON body; Content-Encoding {encoding!r} is only for "
+            "forward_backward"
+        )
+    return read_json_object(await request.body())
 
 
 def nesting_depth(value: Any) -> int:
@@ -95,6 +114,7 @@ def create_app(
     front: TinkerFront, *, token: str | None, poll_hold_s: float = DEFAULT_POLL_HOLD_S
 ) -> FastAPI:
     app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
+    decoding = asyncio.Semaphore(MAX_DECODING)
 
     app.add_middleware(LimitBody)
     # Added last: runs first, before any body is read. A signed download URL is its own
@@ -108,9 +128,6 @@ def create_app(
     app.add_exception_handler(TrainwireError, refuse)
     app.add_exception_handler(ValueError, refuse)
     app.add_exception_handler(Exception, refuse)
-
-    async def body(request: Request) -> dict[str, Any]:
-        return read_json_object(await request.body())
 
     def future(request_id: str, **extra: Any) -> dict[str, Any]:
         return {"request_id": request_id, **extra}
@@ -138,7 +155,7 @@ def create_app(
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> dict[str, Any]:
-        front.models.require_session(get_str(await body(request), "session_id", "") or "")
+        front.models.require_session(get_str(await json_body(request), "session_id", "") or "")
         return {"type": "session_heartbeat"}
 
     @app.post(f"{API}/telemetry")
@@ -152,29 +169,29 @@ def create_app(
 
     @app.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await json_body(request)
         request_id = await run_in_threadpool(front.models.create_model, data)
         model = front.models.model
         return future(request_id, model_id=model.model_id if model else None)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:
-        model_id = get_str(await body(request), "model_id", "") or ""
+        model_id = get_str(await json_body(request), "model_id", "") or ""
         return front.models.require_model(model_id).info()
 
     @app.post(f"{API}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         raw = await request.body()
         encoding = request.headers.get("content-encoding", "")
-        return future(
-            await run_in_threadpool(training_routes.forward_backward, front, raw, encoding)
-        )
+        async with decoding:  # read first: a slow sender never holds a turn
+            route = training_routes.forward_backward
+            return future(await run_in_threadpool(route, front, raw, encoding))
 
     def sequenced(route: Callable[[TinkerFront, dict[str, Any]], str]) -> Callable[..., Any]:
         """A training call with a JSON body: its route queues it and answers its request id."""
 
         async def call(request: Request) -> dict[str, Any]:
-            return future(await run_in_threadpool(route, front, await body(request)))
+            return future(await run_in_threadpool(route, front, await json_body(request)))
 
         return call
 
@@ -183,7 +200,7 @@ def create_app(
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await json_body(request)
         sampling_id = await run_in_threadpool(sampling_routes.create_sampling_session, front, data)
         return {"type": "create_sampling_session", "sampling_session_id": sampling_id}
 
@@ -198,7 +215,7 @@ def create_app(
 
     @app.post(f"{API}/asample")
     async def asample(request: Request) -> dict[str, Any]:
-        data = await body(request)
+        data = await json_body(request)
         request_id, sequence_ids = await run_in_threadpool(sampling_routes.asample, front, data)
         return future(request_id, sample_sequence_ids=sequence_ids)
 
@@ -206,7 +223,7 @@ def create_app(
 
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
-        request_id = get_str(await body(request), "request_id", "") or ""
+        request_id = get_str(await json_body(request), "request_id", "") or ""
         try:
             outcome = await front.sequencer.futures.wait(request_id, poll_hold_s)
         except KeyError:
@@ -252,14 +269,14 @@ def checkpoint_routes_of(app: FastAPI, front: TinkerFront) -> None:
 
     @app.put(f"{runs}/{{model_id}}/checkpoints/{segment}/ttl")
     async def set_ttl(model_id: str, kind: str, name: str, request: Request) -> Response:
-        data = read_json_object(await request.body())
+        data = await json_body(request)
         route = checkpoint_routes.set_checkpoint_ttl
         await run_in_threadpool(route, front, model_id, f"{kind}/{name}", data)
         return Response(status_code=204)
 
     @app.post(f"{API}/weights_info")
     async def weights_info(request: Request) -> dict[str, Any]:
-        data = read_json_object(await request.body())
+        data = await json_body(request)
         return await run_in_threadpool(checkpoint_routes.weights_info, front, data)
 
     @app.get(f"{runs}/{{model_id}}/checkpoints/{segment}/external_weights_urls")

@@ -21,9 +21,27 @@ from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, RequestTooLarge
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 
-MAX_BODY_BYTES = 256 * 1024 * 1024  # a decompressed forward_backward body over this is refused
-INFLATE_CHUNK_BYTES = 1024 * 1024
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
+# The largest body a valid forward_backward can be, plain or inflated; past it a body is refused
+# (413) before it is parsed, or while it inflates. MAX_TOKENS positions, each an int32 token in a
+# chunk of its own at worst (4 bytes and 6 of framing) and every loss_fn_input at the widest
+# dtype (int64); each of MAX_EXAMPLES datums' framing (five named tensors with their shapes,
+# under 512 bytes); 1 MiB for the rest (model_id, loss_fn, its config, provenance spans).
+MAX_FORWARD_BACKWARD_BYTES = (
+    MAX_TOKENS * (4 + 6 + 8 * len(INPUT_FIELDS)) + MAX_EXAMPLES * 512 + 1024 * 1024
+)
+INFLATE_CHUNK_BYTES = 1024 * 1024
+# What one value of a decoded request holds in memory: its tuple slot (8 bytes) and its object (an
+# int or a float of 24 to 28 bytes, in a 32-byte block of Python's allocator). Ids under 257 are
+# objects Python shares, so a position costs at most this per value it carries.
+BYTES_PER_DECODED_VALUE = 40
+DECODED_DATUM_BYTES = 1024  # a datum's TokenExample and its tuples, past their values
+# The most a valid request holds decoded (about 240 MiB); a larger estimate is of a request its
+# checks refuse, which then holds nothing.
+MAX_HELD_BYTES = (
+    MAX_TOKENS * (1 + len(INPUT_FIELDS)) * BYTES_PER_DECODED_VALUE
+    + MAX_EXAMPLES * DECODED_DATUM_BYTES
+)
 MAX_TENSOR_VALUES = MAX_TOKENS  # per loss_fn_input, checked before anything is allocated
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
@@ -46,7 +64,7 @@ def parse_forward_backward(
     """The SDK's protobuf ``ForwardBackwardRequest`` (optionally zstd), not yet checked: its
     model_id and seq_id are known from here on (``forward_backward_call`` checks the rest)."""
     if content_encoding.strip().lower() == "zstd":
-        body = inflate(body, MAX_BODY_BYTES)
+        body = inflate(body, MAX_FORWARD_BACKWARD_BYTES)
     elif content_encoding.strip() not in ("", "identity"):
         raise InvalidArgument(f"forward_backward: unknown Content-Encoding {content_encoding!r}")
     message = pb.ForwardBackwardRequest()
@@ -58,22 +76,49 @@ def parse_forward_backward(
 
 
 def inflate(body: bytes, limit: int) -> bytearray:
-    """A zstd body decompressed, refused (413, RequestTooLarge) as soon as it passes ``limit``
-    bytes: read a chunk at a time, so a few KiB that would inflate to gigabytes cost at most
-    ``limit`` and are refused as too large (a retry would be refused again), not as busy."""
-    inflated = bytearray()  # grown in place: no second copy of up to ``limit`` bytes
+    """A zstd body decompressed, refused (413, RequestTooLarge) once it passes ``limit`` bytes:
+    at once when its frame header declares more, else as soon as the stream does (read a chunk
+    at a time), so a few KiB that would inflate to gigabytes cost at most ``limit`` and are
+    refused as too large (a retry would be refused again), not as busy."""
     try:
+        declared = zstandard.frame_content_size(body)  # -1: not declared
+        if declared > limit:
+            raise RequestTooLarge(too_large(limit, f"its frame header declares {declared}"))
+        inflated = bytearray()  # grown in place: no second copy of up to ``limit`` bytes
         reader = zstandard.ZstdDecompressor().stream_reader(body)
         while chunk := reader.read(INFLATE_CHUNK_BYTES):
             if len(inflated) + len(chunk) > limit:
-                raise RequestTooLarge(
-                    f"forward_backward: the zstd body inflates past {limit} bytes, this "
-                    "server's bound for it; send fewer datums per request"
-                )
+                raise RequestTooLarge(too_large(limit, "the stream did"))
             inflated += chunk
     except zstandard.ZstdError as error:
         raise InvalidArgument(f"forward_backward: the zstd body is corrupt: {error}") from None
     return inflated
+
+
+def too_large(limit: int, why: str) -> str:
+    return (
+        f"forward_backward: the zstd body inflates past {limit} bytes ({why}), more than a "
+        "valid request can be; send fewer datums per request"
+    )
+
+
+def held_bytes(message: pb.ForwardBackwardRequest) -> int:
+    """What ``forward_backward_call`` will hold of this request, counted before it decodes
+    anything: each datum's positions times the values each carries (its token and every
+    per-token input), at ``BYTES_PER_DECODED_VALUE`` each."""
+    held = 0
+    for datum in message.data:
+        fields = sum(1 for name in datum.loss_fn_inputs if name in INPUT_FIELDS)
+        values = _positions(datum) * (1 + fields)
+        held += values * BYTES_PER_DECODED_VALUE + DECODED_DATUM_BYTES
+        if held > MAX_HELD_BYTES:
+            return MAX_HELD_BYTES
+    return held
+
+
+def _positions(datum: pb.Datum) -> int:
+    """A datum's tokens, counted from their bytes (int32) before a list is built."""
+    return sum(len(chunk.encoded_text.tokens) // 4 for chunk in datum.model_input)
 
 
 def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
@@ -84,8 +129,8 @@ def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackward
         raise InvalidArgument(
             f"forward_backward: {len(message.data)} datums; at most {MAX_EXAMPLES}"
         )
-    tokens = sum(len(c.encoded_text.tokens) // 4 for d in message.data for c in d.model_input)
-    if tokens > MAX_TOKENS:  # counted from the bytes, before a list is built
+    tokens = sum(_positions(datum) for datum in message.data)
+    if tokens > MAX_TOKENS:
         raise InvalidArgument(f"forward_backward: {tokens} tokens; at most {MAX_TOKENS}")
     examples = tuple(_example(i, datum) for i, datum in enumerate(message.data))
     return ForwardBackwardCall(

@@ -11,14 +11,14 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from trainwire.server.errors import RequestTooLarge
-from trainwire.server.tinker.codec import MAX_BODY_BYTES
+from trainwire.server.tinker.codec import MAX_FORWARD_BACKWARD_BYTES
 
 MAX_JSON_BYTES = 16 * 1024 * 1024  # a JSON body (a sample's prompt of the most tokens fits)
-PROTOBUF_ROUTES = ("/forward_backward",)  # their bodies are bounded by MAX_BODY_BYTES
+PROTOBUF_ROUTES = ("/forward_backward",)  # bounded by the largest valid forward_backward
 
 
 def body_limit(path: str) -> int:
-    return MAX_BODY_BYTES if path.endswith(PROTOBUF_ROUTES) else MAX_JSON_BYTES
+    return MAX_FORWARD_BACKWARD_BYTES if path.endswith(PROTOBUF_ROUTES) else MAX_JSON_BYTES
 
 
 class LimitBody:

@@ -2,11 +2,15 @@
 send them out of order (a big batch's chunks go in parallel, the first one last). Each call runs
 only after every lower ``seq_id`` of its model has run.
 
-What waits is bounded, per model (and for the samples, which run outside any model's order), in
-calls and in request bytes: every waiting call holds its decoded request in memory, and a
-maximal ``forward_backward`` is 256 MiB. Past either bound a call is refused with
-``ResourceExhausted`` (429: the SDK retries it) before it is logged, except the one call that
-the calls already held are waiting for (nothing could run without it).
+What is taken and has not run yet is bounded, per model (and for the samples, which run outside
+any model's order) in calls waiting and in bytes, and in bytes over all of them together. The
+bytes are what a call's decoded request holds in memory (its route estimates them from the
+request's positions before it is taken: a decoded id or float is an object, several times its
+bytes on the wire), counted from the moment the call is taken until its job has run, so the
+call running now counts too. Past a bound a call is refused with ``ResourceExhausted`` (429: the
+SDK retries it) before it is logged, except a call that nothing taken is waiting before (it
+runs next: refusing it would only stall), and the one call the model's held calls are waiting
+for (nothing of the model could run without it).
 
 Samples released one after another run beside each other (up to ``SAMPLES_BESIDE`` at once), so
 the host decodes them as one batch (``sample_batching``); the next training call runs once every
@@ -21,12 +25,21 @@ import threading
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from trainwire.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 
 DEFAULT_MAX_HELD = 1024  # calls waiting to run, per model and for samples; more is refused (429)
-DEFAULT_MAX_HELD_BYTES = 256 * 1024 * 1024  # request bytes waiting to run, likewise
+# Bytes of decoded requests taken and not yet run, per model and for samples. A maximal
+# forward_backward holds about 240 MiB decoded (1,048,576 positions x 6 per-token values x 40
+# bytes, ``codec.held_bytes``); the SDK sends a batch as chunks of 5 MB of wire, at most 50 MB in
+# flight, about 600 MiB once decoded. 1 GiB takes the SDK's whole window, or four maximal calls,
+# behind the one running: a pipelining loop is not refused, and 30 maximal calls (7 GiB) are.
+DEFAULT_MAX_HELD_BYTES = 1024 * 1024 * 1024
+# The same over every model and the samples together: one model's bound and half of it again for
+# the samples beside it, so what requests hold stays a small part of a training host's memory.
+DEFAULT_MAX_TOTAL_BYTES = 1536 * 1024 * 1024
 
 Job = Callable[[], None]
 UNORDERED = None  # the waiting count of the jobs outside any model's order
@@ -47,7 +60,8 @@ def payload(value: Any) -> tuple[str, int]:
 
 @dataclass
 class _Waiting:
-    """Jobs not yet running, of one model (or unordered): ``ready`` of them are released."""
+    """The jobs of one model (or unordered): ``calls`` not yet running, ``ready`` of them
+    released, and the ``size`` in bytes of every one taken whose job has not ended."""
 
     calls: int = 0
     size: int = 0
@@ -67,16 +81,20 @@ class SeqOrder:
         *,
         max_held: int | None = None,
         max_bytes: int | None = None,
+        max_total_bytes: int | None = None,
     ) -> None:
-        """``max_held`` calls and ``max_bytes`` request bytes may wait (None: the defaults)."""
+        """``max_held`` calls and ``max_bytes`` bytes per model (and for samples), and
+        ``max_total_bytes`` over all, may be held (None: the defaults)."""
         self._run = run
         self._max_held = DEFAULT_MAX_HELD if max_held is None else max_held
         self._max_bytes = DEFAULT_MAX_HELD_BYTES if max_bytes is None else max_bytes
+        self._max_total = DEFAULT_MAX_TOTAL_BYTES if max_total_bytes is None else max_total_bytes
         self._lock = threading.Condition()
         self._next: dict[str, int] = {}
         self._held: dict[str, dict[int, tuple[int, Job]]] = {}  # seq → (size, job)
         self._seen: dict[tuple[str, int], str] = {}  # (model, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
+        self._total = 0  # bytes of every job taken and not ended, of all models and samples
         self._ready: deque[tuple[str | None, int, Job]] = deque()
         self._stopped = False
         self._samples = _Beside(run, SAMPLES_BESIDE)
@@ -110,8 +128,8 @@ class SeqOrder:
         the same payload, whose future already exists).
 
         Raises ``AlreadyExists`` for the same seq_id with another payload, ``FailedPrecondition``
-        for a model not open, ``ResourceExhausted`` (when ``bounded``) when the model's waiting
-        calls or bytes are at their bound.
+        for a model not open, ``ResourceExhausted`` (when ``bounded``) when the model's calls or
+        bytes, or the bytes of all, are at their bound.
         """
         with self._lock:
             if model_id not in self._next:
@@ -144,29 +162,27 @@ class SeqOrder:
         size: int = 0,
         bounded: bool = True,
     ) -> bool:
-        """Queue ``job`` as ``seq_id`` of ``model_id``, holding ``size`` request bytes (see
-        ``accepts``; False for a re-send)."""
+        """Queue ``job`` as ``seq_id`` of ``model_id``, holding ``size`` bytes until it has run
+        (see ``accepts``; False for a re-send)."""
         with self._lock:
             if not self.accepts(model_id, seq_id, digest, size, bounded=bounded):
                 return False
             self._seen[(model_id, seq_id)] = digest
             self._held[model_id][seq_id] = (size, job)
-            waiting = self._waiting[model_id]
-            waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
+            self._take(model_id, size)
             self._release(model_id)
             return True
 
     def check_room(self, size: int = 0) -> None:
-        """ResourceExhausted when the jobs waiting outside any order (samples) are at their
-        bound, in calls or bytes."""
+        """ResourceExhausted when the jobs outside any order (samples) are at their bound, in
+        calls or bytes, or the bytes of all are."""
         with self._lock:
             self._check_room(UNORDERED, size, needed=False)
 
     def run_unordered(self, job: Job, size: int = 0) -> None:
         """Queue a job outside any model's sequence (sampling), behind what is ready now."""
         with self._lock:
-            waiting = self._waiting[UNORDERED]
-            waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
+            self._take(UNORDERED, size)
             self._queue(UNORDERED, size, job)
             self._lock.notify_all()
 
@@ -176,20 +192,40 @@ class SeqOrder:
             self._lock.notify_all()
 
     def _check_room(self, key: str | None, size: int, *, needed: bool) -> None:
-        """Refuse a call past the bounds of ``key``'s waiting jobs, unless nothing waits or it
-        is ``needed``: the next seq_id while none of the model's calls is ready to run."""
+        """Refuse a call past the bounds, unless nothing waits before it (of ``key``; of all,
+        for the total) or it is ``needed``: the next seq_id while the model's calls are held
+        and none is ready to run."""
         waiting = self._waiting[key]
-        full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
-        if not full or waiting.calls == 0 or (needed and waiting.ready == 0):
-            return
         what = "samples" if key is UNORDERED else f"model {key!r}"
-        held = f"({waiting.size} request bytes held)"
-        if key is not UNORDERED and waiting.ready == 0:
+        needed = needed and waiting.ready == 0
+        full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
+        if full and waiting.calls and not needed:
+            held = f"({waiting.size} bytes of decoded requests held)"
+            if key is not UNORDERED and waiting.ready == 0:
+                raise ResourceExhausted(
+                    f"{what}: {waiting.calls} calls wait for seq_id {self._next[key]}; send it "
+                    f"first {held}"
+                )
             raise ResourceExhausted(
-                f"{what}: {waiting.calls} calls wait for seq_id {self._next[key]}; send it first "
-                + held
+                f"{what}: {waiting.calls} calls wait to run; retry later {held}"
             )
-        raise ResourceExhausted(f"{what}: {waiting.calls} calls wait to run; retry later {held}")
+        over = self._total + size > self._max_total
+        if over and not (needed and waiting.calls) and any(w.calls for w in self._waiting.values()):
+            raise ResourceExhausted(
+                f"{what}: the server holds {self._total} bytes of decoded requests waiting or "
+                f"running, its bound is {self._max_total}; retry later"
+            )
+
+    def _take(self, key: str | None, size: int) -> None:
+        waiting = self._waiting[key]
+        waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
+        self._total += size
+
+    def _ended(self, key: str | None, size: int) -> None:
+        """A job has run: its bytes are free."""
+        with self._lock:
+            self._waiting[key].size -= size
+            self._total -= size
 
     def _queue(self, key: str | None, size: int, job: Job) -> None:
         self._ready.append((key, size, job))
@@ -218,12 +254,19 @@ class SeqOrder:
             with self._lock:
                 key, size, job = self._ready.popleft()
                 waiting = self._waiting[key]
-                waiting.calls, waiting.size = waiting.calls - 1, waiting.size - size
-                waiting.ready -= 1
+                waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
+            counted = partial(self._counted, key, size, job)
             if ordered:
-                self._run(job)
+                self._run(counted)
             else:
-                self._samples.start(job)
+                self._samples.start(counted)
+
+    def _counted(self, key: str | None, size: int, job: Job) -> None:
+        """``job``, its bytes held until it has ended."""
+        try:
+            job()
+        finally:
+            self._ended(key, size)
 
 
 class _Beside:

@@ -25,11 +25,14 @@ from trainwire.server.service.requests import (
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import sample_codec, saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
+from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.ordering import digest
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
 from trainwire.server.tinker.sequencer import Call
+
+SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past its tokens
 
 
 def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -131,8 +134,16 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         result = front.host.apply(ops.SAMPLE, sample)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
-    front.sequencer.submit_unordered(request_id, body, call)
+    front.sequencer.submit_unordered(request_id, body, call, size=held_bytes(request))
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
+
+
+def held_bytes(request: sample_codec.SampleCall) -> int:
+    """What a decoded sample request holds until it has run: its prompt and stop tokens as
+    objects (``codec.BYTES_PER_DECODED_VALUE`` each), its stop strings, and the call."""
+    values = len(request.prompt) + len(request.stop_tokens)
+    strings = sum(len(text) for text in request.stop_strings)
+    return values * BYTES_PER_DECODED_VALUE + 4 * strings + SAMPLE_CALL_BYTES
 
 
 def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:

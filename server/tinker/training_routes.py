@@ -48,7 +48,7 @@ def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> 
         partial(_check_forward_backward, front, message),
         encoding=content_encoding,
         keyed=not message.forward_only,
-        size=message.ByteSize(),  # decoded, as it waits for its turn
+        size=codec.held_bytes(message),  # what its decoded datums hold until it has run
     )
 
 
