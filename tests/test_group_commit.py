@@ -19,25 +19,53 @@ def entry(key: str, position: int) -> JournalEntry:
     return JournalEntry(key, "OptimStep", "sha256:x", position, {"step": position})
 
 
-def held_writes(journal: Journal, monkeypatch) -> tuple[threading.Event, list[list[str]]]:
-    """Make ``journal``'s writes wait for the returned event; record each batch's keys."""
+def held_writes(
+    journal: Journal, monkeypatch, events: list[str] | None = None
+) -> tuple[threading.Event, list[list[str]]]:
+    """Make ``journal``'s writes wait for the returned event; record each batch's keys (and,
+    in ``events``, ``writing <keys>`` when a write starts and ``durable <key>`` once each entry
+    is on disk)."""
     release, batches = threading.Event(), []
+    events = [] if events is None else events
     real_write = journal._write
 
     def write(entries):
+        keys = [e.operation_key for e in entries]
+        events.append(f"writing {' '.join(keys)}")
         release.wait(30)
-        batches.append([e.operation_key for e in entries])
+        batches.append(keys)
         real_write(entries)
+        events.extend(f"durable {key}" for key in keys)
 
     monkeypatch.setattr(journal, "_write", write)
     return release, batches
 
 
+def entered(journal: Journal, monkeypatch) -> threading.Event:
+    """Set once an operation starts waiting for every earlier commit (a SaveState does)."""
+    waiting, real_wait = threading.Event(), journal.wait_all_durable
+
+    def wait_all_durable() -> None:
+        waiting.set()
+        real_wait()
+
+    monkeypatch.setattr(journal, "wait_all_durable", wait_all_durable)
+    return waiting
+
+
+def wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"still false after {timeout_s} s"
+        time.sleep(0.01)
+
+
 def test_entries_queued_together_commit_in_one_transaction_in_order(tmp_path, monkeypatch):
     with Journal(tmp_path / "journal.sqlite3") as journal:
-        release, batches = held_writes(journal, monkeypatch)
+        events: list[str] = []
+        release, batches = held_writes(journal, monkeypatch, events)
         first = journal.commit_async(entry("a", 1))
-        time.sleep(0.2)  # the committer holds "a", waiting on the disk
+        wait_until(lambda: "writing a" in events)  # the committer holds "a" on the disk
         rest = [journal.commit_async(entry(key, i)) for i, key in enumerate("bcd", start=2)]
         assert journal.lookup("c").position == 3  # seen at once, before it is durable
         assert not any(f.done() for f in (first, *rest))
@@ -52,34 +80,30 @@ def test_entries_queued_together_commit_in_one_transaction_in_order(tmp_path, mo
 def test_the_next_operation_runs_while_the_last_ones_commit_waits_and_neither_returns_early(
     host, monkeypatch
 ):
-    release, _ = held_writes(host.journal, monkeypatch)
+    events: list[str] = []  # appended to by the writer and the callers, in the order it happened
+    release, _ = held_writes(host.journal, monkeypatch, events)
     results: dict[str, object] = {}
-    first = threading.Thread(
-        target=lambda: results.update(
-            a=host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0))
-        )
-    )
-    second = threading.Thread(
-        target=lambda: results.update(
-            b=host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("b", 1))
-        )
-    )
+
+    def call(key: str, position: int) -> None:
+        request = ForwardBackwardRequest(BATCHES[position])
+        results[key] = host.apply(ops.FORWARD_BACKWARD, request, op(key, position))
+        events.append(f"answered {key}")
+
+    first = threading.Thread(target=call, args=("a", 0))
+    second = threading.Thread(target=call, args=("b", 1))
     first.start()
-    deadline = time.monotonic() + 30
-    while host.session.accumulated < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: host.session.accumulated >= 1)
     second.start()
-    while host.session.accumulated < 2:  # applied while "a" is still not on disk
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-    time.sleep(0.2)
-    assert results == {}  # neither caller heard of its operation before its commit
+    wait_until(lambda: host.session.accumulated >= 2)  # applied while "a" is not on disk
+    assert results == {} and "durable a" not in events
     release.set()
     first.join(30)
     second.join(30)
     assert (results["a"].position, results["b"].position) == (1, 2)
     assert [e.operation_key for e in host.journal.entries()] == ["a", "b"]
+    # Neither caller heard of its operation before its entry was on disk, whatever the timing.
+    for key in ("a", "b"):
+        assert events.index(f"durable {key}") < events.index(f"answered {key}"), events
 
 
 def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(host, monkeypatch):
@@ -97,6 +121,7 @@ def test_a_save_writes_its_checkpoint_only_once_every_earlier_commit_is_durable(
     """Issue 21.1: a checkpoint holding an operation whose commit a crash could still lose would
     be restored with it applied and unjournaled, and its re-sent call would apply it twice."""
     release, batches = held_writes(host.journal, monkeypatch)
+    save_waits = entered(host.journal, monkeypatch)
     checkpoint = host.state_dir.run("run").checkpoint("c")
     results: dict[str, object] = {}
     fb = ForwardBackwardRequest(BATCHES[0])
@@ -111,12 +136,9 @@ def test_a_save_writes_its_checkpoint_only_once_every_earlier_commit_is_durable(
         ),
     ]
     threads[0].start()
-    deadline = time.monotonic() + 30
-    while host.session.accumulated < 1:  # "a" applied, its commit held
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: host.session.accumulated >= 1)  # "a" applied, its commit held
     threads[1].start()
-    time.sleep(0.5)
+    assert save_waits.wait(30), "the save did not wait for the earlier commit"
     assert not checkpoint.exists() and results == {}
     release.set()
     for thread in threads:
@@ -134,6 +156,7 @@ def test_a_save_behind_a_commit_that_fails_writes_no_checkpoint(host, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(host.journal, "_write", held_then_full)
+    save_waits = entered(host.journal, monkeypatch)
     checkpoint = host.state_dir.run("run").checkpoint("c")
     errors: dict[str, BaseException] = {}
 
@@ -148,15 +171,12 @@ def test_a_save_behind_a_commit_that_fails_writes_no_checkpoint(host, monkeypatc
         args=("a", ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0)),
     )
     fb.start()
-    deadline = time.monotonic() + 30
-    while host.session.accumulated < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: host.session.accumulated >= 1)
     save = threading.Thread(
         target=call, args=("c", ops.SAVE_STATE, CheckpointRequest("c"), op("c", 1))
     )
     save.start()
-    time.sleep(0.3)
+    assert save_waits.wait(30), "the save did not wait for the earlier commit"
     release.set()
     fb.join(30)
     save.join(30)
