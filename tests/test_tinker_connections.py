@@ -5,7 +5,6 @@ time to finish its handshake, and the owner's calls go on throughout."""
 from __future__ import annotations
 
 import socket
-import time
 
 import httpx
 from service_fixtures import TEXTS, connect, wait_for
@@ -44,19 +43,31 @@ def test_half_sent_requests_are_bounded_and_cut_off_and_the_owner_goes_on(
     tmp_path, model_root, tiny_llama, llama_config, monkeypatch
 ) -> None:
     monkeypatch.setattr(connections, "MAX_CONNECTIONS", 20)
-    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 1.0)
+    # First the bound alone: a deadline far away, so only the bound can close a connection.
+    monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 600.0)
     with tinker_server(tmp_path / "state", model_root) as handle:
         port = int(handle.tinker.base_url.rsplit(":", 1)[1])
+        held = handle.tinker._server.server_state.connections  # what the listener holds open
         sockets = squat(port, 40, HALF_SENT)
         try:
-            time.sleep(0.3)
-            refused = sum(closed_by_peer(sock) for sock in sockets)
-            assert refused >= 20  # past the bound: closed as they arrived
+            wait_for(lambda: sum(closed_by_peer(sock) for sock in sockets) >= 20, 30)
+            wait_for(lambda: len(held) == 20, 30)
+            assert sum(closed_by_peer(sock) for sock in sockets) == 20  # exactly the excess
             with connect(handle) as owner:  # the gRPC side is untouched
                 owner.open("run", llama_config(), max_steps=4)
                 owner.forward_backward(TEXTS[:3], operation_key="fb")
                 assert owner.save_state("c", operation_key="save").position == 2
-            wait_for(lambda: all(closed_by_peer(sock) for sock in sockets), 10)
+        finally:
+            for sock in sockets:
+                sock.close()
+
+        # Then the deadline: within the bound, half-sent requests are cut off once it passes.
+        wait_for(lambda: len(held) == 0, 30)
+        monkeypatch.setattr(connections, "HEADER_TIMEOUT_S", 1.0)
+        sockets = squat(port, 5, HALF_SENT)
+        try:
+            # Well inside the bound: only the deadline can close them.
+            wait_for(lambda: all(closed_by_peer(sock) for sock in sockets), 30)
             url = f"{handle.tinker.base_url}/api/v1/healthz"
             assert httpx.get(url, headers={"X-API-Key": KEY}).status_code == 200
         finally:
