@@ -11,6 +11,7 @@ import shutil
 
 import grpc
 import pytest
+from fresh_state import fresh_digest, fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import LoraSettings, TrainingConfig
@@ -49,20 +50,20 @@ def test_a_session_refuses_the_product_before_it_decodes(tiny_llama, tmp_path, m
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 65536}))
     session = TrainingSession(TrainingConfig(model=str(model), max_length=64), device="cpu")
     monkeypatch.setattr(sampling, "generate", no_work)  # 64 prefills of 32,768: ~64 GiB
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match="token positions at once; the limit is 262144"):
         session.sample([5] * 32768, max_tokens=1, num_samples=64)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_a_prompt_plus_max_tokens_past_the_models_positions_is_refused(session, monkeypatch):
     monkeypatch.setattr(sampling, "generate", no_work)
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=r"make 300 positions; the model has 256"):
         session.sample([5] * 200, max_tokens=100)
     with pytest.raises(InvalidArgument, match=r"the prompt has 300 tokens; the model has 256"):
         session.prompt_logprobs([5] * 300)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
     monkeypatch.undo()
     (fits,) = session.sample([5] * 200, max_tokens=POSITIONS - 200, temperature=0)
     assert len(fits.tokens) <= POSITIONS - 200
@@ -74,10 +75,10 @@ def test_grpc_sample_past_the_positions_is_invalid_argument_with_the_limit(
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("positions", llama_config())
-        before = client.info()
+        before = fresh_server_info(handle)
         with pytest.raises(grpc.RpcError) as refused:
             client.sample([5] * 250, max_tokens=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "the model has 256 (its max_position_embeddings)" in refused.value.details()
-        assert client.info().state_digest == before.state_digest
+        assert fresh_server_info(handle) == before
         client.close_channel()

@@ -12,6 +12,7 @@ import errno
 
 import grpc
 import pytest
+from fresh_state import fresh_server_info
 from safetensors import SafetensorError
 from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 
@@ -48,7 +49,7 @@ def _refused(call) -> grpc.RpcError:
 @pytest.mark.parametrize("message", [CPU_OOM, CPU_OOM_OLD], ids=["not-enough", "cant-allocate"])
 def test_a_cpu_allocation_failure_is_resource_exhausted_and_changes_nothing(served, message):
     handle, client = served
-    before = client.info()
+    before = fresh_server_info(handle)
     model = handle.session_host.session.model
 
     def out_of_memory(*args, **kwargs):
@@ -66,7 +67,7 @@ def test_a_cpu_allocation_failure_is_resource_exhausted_and_changes_nothing(serv
             assert "smaller" in error.details()  # says what to do
     finally:
         del model.forward
-    assert client.info() == before
+    assert fresh_server_info(handle) == before
     assert client.forward_backward(TEXTS[3:6], operation_key="fb1").position == before.position + 1
 
 
@@ -80,7 +81,7 @@ def test_a_full_disk_during_save_state_is_resource_exhausted_and_keeps_the_last_
 ):
     handle, client = served
     client.forward_backward(TEXTS[3:6], operation_key="fb1")
-    before = client.info()
+    before = fresh_server_info(handle)
     checkpoint = handle.session_host.state_dir.run("run").checkpoint("latest")
     saved = {p.name: p.read_bytes() for p in checkpoint.iterdir()}
 
@@ -92,7 +93,7 @@ def test_a_full_disk_during_save_state_is_resource_exhausted_and_keeps_the_last_
 
     assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.details()
     assert "disk space" in refused.details() and "free space" in refused.details().lower()
-    assert client.info() == before
+    assert fresh_server_info(handle) == before
     assert {p.name: p.read_bytes() for p in checkpoint.iterdir()} == saved
     assert sorted(p.name for p in checkpoint.parent.iterdir()) == ["latest"]
     monkeypatch.undo()

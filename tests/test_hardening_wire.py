@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from fresh_state import fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.v1 import session_pb2 as pb
@@ -73,8 +74,8 @@ def big_forward_backward(megabytes: int) -> bytes:
 
 
 def test_a_tokenless_request_is_refused_before_its_bytes_are_parsed(guarded, parsed):
-    handle, client = guarded
-    before = client.info()
+    handle, _ = guarded
+    before = fresh_server_info(handle)
     parsed.clear()
 
     refused = raw_call(handle.port, "ForwardBackward", big_forward_backward(16))
@@ -82,7 +83,7 @@ def test_a_tokenless_request_is_refused_before_its_bytes_are_parsed(guarded, par
     assert isinstance(refused, grpc.RpcError)
     assert refused.code() == grpc.StatusCode.UNAUTHENTICATED, refused.details()
     assert parsed == [], "the server parsed a request it was about to refuse"
-    assert client.info() == before
+    assert fresh_server_info(handle) == before
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -97,13 +98,13 @@ def test_garbage_without_the_token_is_unauthenticated(guarded, method, token):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_undecodable_request_bytes_are_invalid_argument(guarded, method):
-    handle, client = guarded
-    before = client.info()
+    handle, _ = guarded
+    before = fresh_server_info(handle)
     refused = raw_call(handle.port, method, GARBAGE, (("authorization", f"Bearer {TOKEN}"),))
     assert isinstance(refused, grpc.RpcError)
     assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.details()
     assert f"not a valid trainwire.v1.{method}Request" in refused.details()
-    assert client.info() == before
+    assert fresh_server_info(handle) == before
 
 
 def test_a_config_nested_past_the_parsers_depth_is_invalid_argument(guarded):
@@ -132,11 +133,26 @@ def test_a_server_listening_beyond_loopback_needs_a_model_root(tmp_path, listen,
 
 
 @pytest.mark.parametrize("listen", ["127.0.0.1:0", "localhost:0", "[::1]:0"])
-def test_a_loopback_server_may_open_any_local_path(tmp_path, listen):
+def test_a_loopback_server_may_open_any_local_path(tmp_path, listen, tiny_llama, llama_config):
+    import shutil
+
+    from trainwire.client import InputExample, SessionClient
     from trainwire.server.process import serve
 
+    anywhere = tmp_path / "not" / "a" / "model" / "root"
+    shutil.copytree(tiny_llama, anywhere)  # outside the tests' model root, and no root given
     handle = serve(listen=listen, state_dir=tmp_path / "state", device="cpu")
-    handle.stop(grace=5)
+    try:
+        address = f"{listen.rsplit(':', 1)[0]}:{handle.port}"
+        client = SessionClient(address, retry=NO_RETRY, timeout_s=60)
+        client.wait_until_serving(timeout_s=60)
+        opened = client.open("anywhere", llama_config(model=str(anywhere)), max_steps=1)
+        assert opened.created and opened.state == "open"
+        trained = client.forward_backward([InputExample("any path")], operation_key="fb")
+        assert trained.position == 1
+        client.close_channel()
+    finally:
+        handle.stop(grace=5)
 
 
 # -- the controller outlasts the longest restart the manifests allow ---------------------------

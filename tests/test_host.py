@@ -12,6 +12,7 @@ import json
 import threading
 
 import pytest
+from fresh_state import fresh_info
 from host_operations import BATCHES, op, run_ops
 from service_fixtures import REVIEWS
 
@@ -98,47 +99,47 @@ def test_a_retried_key_returns_the_recorded_result_without_running_again(host):
         ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0, digest=True)
     )
     host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k2", 1))
-    digest = host.info().state_digest
+    before = fresh_info(host)
 
     again = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0))
 
     assert again == dataclasses.replace(first, replayed=True)  # the digest it recorded, too
-    assert host.info().position == 2 and host.info().state_digest == digest
+    assert fresh_info(host) == before and before.position == 2
     assert [e.operation_key for e in host.journal.entries()] == ["k1", "k2"]
 
 
 def test_a_reused_key_with_another_payload_is_already_exists(host):
     host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1"))
-    digest = host.info().state_digest
+    before = fresh_info(host)
 
     with pytest.raises(AlreadyExists, match="'k1' was already used for another ForwardBackward"):
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k1"))
     with pytest.raises(AlreadyExists):
         host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k1"))
-    assert host.info().state_digest == digest and host.info().position == 1
+    assert fresh_info(host) == before and before.position == 1
 
 
 def test_a_position_mismatch_names_the_real_position_and_changes_nothing(host):
     host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("k1", 0))
-    digest = host.info().state_digest
+    before = fresh_info(host)
 
     with pytest.raises(PositionMismatch, match="the session is at position 1") as raised:
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("k2", 0))
 
     assert raised.value.position == 1
-    assert host.info().state_digest == digest
+    assert fresh_info(host) == before
     assert host.journal.lookup("k2") is None
 
 
 def test_an_engine_error_is_not_journaled_and_moves_nothing(host):
-    digest = host.info().state_digest
+    before = fresh_info(host)
 
     with pytest.raises(InvalidArgument, match="empty batch"):
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest([]), op("k1", 0))
     with pytest.raises(FailedPrecondition, match="run forward_backward first"):
         host.apply(ops.OPTIM_STEP, OptimStepRequest(), op("k1", 0))
 
-    assert host.info().position == 0 and host.info().state_digest == digest
+    assert fresh_info(host) == before and before.position == 0
     assert host.journal.entries() == []
 
 
@@ -186,11 +187,11 @@ def test_export_from_a_checkpoint_leaves_the_live_state_alone(host):
     run_ops(host, 0, 1)
     host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save"))
     run_ops(host, 3, 1)
-    digest = host.info().state_digest
+    digest = fresh_info(host).state_digest
 
     exported = host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest("best", "c1"), op("export"))
 
-    assert host.info().state_digest == digest
+    assert fresh_info(host).state_digest == digest  # the export itself takes a position
     assert exported.format == outcomes.FORMAT_FULL and exported.directory.is_dir()
     assert {f.path for f in exported.files} >= {"config.json", "model.safetensors"}
     with pytest.raises(NotFound, match="no checkpoint named 'nope'"):

@@ -10,6 +10,7 @@ import grpc
 import pytest
 import tinker
 import torch
+from fresh_state import fresh_digest, fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 from tinker import types
 from tinker_loops import lora_training
@@ -19,6 +20,7 @@ from trainwire.client.wire import token_examples_from_proto, token_examples_to_p
 from trainwire.server.engine.losses import TokenInputs, resolve_loss
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.process import ServerHandle
 from trainwire.testing import tiny_token_examples
 
 NO_DROPOUT_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
@@ -127,18 +129,18 @@ def test_gspo_gradient_vanishes_where_the_clipped_ratio_wins():
 )
 def test_bad_gspo_requests_are_refused_and_change_nothing(config, examples, loss_config, message):
     session = TrainingSession(config, device="cpu")
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=message):
         session.forward_backward(examples, loss_fn="gspo", loss_fn_config=loss_config)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_stable_reinforce_is_refused_with_what_to_use_instead(config):
     session = TrainingSession(config, device="cpu")
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=r"stable_reinforce is not.*ppo, cispo or gspo"):
         session.forward_backward(tiny_token_examples(2), loss_fn="stable_reinforce")
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_a_sequence_ratio_mask_is_checked_at_construction_and_survives_the_wire():
@@ -155,17 +157,18 @@ def test_a_sequence_ratio_mask_is_checked_at_construction_and_survives_the_wire(
 
 
 @pytest.fixture
-def remote(tmp_path, model_root, config):
+def served(tmp_path, model_root, config):
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("gspo", config)
-        yield client
+        yield handle, client
         client.close_channel()
 
 
 def test_gspo_remote_equals_in_process_bit_for_bit_and_its_mask_is_in_the_payload(
-    remote: SessionClient, config
+    served: tuple[ServerHandle, SessionClient], config
 ):
+    handle, remote = served
     local = TrainingSession(config, device="cpu")
     for index, loss_config in enumerate((None, CLIP)):
         batch = masked(tiny_token_examples(3, seed=index), prompt=index + 1)
@@ -181,7 +184,7 @@ def test_gspo_remote_equals_in_process_bit_for_bit_and_its_mask_is_in_the_payloa
         remote.optim_step(operation_key=f"step/{index}")
         local.optim_step()
     assert remote.info().state_digest == local.state_digest()
-    digest = remote.info().state_digest
+    state = fresh_server_info(handle)
     # The same key again with the same mask is answered from the journal; with another mask it
     # is another payload.
     batch = masked(tiny_token_examples(3, seed=1), prompt=2)
@@ -201,7 +204,7 @@ def test_gspo_remote_equals_in_process_bit_for_bit_and_its_mask_is_in_the_payloa
         remote.forward_backward(tiny_token_examples(2), operation_key="fb/9", loss_fn="gspo")
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "gspo needs sequence_ratio_mask" in refused.value.details()
-    assert remote.info().state_digest == digest
+    assert fresh_server_info(handle) == state
 
 
 def test_the_sdks_forward_backward_with_gspo_trains_and_reports_its_metrics(
@@ -232,7 +235,7 @@ def test_the_sdks_forward_backward_with_gspo_trains_and_reports_its_metrics(
         terms = [sum(row["elementwise_loss"].tolist()) for row in out.loss_fn_outputs]
         assert sum(terms) == pytest.approx(out.metrics["loss:sum"], rel=1e-5, abs=1e-5)
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
-        digest = run.handle.session_host.info().state_digest
+        state = fresh_server_info(run.handle)
         with pytest.raises(tinker.RequestFailedError, match=r"unknown key\(s\) epsilon; gspo"):
             training.forward_backward(data, "gspo", {"epsilon": 0.2}).result(timeout=60)
-        assert run.handle.session_host.info().state_digest == digest
+        assert fresh_server_info(run.handle) == state

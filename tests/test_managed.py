@@ -1,6 +1,7 @@
 """ManagedTraining: the in-process replay equals the plan driven op by op, and resumes exactly."""
 
 import pytest
+from fresh_state import fresh_digest
 from plans import drive_plan, sentiment_plan
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
@@ -25,7 +26,7 @@ def plans(bert_classifier_config, llama_config):
 def op_by_op_digest(plan):
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
     drive_plan(session, plan)
-    return session.state_digest()
+    return fresh_digest(session)
 
 
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4, dropout=0.1)])
@@ -35,7 +36,7 @@ def test_managed_run_equals_the_plan_driven_op_by_op(plans, task, lora, tmp_path
     session = TrainingSession(plan.config, max_steps=plan.max_steps)
     training = ManagedTraining(session, plan, checkpoint_dir=tmp_path)
     result = training.run()
-    assert result.state_digest == session.state_digest() == op_by_op_digest(plan)
+    assert result.state_digest == fresh_digest(session) == op_by_op_digest(plan)
     assert result.stopped_step == plan.max_steps
     assert [r["step"] for r in result.history if r["kind"] == "update"] == list(
         range(1, plan.max_steps + 1)
@@ -114,7 +115,7 @@ def test_early_stopping_ends_the_run_and_best_export_leaves_the_live_state_alone
     assert len(evaluations) == 2 and result.early_stopped
     assert result.best_epoch == 0 and result.stopped_epoch == 1
     assert result.stopped_step == plan.steps_after(evaluations[-1]["microbatch"])
-    before = session.state_digest()
+    before = fresh_digest(session)
     training.export_weights(tmp_path / "export")
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
     assert (tmp_path / "export" / "config.json").is_file()

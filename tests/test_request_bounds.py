@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from fresh_state import fresh_digest, fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import InputExample, TokenExample
@@ -13,12 +14,12 @@ from trainwire.server.service import request_limits
 
 
 @pytest.fixture
-def client(tmp_path, model_root, llama_config):
+def served(tmp_path, model_root, llama_config):
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("bounds", llama_config())
         client.forward_backward([InputExample("a first microbatch")], operation_key="first")
-        yield client
+        yield handle, client
         client.close_channel()
 
 
@@ -32,8 +33,9 @@ def client(tmp_path, model_root, llama_config):
         ),
     ],
 )
-def test_oversized_requests_are_refused_before_any_work(client, batch, message):
-    before = client.info()
+def test_oversized_requests_are_refused_before_any_work(served, batch, message):
+    handle, client = served
+    before = fresh_server_info(handle)
     for call in (
         lambda: client.forward_backward(batch, operation_key="big"),
         lambda: client.forward(batch),
@@ -42,8 +44,7 @@ def test_oversized_requests_are_refused_before_any_work(client, batch, message):
             call()
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert message in refused.value.details()
-    after = client.info()
-    assert (after.state_digest, after.position) == (before.state_digest, before.position)
+    assert fresh_server_info(handle) == before
 
 
 def test_too_many_tokens_in_one_request_are_refused(monkeypatch):
@@ -61,7 +62,7 @@ def test_a_text_that_cannot_fit_max_length_is_refused_untokenized(llama_config, 
         raise AssertionError("tokenized a text that could never fit")
 
     monkeypatch.setattr(session.encoder, "token_ids", refuse)
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match="characters cannot fit max_length 16 tokens"):
         session.forward_backward([InputExample("x" * (16 * 64 + 1))])
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import InputExample, LoraSettings, TokenExample
@@ -26,13 +27,13 @@ def prompt_of(session: TrainingSession, text: str = "the movie was") -> list[int
 
 def test_the_same_seed_gives_the_same_samples_and_changes_nothing(session):
     prompt = prompt_of(session)
-    before = session.state_digest()
+    before = fresh_digest(session)
     options = {"max_tokens": 10, "num_samples": 4, "temperature": 1.0, "top_p": 0.95}
     first = session.sample(prompt, seed=1, **options)
     assert session.sample(prompt, seed=1, **options) == first
     assert session.sample(prompt, seed=2, **options) != first
     assert len({s.tokens for s in first}) > 1  # the rows of one request draw independently
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_sampling_between_training_steps_leaves_every_training_bit_alone(llama_config):
@@ -80,13 +81,13 @@ def test_a_sample_has_the_logprobs_forward_gives_it_and_an_on_policy_ratio_of_ex
             logprobs=[*logprobs[: len(prompt) - 1], *sample.logprobs],
             advantages=advantages,
         )
-        before = session.state_digest()
+        before = fresh_digest(session)
         out = session.forward(  # forward: the same number without changing the session
             [on_policy], loss_fn="importance_sampling"
         )
         assert out.loss == -sum(torch.tensor(advantages, dtype=torch.float32).tolist())
         assert out.metrics["ratio:mean"] == 1.0
-        assert session.state_digest() == before
+        assert fresh_digest(session) == before
 
 
 def test_on_policy_importance_sampling_through_forward_backward_is_minus_the_advantages(session):
@@ -145,10 +146,10 @@ def test_a_lora_session_samples_from_the_adapted_model(llama_config):
     ],
 )
 def test_bad_sampling_arguments_are_refused_and_change_nothing(session, options, message):
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=message):
         session.sample(prompt_of(session), **options)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_sampling_needs_a_causal_lm_session(bert_classifier_config):

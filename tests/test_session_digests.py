@@ -6,6 +6,7 @@ and sessions keep their own RNG, so sessions driven alike agree however they are
 from __future__ import annotations
 
 import torch
+from fresh_state import fresh_digest
 
 from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.session import TrainingSession
@@ -30,14 +31,14 @@ def test_state_digest_changes_after_every_state_changing_operation(
     session.optim_step()
     digests.append(session.state_digest())
     session.load_weights(tiny_llama)  # the adapters keep their trained values, base unchanged
-    assert session.state_digest() == digests[-1]
+    assert fresh_digest(session) == digests[-1]
     assert len(set(digests)) == len(digests)
 
     # Operations that change no state leave the digest alone.
     session.forward(TEXTS)
     session.save_state(tmp_path / "checkpoint")
     session.export_weights(tmp_path / "export")
-    assert session.state_digest() == digests[-1]
+    assert fresh_digest(session) == digests[-1]
 
 
 def test_digest_covers_the_session_rng(llama_config, small_lora) -> None:
@@ -53,7 +54,7 @@ def run_and_record(session: TrainingSession, operations: list) -> list[str]:
     digests = []
     for operation in operations:
         operation(session)
-        digests.append(session.state_digest())
+        digests.append(fresh_digest(session))
     return digests
 
 
@@ -91,7 +92,7 @@ def test_interleaved_sessions_give_the_digests_each_gives_alone(llama_config, sm
             global_state = torch.get_rng_state()
             operation(session)
             assert torch.equal(torch.get_rng_state(), global_state), "the global RNG moved"
-            together[k].append(session.state_digest())
+            together[k].append(fresh_digest(session))
     assert together == [alone, other_alone]
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from fresh_state import fresh_digest, fresh_server_info
 from service_fixtures import connect, running_server
 from test_bounds_tinker import start
 from tinker import types
@@ -63,7 +64,7 @@ def test_a_stop_string_spanning_two_tokens_ends_the_sample_on_the_second(session
     prompt = prompt_of(session)
     (free,) = session.sample(prompt, max_tokens=20, temperature=0)
     stop, kept = spanning_stop(session, free.tokens)
-    before = session.state_digest()
+    before = fresh_digest(session)
     (stopped,) = session.sample(prompt, max_tokens=20, temperature=0, stop_strings=[stop])
     assert stopped.tokens == free.tokens[:kept]
     assert stopped.stop_reason == "stop"
@@ -71,7 +72,7 @@ def test_a_stop_string_spanning_two_tokens_ends_the_sample_on_the_second(session
     assert stop not in session.tokenizer.decode(list(stopped.tokens[:-1]))
     assert list(stopped.logprobs) == forward_logprobs(session, prompt, stopped.tokens)
     assert stopped.logprobs == free.logprobs[:kept]  # one forward per sample: the same bits
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_a_stop_string_never_reached_ends_by_length(session):
@@ -112,10 +113,10 @@ def test_stop_strings_are_deterministic_and_each_row_stops_on_its_own(session):
     ],
 )
 def test_bad_stop_strings_are_refused_before_any_work(session, stop_strings, message):
-    before = session.state_digest()
+    before = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=message):
         session.sample(prompt_of(session), max_tokens=4, stop_strings=stop_strings)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
 
 
 def test_the_fronts_stop_string_bounds_are_the_engines():
@@ -132,17 +133,17 @@ def test_remote_stop_string_samples_equal_in_process_ones(tmp_path, model_root, 
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle)
         client.open("stops", session.config)
+        state = fresh_server_info(handle)  # samples and their refusals change nothing
         for stops in ([stop], ["never reached"]):
             got = client.sample(prompt, stop_strings=stops, **options)
             assert got == session.sample(prompt, stop_strings=stops, **options)
         greedy = client.sample(prompt, max_tokens=20, temperature=0, stop_strings=[stop])
         assert greedy[0].stop_reason == "stop"
-        digest = client.info().state_digest
         with pytest.raises(grpc.RpcError) as refused:
             client.sample(prompt, max_tokens=4, stop_strings=["x" * 300])
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "the limit is 256" in refused.value.details()
-        assert client.info().state_digest == digest
+        assert fresh_server_info(handle) == state
         client.close_channel()
 
 

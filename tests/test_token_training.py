@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import InputExample, LoraSettings
@@ -33,7 +34,7 @@ def test_forward_logprobs_are_a_plain_transformers_forward_and_change_nothing(
     llama_config, tiny_llama
 ):
     session = TrainingSession(llama_config(), device="cpu")
-    before = session.state_digest()
+    before = fresh_digest(session)
     examples = tiny_token_examples()
     out = session.forward(examples)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
@@ -44,7 +45,7 @@ def test_forward_logprobs_are_a_plain_transformers_forward_and_change_nothing(
         # A padded batch against one unpadded row, log_softmax against gather - logsumexp.
         assert torch.allclose(torch.tensor(logprobs), expected, rtol=0, atol=1e-5)
         assert len(logprobs) == len(example)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
     assert out.metrics["loss:sum"] == out.loss
 
 
@@ -138,13 +139,13 @@ def test_a_learning_rate_given_to_optim_step_replaces_the_schedule_for_that_upda
     assert session.optim_step(learning_rate=0.25).learning_rate == 0.25
     session.forward_backward(tiny_token_examples(seed=5))
     assert session.optim_step().learning_rate == pytest.approx(1e-3 * 1 / 10)
-    before = session.state_digest()
+    before = fresh_digest(session)
     session.forward_backward(tiny_token_examples(seed=6))
-    middle = session.state_digest()
+    middle = fresh_digest(session)
     for bad in (-1.0, float("nan"), "0.1", True):
         with pytest.raises(InvalidArgument, match="learning_rate"):
             session.optim_step(learning_rate=bad)
-    assert session.state_digest() == middle != before
+    assert fresh_digest(session) == middle != before
 
 
 def test_a_custom_weighting_equals_the_builtin_cross_entropy(llama_config):
@@ -196,11 +197,11 @@ def test_a_custom_weighting_equals_the_builtin_cross_entropy(llama_config):
 def test_bad_token_batches_are_refused_and_change_nothing(llama_config, examples, kwargs, message):
     session = TrainingSession(llama_config(), device="cpu")
     session.forward_backward(tiny_token_examples(seed=8))
-    before = session.state_digest()
+    before = fresh_digest(session)
     for call in (session.forward, session.forward_backward):
         with pytest.raises(InvalidArgument, match=message):
             call(examples(), **kwargs)
-    assert session.state_digest() == before
+    assert fresh_digest(session) == before
     assert session.accumulated == 1
 
 
