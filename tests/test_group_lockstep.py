@@ -8,6 +8,7 @@ from collections import deque
 from typing import Any
 
 import pytest
+import torch
 
 from trainwire.cli import main
 from trainwire.server.engine.lockstep import (
@@ -16,7 +17,11 @@ from trainwire.server.engine.lockstep import (
     collective,
     raised_alike_on_every_rank,
 )
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from trainwire.server.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from trainwire.server.group import follower
 from trainwire.server.group.messages import Stop
 from trainwire.server.group.ranks import Launch
@@ -118,6 +123,41 @@ def test_anything_else_takes_the_group_down(error):
     with pytest.raises(type(error)):
         Engine(announcer).fail_with(error)
     assert seen == [error] and not raised_alike_on_every_rank(error)
+
+
+def refused_after_a_real_allocation_failure(message: str) -> ResourceExhausted:
+    """What the engine's guard raises (``refuse_out_of_memory``: ``from None``), worded anew."""
+    try:
+        torch.empty(2**60, dtype=torch.uint8)  # the CPU allocator refuses at once
+    except RuntimeError:
+        try:
+            raise ResourceExhausted(message) from None
+        except ResourceExhausted as error:
+            return error
+    raise AssertionError("an exbibyte was allocated")
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["forward ran out of memory; nothing changed", "forward: the allocator refused 1 EiB"],
+)
+def test_a_refusal_raised_from_the_allocators_failure_is_one_ranks_own_whatever_its_words(
+    message,
+):
+    error = refused_after_a_real_allocation_failure(message)
+    seen, announcer, _ = failures()
+    with pytest.raises(ResourceExhausted):
+        Engine(announcer).fail_with(error)
+    assert seen == [error] and not raised_alike_on_every_rank(error)
+
+
+def test_a_refusal_that_quotes_out_of_memory_keeps_the_group():
+    """The words are a user's (a model path): every rank refuses it alike."""
+    error = FailedPrecondition("load_weights: 'models/out of memory' was saved for another task")
+    seen, announcer, _ = failures()
+    with pytest.raises(FailedPrecondition):
+        Engine(announcer).fail_with(error)
+    assert seen == [] and raised_alike_on_every_rank(error)
 
 
 def test_an_announcement_that_cannot_be_sent_takes_the_group_down():

@@ -37,6 +37,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import torch
+
 from trainwire.server.errors import FailedPrecondition, TrainwireError, is_out_of_memory
 
 Method = TypeVar("Method", bound=Callable[..., Any])
@@ -59,12 +61,40 @@ class Channel(Protocol):
 
 def raised_alike_on_every_rank(error: BaseException) -> bool:
     """Whether every rank raises ``error`` at the same point of the same call: a refusal from a
-    check every rank makes on the same arguments, or from an outcome the ranks agreed on. An
-    out-of-memory is one rank's own, and anything that is not a refusal may be too."""
+    check every rank makes on the same arguments, or from an outcome the ranks agreed on.
+
+    Anything that is not one of trainwire's refusals may be one rank's own, and so is a refusal
+    raised while this process ran out of memory (the engine answers the allocator's failure
+    with ``ResourceExhausted``, its cause or context). That is told by what the refusal was
+    raised from, never by its words: a reworded message must not leave rank 0 in a collective
+    the others have left, and a refusal that quotes a user's text ("out of memory" in a model
+    path) must not take the group down."""
     if not isinstance(error, TrainwireError):
         return False
-    cause = error.__cause__
-    return not (is_out_of_memory(error) or (cause is not None and is_out_of_memory(cause)))
+    return not any(_ran_out_of_memory(inner) for inner in _raised_from(error))
+
+
+def _raised_from(error: BaseException) -> Iterator[BaseException]:
+    """The exceptions ``error`` was raised from or while handling (``raise ... from None`` hides
+    its context from a traceback, not from this)."""
+    seen = {id(error)}
+    pending = [error.__cause__, error.__context__]
+    while pending:
+        inner = pending.pop()
+        if inner is None or id(inner) in seen:
+            continue
+        seen.add(id(inner))
+        yield inner
+        pending += [inner.__cause__, inner.__context__]
+
+
+def _ran_out_of_memory(error: BaseException) -> bool:
+    """An allocator's own failure: ``MemoryError``, ``torch.OutOfMemoryError``, or the CPU
+    allocator's RuntimeError, which torch raises with no type of its own (so its words are
+    all there is). trainwire's refusals are no allocator's failure."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    return not isinstance(error, TrainwireError) and is_out_of_memory(error)
 
 
 class Announcer:
