@@ -11,7 +11,8 @@ the ranks' export) on one thread, as each rank runs (a CPU matmul's bits depend 
 count): equal bit for bit.
 
 Served: a real ``trainwire serve --nproc 2`` with the Tinker front answers an SDK sampling client
-and a gRPC ``Sample``, each request announced to both ranks, and the group trains on afterwards.
+and a gRPC ``Sample``, each request announced to both ranks: its fresh model samples the bits one
+process samples with the run's configuration, and the group trains on afterwards.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch.distributed as dist
 from tinker import types
 from tinker_loops import KEY, close_quietly, rl_step, supervised_datum
 
-from trainwire.client import SessionClient, TokenExample
+from trainwire.client import SessionClient, TokenExample, TrainingConfig
 from trainwire.client.outcomes import Sample
 from trainwire.server.engine.sample_weights import BASE_MODEL
 from trainwire.server.engine.session import TrainingSession
@@ -262,12 +263,18 @@ def test_a_served_two_rank_group_samples_for_tinker_and_grpc_and_trains_on(
         service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{tinker_port}", api_key=KEY)
         training = service.create_lora_training_client(base_model="llama", rank=4).result()
         tokenizer = training.get_tokenizer()
+        # Before any update, the group samples what one process does with the run's config.
+        prompt = tokenizer.encode("the cat sat")
+        options = {"max_tokens": 5, "num_samples": 3, "seed": 11}
+        grouped = client.sample(prompt, **options)
+        expected = _one_process_samples(tmp_path / "state", model_root, client, prompt, options)
+        assert grouped == expected
+        assert len({s.tokens for s in grouped}) > 1  # really drawn
         # An SDK RL step: a snapshot's sampling client samples one completion, which trains.
         # Alone in its batch, its sampler logprobs are the trainer's bit for bit.
         sampled, trained, _ = rl_step(training, tokenizer, "importance_sampling", seed=3, group=1)
         assert sampled == trained and len(sampled[0]) > 0
         sampler = training.save_weights_and_get_sampling_client().result(timeout=120)
-        prompt = tokenizer.encode("the cat sat")
         scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt)).result(timeout=120)
         assert scored[0] is None and len(scored) == len(prompt)
         # gRPC Sample of the live weights: the same call twice, the same samples.
@@ -280,16 +287,40 @@ def test_a_served_two_rank_group_samples_for_tinker_and_grpc_and_trains_on(
             client.optim_step(operation_key="nothing-accumulated")
         assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "no microbatch accumulated" in refused.value.details()
-        # The group trains on: every rank is still in step.
+        # The group trains on: every rank is still in step, and the update moves the state.
+        before = client.info()
         datum = supervised_datum(tokenizer, "a dog ran in the park")
         training.forward_backward([datum], "cross_entropy").result(timeout=120)
         step = training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=120)
-        assert step is not None
+        assert step.metrics["learning_rate:mean"] == 1e-2
+        assert step.metrics["grad_norm:mean"] > 0
         info = client.info()
-        assert info.step == 2 and info.state_digest
+        assert (info.step, info.position) == (2, before.position + 2)
+        assert info.state_digest not in ("", before.state_digest)
         client.close_channel()
     finally:
         if service is not None:
             close_quietly(service)
         server.terminate()
         server.wait(60)
+
+
+def _one_process_samples(
+    state_dir: Path,
+    model_root: Path,
+    client: SessionClient,
+    prompt: list[int],
+    options: dict[str, Any],
+) -> list[Sample]:
+    """What one process on one thread (as each rank runs) samples from a fresh session of the
+    served run's configuration (``run.json``)."""
+    spec = json.loads((state_dir / "runs" / client.info().run_id / "run.json").read_text())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        session = TrainingSession(
+            TrainingConfig.from_dict(spec["config"]), device="cpu", model_root=model_root
+        )
+        return session.sample(prompt, **options)
+    finally:
+        torch.set_num_threads(threads)
