@@ -1,9 +1,5 @@
 """The plan's promises, as properties over random sizes and settings."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -170,26 +166,6 @@ def test_eval_examples_given_to_to_manifest_replace_the_constructors():
     assert manifest["eval_examples"] == [{"text": "b"}]
     assert manifest["fingerprint"] != plan.fingerprint
     assert ManagedTrainingPlan.from_manifest(manifest).fingerprint == manifest["fingerprint"]
-
-
-FINGERPRINT_SCRIPT = """
-from trainwire.client import InputExample, ManagedTrainingPlan, TrainingConfig
-examples = [InputExample("example %d" % i, completion="c" * (i % 5 + 1)) for i in range(50)]
-config = TrainingConfig(model="m", batch_size=4, num_epochs=2, group_by_length=True)
-print(ManagedTrainingPlan(examples, config).fingerprint)
-"""
-
-
-def test_fingerprint_is_identical_across_processes_and_hash_seeds():
-    fingerprints = set()
-    for hash_seed in ("1", "2", "12345"):
-        env = dict(os.environ, PYTHONHASHSEED=hash_seed)
-        out = subprocess.run(
-            [sys.executable, "-c", FINGERPRINT_SCRIPT], env=env, capture_output=True, text=True,
-            check=True,
-        )  # fmt: skip
-        fingerprints.add(out.stdout.strip())
-    assert len(fingerprints) == 1
 
 
 def refingerprint(manifest):
