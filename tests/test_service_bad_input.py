@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+from fresh_state import fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import InputExample, SessionClient
@@ -153,12 +154,13 @@ BAD_INPUTS: list[tuple[str, Callable[..., Any], grpc.StatusCode, str]] = [
                          ids=[row[0] for row in BAD_INPUTS])  # fmt: skip
 def test_bad_input_is_refused_with_its_code_and_changes_nothing(table, call, code, match):
     handle, client, config = table
-    before = client.info()
+    before = fresh_server_info(handle)
 
     with pytest.raises(grpc.RpcError) as refused:
         call(client, config, handle)
 
     assert refused.value.code() == code, refused.value.details()
     assert re.search(match, refused.value.details()), refused.value.details()
-    after = client.info()  # still serving
+    after = fresh_server_info(handle)
+    assert client.info().state == "open"  # still serving
     assert (after.state_digest, after.position, after.state) == (before.state_digest, 0, "open")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 
 from trainwire.client import InputExample
 from trainwire.server.engine.batching import IGNORE_INDEX
@@ -67,13 +68,13 @@ def test_the_loss_counts_completion_tokens_only(llama_config) -> None:
 def test_truncation_cuts_long_examples_only_when_asked(llama_config) -> None:
     long_text = "The movie was good, and the food was great. " * 20
     refused = TrainingSession(llama_config(max_length=16))
-    digest = refused.state_digest()
+    digest = fresh_digest(refused)
     batch = [InputExample("Hi."), InputExample(long_text)]
     with pytest.raises(InvalidArgument, match=r"example 1: \d+ tokens is over max_length 16"):
         refused.forward_backward(batch)
     with pytest.raises(InvalidArgument, match=r"example 1: \d+ tokens is over max_length 16"):
         refused.forward(batch)
-    assert refused.state_digest() == digest
+    assert fresh_digest(refused) == digest
 
     truncating = TrainingSession(llama_config(max_length=16, truncation=True))
     batch = truncating.encoder.encode([InputExample(long_text)])
@@ -87,9 +88,9 @@ def test_forward_predicts_labels_and_changes_nothing(bert_classifier_config) -> 
     session = TrainingSession(bert_classifier_config(), max_steps=1)
     examples = tiny_sentiment_examples(4)
     session.forward_backward(examples)
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     result = session.forward(examples)
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
     assert len(result.predictions) == len(examples)
     for prediction in result.predictions:
         assert prediction.label in SENTIMENT_LABELS and len(prediction.scores) == 2
@@ -115,8 +116,8 @@ def test_bad_batches_are_refused_and_change_nothing(
 ) -> None:
     session = TrainingSession(bert_classifier_config())
     session.forward_backward(tiny_sentiment_examples(3))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     for operation in (session.forward, session.forward_backward):
         with pytest.raises(InvalidArgument, match=message):
             operation(examples)
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest

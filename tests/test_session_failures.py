@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 from plans import drive_plan
 
 from trainwire.client import ManagedTrainingPlan
@@ -67,7 +68,7 @@ def test_a_failure_in_backward_refuses_everything_until_load_state(
     session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=FaultyTrainer)
     drive_plan(session, plan, 0, 1)  # mid-accumulation
     session.save_state(tmp_path / "checkpoint")
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     gradients = {name: g.clone() for name, g in session.pending_gradients().items()}
     session.loss_hook.armed = True
     with pytest.raises(InjectedFault):
@@ -90,7 +91,7 @@ def test_a_failure_in_backward_refuses_everything_until_load_state(
     assert not (tmp_path / "after-failure").exists() and not (tmp_path / "export").exists()
 
     session.load_state(tmp_path / "checkpoint")
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
     drive_plan(session, plan, 1)
     assert session.state_digest() == reference.state_digest()
 
@@ -113,10 +114,10 @@ def test_out_of_memory_in_forward_changes_nothing(llama_config, small_lora) -> N
 
     session = TrainingSession(config, max_steps=plan.max_steps, loss_hook=OutOfMemoryOnce)
     drive_plan(session, plan, 0, 1)
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     session.loss_hook.fail = True
     with pytest.raises(ResourceExhausted, match="forward_backward ran out of memory"):
         session.forward_backward(plan.batch(1))
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
     drive_plan(session, plan, 1)
     assert session.state_digest() == reference.state_digest()

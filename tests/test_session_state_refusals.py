@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 from safetensors.torch import load_file, save_file
 
 from trainwire.server.engine import session_checkpoint as ckpt
@@ -31,20 +32,20 @@ def checkpoint(llama_config, tmp_path) -> Path:
 def test_load_state_refuses_a_used_session(llama_config, checkpoint) -> None:
     session = TrainingSession(llama_config(lr_scheduler="constant"))
     session.forward_backward(tiny_text_examples(3))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(FailedPrecondition, match=r"needs a fresh session.*1 operation"):
         session.load_state(checkpoint)
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
 
 def test_load_state_refuses_another_config_naming_each_difference(llama_config, checkpoint) -> None:
     session = TrainingSession(llama_config(lr_scheduler="constant", learning_rate=2e-3))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(
         FailedPrecondition, match=r"config fingerprint.*learning_rate: saved 0\.001, now 0\.002"
     ):
         session.load_state(checkpoint)
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
     assert session.is_fresh
 
 
@@ -60,10 +61,10 @@ def test_load_state_refuses_another_device_type(llama_config, checkpoint) -> Non
     meta["device_type"] = "cuda"
     meta_path.write_text(json.dumps(meta))
     session = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(FailedPrecondition, match=r"device type: saved cuda, now cpu"):
         session.load_state(checkpoint)
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
 
 def test_load_state_refuses_what_is_not_a_checkpoint(llama_config, tmp_path, tiny_llama) -> None:
@@ -96,13 +97,13 @@ def test_a_planted_pickle_is_refused_and_never_unpickled(
     planted = checkpoint / ckpt.OPTIMIZER_FILE
     torch.save({"state": _Payload(marker)}, planted)  # a pickle in the optimizer's place
     session = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(
         InvalidArgument, match=r"optimizer\.safetensors: not a readable safetensors"
     ):
         session.load_state(checkpoint)
     assert not marker.exists()
-    assert session.state_digest() == digest and session.is_fresh
+    assert fresh_digest(session) == digest and session.is_fresh
 
 
 def _rewrite_in_place(path: Path, change) -> None:
@@ -122,11 +123,11 @@ def test_a_restored_session_owns_its_state(llama_config, tmp_path) -> None:
     session.save_state(tmp_path / "checkpoint")
     restored = TrainingSession(llama_config(lr_scheduler="constant"))
     restored.load_state(tmp_path / "checkpoint")
-    digest = restored.state_digest()
+    digest = fresh_digest(restored)
     for name in (ckpt.MODEL_FILE, ckpt.OPTIMIZER_FILE, ckpt.GRADIENTS_FILE, ckpt.RNG_FILE):
         _rewrite_in_place(tmp_path / "checkpoint" / name, torch.zeros_like)
     restored.drop_digest_cache()
-    assert restored.state_digest() == digest
+    assert fresh_digest(restored) == digest
 
 
 @pytest.mark.parametrize(
@@ -151,7 +152,7 @@ def test_a_damaged_checkpoint_is_refused_before_anything_changes(
     save_file(tensors, tmp_path / "checkpoint" / name)
 
     fresh = TrainingSession(llama_config(lr_scheduler="constant"))
-    digest = fresh.state_digest()
+    digest = fresh_digest(fresh)
     with pytest.raises(InvalidArgument, match=message):
         fresh.load_state(tmp_path / "checkpoint")
-    assert fresh.state_digest() == digest and fresh.is_fresh
+    assert fresh_digest(fresh) == digest and fresh.is_fresh

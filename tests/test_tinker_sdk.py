@@ -9,6 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from fresh_state import fresh_server_info
 from tinker import types
 from tinker_loops import (
     KEY,
@@ -132,7 +133,7 @@ def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
         old = training_client.save_weights_and_get_sampling_client().result()
         before = old.sample(prompt, 2, params).result()
         train_step(run, SENTENCES[0])
-        digest = handle.session_host.info().state_digest
+        digest = fresh_server_info(handle).state_digest
         again = old.sample(prompt, 2, params).result()
         new = training_client.save_weights_and_get_sampling_client().result()
         moved = new.sample(prompt, 2, params).result()
@@ -140,7 +141,7 @@ def test_a_sampling_client_keeps_sampling_its_snapshot_after_the_trainer_steps(
             (s.tokens, s.logprobs) for s in before.sequences
         ]
         assert [s.logprobs for s in moved.sequences] != [s.logprobs for s in before.sequences]
-        assert handle.session_host.info().state_digest == digest  # sampling changed nothing
+        assert fresh_server_info(handle).state_digest == digest  # sampling changed nothing
 
 
 def test_the_tokenizer_id_the_sdk_loads_is_configurable(

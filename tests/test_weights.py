@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fresh_state import fresh_digest
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
@@ -80,7 +81,7 @@ def test_load_weights_from_a_checkpoint_keeps_the_optimizer_step_and_rng(
     before = (session.step, session.accumulated, optimizer_digest(session))
     rng, own_weights = session.rng_state.fingerprint(), params(session)
     pending = {name: g.clone() for name, g in session.pending_gradients().items()}
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     session.load_weights(tmp_path / "checkpoint")
 
     assert parameter_digest(params(session)) == parameter_digest(params(source))
@@ -164,10 +165,10 @@ def test_a_mismatched_adapter_is_refused_naming_the_difference(
 ) -> None:
     TrainingSession(llama_config(lora=lora)).export_weights(tmp_path / "adapter")
     session = TrainingSession(llama_config(lora=small_lora))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(InvalidArgument, match=rf"adapter adapter does not match: .*{message}"):
         session.load_weights(tmp_path / "adapter")
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
 
 def test_an_adapter_trained_on_another_base_is_refused(
@@ -178,12 +179,12 @@ def test_an_adapter_trained_on_another_base_is_refused(
         tmp_path / "adapter"
     )
     session = TrainingSession(llama_config(lora=small_lora))
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(
         InvalidArgument, match=r"trained on another base model: saved sha256:\w+, now sha256:\w+"
     ):
         session.load_weights(tmp_path / "adapter")
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
 
 @pytest.fixture
@@ -237,12 +238,12 @@ def test_weights_that_do_not_fit_are_refused_before_any_live_tensor_changes(
     directory = damaged_llama(_perturb_first_then(damage))
     for lora in (None, small_lora):
         session = TrainingSession(llama_config(lora=lora))
-        digest = session.state_digest()
+        digest = fresh_digest(session)
         with pytest.raises(
             InvalidArgument, match=rf"the weights do not fit this model: .*{message}"
         ):
             session.load_weights(directory)
-        assert session.state_digest() == digest
+        assert fresh_digest(session) == digest
 
 
 def test_sources_of_the_wrong_kind_are_refused(
@@ -252,7 +253,7 @@ def test_sources_of_the_wrong_kind_are_refused(
     lora_session.export_weights(tmp_path / "adapter")
     lora_session.save_state(tmp_path / "lora-checkpoint")
     session = TrainingSession(llama_config())
-    digest = session.state_digest()
+    digest = fresh_digest(session)
     with pytest.raises(FailedPrecondition, match="is a LoRA adapter, but this session trains full"):
         session.load_weights(tmp_path / "adapter")
     with pytest.raises(InvalidArgument, match="lora-checkpoint was trained with other settings"):
@@ -264,7 +265,7 @@ def test_sources_of_the_wrong_kind_are_refused(
         session.load_weights(tmp_path / "empty")
     with pytest.raises(NotFound, match="no weights at"):
         session.load_weights(tmp_path / "missing")
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
 
 # -- export_weights ---------------------------------------------------------------------------
@@ -333,10 +334,10 @@ def test_export_checkpoint_weights_leaves_the_live_state_alone(
     session.forward_backward(examples[3:])
     session.optim_step()
     session.forward_backward(examples[:3])
-    digest = session.state_digest()
+    digest = fresh_digest(session)
 
     session.export_checkpoint_weights(tmp_path / "checkpoint", tmp_path / "from-checkpoint")
-    assert session.state_digest() == digest
+    assert fresh_digest(session) == digest
 
     restored = TrainingSession(config, max_steps=1)
     restored.load_state(tmp_path / "checkpoint")

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from architecture_models import ArchitectureModels
+from fresh_state import fresh_digest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_weights import parameter_digest, params  # the same digests as the weights tests
@@ -184,12 +185,12 @@ def test_moe_weights_that_do_not_fit_are_refused_before_any_live_tensor_changes(
     source = rewritten(architectures.path("qwen3-moe"), tmp_path / "damaged", change)
     for lora in (None, EXPERTS):
         session = TrainingSession(architectures.config("qwen3-moe", lora=lora))
-        digest = session.state_digest()
+        digest = fresh_digest(session)
         with pytest.raises(
             InvalidArgument, match=rf"the weights do not fit this model: .*{message}"
         ):
             session.load_weights(source)
-        assert session.state_digest() == digest
+        assert fresh_digest(session) == digest
 
 
 def test_expert_adapters_train_and_an_adapter_export_loads_only_with_the_same_targets(
@@ -214,7 +215,7 @@ def test_expert_adapters_train_and_an_adapter_export_loads_only_with_the_same_ta
 
     both = lora.to_dict() | {"target_parameters": ["gate_up_proj", "down_proj"]}
     other = TrainingSession(architectures.config("gpt-oss", lora=LoraSettings(**both)))
-    digest = other.state_digest()
+    digest = fresh_digest(other)
     with pytest.raises(InvalidArgument, match=r"target_parameters: saved \['gate_up_proj'\], now"):
         other.load_weights(tmp_path / "adapter")
-    assert other.state_digest() == digest
+    assert fresh_digest(other) == digest
