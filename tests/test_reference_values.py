@@ -5,7 +5,7 @@ one interpreter or across hash seeds in one checkout.
 
 The tiny run's digest depends on torch's kernels, so it is pinned with the torch version that
 computed it (the one CI installs, the Makefile's) and skipped, saying why, under another torch;
-its CPU capability is recorded beside it, to tell a kernel difference from a real change. The
+and on another CPU capability (AVX2, AVX512: other kernels, other roundings), both recorded. The
 plan needs no torch and is never skipped.
 
 Regenerate with ``.venv/bin/python tests/test_reference_values.py`` only when a change means to
@@ -115,9 +115,13 @@ def test_a_tiny_run_ends_at_the_pinned_digest(tiny_llama: Path) -> None:
             f"the tiny run's digest was pinned under torch {pinned['torch']}; torch "
             f"{torch_release()} may compute other bits (regenerate it there, see the docstring)"
         )
-    assert tiny_run_digests(tiny_llama) == pinned["digests"], (
-        f"pinned on a {pinned['cpu_capability']} CPU, computed on a {cpu_capability()} one"
-    )
+    if cpu_capability() != pinned["cpu_capability"]:
+        pytest.skip(
+            f"the tiny run's digest was pinned on a {pinned['cpu_capability']} CPU; this one's "
+            f"kernels are {cpu_capability()}, whose fp32 sums may round otherwise (regenerate "
+            "it here to check this kind of CPU, see the docstring)"
+        )
+    assert tiny_run_digests(tiny_llama) == pinned["digests"]
 
 
 def write_reference() -> None:
