@@ -14,7 +14,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +96,7 @@ def serve(
     tinker_tokenizer_id: str | None = None,
     sample_batching: bool = True,
     session_factory: SessionFactory | None = None,
+    health_gate: Callable[[Callable[[bool], None]], Callable[[bool], None]] | None = None,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
@@ -109,6 +110,8 @@ def serve(
     a path the client can read; None: the model's directory on this host).
     ``sample_batching`` False decodes each sample request alone (see ``SessionHost``).
     ``session_factory`` builds the sessions (rank 0 of a group: ``GroupLeader.open_session``).
+    ``health_gate`` takes the listener's health signal and returns the one the host drives (rank
+    0 of a group: ``GroupHealth.gate``, NOT_SERVING while another rank is silent).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
@@ -123,12 +126,13 @@ def serve(
         max_workers=max_workers,
         interceptors=interceptors,
     )
+    set_serving = listener.set_serving if health_gate is None else health_gate(listener.set_serving)
     try:
         session_host = SessionHost(
             state_dir,
             model_root=model_root,
             device=device,
-            on_serving=listener.set_serving,
+            on_serving=set_serving,
             keep_checkpoints=keep_checkpoints,
             sample_batching=sample_batching,
             session_factory=session_factory or TrainingSession,
@@ -136,7 +140,7 @@ def serve(
     except BaseException:
         listener.stop(None)  # release the port of a refused start
         raise
-    listener.set_serving(session_host.phase not in ("restoring", "failed"))
+    set_serving(session_host.phase not in ("restoring", "failed"))
     listener.attach(session_host)
     logger.info(
         "listening on %s (%s%s, state dir %s, device %s)",

@@ -5,10 +5,12 @@ The reference is the same plan run uninterrupted in-process on two ranks (``shar
 drives a real ``trainwire serve --nproc 2`` through the same plan while rank 1, rank 0 and the
 controller are SIGKILLed at seeded moments (the supervisor restarts the group after a rank's
 death; the controller is restarted by the test): it must end with the reference's state digest,
-history and export files, the journal's final lineage holding each operation once. So must the
-same run, uninterrupted, served by two torchrun agents of one rank each, as two pods of
-deploy/multi-pod/ run it. The interrupted run trains full weights, the other a LoRA adapter with
-dropout (the ranks' RNG takes part); each test costs under a minute, so one of each.
+history and export files, the journal's final lineage holding each operation once. So must a
+run whose ranks are SIGSTOPped and left stopped (the supervisor takes a silent rank for failed
+at ``--rank-stall-timeout-s``; rank 0 says NOT_SERVING meanwhile), and the same run,
+uninterrupted, served by two torchrun agents of one rank each, as two pods of deploy/multi-pod/
+run it. The interrupted runs train full weights (they share one reference), the other a LoRA
+adapter with dropout (the ranks' RNG takes part); each test costs a minute or two.
 
 Both sides run each rank on one CPU thread (``OMP_NUM_THREADS=1``): a CPU computation's bits
 depend on its thread count, and the reference's ranks run on one.
@@ -23,11 +25,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import sharded_workers as workers
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from process_cluster import Cluster, file_hashes, wait_until
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan, write_manifest
@@ -36,6 +41,8 @@ from trainwire.testing import free_port, tiny_text_examples
 RUN_TIMEOUT_S = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MODES = {"full": None, "lora": LoraSettings(r=4, alpha=8, dropout=0.1)}
+# A stopped rank is taken for failed after this many seconds (health NOT_SERVING from half).
+STALL_S = "6"
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +75,12 @@ def _operation_count(plan: ManagedTrainingPlan, history: list[dict[str, Any]]) -
     return plan.batch_count + len(updates) + len(checkpoints) + 1
 
 
-def _sharded_cluster(tmp_path: Path, model_root: Path, manifest: Path) -> Cluster:
+def _sharded_cluster(tmp_path: Path, model_root: Path, manifest: Path, *options: str) -> Cluster:
     return Cluster(
         tmp_path,
         model_root,
         manifest,
-        server_options=["--nproc", "2"],
+        server_options=["--nproc", "2", *options],
         server_environment=ONE_THREAD,
     )
 
@@ -146,6 +153,67 @@ def test_sigkilled_ranks_and_controller_end_with_the_uninterrupted_two_rank_bits
                 landed.append(_kill_controller(cluster, ahead))
             else:
                 landed.append(_kill_rank(cluster, int(kill[-1]), ahead))
+        _finish(cluster, started, landed)
+    finally:
+        cluster.kill(cluster.controller)
+        cluster.kill(cluster.server)
+    _assert_equals_reference(cluster, reference)
+
+
+def _health(target: str) -> str:
+    """The server's health as its status name; UNREACHABLE when it does not answer."""
+    with grpc.insecure_channel(target) as channel:
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=1.0
+            )
+        except grpc.RpcError:
+            return "UNREACHABLE"
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+
+def _stop_rank(cluster: Cluster, rank: int, moment: Callable[[], bool], what: str) -> str:
+    """SIGSTOP one rank at ``moment`` and leave it stopped: the supervisor must notice the
+    silence and restart the group (new rank processes) without the test's help. While rank 1
+    is stopped, rank 0 must say NOT_SERVING before the group is restarted."""
+    assert wait_until(moment), f"never {what}\n{cluster.logs_text()}"
+    before = cluster.rank_pids()
+    os.kill(before[rank], signal.SIGSTOP)
+    landed = cluster.journal_position()
+    if rank != 0:
+        said = wait_until(lambda: _health(cluster.target) == "NOT_SERVING")
+        assert said and cluster.rank_pids() == before, (
+            f"rank 0 did not say NOT_SERVING while rank {rank} was stopped\n{cluster.logs_text()}"
+        )
+    restarted = wait_until(
+        lambda: (
+            len(now := cluster.rank_pids()) == 2 and not set(now.values()) & set(before.values())
+        )
+    )
+    assert restarted, f"the group was not restarted\n{cluster.logs_text()}"
+    return f"rank {rank} stopped {what} at position {landed}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("served_plan", ["full"], indirect=True)
+def test_a_stopped_rank_is_taken_for_failed_and_the_run_ends_with_the_uninterrupted_bits(
+    served_plan, model_root, tmp_path
+):
+    """SIGSTOP (a rank that stops making progress without exiting): rank 1 while a checkpoint
+    is being written, then rank 0 while an operation is in flight, each left stopped."""
+    manifest, reference = served_plan
+    cluster = _sharded_cluster(tmp_path, model_root, manifest, "--rank-stall-timeout-s", STALL_S)
+    cluster.start_server()
+    cluster.start_controller()
+    started = time.monotonic()
+    landed: list[str] = []
+    try:
+        saving = cluster.checkpoints_in_flight
+        landed.append(_stop_rank(cluster, 1, lambda: bool(saving()), "while saving"))
+        aim = cluster.journal_position() + 2
+        moved = lambda: cluster.journal_position() >= aim  # noqa: E731 - the operation after it
+        landed.append(_stop_rank(cluster, 0, moved, "in an operation"))
         _finish(cluster, started, landed)
     finally:
         cluster.kill(cluster.controller)

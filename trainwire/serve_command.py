@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.overrides import checked_config_overrides
+from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
+    from trainwire.server.group.board import GroupBoard
     from trainwire.server.group.leader import GroupLeader
     from trainwire.server.group.ranks import Launch, RankGroup
 
@@ -86,6 +88,15 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
         "come from torchrun (see docs/SHARDING.md)",
     )
     serve.add_argument(
+        "--rank-stall-timeout-s",
+        type=float,
+        default=DEFAULT_RANK_STALL_TIMEOUT_S,
+        help="with --nproc: a rank not heard of for this many seconds (stopped, or wedged so "
+        "that it runs no code) is taken for failed and the group restarts from its latest "
+        "checkpoint and journal, as for a rank that died; health is NOT_SERVING from half of it "
+        f"(default {DEFAULT_RANK_STALL_TIMEOUT_S:g})",
+    )
+    serve.add_argument(
         "--tinker-tokenizer-id",
         help="what the SDK's get_tokenizer() loads on the client's side: a hub id or a path the "
         "client can read (default: the model's directory on this host)",
@@ -119,6 +130,11 @@ def command_serve(args: argparse.Namespace) -> int:
     With ``--nproc N`` this process supervises N rank processes (``server/group``); under a
     launcher (torchrun, or that supervisor) it is one rank: rank 0 serves, the others follow.
     """
+    if not args.rank_stall_timeout_s > 0:
+        raise ValueError(
+            f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"
+        )
+    board = start_rank_watch(args.rank_stall_timeout_s)  # first: before torch is imported
     from trainwire.server.group.ranks import Launch, join_group, leave_group, leave_group_and_exit
 
     settings = serve_settings(args)
@@ -128,7 +144,7 @@ def command_serve(args: argparse.Namespace) -> int:
     if launch is None and args.nproc > 1:
         from trainwire.server.group.supervisor import supervise
 
-        return supervise(args.argv, args.nproc, settings["stop_grace_s"])
+        return supervise(args.argv, args.nproc, settings["stop_grace_s"], args.rank_stall_timeout_s)
     if launch is None:
         return _serve_until_stopped(args, settings, token, None)
     group = join_group(launch, args.device)
@@ -141,7 +157,7 @@ def command_serve(args: argparse.Namespace) -> int:
         else:
             from trainwire.server.group.leader import GroupLeader
 
-            code = _serve_until_stopped(args, settings, token, GroupLeader(group))
+            code = _serve_until_stopped(args, settings, token, GroupLeader(group), board)
     except BaseException:
         leave_group()
         raise
@@ -179,9 +195,12 @@ def _serve_until_stopped(
     settings: dict[str, Any],
     token: str | None,
     leader: GroupLeader | None,
+    board: GroupBoard | None = None,
 ) -> int:
-    """One server (a single process, or rank 0 of a group led by ``leader``) until a signal."""
+    """One server (a single process, or rank 0 of a group led by ``leader``; a supervisor's
+    group also has its ``board``) until a signal."""
     from trainwire.client.files import write_text_atomic
+    from trainwire.server.group.health import GroupHealth
     from trainwire.server.process import serve
 
     # Signal handlers first: a SIGTERM that arrives while the server starts still stops it cleanly.
@@ -211,6 +230,7 @@ def _serve_until_stopped(
         tinker_tokenizer_id=args.tinker_tokenizer_id,
         sample_batching=not args.no_sample_batching,
         session_factory=None if leader is None else leader.open_session,
+        health_gate=None if board is None else GroupHealth(board, args.rank_stall_timeout_s).gate,
     )
     if args.port_file:
         write_text_atomic(args.port_file, f"{handle.port}\n")

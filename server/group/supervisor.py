@@ -8,11 +8,15 @@ A rank that exits while the server is not stopping takes the group down: the sup
 the rest (SIGKILL: a rank may be blocked in a collective that will never complete; nothing is
 lost, since every answered operation is in the journal) and starts a new group on a new
 rendezvous port. Its rank 0 recovers from the latest checkpoint and the journal, as a restarted
-single-process server does; clients retry meanwhile. A rank 0 that exits with
-the usage-error code (2: a bad option, a missing model root) would fail the same way again, so
-the supervisor stops with it at once; a group that keeps failing within ``QUICK_FAILURE_S`` of its
-start (a model that cannot load, a port taken) is given up after ``max_quick_failures`` tries in
-a row. Either way a broken setup ends with its error rather than a loop.
+single-process server does; clients retry meanwhile. So does a rank that stops making progress
+without exiting (SIGSTOP, a wedge that runs no Python): every rank counts heartbeats on the
+group's board (``board``, ``heartbeat``), and one silent past ``rank_stall_timeout_s`` is taken
+for failed. A rank 0 that exits with the usage-error code (2: a bad option, a missing model
+root) would fail the same way again, so the supervisor stops with it at once; a group that
+keeps failing before it has served for ``quick_failure_s`` (a model that cannot load, a port
+taken, a rank that dies while a large model loads, however long that takes: a group counts as
+serving only once rank 0 marks it ready) is given up after ``max_quick_failures`` tries in a
+row. Either way a broken setup ends with its error rather than a loop.
 
 A listener given port 0 is pinned to one free port before the first group starts, so a restarted
 group listens where the first did.
@@ -24,16 +28,22 @@ in flight finishes and commits) and then tells the other ranks to exit.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainwire.server.group.board import BOARD_ENV, GroupBoard, Silence
+from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, SUPERVISOR_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +53,23 @@ USAGE_ERROR_EXIT = 2  # the CLI's code for a user's mistake (trainwire.cli.USAGE
 LEADER_EXIT_WAIT_S = 2.0  # how long a failed group waits for rank 0's own exit code
 POLL_S = 0.1
 STOP_WAIT_S = 10.0  # after rank 0 has stopped, how long the others may take to follow
-PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h)
+# A rank's first heartbeat comes once its interpreter runs the CLI's first lines: under load
+# that can take longer than a small stall bound, so before it the bound is at least this.
+FIRST_BEAT_S = 30.0
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a group is taken down: a rank that exited (its code) or fell silent (``stalled``)."""
+
+    rank: int
+    code: int | None = None
+    stalled_s: float | None = None
+
+    def __str__(self) -> str:
+        if self.stalled_s is not None:
+            return f"rank {self.rank} was not heard of for {self.stalled_s:.1f} s"
+        return f"rank {self.rank} exited with code {self.code}"
 
 
 class GroupSupervisor:
@@ -55,18 +81,31 @@ class GroupSupervisor:
         nproc: int,
         stop_grace_s: float,
         *,
+        rank_stall_timeout_s: float = DEFAULT_RANK_STALL_TIMEOUT_S,
         max_quick_failures: int = MAX_QUICK_FAILURES,
+        quick_failure_s: float = QUICK_FAILURE_S,
     ) -> None:
         self.argv = pin_listen_ports(argv)
         self.nproc = nproc
         self.stop_grace_s = stop_grace_s
+        self.rank_stall_timeout_s = rank_stall_timeout_s
         self.max_quick_failures = max_quick_failures
+        self.quick_failure_s = quick_failure_s
         self.stopping = threading.Event()
         self.restarts = 0
         self._ranks: list[subprocess.Popen[bytes]] = []
+        self._boards = Path(tempfile.mkdtemp(prefix="trainwire-group-"))
+        self._board: GroupBoard | None = None
+        self._ready_at: float | None = None  # when the current group was first seen ready
 
     def run(self) -> int:
         """Keep a group running until asked to stop; the exit code of the whole command."""
+        try:
+            return self._supervise()
+        finally:
+            shutil.rmtree(self._boards, ignore_errors=True)
+
+    def _supervise(self) -> int:
         quick_failures = 0
         while not self.stopping.is_set():
             started = time.monotonic()
@@ -74,30 +113,28 @@ class GroupSupervisor:
             failed = self._watch()
             if failed is None:
                 return self._stop()
-            rank, code = failed
-            if self._leader_refused_its_arguments():
+            if failed.stalled_s is None and self._leader_refused_its_arguments():
                 self._kill_all()
                 logger.error("rank 0 refused its arguments (see its error above)")
                 return USAGE_ERROR_EXIT
+            served_s = self._served_s()
             self._kill_all()
             lived = time.monotonic() - started
-            quick_failures = quick_failures + 1 if lived < QUICK_FAILURE_S else 0
+            quick_failures = quick_failures + 1 if served_s < self.quick_failure_s else 0
             if quick_failures >= self.max_quick_failures:
                 logger.error(
-                    "rank %d exited with code %s; the group failed %d times in a row within "
-                    "%.0f s of starting: giving up (see the ranks' errors above)",
-                    rank,
-                    code,
+                    "%s; the group failed %d times in a row before it had served for %.0f s: "
+                    "giving up (see the ranks' errors above)",
+                    failed,
                     quick_failures,
-                    QUICK_FAILURE_S,
+                    self.quick_failure_s,
                 )
                 return 1
             self.restarts += 1
             logger.warning(
-                "rank %d exited with code %s after %.1f s: restarting the group (restart %d); "
-                "rank 0 recovers from the latest checkpoint and journal",
-                rank,
-                code,
+                "%s after %.1f s: restarting the group (restart %d); rank 0 recovers from the "
+                "latest checkpoint and journal",
+                failed,
                 lived,
                 self.restarts,
             )
@@ -106,6 +143,7 @@ class GroupSupervisor:
 
     def _start(self) -> None:
         port = _free_port()
+        board = GroupBoard.create(self._boards / f"board-{self.restarts}", self.nproc)
         ranks = []
         for rank in range(self.nproc):
             environ = {
@@ -117,23 +155,36 @@ class GroupSupervisor:
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "OMP_NUM_THREADS": self._threads_per_rank(),
+                BOARD_ENV: str(board.path),
+                SUPERVISOR_ENV: str(os.getpid()),
             }
             # Its own session: a terminal's Ctrl-C reaches the supervisor alone, which stops
-            # the ranks in order rather than all at once.
+            # the ranks in order rather than all at once. No code runs in the child before
+            # exec (this process may run threads): each rank arms its parent-death signal
+            # itself, first thing (``heartbeat``).
             process = subprocess.Popen(
                 [sys.executable, "-m", "trainwire", *self.argv],
                 env=environ,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,
             )
             ranks.append(process)
         self._ranks = ranks  # whole: a reader never sees half a group
+        self._board, self._ready_at = board, None
         pids = ", ".join(f"rank {r}: {p.pid}" for r, p in enumerate(ranks))
         logger.info("started %d ranks (%s), rendezvous port %d", self.nproc, pids, port)
 
     def ranks_started(self) -> list[int]:
         """The process ids of the current group's ranks, in rank order (empty before a start)."""
         return [process.pid for process in self._ranks]
+
+    @property
+    def ready(self) -> bool:
+        """Whether the current group's rank 0 has served (recovered and taking operations)."""
+        board = self._board
+        try:
+            return board is not None and board.ready
+        except ValueError:  # the group was taken down meanwhile (its board closed)
+            return False
 
     def _threads_per_rank(self) -> str:
         """The ranks share the node's cores: each gets its share of CPU threads (torchrun gives
@@ -142,14 +193,36 @@ class GroupSupervisor:
         given = os.environ.get("OMP_NUM_THREADS")
         return given or str(max(1, (os.cpu_count() or 1) // self.nproc))
 
-    def _watch(self) -> tuple[int, int | None] | None:
-        """Wait until a rank exits (its rank and code) or a stop is asked for (None)."""
+    def _watch(self) -> Failure | None:
+        """Wait until a rank exits or falls silent past the stall bound (why), or a stop is
+        asked for (None)."""
+        assert self._board is not None
+        silence = Silence(
+            self._board, first_beat_s=max(0.0, FIRST_BEAT_S - self.rank_stall_timeout_s)
+        )
         while not self.stopping.wait(POLL_S):
             for rank, process in enumerate(self._ranks):
                 code = process.poll()
                 if code is not None:
-                    return rank, code
+                    return Failure(rank, code=code)
+            if self._ready_at is None and self._board.ready:
+                self._ready_at = time.monotonic()
+            silence.update()
+            rank, silent_s = silence.longest()
+            if silent_s > self.rank_stall_timeout_s:
+                logger.error(
+                    "rank %d has not been heard of for %.1f s (--rank-stall-timeout-s %g): it "
+                    "has stopped making progress; taking the group down",
+                    rank,
+                    silent_s,
+                    self.rank_stall_timeout_s,
+                )
+                return Failure(rank, stalled_s=silent_s)
         return None
+
+    def _served_s(self) -> float:
+        """How long the failed group served (0 if it never became ready)."""
+        return 0.0 if self._ready_at is None else time.monotonic() - self._ready_at
 
     def _leader_refused_its_arguments(self) -> bool:
         """Whether rank 0 exited with the usage-error code. When another rank noticed first
@@ -182,11 +255,18 @@ class GroupSupervisor:
                 process.kill()
         for process in self._ranks:
             process.wait()
+        if self._board is not None:
+            self._board.remove()
+            self._board = None
 
 
-def supervise(argv: Sequence[str], nproc: int, stop_grace_s: float) -> int:
+def supervise(
+    argv: Sequence[str], nproc: int, stop_grace_s: float, rank_stall_timeout_s: float
+) -> int:
     """Run ``GroupSupervisor`` until SIGTERM or SIGINT; its exit code."""
-    supervisor = GroupSupervisor(argv, nproc, stop_grace_s)
+    supervisor = GroupSupervisor(
+        argv, nproc, stop_grace_s, rank_stall_timeout_s=rank_stall_timeout_s
+    )
 
     def on_signal(signum: int, frame: object) -> None:
         logger.info("%s received: stopping the group", signal.Signals(signum).name)
@@ -222,15 +302,6 @@ def _pinned(listen: str) -> str:
     if port != "0":
         return listen
     return f"{host}:{_free_port(host.strip('[]') or '127.0.0.1')}"
-
-
-def _die_with_parent() -> None:
-    """In the rank, before it runs: a supervisor that is killed (SIGKILL leaves it no time to
-    stop its ranks) takes its ranks with it, so no orphan keeps the port or the state
-    directory from the next server. Linux's parent-death signal; elsewhere a no-op."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _free_port(host: str = "127.0.0.1") -> int:
