@@ -188,6 +188,26 @@ def _is_name_list(value: Any) -> bool:
     return isinstance(value, tuple) and all(isinstance(t, str) and t for t in value)
 
 
+# Hugging Face TrainingArguments' switch for graph compilation. A compiled graph runs other
+# kernels (fused, reordered) than eager mode on the same inputs, so its bits differ from the run
+# the journal, the checkpoints and the sampler's logprobs promise: asking for it is refused.
+COMPILE_KEY = "torch_compile"
+
+
+def _without_refused_compilation(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` without ``torch_compile: false`` (what every config is); ValueError naming the
+    reason for any other value."""
+    if COMPILE_KEY not in data:
+        return data
+    if data[COMPILE_KEY] is not False:
+        raise ValueError(
+            f"{COMPILE_KEY}: graph compilation is refused: compiled kernels give other bits than "
+            "eager ones, and trainwire promises the same bits in-process, remote and resumed; "
+            f"leave {COMPILE_KEY} out (or false)"
+        )
+    return {key: value for key, value in data.items() if key != COMPILE_KEY}
+
+
 @dataclass(frozen=True, slots=True)
 class TrainingConfig:
     """Everything that decides a run's bits. Names follow Hugging Face ``TrainingArguments``.
@@ -285,6 +305,7 @@ class TrainingConfig:
         """Build a config from JSON-like data; unknown keys and bad values raise ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be an object, got {type(data).__name__}")
+        data = _without_refused_compilation(data)
         known = {f.name for f in dataclasses.fields(cls) if f.init}
         unknown = sorted(set(data) - known)
         if unknown:
