@@ -8,7 +8,6 @@ serve`'s own parser.
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import yaml
@@ -21,6 +20,7 @@ from deploy_files import (
     gpus,
     kubectl_kustomize,
     manifest_files,
+    needs_kubectl,
     option,
     parse_serve,
 )
@@ -93,7 +93,7 @@ def test_one_pod_keeps_the_workers_probes_and_security(statefulset):
     assert pod["securityContext"] == original_pod["securityContext"]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
+@needs_kubectl
 def test_kubectl_kustomize_renders_the_gpus_component_as_these_tests_read_it(tmp_path):
     gpus_only = kubectl_kustomize(DEPLOY, ["components/gpus"], tmp_path)
     assert by_kind_and_name(gpus_only) == by_kind_and_name(rendered("gpus"))
