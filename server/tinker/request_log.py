@@ -14,6 +14,11 @@ requests since the latest checkpoint, the samples not yet answered, and the resu
 still ask for (``futures``'s retention bounds them in time, count and bytes), each carried in one
 record with its payload's digest once its request's record is gone; none of an SDK session the
 front forgot (``Sequencer.forget_sessions``).
+
+In memory the log keeps what compaction and the routes ask of its records (ids, seq_ids, small
+bodies); a heavy body (a ``forward_backward``'s protobuf, a long prompt, a large result) stays in
+the file (``OnDisk``) and compaction copies its line as it was written, so what a process holds
+does not grow with the calls a run sends between two checkpoints.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainwire.server.errors import ResourceExhausted
-from trainwire.server.tinker.futures import Failed, Outcome
+from trainwire.server.tinker.futures import Done, Failed, Outcome
 from trainwire.server.tinker.records import (
     CallRecord,
     Record,
@@ -39,6 +45,19 @@ from trainwire.server.tinker.records import (
 logger = logging.getLogger(__name__)
 
 LOG_FILE = "requests.jsonl"
+# A record whose line is this long keeps its body in the file only: a run that never saves a
+# checkpoint would otherwise hold every forward_backward body it was sent in memory until the
+# next compaction. Requests' small fields (ids, seq_ids, a load's path) stay in memory.
+HEAVY_LINE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class OnDisk:
+    """A body left in the file: its record's line is ``length`` bytes at ``offset``. Only
+    ``RequestLog.compact`` reads it back, copying the line as it was written."""
+
+    offset: int
+    length: int
 
 
 def compacted(
@@ -79,6 +98,7 @@ class RequestLog:
         self._sync_lock = threading.Lock()  # one fsync at a time; a waiter may find it done
         self._written = 0  # records written (flushed to the OS)
         self._synced = 0  # records known durable
+        self._read_lines: list[tuple[int, int]] = []  # where each record read at start lies
         self.records = self._read()
         self._fd = self._open()
 
@@ -94,13 +114,27 @@ class RequestLog:
             logger.warning("%s: dropped a torn last record", self.path)
             with self.path.open("r+b") as file:
                 file.truncate(complete)
-        records = []
-        for number, line in enumerate(data[:complete].splitlines(), 1):
+        records: list[Record] = []
+        offset = 0
+        for number, line in enumerate(data[:complete].splitlines(keepends=True), 1):
             try:
                 records.append(record_from_json(json.loads(line)))
             except (ValueError, KeyError, TypeError):
                 raise ValueError(f"{self.path}: record {number} is corrupt") from None
+            self._read_lines.append((offset, len(line)))
+            offset += len(line)
         return records
+
+    def leave_bodies_on_disk(self) -> None:
+        """Once the records read at start were taken back (they needed their bodies), keep the
+        heavy ones' bodies in the file only, as ``append`` does for new ones."""
+        with self._lock:
+            lines = self._read_lines
+            if len(lines) <= len(self.records):
+                read = self.records[: len(lines)]
+                light = [_light(r, *line) for r, line in zip(read, lines, strict=True)]
+                self.records[: len(lines)] = light
+            self._read_lines = []
 
     def append(self, record: Record) -> int:
         """Write ``record`` (not yet durable); returns its ticket for ``sync``."""
@@ -119,7 +153,7 @@ class RequestLog:
                     ) from None
                 raise
             self._written += 1
-            self.records.append(record)
+            self.records.append(_light(record, start, len(line)))
             return self._written
 
     def sync(self, ticket: int) -> None:
@@ -156,11 +190,19 @@ class RequestLog:
             if kept is None:
                 return False
             temporary = self.path.with_suffix(".tmp")
-            with temporary.open("wb") as file:
+            written = []
+            with temporary.open("wb") as file, self.path.open("rb") as old:
                 for record in kept:
-                    file.write(_line(record))
+                    stored = _on_disk(record)
+                    if stored is None:
+                        line = _line(record)
+                    else:  # copied as written, never decoded: a body is read once, at a restart
+                        line = os.pread(old.fileno(), stored.length, stored.offset)
+                    written.append(_light(record, file.tell(), len(line)))
+                    file.write(line)
                 file.flush()
                 os.fsync(file.fileno())
+            kept = written
             os.close(self._fd)
             temporary.replace(self.path)
             directory = os.open(self.path.parent, os.O_RDONLY)
@@ -170,6 +212,7 @@ class RequestLog:
                 os.close(directory)
             self._fd = self._open()
             self.records = kept
+            self._read_lines = []  # the records read at start are rewritten with their places
             self._synced = self._written  # the kept records are durable, the others gone on purpose
         logger.debug("%s compacted to %d records", self.path, len(kept))
         return True
@@ -177,6 +220,28 @@ class RequestLog:
     def close(self) -> None:
         with self._lock:
             os.close(self._fd)
+
+
+def _light(record: Record, offset: int, length: int) -> Record:
+    """``record`` as the log keeps it in memory: a heavy line's body left in the file."""
+    if length < HEAVY_LINE_BYTES or _on_disk(record) is not None:
+        return record
+    stored = OnDisk(offset, length)
+    if isinstance(record, CallRecord | SampleRecord):
+        return replace(record, body=stored)  # type: ignore[arg-type]
+    if isinstance(record, ResultRecord) and isinstance(record.outcome, Done):
+        return replace(record, outcome=Done(stored))  # type: ignore[arg-type]
+    return record
+
+
+def _on_disk(record: Record) -> OnDisk | None:
+    """Where ``record``'s body is in the file, when it is left there."""
+    if isinstance(record, CallRecord | SampleRecord) and isinstance(record.body, OnDisk):
+        return record.body
+    if isinstance(record, ResultRecord) and isinstance(record.outcome, Done):
+        body = record.outcome.body
+        return body if isinstance(body, OnDisk) else None
+    return None
 
 
 def _line(record: Record) -> bytes:

@@ -118,6 +118,7 @@ class Sequencer:
             yield records
         finally:
             self._replayed = None
+            self.log.leave_bodies_on_disk()  # taken back: the heavy bodies stay in the file
         if records:
             logger.info("Tinker front: %d request records read back", len(records))
 
