@@ -205,6 +205,7 @@ def test_a_half_set_launch_is_refused_naming_what_is_wrong(change, message):
     [
         (["--nproc", "0"], {}, "--nproc must be at least 1"),
         (["--nproc", "3"], LAUNCHED, "--nproc 3, but the launcher started WORLD_SIZE=2"),
+        (["--rank-stall-timeout-s", "0"], {}, "--rank-stall-timeout-s must be positive"),
     ],
 )
 def test_a_wrong_nproc_is_refused_in_one_line_before_anything_starts(
