@@ -1,14 +1,16 @@
 """What each rank of a sharded-session test runs, in its own process (gloo on the CPU).
 
 ``launch(world_size, scenario, spec, out)`` spawns the ranks; each joins a gloo group, runs
-the scenario (``SCENARIOS`` here, whole runs and weights in and out in ``sharded_runs``) on
-``(spec, group)`` and writes what it saw to ``out/rank<r>.json`` for the test to
-compare. The operations live here too (``apply_operations``), so the single-process reference in
-the test runs exactly the calls the ranks run.
+the scenario (``SCENARIOS`` here, whole runs and weights in and out in ``sharded_runs``, or
+``"module:function"`` for one kept beside its test) on ``(spec, group)`` and writes what it saw to
+``out/rank<r>.json`` for the test to compare. The operations live here too
+(``apply_operations``), so the single-process reference in the test runs exactly the calls the
+ranks run.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from collections.abc import Callable
@@ -206,11 +208,8 @@ def _rank(rank: int, world_size: int, port: int, scenario: str, spec: dict[str, 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
-    # Imported here, in the rank: sharded_runs builds on this module's data and sessions.
-    from sharded_runs import RUN_SCENARIOS
-
     try:
-        report = {**SCENARIOS, **RUN_SCENARIOS}[scenario](spec, dist.group.WORLD)
+        report = _scenario(scenario)(spec, dist.group.WORLD)
         dist.barrier()  # every rank is done with the group before any tears it down
         path = Path(spec["out"]) / f"rank{rank}.json"
         path.write_text(json.dumps(report, allow_nan=True))
@@ -221,6 +220,18 @@ def _rank(rank: int, world_size: int, port: int, scenario: str, spec: dict[str, 
     # without an active exception"; seen twice here, in launches under load), after the
     # report the test reads is written.
     os._exit(0)
+
+
+def _scenario(name: str) -> Callable[[dict[str, Any], dist.ProcessGroup], dict[str, Any]]:
+    """A scenario by name: one of ``SCENARIOS`` or ``sharded_runs``', or ``"module:function"``
+    for one that lives beside the test that runs it."""
+    if ":" in name:
+        module, _, function = name.partition(":")
+        return getattr(importlib.import_module(module), function)
+    # Imported here, in the rank: sharded_runs builds on this module's data and sessions.
+    from sharded_runs import RUN_SCENARIOS
+
+    return {**SCENARIOS, **RUN_SCENARIOS}[name]
 
 
 def launch(world_size: int, scenario: str, spec: dict[str, Any]) -> list[dict[str, Any]]:
