@@ -142,6 +142,31 @@ class Cluster:
         )
 
 
+# A run is failed only once it stops moving: neither its journal nor any process's log changed
+# for this long (a hang), however long a loaded machine takes to finish it.
+STALL_S = 120
+
+
+def progress(cluster: Cluster) -> tuple[int, int]:
+    """What moves while a run makes progress: its journal's lineage and its processes' logs."""
+    try:
+        applied = len(cluster.journal_lineage())
+    except sqlite3.Error:  # not created yet, or a restart holds it
+        applied = -1
+    logged = sum(path.stat().st_size for path in cluster.logs.iterdir())
+    return applied, logged
+
+
+def wait_for_controller(cluster: Cluster, context: str = "") -> None:
+    """Until the controller exits; fails the test once the run stalls for ``STALL_S``."""
+    seen, moved = progress(cluster), time.monotonic()
+    while cluster.controller is not None and cluster.controller.poll() is None:
+        if (now := progress(cluster)) != seen:
+            seen, moved = now, time.monotonic()
+        assert time.monotonic() - moved < STALL_S, f"stalled: {context}\n{cluster.logs_text()}"
+        time.sleep(0.1)
+
+
 def wait_until(condition, timeout_s: float = AIM_TIMEOUT_S) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import sqlite3
-import time
 
 import pytest
 from plans import sentiment_plan
@@ -23,6 +21,7 @@ from process_cluster import (
     Cluster,
     file_hashes,
     kill_at_position,
+    wait_for_controller,
     wait_until,
 )
 
@@ -30,20 +29,7 @@ from trainwire.client import ManagedTrainingPlan, write_manifest
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 
-# The run is failed only once it stops moving: neither its journal nor any process's log changed
-# for this long (a hang), however long a loaded machine takes to finish it.
-STALL_S = 120
 KILL_ATTEMPTS = 5  # what a kill aims at can pass between being seen and the kill
-
-
-def progress(cluster: Cluster) -> tuple[int, int]:
-    """What moves while the run makes progress: its journal's lineage and its processes' logs."""
-    try:
-        applied = len(cluster.journal_lineage())
-    except sqlite3.Error:  # not created yet, or a restart holds it
-        applied = -1
-    logged = sum(path.stat().st_size for path in cluster.logs.iterdir())
-    return applied, logged
 
 
 def kill_server_during_checkpoint(cluster: Cluster) -> str:
@@ -131,12 +117,7 @@ def test_sigkilled_server_and_controller_end_bit_identical(
                 landed.append(kill_controller_after_commit(cluster))
         for which, ahead in positioned:
             landed.append(kill_at_position(cluster, which, ahead))
-        seen, moved = progress(cluster), time.monotonic()
-        while cluster.controller.poll() is None:
-            if (now := progress(cluster)) != seen:
-                seen, moved = now, time.monotonic()
-            assert time.monotonic() - moved < STALL_S, f"stalled\n{cluster.logs_text()}"
-            time.sleep(0.1)
+        wait_for_controller(cluster, str(landed))
         assert cluster.controller.returncode == 0, f"{landed}\n{cluster.logs_text()}"
     finally:
         cluster.kill(cluster.controller)

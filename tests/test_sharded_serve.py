@@ -24,7 +24,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,11 @@ import grpc
 import pytest
 import sharded_workers as workers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from process_cluster import Cluster, file_hashes, wait_until
+from process_cluster import Cluster, file_hashes, wait_for_controller, wait_until
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan, write_manifest
 from trainwire.testing import free_port, tiny_text_examples
 
-RUN_TIMEOUT_S = 300
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 MODES = {"full": None, "lora": LoraSettings(r=4, alpha=8, dropout=0.1)}
 # A stopped rank is taken for failed after this many seconds (health NOT_SERVING from half).
@@ -85,10 +83,8 @@ def _sharded_cluster(tmp_path: Path, model_root: Path, manifest: Path, *options:
     )
 
 
-def _finish(cluster: Cluster, started: float, landed: list[str]) -> None:
-    while cluster.controller is not None and cluster.controller.poll() is None:
-        assert time.monotonic() - started < RUN_TIMEOUT_S, f"{landed}\n{cluster.logs_text()}"
-        time.sleep(0.1)
+def _finish(cluster: Cluster, landed: list[str]) -> None:
+    wait_for_controller(cluster, str(landed))
     assert cluster.controller.returncode == 0, f"{landed}\n{cluster.logs_text()}"
 
 
@@ -144,7 +140,6 @@ def test_sigkilled_ranks_and_controller_end_with_the_uninterrupted_two_rank_bits
     cluster = _sharded_cluster(tmp_path, model_root, manifest)
     cluster.start_server()
     cluster.start_controller()
-    started = time.monotonic()
     landed: list[str] = []
     try:
         for kill in kills:
@@ -153,7 +148,7 @@ def test_sigkilled_ranks_and_controller_end_with_the_uninterrupted_two_rank_bits
                 landed.append(_kill_controller(cluster, ahead))
             else:
                 landed.append(_kill_rank(cluster, int(kill[-1]), ahead))
-        _finish(cluster, started, landed)
+        _finish(cluster, landed)
     finally:
         cluster.kill(cluster.controller)
         cluster.kill(cluster.server)
@@ -206,7 +201,6 @@ def test_a_stopped_rank_is_taken_for_failed_and_the_run_ends_with_the_uninterrup
     cluster = _sharded_cluster(tmp_path, model_root, manifest, "--rank-stall-timeout-s", STALL_S)
     cluster.start_server()
     cluster.start_controller()
-    started = time.monotonic()
     landed: list[str] = []
     try:
         saving = cluster.checkpoints_in_flight
@@ -214,7 +208,7 @@ def test_a_stopped_rank_is_taken_for_failed_and_the_run_ends_with_the_uninterrup
         aim = cluster.journal_position() + 2
         moved = lambda: cluster.journal_position() >= aim  # noqa: E731 - the operation after it
         landed.append(_stop_rank(cluster, 0, moved, "in an operation"))
-        _finish(cluster, started, landed)
+        _finish(cluster, landed)
     finally:
         cluster.kill(cluster.controller)
         cluster.kill(cluster.server)
@@ -247,7 +241,7 @@ def test_two_nodes_under_torchrun_serve_a_run_with_the_in_process_two_rank_bits(
         )
     cluster.start_controller()
     try:
-        _finish(cluster, time.monotonic(), [])
+        _finish(cluster, [])
     finally:
         cluster.kill(cluster.controller)
         for node in nodes:
