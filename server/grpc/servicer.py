@@ -142,7 +142,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def Open(self, request: pb.OpenRequest, context: grpc.ServicerContext) -> pb.OpenResponse:
         def call() -> outcomes.OpenOutcome:
-            check_name(request.run_id, "run id")  # refused before the config, as it always was
+            check_name(request.run_id, "run id")  # a bad run id is the first thing refused
             config = config_from_json(request.config_json)
             max_steps = max_steps_from_proto(request.max_steps)
             return self.session_host.open(

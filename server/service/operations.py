@@ -156,7 +156,8 @@ def _forward_backward_payload(request: ForwardBackwardRequest) -> dict[str, Any]
 
 
 def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
-    """Every setting given; a step with the defaults digests as it always has: ``{}``."""
+    """Every setting given; a step with the defaults digests as ``{}`` (journals written before
+    steps took settings hold that digest for a plain step)."""
     payload: dict[str, Any] = {
         name: value
         for name, value in dataclasses.asdict(_update_settings(request)).items()

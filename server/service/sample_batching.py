@@ -8,7 +8,7 @@ joins it at the next step. Which request a batch may take is what keeps the orde
 promises: a request is taken only by a batch call queued after every call that was queued before
 the request arrived (the executor's ``epoch`` says which), and once any other call is queued, no
 request joins the running batch any more. So a read never sees weights older than a call queued
-before it, training calls keep their order and run exactly once as before, and a training call
+before it, training calls keep their order and run exactly once, and a training call
 queued while a batch decodes waits for the rows that were already there (queued before it, they
 ran first anyway) plus at most the one decode step under way.
 
