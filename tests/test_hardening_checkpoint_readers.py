@@ -139,3 +139,20 @@ def test_an_expired_checkpoint_a_journaled_load_read_is_hidden_but_replayed_from
         save = {"model_id": model_id, "seq_id": 7, "path": "own"}
         done(api, api.post("save_weights", save))  # sweeps after it is recorded
         assert not checkpoint_folder(state_dir, source_model, "ck").exists()
+
+
+def test_a_load_whose_logged_body_is_left_on_disk_still_keeps_its_checkpoint(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """A load padded past the request log's in-memory bound (its body stays in the file) is
+    found all the same: the delete is refused."""
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        api = RawFront(handle.tinker.base_url)
+        source_model, source = saved_run(api)
+        _, model_id = api.model()
+        padded = {"model_id": model_id, "seq_id": 1, "path": source, "padding": "x" * 8192}
+        load = api.post("load_weights", padded)
+        done(api, load)
+        refused = delete(api, source_model, "ck")
+        assert refused.status_code == 409, refused.text
+        assert load.json()["request_id"] in refused.json()["detail"]

@@ -99,6 +99,7 @@ class RequestLog:
         self._written = 0  # records written (flushed to the OS)
         self._synced = 0  # records known durable
         self._read_lines: list[tuple[int, int]] = []  # where each record read at start lies
+        self._reader: int | None = None  # reads back bodies left in the file (``calls``)
         self.records = self._read()
         self._fd = self._open()
 
@@ -156,6 +157,29 @@ class RequestLog:
             self.records.append(_light(record, start, len(line)))
             return self._written
 
+    def calls(self, route: str) -> tuple[list[CallRecord], set[str]]:
+        """The logged calls of ``route`` whole (a body left in the file read back), and the
+        request ids whose result is recorded; as of one moment (no append or compaction
+        meanwhile)."""
+        with self._lock:
+            calls = [r for r in self.records if isinstance(r, CallRecord) and r.route == route]
+            answered = {r.request_id for r in self.records if isinstance(r, ResultRecord)}
+            whole = [self._whole(call) for call in calls]
+        return whole, answered
+
+    def _whole(self, call: CallRecord) -> CallRecord:
+        if not isinstance(call.body, OnDisk):
+            return call
+        line = os.pread(self._fd_for_reading(), call.body.length, call.body.offset)
+        record = record_from_json(json.loads(line))
+        assert isinstance(record, CallRecord) and record.request_id == call.request_id
+        return record
+
+    def _fd_for_reading(self) -> int:
+        if self._reader is None:
+            self._reader = os.open(self.path, os.O_RDONLY)
+        return self._reader
+
     def sync(self, ticket: int) -> None:
         """Return once the record with ``ticket`` is on disk (one fsync may cover many)."""
         with self._sync_lock:
@@ -204,6 +228,9 @@ class RequestLog:
                 os.fsync(file.fileno())
             kept = written
             os.close(self._fd)
+            if self._reader is not None:  # it reads the old file: the next read opens the new
+                os.close(self._reader)
+                self._reader = None
             temporary.replace(self.path)
             directory = os.open(self.path.parent, os.O_RDONLY)
             try:
@@ -220,6 +247,9 @@ class RequestLog:
     def close(self) -> None:
         with self._lock:
             os.close(self._fd)
+            if self._reader is not None:
+                os.close(self._reader)
+                self._reader = None
 
 
 def _light(record: Record, offset: int, length: int) -> Record:

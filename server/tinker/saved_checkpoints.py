@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
-from trainwire.server.tinker.records import CallRecord, ResultRecord
 
 if TYPE_CHECKING:
     from trainwire.server.tinker.front import TinkerFront
@@ -66,19 +65,14 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
     success is the journal's, and replaying it reads the checkpoint again). A checkpoint of the
     model itself counts too: recovery restores its newest checkpoint, not an older one it
     loaded since."""
-    records = list(front.sequencer.log.records)
-    answered = {r.request_id for r in records if isinstance(r, ResultRecord)}
-    readers = []
-    for record in records:
-        if (
-            isinstance(record, CallRecord)
-            and record.route == LOAD_ROUTE
-            and record.request_id not in answered
-            and isinstance(record.body, dict)
-            and _names(record.body.get("path"), path)
-        ):
-            readers.append(record.request_id)
-    return readers
+    calls, answered = front.sequencer.log.calls(LOAD_ROUTE)
+    return [
+        call.request_id
+        for call in calls
+        if call.request_id not in answered
+        and isinstance(call.body, dict)
+        and _names(call.body.get("path"), path)
+    ]
 
 
 def _names(given: object, path: TinkerPath) -> bool:
