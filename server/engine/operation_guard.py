@@ -45,7 +45,7 @@ class OperationGuard:
             self.rng.install()
             yield
             if keep:
-                self.rng = RngState.capture(cuda=self.cuda)
+                self.rng = self.rng.advanced(cuda=self.cuda)
 
     @contextlib.contextmanager
     def operation(self, *, changes_state: bool = True) -> Iterator[None]:

@@ -3,6 +3,12 @@
 Dropout and adapter initialization draw from the process-wide generators. A session keeps its
 own snapshot and installs it around each of its operations, so two sessions in one process never
 change each other's bits, and a checkpoint restores the exact continuation.
+
+Of those, a session's operations draw from torch's generators only: no engine code and no model
+it trains draws from Python's ``random`` or NumPy's global stream. Those two are installed as
+seeded (for any code that might) but never taken back after an operation (``advanced``): what
+another thread or a library does to them meanwhile (a draw on a first run only, say) is not the
+session's, and must not change its digest.
 """
 
 from __future__ import annotations
@@ -45,6 +51,12 @@ class RngState:
             np.random.seed(seed % 2**32)
             torch.manual_seed(seed)  # seeds CUDA generators too, where initialized
             return cls.capture(cuda=cuda)
+
+    def advanced(self, *, cuda: bool = True) -> RngState:
+        """The state after an operation: torch's generators as it left them, Python's and
+        NumPy's as this state installed them (the session never draws from those)."""
+        now = RngState.capture(cuda=cuda)
+        return RngState(self.python, self.numpy, now.torch_cpu, now.cuda)
 
     def install(self) -> None:
         random.setstate(self.python)
