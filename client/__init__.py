@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainwire.client.config import InputExample, LoraSettings, TrainingConfig
     from trainwire.client.custom_loss import forward_backward_custom
+    from trainwire.client.errors import ServerUnreachable, SessionError
     from trainwire.client.manifest import (
         load_plan,
         read_config_file,
@@ -42,6 +43,8 @@ _LAZY = {
     "ManagedTrainingPlan": "trainwire.client.plan",
     "Microbatch": "trainwire.client.plan",
     "SessionClient": "trainwire.client.session_client",
+    "SessionError": "trainwire.client.errors",
+    "ServerUnreachable": "trainwire.client.errors",
     "TokenExample": "trainwire.client.tokens",
     "Sample": "trainwire.client.outcomes",
     "forward_backward_custom": "trainwire.client.custom_loss",
@@ -54,7 +57,9 @@ __all__ = [
     "ManagedTrainingPlan",
     "Microbatch",
     "Sample",
+    "ServerUnreachable",
     "SessionClient",
+    "SessionError",
     "TokenExample",
     "TrainingConfig",
     "forward_backward_custom",

@@ -22,6 +22,7 @@ import grpc
 
 from trainwire.client.artifacts import SUMMARY_JSON, write_run_artifacts
 from trainwire.client.cursor import WorkDirectory
+from trainwire.client.errors import ServerUnreachable
 from trainwire.client.pipeline import DEFAULT_WINDOW
 from trainwire.client.plan import ManagedTrainingPlan
 from trainwire.client.progress import Progress
@@ -61,8 +62,11 @@ class Controller:
         run_id: names the run on the server and in every operation key.
         work_dir: the cursor, snapshots, downloaded export and summary live here.
         checkpoint_every: ask the server for a checkpoint every this many updates.
-        recovery_timeout_s: how long to keep waiting for an unreachable server: an hour, longer
-            than Kubernetes takes to restart a failed pod with the shipped probes (deploy/).
+        recovery_timeout_s: how long to keep waiting for a server that went away: an hour,
+            longer than Kubernetes takes to restart a failed pod with the shipped probes
+            (deploy/). Only a server this run reached before (in this process, or as the work
+            directory records) is waited for; one never reached fails at once
+            (``ServerUnreachable``), since an address nobody serves is a mistake, not an outage.
         window: operations kept in flight (pipelined); any window ends with window 1's bits.
     """
 
@@ -191,7 +195,7 @@ class Controller:
             except PositionMoved as moved:
                 logger.warning("run %s: %s; resynchronizing", self.run_id, moved)
             except grpc.RpcError as error:
-                if error.code() not in RETRYABLE_CODES:
+                if error.code() not in RETRYABLE_CODES or not self._met_server(error):
                     raise
                 outage_started = self._outage(error, outage_started)
                 delay = OUTAGE_BACKOFF.delay_s(attempt)
@@ -205,6 +209,12 @@ class Controller:
                     delay,
                 )
                 time.sleep(delay)
+
+    def _met_server(self, error: grpc.RpcError) -> bool:
+        """Whether the server behind ``error`` is one this run met: the client reached it, or
+        this work directory records the run's progress on it (a restarted controller whose
+        server is restarting too waits for it, as the one before would have)."""
+        return not isinstance(error, ServerUnreachable) or bool(self.work.records())
 
     def _outage(self, error: grpc.RpcError, started: float | None) -> float:
         """When the outage ``error`` belongs to started; raises ``error`` past the recovery

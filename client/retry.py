@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import grpc
 
+from trainwire.client.errors import ServerUnreachable
 from trainwire.client.wire import POSITION_METADATA_KEY
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ def call_with_retry(
     sleep: Callable[[float], None] = time.sleep,
     rng: Callable[[], float] = _JITTER.random,
 ) -> T:
-    """``call()``, retried on UNAVAILABLE and DEADLINE_EXCEEDED; other errors raise at once.
+    """``call()``, retried on UNAVAILABLE and DEADLINE_EXCEEDED; other errors raise at once, and
+    so does ``ServerUnreachable`` (no server ever answered there: waiting would not help).
 
     The last error is raised as received (a ``grpc.RpcError``), so ``.code()`` is the status.
     """
@@ -82,7 +84,7 @@ def call_with_retry(
         try:
             return call()
         except grpc.RpcError as error:
-            if error.code() not in RETRYABLE_CODES or attempt == policy.max_attempts:
+            if not is_retryable(error) or attempt == policy.max_attempts:
                 raise
             delay = policy.delay_s(attempt - 1, rng)
             # Detail: the caller decides what a user sees (the controller says once that the
@@ -98,6 +100,12 @@ def call_with_retry(
             )
             sleep(delay)
     raise AssertionError("unreachable: the last attempt returns or raises")
+
+
+def is_retryable(error: grpc.RpcError) -> bool:
+    """A failure that a later try may not meet: UNAVAILABLE or DEADLINE_EXCEEDED from a server
+    that was reached (a target where none ever answered is ``ServerUnreachable``)."""
+    return error.code() in RETRYABLE_CODES and not isinstance(error, ServerUnreachable)
 
 
 def position_from_error(error: grpc.RpcError) -> int | None:

@@ -1,8 +1,11 @@
 """``SessionClient``: a remote training session, one method per operation, torch-free.
 
-A failed call raises the ``grpc.RpcError`` it received, so ``.code()`` is the status. Calls are
-retried with backoff on UNAVAILABLE and DEADLINE_EXCEEDED, which is safe: state-changing calls
-carry their operation key, and the server answers a key it has applied from its journal.
+A failed call raises trainwire's own ``SessionError`` (a ``grpc.RpcError``, so ``.code()`` is the
+status) whose message is one line: the reason and the status. Calls are retried with backoff on
+UNAVAILABLE and DEADLINE_EXCEEDED, which is safe: state-changing calls carry their operation key,
+and the server answers a key it has applied from its journal. A target no server ever answered
+at (nothing listens, the name does not resolve, it does not speak gRPC) is not retried: it
+raises ``ServerUnreachable`` at once, saying what was tried and what to check.
 
 ``close()`` closes the *session* on the server (the Close call); ``close_channel()``, or leaving a
 ``with SessionClient(...)`` block, only closes this client's connection.
@@ -24,6 +27,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from trainwire.client import chunks, outcomes, wire
 from trainwire.client.config import TrainingConfig, canonical_json
 from trainwire.client.downloads import DownloadError, receive_export
+from trainwire.client.errors import (
+    PROBE_TIMEOUT_S,
+    ServerUnreachable,
+    SessionError,
+    check_target,
+    unreachable_reason,
+)
 from trainwire.client.files import Pem, read_pem
 from trainwire.client.pipeline import OperationPipeline
 from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
@@ -40,7 +50,7 @@ DEFAULT_MAX_IN_FLIGHT = 4
 T = TypeVar("T")
 P = ParamSpec("P")
 
-__all__ = ["DownloadError", "SessionClient"]
+__all__ = ["DownloadError", "ServerUnreachable", "SessionClient", "SessionError"]
 
 
 def _after_pipelined_calls(
@@ -62,7 +72,8 @@ class SessionClient:
     """Drives the training session of the server at ``target`` (``HOST:PORT``).
 
     Args:
-        target: the server's address.
+        target: the server's address, ``HOST:PORT`` (a URL or a host without a port is
+            refused with ``InvalidTarget``, a ``ValueError``).
         token: the bearer token, when the server requires one.
         root_certificates: PEM (bytes or a file path) to verify a TLS server; giving it (or a
             client certificate) makes the connection TLS.
@@ -88,8 +99,11 @@ class SessionClient:
         retry: RetryPolicy | None = None,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
     ) -> None:
+        check_target(target)
         self.target = target
         self.timeout_s = timeout_s
+        # Whether a server ever answered here: only then is an UNAVAILABLE worth retrying.
+        self.reached = False
         self.retry = retry or RetryPolicy(max_attempts=max_attempts)
         options = [
             ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES),
@@ -138,21 +152,70 @@ class SessionClient:
             left_s = deadline - time.monotonic()
             try:
                 reply = health.Check(health_pb2.HealthCheckRequest(), timeout=max(0.1, left_s))
+                self.reached = True
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as error:
                 if error.code() not in RETRYABLE_CODES:
-                    raise
+                    raise SessionError.from_rpc_error(error) from None
             if time.monotonic() + poll_s > deadline:
                 raise TimeoutError(f"{self.target} was not SERVING within {timeout_s:.0f}s")
             time.sleep(poll_s)
 
     def _call(self, what: str, method: Any, request: Any) -> Any:
-        return call_with_retry(
-            lambda: method(request, timeout=self.timeout_s, metadata=self._metadata),
-            self.retry,
-            what=f"{self.target} {what}",
+        return self._retried(
+            what, lambda: method(request, timeout=self.timeout_s, metadata=self._metadata)
         )
+
+    def _retried(self, what: str, attempt: Callable[[], T]) -> T:
+        """``attempt()`` with the retry policy; a failure raised as trainwire's own, in one line
+        and without grpc's traceback chained to it."""
+
+        def noting_the_server() -> T:
+            try:
+                result = attempt()
+            except grpc.RpcError as error:
+                self._note_failure(error)
+                raise
+            self.reached = True
+            return result
+
+        try:
+            return call_with_retry(noting_the_server, self.retry, what=f"{self.target} {what}")
+        except grpc.RpcError as error:
+            raise SessionError.from_rpc_error(error) from None
+
+    def _note_failure(self, error: grpc.RpcError) -> None:
+        """Tell a server that answered from a target where none ever did: the latter raises
+        ``ServerUnreachable`` (never retried); an UNAVAILABLE over a working connection (a
+        server restoring, say) marks the server reached, as any other status does."""
+        code = error.code()
+        if self.reached or code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return
+        if code != grpc.StatusCode.UNAVAILABLE:
+            self.reached = True
+            return
+        reason = unreachable_reason(self.target)
+        if reason is None and self._answers_health():
+            self.reached = True
+            return
+        raise ServerUnreachable(
+            self.target,
+            reason
+            or "something accepts connections there but does not answer gRPC (an HTTP server "
+            "such as the Tinker front's --tinker-listen port, or TLS on one side only)",
+        ) from None
+
+    def _answers_health(self) -> bool:
+        """Whether a gRPC server answers the health check here (any answer but UNAVAILABLE)."""
+        health = health_pb2_grpc.HealthStub(self._channel)
+        try:
+            health.Check(
+                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            return error.code() != grpc.StatusCode.UNAVAILABLE
+        return True
 
     # -- the session -----------------------------------------------------------------------------
 
@@ -381,7 +444,7 @@ class SessionClient:
             finally:
                 stream.cancel()  # a no-op once the stream has ended
 
-        return call_with_retry(attempt, self.retry, what=f"{self.target} ExportWeights")
+        return self._retried("ExportWeights", attempt)
 
     def close(self, run_id: str | None = None) -> outcomes.SessionInfo:
         """Close the session on the server (idempotent); the connection stays usable.

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from trainwire.testing import free_port
+from trainwire.testing import free_port, wait_for_listener
 
 RUN_ID = "chaos"
 AIM_TIMEOUT_S = 60  # the longest wait for the moment a kill aims at
@@ -92,6 +92,10 @@ class Cluster:
         return ranks
 
     def start_controller(self) -> None:
+        if not (self.work / "cursor.json").exists():
+            # A controller fails at once on a server it never reached; one with a cursor met
+            # its server and waits for it (the restarts these tests make).
+            wait_for_listener(self.target)
         self.controller = self._start(self.controller_args, "controller")
 
     @staticmethod

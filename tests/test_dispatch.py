@@ -17,7 +17,12 @@ from trainwire.client import ManagedTrainingPlan, SessionClient, write_manifest
 from trainwire.client.dispatch import Dispatcher, run_id_for
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
-from trainwire.testing import free_port, tiny_sentiment_examples, tiny_text_examples
+from trainwire.testing import (
+    free_port,
+    tiny_sentiment_examples,
+    tiny_text_examples,
+    wait_for_listener,
+)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +86,8 @@ def test_dispatch_over_three_servers_survives_a_killed_server(
 
     for port in ports:
         start(port)
+    for port in ports:  # a server never reached fails its run at once
+        wait_for_listener(f"127.0.0.1:{port}")
     dispatcher = Dispatcher(
         [f"127.0.0.1:{port}" for port in ports],
         list(manifests.values()),

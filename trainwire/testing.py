@@ -8,7 +8,8 @@ It ships with the package (the demo needs it) and gathers the helpers by job:
   gpt-oss, OLMo 2, BERT-style classifiers), with the same tokenizers.
 - :mod:`trainwire.tiny_data`: :func:`tiny_sentiment_examples`, :func:`tiny_text_examples`,
   :func:`tiny_token_examples`.
-- :func:`free_port`, here: a loopback port for a server started as a separate process.
+- :func:`free_port`, here: a loopback port for a server started as a separate process, and
+  :func:`wait_for_listener`, which waits until such a server listens.
 
 What a caller may rely on: the same arguments give the same bytes (models) and the same examples
 (data) on every run and machine, the caller's global RNGs are untouched, and importing this module
@@ -18,6 +19,7 @@ imports no torch (the model helpers import it when called).
 from __future__ import annotations
 
 import socket
+import time
 
 from trainwire.tiny_architectures import ARCHITECTURES, TinyArchitecture, make_tiny_architecture
 from trainwire.tiny_data import (
@@ -40,6 +42,7 @@ __all__ = [
     "tiny_sentiment_examples",
     "tiny_text_examples",
     "tiny_token_examples",
+    "wait_for_listener",
 ]
 
 
@@ -62,3 +65,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         if (host, port) not in _HANDED_OUT:
             _HANDED_OUT.add((host, port))
             return port
+
+
+def wait_for_listener(target: str, timeout_s: float = 300.0) -> None:
+    """Block until something accepts TCP connections at ``HOST:PORT`` (a server process that
+    was just started binds its port a few seconds in): a client never reached a server that
+    is not listening yet, and fails at once there instead of waiting."""
+    host, _, port = target.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                message = f"nothing listened at {target} within {timeout_s:.0f}s"
+                raise TimeoutError(message) from None
+            time.sleep(0.05)
