@@ -226,6 +226,9 @@ class TrainingConfig:
         gradient_accumulation_steps: microbatches per optimizer update.
         num_epochs: passes over the training examples.
         max_length: the longest example in tokens; longer ones are refused unless ``truncation``.
+            The default, 256, is what the smallest models hold (the project's own tiny ones
+            have 256 positions), so a config that leaves it out runs on any model; a session
+            refuses a ``max_length`` past its model's positions.
         shuffle, group_by_length: the plan's order (seeded, identical on every machine).
         seed: seeds the plan's order and the session's RNG.
         precision: ``fp32``, or ``bf16`` on a CUDA device with native bf16 support.
@@ -254,7 +257,7 @@ class TrainingConfig:
     batch_size: int = 8
     gradient_accumulation_steps: int = 1
     num_epochs: int = 1
-    max_length: int = 512
+    max_length: int = 256
     shuffle: bool = True
     group_by_length: bool = False
     seed: int = 0
