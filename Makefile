@@ -7,7 +7,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-all demo lint format protos bench clean
+.PHONY: help venv test test-all demo lint format protos bench clean
+
+help:
+	@echo "make demo       train a tiny model end to end, offline (trainwire demo)"
+	@echo "make test       the fast tests (not marked slow), a few minutes"
+	@echo "make test-all   the whole suite, slow crash and chaos tests included (what CI runs)"
+	@echo "make bench      the CPU benchmarks, quick variants (docs/BENCHMARKS.md has the full runs)"
+	@echo "make lint       ruff check and ruff format --check; make format fixes what it can"
+	@echo "make protos     regenerate the wire code from protos/"
+	@echo "make venv       only set up .venv (every target above does it first)"
+	@echo "make clean      remove .venv and build leftovers"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +50,14 @@ format: $(STAMP)
 
 protos: $(STAMP)
 	$(BIN)/python tools/generate_protos.py
+
+# The CPU benchmarks in their quick form, each printing its side-by-side ratios; the full runs,
+# the GPU ones (bench/gpu.sh) and what they measured are in docs/BENCHMARKS.md.
+bench: $(STAMP)
+	$(BIN)/python bench/plan.py --examples 100000
+	$(BIN)/python bench/engine.py --quick
+	$(BIN)/python bench/service.py --quick
+	$(BIN)/python bench/controller.py --quick
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -7,11 +7,16 @@ run ``trainwire demo --rl`` does.
 
     trainwire serve --listen 127.0.0.1:50051 --state-dir state --model-root models --device cpu
     python examples/rl_loop.py --server 127.0.0.1:50051 --model tiny-llama
+
+Each run opens a run of its own (``--run-id``, default ``rl-loop-<time>``) and closes it at the
+end, so the server takes the next run; a run id that is still open is refused rather than
+continued from wherever it stands.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from trainwire.client import Sample, SessionClient, TokenExample, TrainingConfig
@@ -44,13 +49,21 @@ def main() -> None:
     parser.add_argument("--server", required=True, help="HOST:PORT of a running trainwire serve")
     parser.add_argument("--model", required=True, help="a causal LM under the server's model root")
     parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
-    # max_length: the tiny model's positions (a session refuses more than its model holds).
-    config = TrainingConfig(
-        args.model, learning_rate=LEARNING_RATE, lr_scheduler="constant", max_length=256
+    parser.add_argument(
+        "--run-id",
+        default=f"rl-loop-{time.strftime('%Y%m%d-%H%M%S')}",
+        help="the run's name on the server (default: rl-loop-<time>, a new run each time)",
     )
+    args = parser.parse_args()
+    config = TrainingConfig(args.model, learning_rate=LEARNING_RATE, lr_scheduler="constant")
     with SessionClient(args.server) as client:
-        client.open("rl-loop", config)
+        opened = client.open(args.run_id, config)
+        if not opened.created:
+            sys.exit(
+                f"run {args.run_id} is already open on the server (step {opened.step}); this "
+                f"loop starts runs afresh: pass another --run-id, or end that one with "
+                f"trainwire close --server {args.server} --run-id {args.run_id}"
+            )
         prompts = client.tokenize(PROMPTS)
         target = client.tokenize([TARGET_WORD], add_special_tokens=False)[0][0]
         for step in range(args.rounds):
@@ -72,6 +85,7 @@ def main() -> None:
             rate = tokens / (time.monotonic() - started)
             print(f"step {step}: reward {sum(rewards) / len(rewards):.3f}  {rate:.0f} tokens/s")
         print(f"final state digest {client.info().state_digest}")
+        client.close()  # ends the run on the server, which then takes the next one
 
 
 if __name__ == "__main__":

@@ -41,18 +41,21 @@ class UsageError(Exception):
     """A mistake in what the user asked for: reported in one line, exit status 2."""
 
 
-def server_refusal(error: BaseException) -> str | None:
+def server_refusal(error: BaseException, token_file: str | None = None) -> str | None:
     """The one line a server's refusal (a ``grpc.RpcError``) deserves, with its status; None
-    for anything else. grpc is looked up, not imported: ``plan`` never loads it."""
+    for anything else. ``token_file``: the one the command was given, if any. grpc is looked
+    up, not imported: ``plan`` never loads it."""
     grpc = sys.modules.get("grpc")
     if grpc is None or not isinstance(error, grpc.RpcError) or not hasattr(error, "code"):
         return None
-    code, details = error.code(), error.details() or ""
+    code, details = error.code(), " ".join((error.details() or "").split())
     if code == grpc.StatusCode.UNAUTHENTICATED:
-        return (
-            f"the server refused the token (UNAUTHENTICATED): give --token-file, the file "
-            f"holding the token the server was started with ({details})"
+        advice = (
+            f"the token in --token-file {token_file} is not the one the server was started with"
+            if token_file
+            else "give --token-file, the file holding the token the server was started with"
         )
+        return f"the server refused the token (UNAUTHENTICATED): {advice} ({details})"
     return f"{details} ({code.name})"
 
 
@@ -182,9 +185,23 @@ def command_dispatch(args: argparse.Namespace) -> int:
 
 
 def command_train(args: argparse.Namespace) -> int:
-    from trainwire.server.training.run import run_train_command
+    from trainwire.server.training.run import load_run_plan, run_train_command
 
+    if args.model_root is None:
+        check_local_model(load_run_plan(args.manifest, args.set).config.model)
     return run_train_command(args)
+
+
+def check_local_model(model: str) -> None:
+    """Without ``--model-root``, ``train`` reads the config's model as a path from the working
+    directory; a config planned for a server names it under that server's model root, so a
+    missing directory most likely wants the option, and the message names it."""
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise UsageError(
+            f"model {model!r}: no model directory at {path.resolve()}; give --model-root DIR, "
+            "the folder that holds it (as trainwire serve's --model-root)"
+        )
 
 
 def command_demo(args: argparse.Namespace) -> int:
@@ -276,10 +293,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="the end-to-end demo on a bundled dataset")
     demo.add_argument("--work-dir", help="where it writes (default: trainwire-demo/<time>)")
-    demo.add_argument("--server", help="drive this server instead of starting a local one")
+    demo.add_argument(
+        "--server",
+        help="drive this server (HOST:PORT) instead of starting a local one; the demo writes "
+        "its model under --work-dir, so give a --work-dir under that server's --model-root",
+    )
     demo.add_argument("--rl", action="store_true", help="the RL loop: sample, score, update")
     demo.add_argument("--fast", action="store_true", help="a shorter run (for tests)")
-    demo.add_argument("--quiet", action="store_true", help="no progress output")
+    demo.add_argument(
+        "--quiet", action="store_true", help="no progress output, only where the results are"
+    )
     demo.set_defaults(handler=command_demo)
     return parser
 
@@ -299,7 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trainwire {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
     except Exception as error:
-        refusal = server_refusal(error)
+        refusal = server_refusal(error, getattr(args, "token_file", None))
         if refusal is None:
             raise
         print(f"trainwire {args.command}: error: {refusal}", file=sys.stderr)

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from trainwire.client.session_client import SessionClient
 
 MODEL_NAME = "tiny-bert-sentiment"
+RUN_ID = "demo"
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,26 @@ def demo_client(dirs: DemoDirs, server: str | None) -> Iterator[SessionClient]:
         yield stack.enter_context(SessionClient(target))
 
 
+@contextlib.contextmanager
+def model_found_by(server: str | None, dirs: DemoDirs) -> Iterator[None]:
+    """Around the Open on ``server``: a model it cannot find or may not read says why. The demo
+    writes its model under the work directory, and a server reads models under its own
+    ``--model-root`` only, so the work directory must lie there."""
+    import grpc
+
+    try:
+        yield
+    except grpc.RpcError as error:
+        refused = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+        if server is None or error.code() not in refused:
+            raise
+        raise ValueError(
+            f"{error.details()} ({error.code().name}): the demo wrote its model to "
+            f"{dirs.models}, and {server} reads models under its --model-root only; give "
+            "--work-dir a directory under that root (on a filesystem both share)"
+        ) from None
+
+
 def run_demo(
     work_dir: Path,
     *,
@@ -129,7 +150,8 @@ def run_demo(
     settings: DemoSettings | None = None,
     quiet: bool = False,
 ) -> TrainingResult:
-    """Plan, serve (unless ``server`` is given), train through the controller, report."""
+    """Plan, serve (unless ``server`` is given), train through the controller, report (with
+    ``quiet``, no progress: only where the results are)."""
     from trainwire.client.controller import Controller
     from trainwire.client.progress_bar import ProgressReporter
 
@@ -145,13 +167,13 @@ def run_demo(
     run_dir = dirs.root / "run"
     with demo_client(dirs, server) as client:
         reporter = ProgressReporter(quiet=quiet, metric=plan.config.metric_for_best)
-        controller = Controller(client, plan, run_id="demo", work_dir=run_dir, checkpoint_every=10)
+        controller = Controller(client, plan, run_id=RUN_ID, work_dir=run_dir, checkpoint_every=10)
         try:
-            result = controller.run(on_step=reporter)
+            with model_found_by(server, dirs):  # the run's Open is the Controller's
+                result = controller.run(on_step=reporter)
         finally:
             reporter.close()
-    if not quiet:
-        print(describe_result(result, run_dir))
+    print(describe_result(result, run_dir))
     return result
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.client.config import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
-from trainwire.demo import DemoDirs, demo_client
+from trainwire.demo import DemoDirs, demo_client, model_found_by
 
 if TYPE_CHECKING:
     from trainwire.client.outcomes import Sample
@@ -173,7 +173,8 @@ def run_rl_demo(
     config = rl_config(dirs.model_reference(server, MODEL_NAME), settings)
     rounds: list[dict[str, Any]] = []
     with demo_client(dirs, server) as client:
-        client.open(RUN_ID, config)
+        with model_found_by(server, dirs):
+            client.open(RUN_ID, config)
         prompts = client.tokenize(list(PROMPTS))
         (word,) = client.tokenize([TARGET_WORD], add_special_tokens=False)
         if len(word) != 1:
@@ -183,10 +184,10 @@ def run_rl_demo(
             if not quiet:
                 print(describe_round(rounds[-1]))
         digest = client.info().state_digest
+        client.close()  # the server takes the next run (another demo's, say)
     files = write_rl_artifacts(dirs.root / "rl", rounds, digest, config, settings)
     result = RlResult(rounds, digest, files)
-    if not quiet:
-        print(describe_rl_result(result))
+    print(describe_rl_result(result))  # ``quiet`` leaves out the rounds, never where results are
     return result
 
 

@@ -7,8 +7,10 @@ server); the tokens are read from their files; the server itself is ``trainwire.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import signal
+import socket
 import threading
 import types
 from pathlib import Path
@@ -213,6 +215,8 @@ def _serve_until_stopped(
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
+    for option, listen in (("--listen", args.listen), ("--tinker-listen", args.tinker_listen)):
+        check_address_free(option, listen)
     handle = serve(
         listen=args.listen,
         state_dir=args.state_dir,
@@ -241,6 +245,37 @@ def _serve_until_stopped(
     if leader is not None:
         leader.stop()
     return 0
+
+
+def check_address_free(option: str, listen: str | None) -> None:
+    """Refuse an address something already listens on, in one line, before the server binds
+    it (gRPC would log its own multi-part error line first). Port 0 and addresses this check
+    cannot parse or resolve are left to the server, which says what is wrong with them."""
+    host, sep, port = (listen or "").rpartition(":")
+    if not sep or not port.isdigit() or int(port) == 0:
+        return
+    try:
+        addresses = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror:
+        return
+    for family, kind, protocol, _, address in addresses:
+        with socket.socket(family, kind, protocol) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            try:
+                probe.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise OSError(
+                        f"{option} {listen}: the address is in use (another trainwire serve, or "
+                        "another program, listens there); stop it or choose another port"
+                    ) from None
+                if error.errno == errno.EADDRNOTAVAIL:
+                    raise OSError(
+                        f"{option} {listen}: {host} is not an address of this machine"
+                    ) from None
+                raise
 
 
 def _read_token(path: str) -> str:

@@ -24,6 +24,7 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.manifest import load_plan
 from trainwire.client.overrides import checked_config_overrides, config_with_overrides
 from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.client.progress_text import format_value
 from trainwire.client.replay import RunState, training_result
 from trainwire.client.results import TrainingResult
 from trainwire.client.selection import BEST_CHECKPOINT
@@ -267,7 +268,7 @@ def run_train_command(args: argparse.Namespace) -> int:
         )
         return 130
     best = (
-        f", best {result.best_score} at update {result.best_step}"
+        f", best {format_value(result.best_score)} at update {result.best_step}"
         if result.best_score is not None
         else ""
     )
