@@ -13,6 +13,7 @@ import torch
 
 from trainwire.client.config import InputExample, TrainingConfig
 from trainwire.client.plan import check_examples
+from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.errors import InvalidArgument
 
 IGNORE_INDEX = -100  # the label id Hugging Face losses skip
@@ -63,6 +64,8 @@ class BatchEncoder:
         self.max_length = config.max_length
         self.device = device
         self.label_ids = {label: i for i, label in enumerate(config.labels)}
+        # What one chunk of logits may take in the token batches it encodes (the session's).
+        self.logits_chunk_bytes = LOGITS_CHUNK_BYTES
 
     def encode(self, examples: Sequence[InputExample]) -> Batch:
         """Validate and encode a batch; raises ``InvalidArgument`` naming the bad example."""

@@ -15,7 +15,7 @@ import torch
 from trainwire.client.config import TrainingConfig
 from trainwire.server.engine.batching import Batch
 from trainwire.server.engine.losses import LossOutput, LossSpec
-from trainwire.server.engine.token_batches import TokenBatch, target_logprobs
+from trainwire.server.engine.token_batches import TokenBatch, token_logprobs
 from trainwire.server.errors import InvalidArgument
 
 
@@ -50,7 +50,7 @@ class LossHook:
         The default runs the named loss function (``trainwire.server.engine.losses``) on the model's
         logprobs; a subclass may add terms or state, as ``compute_loss`` may for text.
         """
-        logp = target_logprobs(model, batch)[batch.mask]
+        logp = token_logprobs(model, batch)
         return loss.fn(logp, batch.inputs, config), logp
 
     def session_state_dict(self) -> dict[str, torch.Tensor]:

@@ -116,5 +116,6 @@ def encode_microbatch(
         max_length=encoder.max_length,
         pad_id=encoder.tokenizer.pad_token_id,
         device=encoder.device,
+        logits_chunk_bytes=encoder.logits_chunk_bytes,
     )
     return TokenMicrobatch(batch, spec, resolved)

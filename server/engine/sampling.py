@@ -4,7 +4,7 @@ Two passes. Generation decodes incrementally with a KV cache (``batch_decode``: 
 requests waiting together decode as one batch, in tiles of a fixed shape, so a request's
 samples never depend on its company), each request drawing from its own ``torch.Generator``
 seeded by the request (never the session's training RNG). Then each sample's logprobs are
-recomputed by ``target_logprobs`` on that sample alone, the very code ``forward`` runs, because
+recomputed by ``token_logprobs`` on that sample alone, the very code ``forward`` runs, because
 logprobs read off an incremental decode (or a padded batch) differ from a full forward in the
 last bits, and an on-policy importance ratio must be exactly 1.
 
@@ -28,9 +28,10 @@ from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
 from trainwire.server.engine import batch_decode
 from trainwire.server.engine.batch_decode import DecodeJob, Drawn
+from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.engine.draws import LENGTH, STOP, _choose
 from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
-from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
+from trainwire.server.engine.token_batches import encode_token_batch, token_logprobs
 from trainwire.server.errors import InvalidArgument
 
 __all__ = ["LENGTH", "STOP", "SampleCall", "Sampler", "SamplingLimits", "SamplingParams", "_choose"]
@@ -209,6 +210,9 @@ class Sampler:
         # On a sharded session, rank 0's draws made the group's (``batch_decode``); None in one
         # process. Set once the model is sharded (``session_setup.shard_for_group``).
         self.agree: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The trainer's chunking of the head (``chunked_logprobs``), so a sample's logprobs are
+        # the trainer's bits; the session sets its own.
+        self.logits_chunk_bytes = LOGITS_CHUNK_BYTES
 
     @classmethod
     def for_model(
@@ -323,8 +327,9 @@ class Sampler:
             max_length=len(example),
             pad_id=self.pad_id,
             device=device,
+            logits_chunk_bytes=self.logits_chunk_bytes,
         )
-        values = batch.split(target_logprobs(model, batch)[batch.mask])[0]
+        values = batch.split(token_logprobs(model, batch))[0]
         return tuple(values[len(values) - len(tokens) :])
 
 

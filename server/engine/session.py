@@ -34,6 +34,7 @@ from trainwire.client.tokens import TokenExample
 from trainwire.server.engine import session_persistence as persistence
 from trainwire.server.engine import session_sampling
 from trainwire.server.engine.batching import BatchEncoder, check_max_length
+from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.engine.device import resolve_device, resolve_dtype
 from trainwire.server.engine.lockstep import Announcer, collective
 from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
@@ -75,6 +76,11 @@ class TrainingSession:
     With ``process_group``, every rank of the group builds this session and calls each operation
     with the same arguments: the model is sharded with FSDP2 and each rank trains on its slice
     of every batch (``sharding``). None is the single-process session, unchanged.
+
+    ``logits_chunk_bytes`` bounds what one chunk of logits takes when token logprobs are
+    computed (``chunked_logprobs``): training and sampling chunk alike, so samples report the
+    trainer's logprobs. It decides the chunks, and so the bits: a run keeps one value (a resume
+    under another continues to float tolerance, not bit for bit).
     """
 
     def __init__(
@@ -86,9 +92,14 @@ class TrainingSession:
         model_root: str | Path | None = None,
         loss_hook: LossHookFactory = LossHook,
         process_group: dist.ProcessGroup | None = None,
+        logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
     ) -> None:
         # Validate everything first: a refused session allocates nothing.
         self.shards = check_session_arguments(config, max_steps, process_group)
+        if not is_int(logits_chunk_bytes) or logits_chunk_bytes < 1:
+            raise InvalidArgument(
+                f"logits_chunk_bytes must be a positive int, got {logits_chunk_bytes!r}"
+            )
         self.config = config
         self.max_steps = max_steps
         self.device = resolve_device(device)
@@ -108,6 +119,7 @@ class TrainingSession:
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
         # Sharded before the optimizer is built: it steps the shards.
         self.sampler = shard_for_group(self.model, self.tokenizer, self.shards, self.device)
+        self.encoder.logits_chunk_bytes = self.sampler.logits_chunk_bytes = logits_chunk_bytes
         self.optimizer = build_optimizer(self.model, config)
         # Which parameters train never changes after set up; walking a LoRA model's modules
         # for them costs milliseconds a step.

@@ -1,8 +1,10 @@
-"""Token examples to tensors, and the one function that turns a model's logits into logprobs.
+"""Token examples to tensors, and the one function that turns a model into target logprobs.
 
 Every path that reports or trains on token logprobs (forward, forward_backward, the sampler's
-recomputation) goes through ``target_logprobs`` on a batch built by ``encode_token_batch``, so a
-sample's logprobs and a later forward of that sample alone are the same bits.
+recomputation) goes through ``token_logprobs`` on a batch built by ``encode_token_batch``, so a
+sample's logprobs and a later forward of that sample alone are the same bits. The logprobs are
+computed in chunks of positions (``chunked_logprobs``), never over the whole vocabulary for every
+token at once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from trainwire.client.tokens import FLOAT_FIELDS, TokenExample
+from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES, chunked_target_logprobs
 from trainwire.server.engine.losses import TokenInputs
 from trainwire.server.errors import InvalidArgument
 
@@ -31,6 +34,8 @@ class TokenBatch:
     mask: torch.Tensor  # (B, W) bool
     lengths: list[int]
     inputs: TokenInputs
+    # What one chunk of logits may take (``chunked_logprobs``): the session's, fixed for a run.
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
 
     @property
     def token_count(self) -> int:
@@ -53,6 +58,7 @@ def encode_token_batch(
     max_length: int,
     pad_id: int,
     device: torch.device,
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> TokenBatch:
     """Validate token examples against the model and pad them into one batch.
 
@@ -97,19 +103,26 @@ def encode_token_batch(
         mask=mask.to(device),
         lengths=lengths,
         inputs=inputs,
+        logits_chunk_bytes=logits_chunk_bytes,
+    )
+
+
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
+    """log p(target) of every real position, flat in ``batch.mask`` order, in fp32."""
+    return chunked_target_logprobs(
+        model,
+        batch.input_ids,
+        batch.attention_mask,
+        batch.targets,
+        batch.lengths,
+        budget_bytes=batch.logits_chunk_bytes,
     )
 
 
 def target_logprobs(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
-    """log p(target) at every position, (B, W) in fp32; padding positions hold junk.
-
-    ``gather - logsumexp`` instead of a full ``log_softmax``: the same value without a second
-    (B, W, vocab) tensor, which for a 150k vocabulary is most of the memory of a step.
-    """
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits.float()
-    picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    """``token_logprobs`` laid out as the batch, (B, W); padding positions hold 0."""
+    flat = token_logprobs(model, batch)
+    return flat.new_zeros(batch.mask.shape).masked_scatter(batch.mask, flat)
 
 
 def _flat(examples: Sequence[TokenExample], name: str, device: torch.device):
