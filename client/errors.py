@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -22,6 +23,9 @@ import grpc
 GRPC_SCHEMES = ("dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock")
 URL_SCHEMES = ("http", "https", "grpc", "grpcs")
 PROBE_TIMEOUT_S = 3.0
+# How long a first call waits for a port nobody listens on yet to open: a server started a moment
+# ago binds its port a few seconds in (``trainwire serve ... &`` pasted with the next command).
+STARTUP_GRACE_S = 10.0
 
 
 class SessionError(grpc.RpcError):
@@ -114,31 +118,41 @@ def split_host_port(target: str) -> tuple[str, str | None]:
     return host, port if sep else None
 
 
-def unreachable_reason(target: str) -> str | None:
-    """Why ``target`` cannot be a gRPC server, from a plain TCP connection; None when
-    something accepts connections there (then a gRPC call decides)."""
+@dataclass(frozen=True)
+class Unreachable:
+    """Why a target cannot be a gRPC server; ``refused``: nothing listens there (yet)."""
+
+    reason: str
+    refused: bool = False
+
+
+def unreachable(target: str) -> Unreachable | None:
+    """Why ``target`` cannot be a gRPC server, from a plain TCP connection; None when something
+    accepts connections there (then a gRPC call decides)."""
     host, port = split_host_port(target)
     if port is None or not port.isdigit():
         return None  # a gRPC-syntax target (unix:, dns:///...): gRPC's own failure says
     try:
         addresses = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
     except socket.gaierror as error:
-        return f"the host name {host!r} does not resolve ({error.strerror})"
-    last = "nothing answered"
+        return Unreachable(f"the host name {host!r} does not resolve ({error.strerror})")
+    found = Unreachable("nothing answered")
     for family, kind, protocol, _, address in addresses:
         with socket.socket(family, kind, protocol) as probe:
             probe.settimeout(PROBE_TIMEOUT_S)
             try:
                 probe.connect(address)
             except ConnectionRefusedError:
-                last = f"connection refused: nothing listens on port {port}"
+                found = Unreachable(f"connection refused: nothing listens on port {port}", True)
             except TimeoutError:
-                last = f"no answer from {host} within {PROBE_TIMEOUT_S:.0f}s (a firewall?)"
+                found = Unreachable(f"no answer within {PROBE_TIMEOUT_S:.0f}s (a firewall?)")
             except OSError as error:
-                last = error.strerror or errno.errorcode.get(error.errno or 0, str(error))
+                found = Unreachable(
+                    error.strerror or errno.errorcode.get(error.errno or 0, str(error))
+                )
             else:
                 return None
-    return last
+    return found
 
 
 def _one_line(text: str) -> str:

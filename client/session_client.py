@@ -29,10 +29,12 @@ from trainwire.client.config import TrainingConfig, canonical_json
 from trainwire.client.downloads import DownloadError, receive_export
 from trainwire.client.errors import (
     PROBE_TIMEOUT_S,
+    STARTUP_GRACE_S,
     ServerUnreachable,
     SessionError,
+    Unreachable,
     check_target,
-    unreachable_reason,
+    unreachable,
 )
 from trainwire.client.files import Pem, read_pem
 from trainwire.client.pipeline import OperationPipeline
@@ -111,6 +113,10 @@ class SessionClient:
             # overall deadline (a large model takes as long as it takes).
             ("grpc.keepalive_time_ms", 30_000),
             ("grpc.keepalive_timeout_ms", 20_000),
+            # Reconnect within seconds of a server coming back (gRPC's default backoff grows to
+            # two minutes), so neither a restart nor a server that just started waits on it.
+            ("grpc.initial_reconnect_backoff_ms", 500),
+            ("grpc.max_reconnect_backoff_ms", 5_000),
         ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
@@ -195,26 +201,49 @@ class SessionClient:
         if code != grpc.StatusCode.UNAVAILABLE:
             self.reached = True
             return
-        reason = unreachable_reason(self.target)
-        if reason is None and self._answers_health():
+        found = unreachable(self.target)
+        if found is not None and found.refused:
+            found = self._wait_for_listener(found)
+        if found is None and self._answers_health():
             self.reached = True
             return
         raise ServerUnreachable(
             self.target,
-            reason
-            or "something accepts connections there but does not answer gRPC (an HTTP server "
+            found.reason
+            if found is not None
+            else "something accepts connections there but does not answer gRPC (an HTTP server "
             "such as the Tinker front's --tinker-listen port, or TLS on one side only)",
         ) from None
 
+    def _wait_for_listener(self, refused: Unreachable) -> Unreachable | None:
+        """A port nobody listens on yet, given ``STARTUP_GRACE_S`` to open (a server started a
+        moment ago); what stands in the way once it has passed, None when it opened."""
+        logger.warning(
+            "nothing listens at %s yet (connection refused); waiting up to %.0fs for a server "
+            "to start there",
+            self.target,
+            STARTUP_GRACE_S,
+        )
+        deadline = time.monotonic() + STARTUP_GRACE_S
+        found: Unreachable | None = refused
+        while found is not None and found.refused and time.monotonic() < deadline:
+            time.sleep(0.2)
+            found = unreachable(self.target)
+        return found
+
     def _answers_health(self) -> bool:
-        """Whether a gRPC server answers the health check here (any answer but UNAVAILABLE)."""
+        """Whether a gRPC server answers the health check here (any answer but UNAVAILABLE);
+        waits for the connection (a listener that just opened) up to ``PROBE_TIMEOUT_S``."""
         health = health_pb2_grpc.HealthStub(self._channel)
         try:
             health.Check(
-                health_pb2.HealthCheckRequest(), timeout=PROBE_TIMEOUT_S, metadata=self._metadata
+                health_pb2.HealthCheckRequest(),
+                timeout=PROBE_TIMEOUT_S,
+                metadata=self._metadata,
+                wait_for_ready=True,
             )
         except grpc.RpcError as error:
-            return error.code() != grpc.StatusCode.UNAVAILABLE
+            return error.code() not in RETRYABLE_CODES
         return True
 
     # -- the session -----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ continued from wherever it stands.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument(
         "--run-id",
-        default=f"rl-loop-{time.strftime('%Y%m%d-%H%M%S')}",
+        default=f"rl-loop-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}",
         help="the run's name on the server (default: rl-loop-<time>, a new run each time)",
     )
     args = parser.parse_args()
