@@ -10,9 +10,11 @@
 # 3. runs the GPU benchmarks: the engine against a plain loop on the Qwen2-0.5B shape, token
 #    losses, sampling against `generate`, concurrent sample requests batched, and the sharded
 #    session's path (FSDP2 on a 1-rank NCCL group) beside a plain session: memory and step time;
+#    and long sequences (8K and 32K tokens, one sequence): the peak a forward_backward adds with
+#    the chunked head against the whole logits (at 8K), full weights and LoRA;
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 13 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 17 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -63,6 +65,7 @@ step tokens 120 "$PYTHON" bench/tokens.py --device cuda --shape qwen2-0.5b --qui
 step sampling 120 "$PYTHON" bench/sampling.py --device cuda --shape qwen2-0.5b --quick
 step sampling-concurrent 120 "$PYTHON" bench/sampling_concurrent.py --device cuda --quick
 step sharding 120 "$PYTHON" bench/sharding.py --device cuda --nproc 1
+step long-context 300 "$PYTHON" bench/long_context.py --device cuda --steps 2
 
 echo "results: $SUMMARY"
 exit "$failed"
