@@ -77,6 +77,7 @@ def _close(one: Any, sharded: Any, path: str = "") -> None:
         (3, 2, [[0, 1], [2]]),
         (4, 2, [[0, 1], [2, 3]]),
         (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
+        (5, 3, [[0, 1], [2, 3], [4]]),  # a remainder of 2: the first two ranks take one more
         (1, 2, [[0], []]),  # the second rank runs a stand-in that counts zero
     ],
 )
