@@ -69,7 +69,7 @@ class Lifecycle:
             # A restart restores the latest checkpoint: callers retry until it has happened.
             raise Unavailable(f"the server cannot serve its session: {self.failure}")
         if self.phase == outcomes.CLOSED:
-            raise FailedPrecondition("the session was closed; Open a new run id first")
+            raise FailedPrecondition("the session was closed; open a new run id first")
         raise FailedPrecondition("no session is open; call Open first")
 
     def refuse_if_unavailable(self) -> None:
