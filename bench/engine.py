@@ -95,8 +95,11 @@ class Setup:
     rounds: int  # timed checkpoint saves and loads
 
 
-def write_model(directory: Path, shape: dict[str, Any], device: str, dtype: torch.dtype) -> Path:
-    """A model of ``shape`` with random weights, with the tiny tokenizer (its ids fit any vocab)."""
+def write_model(
+    directory: Path, shape: dict[str, Any], device: str, dtype: torch.dtype, positions: int = 2048
+) -> Path:
+    """A model of ``shape`` with random weights and ``positions`` positions, with the tiny
+    tokenizer (its ids fit any vocab)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
     make_tiny_model(directory)  # the tokenizer; the tiny weights are replaced below
@@ -105,7 +108,7 @@ def write_model(directory: Path, shape: dict[str, Any], device: str, dtype: torc
     settings.setdefault("vocab_size", len(tokenizer))
     config_class = LlamaConfig if shape["arch"] == "llama" else Qwen2Config
     config = config_class(
-        max_position_embeddings=2048,
+        max_position_embeddings=positions,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

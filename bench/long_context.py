@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from engine import write_model  # bench/engine.py
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
 from trainwire.server.engine.loss_hook import LossHook
 from trainwire.server.engine.session import TrainingSession
-from trainwire.testing import make_tiny_model
 
 QWEN_VOCAB = 151936
 SHAPES = {
@@ -83,33 +83,6 @@ class WholeLogitsHook(LossHook):
         picked = logits.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
         logp = (picked - torch.logsumexp(logits, dim=-1))[batch.mask]
         return loss.fn(logp, batch.inputs, config), logp
-
-
-def write_model(directory: Path, shape: dict[str, Any], positions: int, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
-
-    make_tiny_model(directory)  # the tokenizer; the weights are replaced below
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    settings = {key: value for key, value in shape.items() if key != "arch"}
-    config_class = LlamaConfig if shape["arch"] == "llama" else Qwen2Config
-    config = config_class(
-        max_position_embeddings=positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        attn_implementation="sdpa",
-        **settings,
-    )
-    for stale in directory.glob("model*.safetensors*"):
-        stale.unlink()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(directory)
-    config_path = directory / "config.json"
-    data = json.loads(config_path.read_text())
-    data["attn_implementation"] = "sdpa"
-    config_path.write_text(json.dumps(data, indent=2))
 
 
 class PeakMemory:
@@ -254,7 +227,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="trainwire-long-") as tmp:
         model = Path(tmp) / "model"
         dtype = torch.bfloat16 if cuda else torch.float32
-        write_model(model, SHAPES[shape_name], max(lengths + plain) + 1, dtype)
+        write_model(model, SHAPES[shape_name], "cpu", dtype, max(lengths + plain) + 1)
         for length in sorted(set(lengths) | set(plain)):
             logits_bytes = length * QWEN_VOCAB * 4
             for setup in args.setups:
