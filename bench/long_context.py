@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine import write_model  # bench/engine.py
+from engine import QWEN2_05B, write_model  # bench/engine.py
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
@@ -56,18 +56,7 @@ SHAPES = {
         "num_key_value_heads": 2,
         "tie_word_embeddings": True,
     },
-    # Qwen2.5-0.5B's shape, random weights.
-    "qwen2.5-0.5b": {
-        "arch": "qwen2",
-        "vocab_size": QWEN_VOCAB,
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "rope_theta": 1_000_000.0,
-        "tie_word_embeddings": True,
-    },
+    "qwen2.5-0.5b": QWEN2_05B,  # bench/engine.py's: Qwen2.5-0.5B's shape, random weights
 }
 SETUPS = ("full", "lora")
 PATHS = ("chunked", "whole")
