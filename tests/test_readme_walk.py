@@ -49,6 +49,10 @@ class Walk:
         self.ports = {"50051": str(free_port()), "8000": str(free_port())}
         self.env = dict(os.environ, PATH=f"{root / '.venv' / 'bin'}:{os.environ['PATH']}")
         self.env.pop("PYTHONPATH", None)
+        # A new user's shell, not a recipe of the make that may run this suite (`make test-all`):
+        # a nested make would print its "Entering directory" lines around every command.
+        for name in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES"):
+            self.env.pop(name, None)
         self.background: list[subprocess.Popen] = []
         self.transcript: list[str] = []
 
