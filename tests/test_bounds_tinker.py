@@ -25,10 +25,10 @@ from tinker_loops import KEY, tinker_server
 
 from trainwire.server.engine.sampling import SamplingLimits
 from trainwire.server.process import ServerHandle
+from trainwire.server.service.request_log import LOG_FILE, RequestLog
+from trainwire.server.service.request_records import SampleRecord
 from trainwire.server.tinker import app, sample_codec
 from trainwire.server.tinker.codec import INFLATE_CHUNK_BYTES, MAX_FORWARD_BACKWARD_BYTES
-from trainwire.server.tinker.records import SampleRecord
-from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
 
 HEADERS = {"X-API-Key": KEY}
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}

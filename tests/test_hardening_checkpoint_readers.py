@@ -14,7 +14,7 @@ from test_tinker_restart import TinkerServeProcess
 from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.tinker.catalog import SavedCheckpoint
-from trainwire.server.tinker.futures import PROTOBUF
+from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model import run_id_for
 from trainwire.testing import free_port
 

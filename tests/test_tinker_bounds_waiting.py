@@ -26,11 +26,12 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker import futures, ordering
+from trainwire.server.service import stream_order
+from trainwire.server.service.request_log import LOG_FILE
+from trainwire.server.service.request_records import CallRecord, record_from_json
+from trainwire.server.tinker import codec
 from trainwire.server.tinker.codec import parse_forward_backward
 from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.records import CallRecord, record_from_json
-from trainwire.server.tinker.request_log import LOG_FILE
 
 DATUMS, DATUM_TOKENS = 32, 128  # 4,096 positions a call, each datum within the model's 256
 BUDGET_CALLS = 6  # the bound, in calls of what one decoded call really holds
@@ -117,8 +118,8 @@ def bound(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tu
     tight, loose = "DEFAULT_MAX_HELD_BYTES", "DEFAULT_MAX_TOTAL_BYTES"
     if request.param == "in all":
         tight, loose = loose, tight
-    monkeypatch.setattr(ordering, tight, budget)
-    monkeypatch.setattr(ordering, loose, 1 << 40)
+    monkeypatch.setattr(stream_order, tight, budget)
+    monkeypatch.setattr(stream_order, loose, 1 << 40)
     return request.param, budget
 
 
@@ -156,10 +157,10 @@ def test_calls_behind_a_running_one_wait_only_up_to_what_their_decoded_requests_
         release.set()
     for response in accepted:  # everything taken runs and answers
         answer = front.api.poll(response.json()["request_id"])
-        assert answer.headers["content-type"] == futures.PROTOBUF, answer.text
+        assert answer.headers["content-type"] == codec.PROTOBUF, answer.text
     again = front.forward_backward(len(accepted) + 1)  # the SDK's retry, once they have run
     assert again.status_code == 200, again.text
-    assert front.api.poll(again.json()["request_id"]).headers["content-type"] == futures.PROTOBUF
+    assert front.api.poll(again.json()["request_id"]).headers["content-type"] == codec.PROTOBUF
     sample = front.sample(1)
     assert sample.status_code == 200, sample.text
     assert front.api.poll(sample.json()["request_id"]).status_code == 200

@@ -24,10 +24,17 @@ from tinker_loops import (
 )
 
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker import codec, futures, model_slot, ordering
+from trainwire.server.service import results as result_store
+from trainwire.server.service import stream_order
+from trainwire.server.service.request_log import LOG_FILE, RequestLog
+from trainwire.server.service.request_records import (
+    CallRecord,
+    Record,
+    SessionRecord,
+    record_from_json,
+)
+from trainwire.server.tinker import codec, model_slot
 from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.records import CallRecord, Record, SessionRecord, record_from_json
-from trainwire.server.tinker.request_log import LOG_FILE, RequestLog
 
 
 def raw(handle: ServerHandle) -> RawFront:
@@ -48,7 +55,7 @@ def hold_the_calls(handle: ServerHandle) -> threading.Event:
     """Keep the front's calls from running until the returned event is set (the runner is busy
     with a job that waits for it): what is sent meanwhile waits for its turn."""
     gate = threading.Event()
-    handle.tinker.front.sequencer.order.run_unordered(lambda: gate.wait(60))
+    handle.tinker.front.intake.order.run_unordered(lambda: gate.wait(60))
     return gate
 
 
@@ -72,11 +79,11 @@ def test_a_closed_models_queued_calls_fail_and_never_run_on_the_next_model(
         gate.set()
         for request_id in queued:
             answer = api.poll(request_id)
-            assert answer.headers["content-type"] != futures.PROTOBUF, "it ran on B's run"
+            assert answer.headers["content-type"] != codec.PROTOBUF, "it ran on B's run"
             assert answer.json()["category"] == "user" and "was closed" in answer.json()["error"]
         assert handle.session_host.info().position == 0  # nothing of A's applied to B's run
         trained = api.poll(api.forward_backward(b_model, 1).json()["request_id"])
-        assert trained.headers["content-type"] == futures.PROTOBUF
+        assert trained.headers["content-type"] == codec.PROTOBUF
         assert handle.session_host.info().position == 1
 
 
@@ -92,7 +99,7 @@ def test_a_result_whose_poll_response_was_lost_is_answered_after_a_compaction_an
         _, model_id = api.model()
         request_id = api.forward_backward(model_id, 1).json()["request_id"]
         first = api.poll(request_id)  # handed out; the SDK never got it
-        assert first.headers["content-type"] == futures.PROTOBUF
+        assert first.headers["content-type"] == codec.PROTOBUF
         assert save(api, model_id, 2, "after")["path"].endswith("/weights/after")
         assert 1 not in logged_calls(state_dir)  # the call's record is compacted away
     with tinker_server(state_dir, model_root) as handle:
@@ -109,21 +116,21 @@ def test_retention_keeps_the_newest_results_within_their_time_count_and_bytes() 
     4,096 (and 64 / 256 MiB) of each at most."""
     now = 10_000_000.0
 
-    def result(name: str, age_s: float, delivered: bool, size: int = 10) -> futures.Resolved:
+    def result(name: str, age_s: float, delivered: bool, size: int = 10) -> result_store.Resolved:
         at = now - age_s
-        outcome = futures.Done(b"x" * size)
-        return futures.Resolved(name, outcome, None, at, at if delivered else None)
+        outcome = result_store.Done(b"x" * size)
+        return result_store.Resolved(name, outcome, None, at, at if delivered else None)
 
-    results = [
+    resolved = [
         result("recent", 60, True),
         result("hour-old", 3601, True),
         result("day-undelivered", 23 * 3600, False),
         result("old-undelivered", 25 * 3600, False),
-        result("huge", 1, True, futures.KEEP_DELIVERED.size + 1),
+        result("huge", 1, True, result_store.KEEP_DELIVERED.size + 1),
     ]
-    kept = {r.request_id for r in futures.retained(results, now)}
+    kept = {r.request_id for r in result_store.retained(resolved, now)}
     assert kept == {"day-undelivered"}  # the huge newest one fills the bytes: none after it
-    kept = {r.request_id for r in futures.retained(results[:4], now)}
+    kept = {r.request_id for r in result_store.retained(resolved[:4], now)}
     assert kept == {"recent", "day-undelivered"}
 
 
@@ -194,7 +201,7 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
     next is refused with 429 (the SDK retries it) and not logged; once they ran it is taken."""
     body = forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5))
     size = codec.held_bytes(codec.parse_forward_backward(body))  # what each holds decoded
-    monkeypatch.setattr(ordering, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
+    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)
@@ -212,7 +219,7 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
             api.poll(response.json()["request_id"])
         again = api.forward_backward(model_id, 4)  # the SDK's retry
         assert again.status_code == 200
-        assert api.poll(again.json()["request_id"]).headers["content-type"] == futures.PROTOBUF
+        assert api.poll(again.json()["request_id"]).headers["content-type"] == codec.PROTOBUF
 
 
 def pipelined_steps(service: tinker.ServiceClient, steps: int = 2) -> list[Any]:
@@ -239,17 +246,17 @@ def test_the_sdk_retries_a_call_refused_past_the_bound_and_gets_an_unbounded_run
     with tinker_server(tmp_path / "unbounded", model_root) as handle:
         expected = pipelined_steps(service_client(handle))
     refused: list[Exception] = []
-    check_room = ordering.SeqOrder._check_room
+    check_room = stream_order.StreamOrder._check_room
 
-    def counted(order: ordering.SeqOrder, *args: Any, **kwargs: Any) -> None:
+    def counted(order: stream_order.StreamOrder, *args: Any, **kwargs: Any) -> None:
         try:
             check_room(order, *args, **kwargs)
         except Exception as error:
             refused.append(error)
             raise
 
-    monkeypatch.setattr(ordering.SeqOrder, "_check_room", counted)
-    monkeypatch.setattr(ordering, "DEFAULT_MAX_HELD_BYTES", 1)
+    monkeypatch.setattr(stream_order.StreamOrder, "_check_room", counted)
+    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 1)
     with tinker_server(tmp_path / "bounded", model_root) as handle:
         assert pipelined_steps(service_client(handle)) == expected
     assert refused
@@ -261,7 +268,7 @@ def test_a_refused_call_nobody_polls_leaves_compaction_going_and_what_it_keeps_b
     """Item 14: a refused call (400) takes its seq_id and nobody polls it; each save still
     compacts the log, and the results it carries stay within retention (here two of each)."""
     for name in ("KEEP_DELIVERED", "KEEP_UNDELIVERED"):
-        monkeypatch.setattr(futures, name, futures.Retention(3600.0, 2, 1 << 20))
+        monkeypatch.setattr(result_store, name, result_store.Retention(3600.0, 2, 1 << 20))
     state_dir = tmp_path / "state"
     sizes = []
     with tinker_server(state_dir, model_root) as handle:

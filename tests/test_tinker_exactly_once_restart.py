@@ -10,10 +10,10 @@ import pytest
 from test_tinker_restart import TinkerServeProcess
 from tinker_loops import RawFront
 
+from trainwire.server.service.request_log import RequestLog
+from trainwire.server.service.request_records import CallRecord
+from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.futures import PROTOBUF
-from trainwire.server.tinker.records import CallRecord
-from trainwire.server.tinker.request_log import RequestLog
 from trainwire.testing import free_port
 
 

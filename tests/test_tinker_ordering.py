@@ -11,15 +11,15 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
+from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.tinker.codec import forward_backward_call, parse_forward_backward
-from trainwire.server.tinker.ordering import SeqOrder
 
 
 def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> None:
     ran: list[int] = []
     done = threading.Event()
-    order = SeqOrder(lambda job: job(), max_held=2)
-    order.start_model("m")
+    order = StreamOrder(lambda job: job(), max_held=2)
+    order.start_stream("m")
 
     def job(seq: int):
         def run() -> None:
@@ -44,7 +44,7 @@ def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> 
 
 def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> None:
     release, drained = threading.Event(), threading.Event()
-    order = SeqOrder(lambda job: job(), max_held=2)
+    order = StreamOrder(lambda job: job(), max_held=2)
     order.run_unordered(release.wait)  # the runner is busy with this one
     order.run_unordered(lambda: None)
     order.run_unordered(drained.set)
@@ -56,18 +56,18 @@ def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> 
     order.stop()
 
 
-def held_runner() -> tuple[SeqOrder, threading.Event]:
+def held_runner() -> tuple[StreamOrder, threading.Event]:
     """An order whose runner is inside model a's first job (100 bytes) until the returned event
     is set; the bounds: 2 calls or 250 bytes per model and for samples, 400 bytes in all."""
     running, release = threading.Event(), threading.Event()
-    order = SeqOrder(lambda job: job(), max_held=2, max_bytes=250, max_total_bytes=400)
+    order = StreamOrder(lambda job: job(), max_held=2, max_bytes=250, max_total_bytes=400)
 
     def first() -> None:
         running.set()
         release.wait(30)
 
-    order.start_model("a")
-    order.start_model("b")
+    order.start_stream("a")
+    order.start_stream("b")
     order.submit("a", 1, "a1", first, size=100)
     assert running.wait(5)
     return order, release

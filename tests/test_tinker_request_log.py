@@ -14,15 +14,15 @@ from tinker_loops import KEY, tinker_server
 
 from trainwire.server.errors import ResourceExhausted
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker.futures import Done, Failed
-from trainwire.server.tinker.records import (
+from trainwire.server.service.request_log import LOG_FILE, RequestLog, compacted
+from trainwire.server.service.request_records import (
     CallRecord,
     ResultRecord,
     ResumeRecord,
     SampleRecord,
     SessionRecord,
 )
-from trainwire.server.tinker.request_log import LOG_FILE, RequestLog, compacted
+from trainwire.server.service.results import Done, Failed
 
 
 def test_records_come_back_in_order_and_a_torn_last_one_is_dropped(tmp_path: Path) -> None:

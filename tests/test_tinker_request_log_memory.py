@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trainwire.server.tinker.futures import Done
-from trainwire.server.tinker.records import CallRecord, ResultRecord, SessionRecord
-from trainwire.server.tinker.request_log import HEAVY_LINE_BYTES, LOG_FILE, OnDisk, RequestLog
+from trainwire.server.service.request_log import HEAVY_LINE_BYTES, LOG_FILE, OnDisk, RequestLog
+from trainwire.server.service.request_records import CallRecord, ResultRecord, SessionRecord
+from trainwire.server.service.results import Done
 
 BODY = bytes(range(256)) * (HEAVY_LINE_BYTES // 64)  # a protobuf body past the line bound
 

@@ -20,8 +20,8 @@ from slow_commit_serve import events
 from tinker import types
 from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
 
+from trainwire.server.service.request_log import LOG_FILE
 from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.request_log import LOG_FILE
 from trainwire.testing import free_port
 
 GRPC_TOKEN = "restart-grpc-token"

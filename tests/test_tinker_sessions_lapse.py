@@ -15,10 +15,11 @@ from test_tinker_exactly_once import log_records, raw, save
 from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
-from trainwire.server.tinker.futures import PROTOBUF
+from trainwire.server.service.intake import Intake
+from trainwire.server.service.request_records import ForgottenRecord, SessionRecord, owner_of_record
+from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model_slot import SESSION_KEEP_S
-from trainwire.server.tinker.records import ForgottenRecord, SessionRecord, session_of_record
-from trainwire.server.tinker.sequencer import Sequencer
+from trainwire.server.tinker.sdk_sessions import session_of
 
 
 class Clock:
@@ -68,7 +69,7 @@ def sample(api: RawFront, sampler: str, seq_id: int) -> str:
 
 def resolved_unfetched(handle: ServerHandle, request_id: str) -> None:
     """Wait until ``request_id`` has its result, without a poll (none is handed out)."""
-    futures = handle.tinker.front.sequencer.futures
+    futures = handle.tinker.front.intake.results
     deadline = time.monotonic() + 60
     while futures.pending(request_id):
         assert time.monotonic() < deadline, f"{request_id} still pending"
@@ -116,11 +117,11 @@ def test_lapsed_sessions_leave_memory_and_the_compacted_log(
         assert "path" in save(api, model_id, 2, "first")  # compacts the log
         records = log_records(state_dir)
         assert logged_sessions(state_dir) == {model_session, live}
-        assert not any(session_of_record(r) in abandoned for r in records)
+        assert not any(owner_of_record(r, session_of) in abandoned for r in records)
         assert not any(isinstance(r, ForgottenRecord) for r in records)
         assert set(front.models.sessions) == {model_session, live}
         assert len(front.sampling_sessions) == 0
-        assert not front.sequencer.futures.known(sampled)
+        assert not front.intake.results.known(sampled)
         refused = api.post("session_heartbeat", {"session_id": abandoned[1]})
         assert (
             refused.status_code == 404
@@ -198,17 +199,17 @@ def test_a_front_that_never_compacts_drops_forgotten_records_once_they_are_most_
 ) -> None:
     """Without checkpoints the log is never compacted; forgotten sessions' records are rewritten
     away once they make up half of it, so it stays bounded by the live sessions."""
-    sequencer = Sequencer(tmp_path)
+    intake = Intake(tmp_path, owner_of=session_of, noun="model")
     try:
         for index in range(6):
-            sequencer.record(SessionRecord(f"tw-{index}"))
-        sequencer.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
-        assert len(sequencer.log.records) == 7  # 3 of 7 stale: left out of a restart only
-        restarted = Sequencer(tmp_path)
+            intake.record(SessionRecord(f"tw-{index}"))
+        intake.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
+        assert len(intake.log.records) == 7  # 3 of 7 stale: left out of a restart only
+        restarted = Intake(tmp_path, owner_of=session_of, noun="model")
         with restarted.replaying() as records:
             assert records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted.stop()
-        sequencer.forget_sessions({"tw-2"}, lambda s: s in {"tw-3", "tw-4", "tw-5"})
-        assert sequencer.log.records == [SessionRecord(f"tw-{i}") for i in range(3, 6)]
+        intake.forget_sessions({"tw-2"}, lambda s: s in {"tw-3", "tw-4", "tw-5"})
+        assert intake.log.records == [SessionRecord(f"tw-{i}") for i in range(3, 6)]
     finally:
-        sequencer.stop()
+        intake.stop()

@@ -21,8 +21,10 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, status_of
+from trainwire.server.service.results import Done
 from trainwire.server.tinker import (
     checkpoint_routes,
+    codec,
     external_weights,
     sampling_routes,
     training_routes,
@@ -30,7 +32,6 @@ from trainwire.server.tinker import (
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.futures import PROTOBUF, Done
 from trainwire.server.tinker.limits import LimitBody
 from trainwire.server.tinker.model import supported_models
 
@@ -225,7 +226,7 @@ def create_app(
     async def retrieve_future(request: Request) -> Response:
         request_id = get_str(await json_body(request), "request_id", "") or ""
         try:
-            outcome = await front.sequencer.futures.wait(request_id, poll_hold_s)
+            outcome = await front.intake.results.wait(request_id, poll_hold_s)
         except KeyError:
             raise NotFound(f"no request {request_id!r} on this server") from None
         if outcome is None:
@@ -233,7 +234,7 @@ def create_app(
             return JSONResponse(payload)
         if isinstance(outcome, Done):
             if isinstance(outcome.body, bytes):
-                return Response(outcome.body, media_type=PROTOBUF)
+                return Response(outcome.body, media_type=codec.PROTOBUF)
             return JSONResponse(outcome.body)
         return JSONResponse(outcome.body())
 

@@ -21,6 +21,7 @@ from trainwire.client.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, RequestTooLarge
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 
+PROTOBUF = "application/x-protobuf"  # the media type of the SDK's protobuf bodies
 INPUT_FIELDS = ("target_tokens", "weights", "logprobs", "advantages", "sequence_ratio_mask")
 # The largest body a valid forward_backward can be, plain or inflated; past it a body is refused
 # (413) before it is parsed, or while it inflates. MAX_TOKENS positions, each an int32 token in a

@@ -31,6 +31,7 @@ from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, NotFound, Unauthenticated
 from trainwire.server.paths import resolve_inside
 from trainwire.server.service import operations as ops
+from trainwire.server.service.intake import Call
 from trainwire.server.service.requests import ExportWeightsRequest
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import saved_checkpoints
@@ -38,7 +39,6 @@ from trainwire.server.tinker.catalog import TinkerPath, check_ttl, iso
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.saved_checkpoints import ENCRYPTED_DIR, encrypted_dir
-from trainwire.server.tinker.sequencer import Call
 
 EXPORT_PREFIX = "external-"
 URL_KEY_FILE = "url.key"

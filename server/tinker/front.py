@@ -1,5 +1,5 @@
-"""The Tinker front's parts, as the routes see them: the session host, the sequencer and the
-model slot (``startup`` builds them and reads the request log back).
+"""The Tinker front's parts, as the routes see them: the session host, the service's intake and
+the model slot (``startup`` builds them and reads the request log back).
 
 The front owns no engine and no state directory of its own: it reaches the session only through
 the host's operation table and lifecycle (``open``, ``close``, ``recover``), keeps its own files
@@ -16,23 +16,23 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.intake import Call, Intake
+from trainwire.server.service.request_records import Body
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.model_slot import ModelSlot
-from trainwire.server.tinker.records import Body
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
-from trainwire.server.tinker.sequencer import Call, Sequencer
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
 
 
 @dataclass(frozen=True)
 class TinkerFront:
-    """One server's SDK front: ``host`` runs the operations, ``sequencer`` orders, logs and
+    """One server's SDK front: ``host`` runs the operations, ``intake`` orders, records and
     answers the calls, ``models`` says which run the SDK's model is, ``catalog`` what every run
     saved under a name."""
 
     host: SessionHost
-    sequencer: Sequencer
+    intake: Intake
     models: ModelSlot
     directory: Path
     model_root: Path | None
@@ -52,7 +52,7 @@ class TinkerFront:
         prepare: Callable[[], Call],
         **options: Any,
     ) -> str:
-        """Queue a training call of ``model_id`` (``Sequencer.submit``), bound to the run it was
+        """Queue a training call of ``model_id`` (``Intake.submit``), bound to the run it was
         sent to: when its turn comes it runs only while that run is the open one, so a call
         queued before its model closed never runs on the next model's run."""
         run_id = self.models.require_model(model_id).run_id
@@ -61,4 +61,4 @@ class TinkerFront:
             call = prepare()
             return lambda key: self.models.while_open(run_id, partial(call, key))
 
-        return self.sequencer.submit(route, body, model_id, seq_id, bound, **options)
+        return self.intake.submit(route, body, model_id, seq_id, bound, **options)

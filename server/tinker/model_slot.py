@@ -21,7 +21,7 @@ would stop its heartbeats silently. Lapsed sessions are looked for before each c
 ``create_session`` at most every ``SWEEP_EVERY_S`` (new sessions are what makes them pile up).
 
 State changes come before the records that log them, so a compaction that reads this state (see
-``Sequencer.compact_at``) never drops a record of something it does not also keep.
+``Intake.compact_at``) never drops a record of something it does not also keep.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.intake import Intake
+from trainwire.server.service.request_records import Record, SessionRecord
 from trainwire.server.service.requests import CheckpointRequest
+from trainwire.server.service.results import Done
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.fields import get_int, get_str
-from trainwire.server.tinker.futures import Done
 from trainwire.server.tinker.model import (
     MODEL_FILE,
     ModelRecord,
@@ -51,10 +53,8 @@ from trainwire.server.tinker.model import (
     fit_max_length,
     training_config,
 )
-from trainwire.server.tinker.records import Record, SessionRecord
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
 from trainwire.server.tinker.sdk_sessions import SDK_HEARTBEAT_S, SdkSessions, session_of
-from trainwire.server.tinker.sequencer import Sequencer
 from trainwire.server.tinker.start_from import (
     START_CHECKPOINT,
     StartFrom,
@@ -85,7 +85,7 @@ class ModelSlot:
     def __init__(
         self,
         host: SessionHost,
-        sequencer: Sequencer,
+        intake: Intake,
         directory: Path,
         *,
         model_root: Path | None,
@@ -93,12 +93,12 @@ class ModelSlot:
         catalog: Catalog,
     ) -> None:
         self.host = host
-        self.sequencer = sequencer
+        self.intake = intake
         self.catalog = catalog
         self.directory = directory
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
-        self.sampling_sessions = SamplingSessions(restarted=bool(sequencer.log.records))
+        self.sampling_sessions = SamplingSessions(restarted=bool(intake.log.records))
         self.sessions = SdkSessions()  # a test may give its ``clock``
         self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
         self._lock = threading.Lock()  # one create_model or close at a time
@@ -107,8 +107,8 @@ class ModelSlot:
         if self.model is not None:
             self.sessions.add(self.model.session_id)
             self._resolve_create(self.model.model_id)
-        sequencer.admit = self._admit
-        sequencer.before_compaction = self.forget_lapsed
+        intake.admit = self._admit
+        intake.before_compaction = self.forget_lapsed
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -117,7 +117,7 @@ class ModelSlot:
             self.forget_lapsed()
         session_id = f"tw-{uuid.uuid4().hex[:16]}"
         self.sessions.add(session_id)
-        self.sequencer.record(SessionRecord(session_id))
+        self.intake.record(SessionRecord(session_id))
         return session_id
 
     def require_session(self, session_id: str) -> None:
@@ -131,7 +131,7 @@ class ModelSlot:
 
     def session_records(self) -> list[Record]:
         """What a compacted request log starts with: the sessions known (lapsed ones were
-        forgotten before it, ``Sequencer.before_compaction``)."""
+        forgotten before it, ``Intake.before_compaction``)."""
         return [SessionRecord(session_id) for session_id in self.sessions]
 
     def _lapsed(self, session_id: str) -> bool:
@@ -146,7 +146,7 @@ class ModelSlot:
         model = self.model
         silent = self.sessions.silent(SESSION_KEEP_S) - {model.session_id if model else ""}
         if silent:
-            silent -= self.sequencer.futures.unfetched_owners(session_of)
+            silent -= self.intake.results.unfetched_owners(session_of)
         # Checked again as they go: a session heard from meanwhile (a create_model, a sample) stays.
         self._forget(silent, silent_s=SESSION_KEEP_S)
 
@@ -157,7 +157,7 @@ class ModelSlot:
         self.sampling_sessions.forget(
             lambda sampling_id: session_of(sampling_id) not in self.sessions
         )
-        self.sequencer.forget_sessions(gone, self.sessions.__contains__)
+        self.intake.forget_sessions(gone, self.sessions.__contains__)
         if gone:
             logger.info("Tinker front: %d SDK session(s) forgotten: %s", len(gone), sorted(gone))
 
@@ -240,10 +240,10 @@ class ModelSlot:
         return self._resolve_from_state(model_id, start)
 
     def _resolve_from_state(self, model_id: str, start: StartFrom) -> str:
-        self.sequencer.order.start_model(model_id)
+        self.intake.order.start_stream(model_id)
         request_id = f"{model_id}/create"
         outcome = {"type": "load_weights", "path": str(start.path), "model_id": model_id}
-        self.sequencer.resolve_now(request_id, Done(outcome))
+        self.intake.resolve_now(request_id, Done(outcome))
         return request_id
 
     def _give_way(self, model: ModelRecord, asking: str) -> None:
@@ -307,8 +307,8 @@ class ModelSlot:
         self.model = None
         self.sampling_sessions = SamplingSessions()  # its sampling clients end with it
         if model is not None:
-            self.sequencer.order.end_model(model.model_id)
-        self.sequencer.forget_all_but(self.session_records)
+            self.intake.order.end_stream(model.model_id)
+        self.intake.forget_all_but(self.session_records)
 
     def while_open(self, run_id: str, call: Callable[[], T]) -> T:
         """``call()``, with run ``run_id`` held open meanwhile (a close or a create_model waits
@@ -323,9 +323,9 @@ class ModelSlot:
             return call()
 
     def _resolve_create(self, model_id: str) -> str:
-        self.sequencer.order.start_model(model_id)
+        self.intake.order.start_stream(model_id)
         request_id = f"{model_id}/create"
-        self.sequencer.resolve_now(request_id, Done({"model_id": model_id, "type": "create_model"}))
+        self.intake.resolve_now(request_id, Done({"model_id": model_id, "type": "create_model"}))
         return request_id
 
     def require_model(self, model_id: str) -> ModelRecord:

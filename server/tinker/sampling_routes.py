@@ -5,7 +5,7 @@ A sampling client samples the weights of its snapshot, never weights trained aft
 that writes the trainable weights as an export of the run; a sample then names that export to
 the host's ``Sample`` operation, and the engine swaps it in for the call, unless the trainer has
 not changed its weights since (then the live weights are the snapshot, at no cost). A sample runs
-outside the training sequence, so when it runs does not change what it draws; the sequencer logs
+outside the training sequence, so when it runs does not change what it draws; the intake logs
 the request before answering its id and the result before a poll sees it.
 """
 
@@ -17,20 +17,20 @@ from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
+from trainwire.server.service.intake import Call
 from trainwire.server.service.requests import (
     DiscardExportsRequest,
     ExportWeightsRequest,
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
+from trainwire.server.service.stream_order import digest
 from trainwire.server.tinker import sample_codec, saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.ordering import digest
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
-from trainwire.server.tinker.sequencer import Call
 
 SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past its tokens
 
@@ -82,7 +82,7 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
     sampler = front.sampling_sessions.create_from(
         sampling_id, front.models.model_name(), model_path, saved_elsewhere(front, model_path)
     )
-    front.sequencer.record(sampler.record())  # a restart knows it before any sample asks
+    front.intake.record(sampler.record())  # a restart knows it before any sample asks
     return sampling_id
 
 
@@ -107,12 +107,12 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     """The request id of a sample call and its sequences' ids, at once."""
     request = sample_codec.decode_sample(body)
     request_id = f"{request.sampling_session_id}/{request.seq_id}"
-    if not front.sequencer.replay_pending():  # after a restart, a replayed call may create it
+    if not front.intake.replay_pending():  # after a restart, a replayed call may create it
         front.sampling_sessions.get(request.sampling_session_id)  # unknown: 404 at once
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.
-        with front.sequencer.serial:  # samples run beside each other; choosing weights may not
+        with front.intake.serial:  # samples run beside each other; choosing weights may not
             sampler = front.sampling_sessions.get(request.sampling_session_id)
             weights = _weights_of(front, sampler)
         seed = request.seed
@@ -134,7 +134,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         result = front.host.apply(ops.SAMPLE, sample)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
-    front.sequencer.submit_unordered(request_id, body, call, size=held_bytes(request))
+    front.intake.submit_unordered(request_id, body, call, size=held_bytes(request))
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
 
 

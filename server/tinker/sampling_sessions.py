@@ -20,10 +20,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 from trainwire.server.errors import NotFound
-from trainwire.server.tinker.records import Record, SamplerRecord, UnnamedSnapshotsRecord
+from trainwire.server.service.request_records import NoteRecord, Record
+from trainwire.server.tinker.sdk_sessions import session_of
 
 KEEP_UNNAMED_SNAPSHOTS = 8
 SNAPSHOT_PREFIX = "sampler-"
+# The kinds of the notes this module keeps in the request log (``NoteRecord``).
+SAMPLER_NOTE = "sampler"  # a sampling session, or (``named``) sampler weights saved under a path
+UNNAMED_SNAPSHOTS_NOTE = "unnamed_snapshots"  # which unnamed snapshot exports exist, oldest first
 
 
 def snapshot_export(seq_id: int, name: str | None) -> str:
@@ -41,11 +45,16 @@ class SamplingSession:
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
 
-    def record(self, *, named: bool = False) -> SamplerRecord:
-        """What the request log keeps of it (the version is this process's only)."""
+    def record(self, *, named: bool = False) -> NoteRecord:
+        """What the request log keeps of it (the version is this process's only): named sampler
+        weights outlive the SDK session that saved them, a sampling session goes with its own."""
         fields = asdict(self)
         del fields["weights_version"]
-        return SamplerRecord(**fields, named=named)
+        if not self.export_run:
+            del fields["export_run"]
+        if named:
+            return NoteRecord(SAMPLER_NOTE, {**fields, "named": True})
+        return NoteRecord(SAMPLER_NOTE, fields, session_of(self.sampling_session_id))
 
 
 class SamplingSessions:
@@ -164,18 +173,22 @@ class SamplingSessions:
         with self._lock:
             named: list[Record] = [s.record(named=True) for s in self._named.values()]
             sessions = [s.record() for s in self._sessions.values()]
-            return [*named, *sessions, UnnamedSnapshotsRecord(tuple(self._unnamed))]
+            unnamed = NoteRecord(UNNAMED_SNAPSHOTS_NOTE, {"exports": list(self._unnamed)})
+            return [*named, *sessions, unnamed]
 
-    def restore(self, record: SamplerRecord | UnnamedSnapshotsRecord) -> None:
-        """Take back one of ``records``' entries (or a logged sampling session)."""
+    def restore(self, note: NoteRecord) -> None:
+        """Take back one of ``records``' notes (or a logged sampling session); ValueError for a
+        note of another kind."""
         with self._lock:
-            if isinstance(record, UnnamedSnapshotsRecord):
-                self._unnamed = list(record.exports)
+            if note.kind == UNNAMED_SNAPSHOTS_NOTE:
+                self._unnamed = list(note.fields["exports"])
                 return
-            fields = asdict(record)
-            del fields["named"]
+            if note.kind != SAMPLER_NOTE:
+                raise ValueError(f"a request-log note of unknown kind {note.kind!r}")
+            fields = dict(note.fields)
+            named = bool(fields.pop("named", False))
             sampler = SamplingSession(**fields)
-            if record.named:
+            if named:
                 self._named[sampler.model_path or ""] = sampler
             else:
                 self._sessions[sampler.sampling_session_id] = sampler

@@ -4,8 +4,8 @@ the calls run once the host has restored its run.
 A restarted front reads its log before its listener serves (``replay``): sessions, samplers and
 where a compacted log resumes come back first, then every call without a recorded result is
 submitted again to its route in its original order (one with a result is answered with it). The
-calls wait until the host's recovery is done (``Sequencer.recovered``). A record that fails to be
-submitted again, whatever the error, fails that request alone (``Sequencer.replay_failed``): one
+calls wait until the host's recovery is done (``Intake.recovered``). A record that fails to be
+submitted again, whatever the error, fails that request alone (``Intake.replay_failed``): one
 bad record never keeps the front, and so the server, from starting.
 """
 
@@ -18,20 +18,20 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.intake import Intake
+from trainwire.server.service.request_records import (
+    CallRecord,
+    NoteRecord,
+    Record,
+    ResumeRecord,
+    SampleRecord,
+    SessionRecord,
+)
 from trainwire.server.tinker import external_weights, sampling_routes, training_routes
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_slot import ModelSlot
-from trainwire.server.tinker.records import (
-    CallRecord,
-    Record,
-    ResumeRecord,
-    SampleRecord,
-    SamplerRecord,
-    SessionRecord,
-    UnnamedSnapshotsRecord,
-)
-from trainwire.server.tinker.sequencer import Sequencer
+from trainwire.server.tinker.sdk_sessions import session_of
 
 logger = logging.getLogger(__name__)
 
@@ -55,18 +55,18 @@ def start_front(
 ) -> TinkerFront:
     """The front of ``host``, its files in ``state_dir/tinker``, with its request log replayed."""
     directory = Path(state_dir) / FRONT_DIR
-    sequencer = Sequencer(directory)
+    intake = Intake(directory, owner_of=session_of, noun="model")
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
     models = ModelSlot(
         host,
-        sequencer,
+        intake,
         directory,
         model_root=model_root,
         tokenizer_id=tokenizer_id,
         catalog=catalog,
     )
-    front = TinkerFront(host, sequencer, models, directory, model_root, catalog)
+    front = TinkerFront(host, intake, models, directory, model_root, catalog)
     replay(front)
     threading.Thread(
         target=_await_recovery, args=(front,), name="tinker-recover", daemon=True
@@ -75,12 +75,12 @@ def start_front(
 
 
 def stop_front(front: TinkerFront) -> None:
-    front.sequencer.stop()
+    front.intake.stop()
 
 
 def replay(front: TinkerFront) -> None:
     """Rebuild sessions, samplers and futures from the log; submit every unanswered call."""
-    with front.sequencer.replaying() as records:
+    with front.intake.replaying() as records:
         for record in records:
             _take_back(front, record)
 
@@ -88,16 +88,16 @@ def replay(front: TinkerFront) -> None:
 def _take_back(front: TinkerFront, record: Record) -> None:
     if isinstance(record, SessionRecord):
         front.models.sessions.add(record.session_id)
-    elif isinstance(record, SamplerRecord | UnnamedSnapshotsRecord):
+    elif isinstance(record, NoteRecord):
         front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord) and front.models.model is not None:
-        front.sequencer.resume_at(front.models.model.model_id, record)
+        front.intake.resume_at(front.models.model.model_id, record)
     elif isinstance(record, CallRecord | SampleRecord):
         _resubmit(front, record)
 
 
 def _resubmit(front: TinkerFront, record: CallRecord | SampleRecord) -> None:
-    front.sequencer.resubmitted(record.request_id)
+    front.intake.resubmitted(record.request_id)
     try:
         if isinstance(record, SampleRecord):
             sampling_routes.asample(front, record.body)
@@ -105,7 +105,7 @@ def _resubmit(front: TinkerFront, record: CallRecord | SampleRecord) -> None:
         args = (record.body,) if record.encoding is None else (record.body, record.encoding)
         ROUTES[record.route](front, *args)
     except Exception as error:  # refused again, its model closed, or a record it cannot take
-        if front.sequencer.replay_failed(record, error):
+        if front.intake.replay_failed(record, error):
             logger.warning("Tinker front: %s failed on replay: %r", record.request_id, error)
         else:
             logger.info("Tinker front: %s refused again: %s", record.request_id, error)
@@ -114,4 +114,4 @@ def _resubmit(front: TinkerFront, record: CallRecord | SampleRecord) -> None:
 def _await_recovery(front: TinkerFront) -> None:
     """Let submitted calls run once the host restored its run (at once when none)."""
     front.host.recover()  # queued behind serve()'s own recovery: returns once it is done
-    front.sequencer.recovered(front.host.position)
+    front.intake.recovered(front.host.position)

@@ -1,7 +1,7 @@
 """The SDK's training calls, as plain functions: decode, call the host's operation table, encode.
 
-Each route reads the call's ``(model_id, seq_id)`` and hands the sequencer a ``prepare`` closure:
-it checks the rest of the request and returns the call, which the sequencer runs in seq_id order
+Each route reads the call's ``(model_id, seq_id)`` and hands the intake a ``prepare`` closure:
+it checks the rest of the request and returns the call, which the intake runs in seq_id order
 with the request id as its operation key. A refused request still takes its seq_id (the SDK has
 already numbered the calls after it), so the calls behind it are not held.
 """
@@ -15,7 +15,9 @@ from typing import Any
 from trainwire.client.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
+from trainwire.server.service.intake import Call
 from trainwire.server.service.loss_terms import elementwise_loss
+from trainwire.server.service.request_records import Record
 from trainwire.server.service.requests import (
     CheckpointRequest,
     ForwardBackwardRequest,
@@ -29,8 +31,6 @@ from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import adam_settings
-from trainwire.server.tinker.records import Record
-from trainwire.server.tinker.sequencer import Call
 
 
 def _model_id(body: dict[str, Any]) -> str:
@@ -126,7 +126,7 @@ def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
     def head() -> list[Record]:
         return [*front.models.session_records(), *front.sampling_sessions.records()]
 
-    front.sequencer.compact_at(seq_id, position, head)
+    front.intake.compact_at(seq_id, position, head)
 
 
 def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -140,7 +140,7 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         if path.segment != "weights":
             raise InvalidArgument(f"load_state {str(path)!r}: give a training checkpoint's path")
         # A replayed request reads what it read when it was accepted, expired since or not.
-        source, saved = front.catalog.find(path, expired_ok=front.sequencer.taking_back)
+        source, saved = front.catalog.find(path, expired_ok=front.intake.taking_back)
         run_id = "" if source.model_id == model_id else source.run_id
         with_optimizer = get_bool(body, "optimizer")
 

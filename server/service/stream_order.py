@@ -1,20 +1,21 @@
-"""Per-model sequencing: the SDK numbers a training client's calls with ``seq_id`` from 1 and may
-send them out of order (a big batch's chunks go in parallel, the first one last). Each call runs
-only after every lower ``seq_id`` of its model has run.
+"""Per-stream ordering: each request of a stream carries its number (``seq``), and runs only after
+every lower number of its stream has run. A Tinker model is a stream: the SDK numbers a training
+client's calls with ``seq_id`` from 1 and may send them out of order (a big batch's chunks go in
+parallel, the first one last).
 
-What is taken and has not run yet is bounded, per model (and for the samples, which run outside
-any model's order) in calls waiting and in bytes, and in bytes over all of them together. The
-bytes are what a call's decoded request holds in memory (its route estimates them from the
-request's positions before it is taken: a decoded id or float is an object, several times its
-bytes on the wire), counted from the moment the call is taken until its job has run, so the
-call running now counts too. Past a bound a call is refused with ``ResourceExhausted`` (429: the
-SDK retries it) before it is logged, except a call that nothing taken is waiting before (it
-runs next: refusing it would only stall), and the one call the model's held calls are waiting
-for (nothing of the model could run without it).
+What is taken and has not run yet is bounded, per stream (and for the unordered requests, the
+samples) in requests waiting and in bytes, and in bytes over all of them together. The bytes are
+what a request holds in memory once decoded (its transport estimates them before it is taken: a
+decoded id or float is an object, several times its bytes on the wire), counted from the moment
+the request is taken until its job has run, so the one running now counts too. Past a bound a
+request is refused with ``ResourceExhausted`` (429 / RESOURCE_EXHAUSTED: clients retry it) before
+it is recorded, except one that nothing taken is waiting before (it runs next: refusing it would
+only stall), and the one request the stream's held ones are waiting for (nothing of the stream
+could run without it).
 
-Samples released one after another run beside each other (up to ``SAMPLES_BESIDE`` at once), so
-the host decodes them as one batch (``sample_batching``); the next training call runs once every
-sample released before it has ended, as when they ran one at a time.
+Unordered jobs released one after another run beside each other (up to ``SAMPLES_BESIDE`` at
+once), so the host decodes samples as one batch (``sample_batching``); the next ordered job runs
+once every unordered job released before it has ended, as when they ran one at a time.
 """
 
 from __future__ import annotations
@@ -30,25 +31,26 @@ from typing import Any
 
 from trainwire.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
 
-DEFAULT_MAX_HELD = 1024  # calls waiting to run, per model and for samples; more is refused (429)
-# Bytes of decoded requests taken and not yet run, per model and for samples. A maximal
+DEFAULT_MAX_HELD = 1024  # requests waiting to run, per stream and unordered; more are refused
+# Bytes of decoded requests taken and not yet run, per stream and unordered. A maximal
 # forward_backward holds about 240 MiB decoded (1,048,576 positions x 6 per-token values x 40
 # bytes, ``codec.held_bytes``); the SDK sends a batch as chunks of 5 MB of wire, at most 50 MB in
 # flight, about 600 MiB once decoded. 1 GiB takes the SDK's whole window, or four maximal calls,
 # behind the one running: a pipelining loop is not refused, and 30 maximal calls (7 GiB) are.
 DEFAULT_MAX_HELD_BYTES = 1024 * 1024 * 1024
-# The same over every model and the samples together: one model's bound and half of it again for
-# the samples beside it, so what requests hold stays a small part of a training host's memory.
+# The same over every stream and the unordered requests together: one stream's bound and half of
+# it again for the samples beside it, so what requests hold stays a small part of a training
+# host's memory.
 DEFAULT_MAX_TOTAL_BYTES = 1536 * 1024 * 1024
 
 Job = Callable[[], None]
-UNORDERED = None  # the waiting count of the jobs outside any model's order
+UNORDERED = None  # the waiting count of the jobs outside any stream's order
 # Samples running at once: below the executor's bound of waiting calls (executor.py's 24).
 SAMPLES_BESIDE = 16
 
 
 def digest(value: Any) -> str:
-    """What a seq_id is bound to: a re-send must carry the same payload."""
+    """What a request's number is bound to: a re-send must carry the same payload."""
     return payload(value)[0]
 
 
@@ -60,7 +62,7 @@ def payload(value: Any) -> tuple[str, int]:
 
 @dataclass
 class _Waiting:
-    """The jobs of one model (or unordered): ``calls`` not yet running, ``ready`` of them
+    """The jobs of one stream (or unordered): ``calls`` not yet running, ``ready`` of them
     released, and the ``size`` in bytes of every one taken whose job has not ended."""
 
     calls: int = 0
@@ -68,8 +70,8 @@ class _Waiting:
     ready: int = 0
 
 
-class SeqOrder:
-    """Releases each model's jobs to ``run`` in ``seq_id`` order, one at a time.
+class StreamOrder:
+    """Releases each stream's jobs to ``run`` in ``seq`` order, one at a time.
 
     ``run`` is called on a thread of this object's own, never on the caller's, so an HTTP handler
     returns its request id at once.
@@ -82,95 +84,98 @@ class SeqOrder:
         max_held: int | None = None,
         max_bytes: int | None = None,
         max_total_bytes: int | None = None,
+        noun: str = "stream",
     ) -> None:
-        """``max_held`` calls and ``max_bytes`` bytes per model (and for samples), and
-        ``max_total_bytes`` over all, may be held (None: the defaults)."""
+        """``max_held`` requests and ``max_bytes`` bytes per stream (and unordered), and
+        ``max_total_bytes`` over all, may be held (None: the defaults). ``noun`` names a stream
+        in refusals (a Tinker stream is a ``model``)."""
         self._run = run
+        self._noun = noun
         self._max_held = DEFAULT_MAX_HELD if max_held is None else max_held
         self._max_bytes = DEFAULT_MAX_HELD_BYTES if max_bytes is None else max_bytes
         self._max_total = DEFAULT_MAX_TOTAL_BYTES if max_total_bytes is None else max_total_bytes
         self._lock = threading.Condition()
         self._next: dict[str, int] = {}
         self._held: dict[str, dict[int, tuple[int, Job]]] = {}  # seq → (size, job)
-        self._seen: dict[tuple[str, int], str] = {}  # (model, seq) → payload digest
+        self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
-        self._total = 0  # bytes of every job taken and not ended, of all models and samples
+        self._total = 0  # bytes of every job taken and not ended, of all streams and unordered
         self._ready: deque[tuple[str | None, int, Job]] = deque()
         self._stopped = False
         self._samples = _Beside(run, SAMPLES_BESIDE)
-        self._thread = threading.Thread(target=self._loop, name="tinker-order", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="stream-order", daemon=True)
         self._thread.start()
 
-    def start_model(self, model_id: str, next_seq: int = 1) -> None:
+    def start_stream(self, stream: str, next_seq: int = 1) -> None:
         with self._lock:
-            self._next[model_id] = max(self._next.get(model_id, next_seq), next_seq)
-            self._held.setdefault(model_id, {})
+            self._next[stream] = max(self._next.get(stream, next_seq), next_seq)
+            self._held.setdefault(stream, {})
 
-    def started(self, model_id: str) -> bool:
+    def started(self, stream: str) -> bool:
         with self._lock:
-            return model_id in self._next
+            return stream in self._next
 
-    def end_model(self, model_id: str) -> None:
-        """The model closed: its held calls are released to run (and fail: see ``ModelSlot``),
-        and no call of it is taken any more."""
+    def end_stream(self, stream: str) -> None:
+        """The stream ended (its model closed): its held jobs are released to run (and fail, as
+        their transport decides), and no request of it is taken any more."""
         with self._lock:
-            held = self._held.pop(model_id, {})
+            held = self._held.pop(stream, {})
             for seq in sorted(held):
-                self._queue(model_id, *held[seq])
-            self._next.pop(model_id, None)
-            self._seen = {key: value for key, value in self._seen.items() if key[0] != model_id}
+                self._queue(stream, *held[seq])
+            self._next.pop(stream, None)
+            self._seen = {key: value for key, value in self._seen.items() if key[0] != stream}
             self._lock.notify_all()
 
     def accepts(
-        self, model_id: str, seq_id: int, digest: str, size: int = 0, *, bounded: bool = True
+        self, stream: str, seq: int, digest: str, size: int = 0, *, bounded: bool = True
     ) -> bool:
-        """Whether ``submit`` would queue this call: False for a re-send (the same seq_id with
-        the same payload, whose future already exists).
+        """Whether ``submit`` would queue this request: False for a re-send (the same ``seq``
+        with the same payload, whose ticket already exists).
 
-        Raises ``AlreadyExists`` for the same seq_id with another payload, ``FailedPrecondition``
-        for a model not open, ``ResourceExhausted`` (when ``bounded``) when the model's calls or
-        bytes, or the bytes of all, are at their bound.
+        Raises ``AlreadyExists`` for the same ``seq`` with another payload,
+        ``FailedPrecondition`` for a stream not started, ``ResourceExhausted`` (when
+        ``bounded``) when the stream's requests or bytes, or the bytes of all, are at their bound.
         """
         with self._lock:
-            if model_id not in self._next:
-                raise FailedPrecondition(f"model {model_id!r} is not open on this server")
-            seen = self._seen.get((model_id, seq_id))
+            if stream not in self._next:
+                raise FailedPrecondition(f"{self._noun} {stream!r} is not open on this server")
+            seen = self._seen.get((stream, seq))
             if seen is not None:
                 if seen != digest:
                     raise AlreadyExists(
-                        f"seq_id {seq_id} of model {model_id!r} was already sent with another "
+                        f"seq_id {seq} of {self._noun} {stream!r} was already sent with another "
                         "payload; a new call needs a new seq_id"
                     )
                 return False
-            expected = self._next[model_id]
-            if seq_id < expected:
+            expected = self._next[stream]
+            if seq < expected:
                 raise AlreadyExists(
-                    f"seq_id {seq_id} of model {model_id!r} is before the next expected "
+                    f"seq_id {seq} of {self._noun} {stream!r} is before the next expected "
                     f"({expected}) and was never sent to this server"
                 )
             if bounded:
-                self._check_room(model_id, size, needed=seq_id == expected)
+                self._check_room(stream, size, needed=seq == expected)
             return True
 
     def submit(
         self,
-        model_id: str,
-        seq_id: int,
+        stream: str,
+        seq: int,
         digest: str,
         job: Job,
         *,
         size: int = 0,
         bounded: bool = True,
     ) -> bool:
-        """Queue ``job`` as ``seq_id`` of ``model_id``, holding ``size`` bytes until it has run
+        """Queue ``job`` as ``seq`` of ``stream``, holding ``size`` bytes until it has run
         (see ``accepts``; False for a re-send)."""
         with self._lock:
-            if not self.accepts(model_id, seq_id, digest, size, bounded=bounded):
+            if not self.accepts(stream, seq, digest, size, bounded=bounded):
                 return False
-            self._seen[(model_id, seq_id)] = digest
-            self._held[model_id][seq_id] = (size, job)
-            self._take(model_id, size)
-            self._release(model_id)
+            self._seen[(stream, seq)] = digest
+            self._held[stream][seq] = (size, job)
+            self._take(stream, size)
+            self._release(stream)
             return True
 
     def check_room(self, size: int = 0) -> None:
@@ -180,7 +185,7 @@ class SeqOrder:
             self._check_room(UNORDERED, size, needed=False)
 
     def run_unordered(self, job: Job, size: int = 0) -> None:
-        """Queue a job outside any model's sequence (sampling), behind what is ready now."""
+        """Queue a job outside any stream's order (a sample), behind what is ready now."""
         with self._lock:
             self._take(UNORDERED, size)
             self._queue(UNORDERED, size, job)
@@ -193,10 +198,10 @@ class SeqOrder:
 
     def _check_room(self, key: str | None, size: int, *, needed: bool) -> None:
         """Refuse a call past the bounds, unless nothing waits before it (of ``key``; of all,
-        for the total) or it is ``needed``: the next seq_id while the model's calls are held
+        for the total) or it is ``needed``: the next ``seq`` while the stream's jobs are held
         and none is ready to run."""
         waiting = self._waiting[key]
-        what = "samples" if key is UNORDERED else f"model {key!r}"
+        what = "samples" if key is UNORDERED else f"{self._noun} {key!r}"
         needed = needed and waiting.ready == 0
         full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
         if full and waiting.calls and not needed:
@@ -231,12 +236,12 @@ class SeqOrder:
         self._ready.append((key, size, job))
         self._waiting[key].ready += 1
 
-    def _release(self, model_id: str) -> None:
-        held = self._held[model_id]
-        while self._next[model_id] in held:
-            size, job = held.pop(self._next[model_id])
-            self._next[model_id] += 1
-            self._queue(model_id, size, job)
+    def _release(self, stream: str) -> None:
+        held = self._held[stream]
+        while self._next[stream] in held:
+            size, job = held.pop(self._next[stream])
+            self._next[stream] += 1
+            self._queue(stream, size, job)
         self._lock.notify_all()
 
     def _loop(self) -> None:
@@ -283,7 +288,7 @@ class _Beside:
         self._slots.acquire()
         with self._idle:
             self._running += 1
-        threading.Thread(target=self._go, args=(job,), name="tinker-sample", daemon=True).start()
+        threading.Thread(target=self._go, args=(job,), name="unordered-job", daemon=True).start()
 
     def wait(self) -> None:
         """Until every job started has ended."""

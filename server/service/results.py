@@ -1,25 +1,25 @@
-"""The futures the SDK polls: a request id answers at once, its result comes later.
+"""The results a client fetches by ticket: a request id answers at once, its result comes later.
 
 A result enters the store only after it is durable (a keyed operation's journal commit happens
-inside ``SessionHost`` before the host returns; every other result is in the front's request log
-first), so a poll can never see a result that a crash could take back. A poll is held up to
-``hold_s`` and then answered ``try_again``; the SDK re-polls at once.
+inside ``SessionHost`` before the host returns; every other result is in the intake's request
+log first), so a fetch can never see a result that a crash could take back. A fetch is held up to
+``hold_s`` and then answered "not yet" (None); the Tinker SDK re-polls at once.
 
 Each request keeps the digest of its payload (a re-send must carry the same one) and when its
-result was resolved and first handed to a poll (wall-clock seconds, so they outlive a restart).
-A result handed out is not a result received: the response may be lost and the SDK polls again,
-perhaps after a restart. So once a request's own record leaves the request log (compaction), its
-result is carried in the log while ``retained`` keeps it:
+result was resolved and first handed out (wall-clock seconds, so they outlive a restart). A result
+handed out is not a result received: the response may be lost and the client asks again, perhaps
+after a restart. So once a request's own record leaves the request log (compaction), its result is
+carried in the log while ``retained`` keeps it:
 
-- a result handed to a poll (or a refusal answered with a 400): for ``KEEP_DELIVERED``, one hour
-  after it was last handed out, the newest 4,096 and 64 MiB of them at most;
-- a result no poll has taken yet: for ``KEEP_UNDELIVERED``, a day after it was resolved, the
-  newest 4,096 and 256 MiB of them at most (a live SDK polls each of its futures at once: what
-  waits that long belongs to a client that is gone).
+- a result handed out (or a refusal answered at once): for ``KEEP_DELIVERED``, one hour after it
+  was last handed out, the newest 4,096 and 64 MiB of them at most;
+- a result never fetched yet: for ``KEEP_UNDELIVERED``, a day after it was resolved, the newest
+  4,096 and 256 MiB of them at most (a live client fetches each of its tickets at once: what waits
+  that long belongs to a client that is gone).
 
-A lost response is asked again within the SDK's retries, while at most as many polls are in flight
-as the SDK has connections, well under those bounds. The requests of an SDK session the front
-forgot (``model_slot``: it ended, or lapsed with nothing left to fetch) leave the store with it.
+A lost response is asked again within the client's retries, while at most as many fetches are in
+flight as the client has connections, well under those bounds. The requests of a client session
+the intake forgot leave the store with it.
 """
 
 from __future__ import annotations
@@ -44,14 +44,13 @@ from trainwire.server.errors import (
 
 logger = logging.getLogger(__name__)
 
-PROTOBUF = "application/x-protobuf"
 USER_ERRORS = (InvalidArgument, FailedPrecondition, NotFound, ValueError)
 
 
 @dataclass(frozen=True)
 class Done:
-    """A finished request: a JSON object, or protobuf bytes (``ForwardBackwardOutput``,
-    ``SampleResponse``)."""
+    """A finished request: its encoded response, a JSON object or bytes (the Tinker front's
+    protobuf ``ForwardBackwardOutput`` and ``SampleResponse``)."""
 
     body: dict[str, Any] | bytes
 
@@ -130,9 +129,9 @@ def retained(results: list[Resolved], now: float) -> list[Resolved]:
     return kept
 
 
-class FutureStore:
-    """Request id → outcome, with polls that wait for it on the HTTP event loop (no thread per
-    held poll; the thread that resolves wakes the waiting loop)."""
+class ResultStore:
+    """Request id → outcome, with fetches that wait for it on the caller's event loop (no thread
+    per held fetch; the thread that resolves wakes the waiting loop)."""
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._entries: dict[str, _Entry] = {}
@@ -278,7 +277,7 @@ def _wake(waiter: asyncio.Future) -> None:
 
 
 def run_to_outcome(call: Callable[[], Any]) -> Outcome:
-    """A call's result, or its error as the SDK's ``{"error", "category"}``."""
+    """A call's result, or its error as ``Failed`` (the Tinker SDK's ``{"error", "category"}``)."""
     try:
         return Done(call())
     except USER_ERRORS as error:
@@ -286,5 +285,5 @@ def run_to_outcome(call: Callable[[], Any]) -> Outcome:
     except Unavailable as error:
         return Failed(str(error), "server")
     except Exception as error:
-        logger.exception("a Tinker call failed")
+        logger.exception("a submitted call failed")
         return Failed(f"{type(error).__name__}: {error}", "server")

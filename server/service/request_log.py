@@ -1,24 +1,25 @@
-"""The front's durable memory: every request it accepted and every result a crash could lose.
+"""The intake's durable memory: every request it accepted and every result a crash could lose.
 
-The SDK polls request ids it was given; after a SIGKILL the FutureStore is empty. So the front
-appends each accepted request here and makes it durable before it hands out the request id, and
-appends the result of each call the journal does not cover (a ``forward``, a sample, any failure)
-before a poll can see it. A restarted front reads the records back in order: a recorded result is
-final; a call without one is submitted again, and since the engine restarted from its latest
-checkpoint, the keyed calls since then run again (the journal answers the ones before it).
+A client fetches results by the request ids it was given; after a SIGKILL the result store is empty.
+So the intake appends each accepted request here and makes it durable before it hands out the
+request id, and appends the result of each call the journal does not cover (a ``forward``, a sample,
+any failure) before a fetch can see it. A restarted intake reads the records back in order: a
+recorded result is final; a call without one is submitted again, and since the engine restarted from
+its latest checkpoint, the keyed calls since then run again (the journal answers the ones before
+it).
 
-One JSON object per line, a typed record each (``records``). A line torn by the crash (the write
-was never made durable, so its request id was never handed out) is dropped. ``compact`` rewrites
-the file atomically, keeping what a restart still needs and nothing more (``compacted``): the
-requests since the latest checkpoint, the samples not yet answered, and the results the SDK can
-still ask for (``futures``'s retention bounds them in time, count and bytes), each carried in one
-record with its payload's digest once its request's record is gone; none of an SDK session the
-front forgot (``Sequencer.forget_sessions``).
+One JSON object per line, a typed record each (``request_records``). A line torn by the crash (the
+write was never made durable, so its request id was never handed out) is dropped. ``compact``
+rewrites the file atomically, keeping what a restart still needs and nothing more (``compacted``):
+the requests since the latest checkpoint, the samples not yet answered, and the results a client can
+still ask for (``results``'s retention bounds them in time, count and bytes), each carried in one
+record with its payload's digest once its request's record is gone; none of a client session the
+intake forgot (``Intake.forget_sessions``).
 
 In memory the log keeps what compaction and the routes ask of its records (ids, seq_ids, small
 bodies); a heavy body (a ``forward_backward``'s protobuf, a long prompt, a large result) stays in
-the file (``OnDisk``) and compaction copies its line as it was written, so what a process holds
-does not grow with the calls a run sends between two checkpoints.
+the file (``OnDisk``) and compaction copies its line as it was written, so what a process holds does
+not grow with the calls a run sends between two checkpoints.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from trainwire.server.errors import ResourceExhausted
-from trainwire.server.tinker.futures import Done, Failed, Outcome
-from trainwire.server.tinker.records import (
+from trainwire.server.service.request_records import (
     CallRecord,
     Record,
     ResultRecord,
     SampleRecord,
     record_from_json,
 )
+from trainwire.server.service.results import Done, Failed, Outcome
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,8 @@ def compacted(
     head: list[Record],
     carry: Callable[[list[str]], list[ResultRecord]] | None = None,
 ) -> list[Record] | None:
-    """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, samplers,
-    where to resume), the results ``carry`` keeps of the requests whose records go, the calls
+    """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, notes, where to
+    resume), the results ``carry`` keeps of the requests whose records go, the calls
     from ``seq_id`` on and the samples not ``settled`` yet, with their results.
 
     ``settled(request_id)``: the request needs its record no more (answered, or its result

@@ -1,27 +1,28 @@
-"""The Tinker front's sequencer: seq_id order, the durable request log and the futures, behind
-one ``submit``.
+"""The intake: where a request that answers a ticket is accepted, ordered, recorded and answered.
 
-Every training call of the SDK carries ``(model_id, seq_id)``; ``{model_id}/{seq_id}`` is both its
-request id and its trainwire operation key, so a re-sent call finds its future (and, after it ran,
-the journal's recorded result) instead of running again; the same key with another payload is
-refused. Calls run in seq_id order per model (``SeqOrder``, which also bounds what waits); their
-results enter the ``FutureStore`` only once durable: a keyed call's journal commit happens inside
-the session host before it returns, and every other result (a forward, a sample, a failure) is
-written to the ``RequestLog`` first.
+A transport hands the intake each request with its stream and number (a Tinker model and its
+``seq_id``) and a ``prepare`` closure that checks the rest and returns the call; the intake answers
+the request id at once. ``{stream}/{seq}`` is both the request id and the operation key the host
+journals, so a re-sent request finds its ticket (and, after it ran, the journal's recorded result)
+instead of running again; the same key with another payload is refused. Requests run in order per
+stream (``StreamOrder``, which also bounds what waits); their results enter the ``ResultStore``
+only once durable: a keyed call's journal commit happens inside the session host before it
+returns, and every other result (a forward, a sample, a failure) is written to the ``RequestLog``
+first.
 
 Exactly once across a crash: each accepted request is in the log before its request id is handed
-out. A restarted front reads the log back (``replaying``) before its listener serves: recorded
-results are answered as they are, every other call is submitted again in its original order, and
-one that cannot be submitted again fails alone (``replay_failed``). Nothing runs until the host
-has restored its run (``recovered``); the engine restarted from its latest checkpoint, so the
-journal answers the keyed calls before it and the ones since run again, the same bits. A
-checkpoint compacts the log (``compact_at``): the results of the calls before it that the SDK may
-still ask for are carried, bounded by ``futures``'s retention.
+out. A restarted intake reads the log back (``replaying``) before its transport serves: recorded
+results are answered as they are, every other request is submitted again in its original order by
+its transport, and one that cannot be submitted again fails alone (``replay_failed``). Nothing runs
+until the host has restored its run (``recovered``); the engine restarted from its latest
+checkpoint, so the journal answers the keyed calls before it and the ones since run again, the
+same bits. A checkpoint compacts the log (``compact_at``): the results of the calls before it that
+a client may still ask for are carried, bounded by ``results``'s retention.
 
-SDK sessions come and go (``model_slot`` forgets them): a request is taken only for a session the
-front knows (``admit``), a forgotten session's futures go at once, and its records stay out of a
-restart (``ForgottenRecord``) until a compaction leaves them out of the log, which the model slot
-makes sure of by forgetting the lapsed sessions first (``before_compaction``).
+Client sessions come and go (the Tinker front's model slot forgets them): a request is taken only
+for a session the transport knows (``admit``), a forgotten session's results go at once, and its
+records stay out of a restart (``ForgottenRecord``) until a compaction leaves them out of the log,
+which the transport makes sure of by forgetting the lapsed sessions first (``before_compaction``).
 """
 
 from __future__ import annotations
@@ -37,16 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
-from trainwire.server.tinker.futures import (
-    USER_ERRORS,
-    Done,
-    Failed,
-    FutureStore,
-    Outcome,
-    run_to_outcome,
-)
-from trainwire.server.tinker.ordering import SeqOrder, payload
-from trainwire.server.tinker.records import (
+from trainwire.server.service.request_log import RequestLog, compacted
+from trainwire.server.service.request_records import (
     Body,
     CallRecord,
     ForgottenRecord,
@@ -54,24 +47,38 @@ from trainwire.server.tinker.records import (
     ResultRecord,
     ResumeRecord,
     SampleRecord,
-    session_of_record,
+    owner_of_record,
 )
-from trainwire.server.tinker.request_log import RequestLog, compacted
-from trainwire.server.tinker.sdk_sessions import session_of
+from trainwire.server.service.results import (
+    USER_ERRORS,
+    Done,
+    Failed,
+    Outcome,
+    ResultStore,
+    run_to_outcome,
+)
+from trainwire.server.service.stream_order import StreamOrder, payload
 
 logger = logging.getLogger(__name__)
 
-Call = Callable[[str], Any]  # a training call's work, given its request id (its operation key)
+Call = Callable[[str], Any]  # a request's work, given its request id (its operation key)
 
 
-class Sequencer:
-    """Orders, logs and answers the SDK's calls for one front (its files in ``directory``)."""
+class Intake:
+    """Orders, records and answers one transport's requests (its files in ``directory``).
 
-    def __init__(self, directory: Path) -> None:
-        self.futures = FutureStore()
+    Args:
+        directory: where the request log lives.
+        owner_of: the client session a request id belongs to.
+        noun: what a stream is called in refusals (``StreamOrder``).
+    """
+
+    def __init__(self, directory: Path, owner_of: Callable[[str], str], noun: str) -> None:
+        self.owner_of = owner_of
+        self.results = ResultStore()
         self.log = RequestLog(directory)
-        self.order = SeqOrder(self._when_recovered)
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="tinker-finish")  # in order
+        self.order = StreamOrder(self._when_recovered, noun=noun)
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
         # Held by the part of a sample that may not run beside another (``ordering``): choosing
         # its weights, which may open a model for sampling.
@@ -112,7 +119,7 @@ class Sequencer:
         requested = {r.request_id for r in records if isinstance(r, CallRecord | SampleRecord)}
         for request_id, result in results.items():
             if request_id not in requested:
-                self.futures.restore(result.resolved())
+                self.results.restore(result.resolved())
         self._replayed = results
         try:
             yield records
@@ -120,7 +127,7 @@ class Sequencer:
             self._replayed = None
             self.log.leave_bodies_on_disk()  # taken back: the heavy bodies stay in the file
         if records:
-            logger.info("Tinker front: %d request records read back", len(records))
+            logger.info("intake: %d request records read back", len(records))
 
     @property
     def taking_back(self) -> bool:
@@ -128,9 +135,9 @@ class Sequencer:
         what a request names may then find what was valid when it was accepted)."""
         return self._replayed is not None
 
-    def resume_at(self, model_id: str, record: ResumeRecord) -> None:
+    def resume_at(self, stream: str, record: ResumeRecord) -> None:
         """A compacted log goes on at ``record``'s seq_id and journal position."""
-        self.order.start_model(model_id, record.next_seq)
+        self.order.start_stream(stream, record.next_seq)
         self.resume_position = record.position
 
     def resubmitted(self, request_id: str) -> None:
@@ -138,7 +145,7 @@ class Sequencer:
 
     def replay_pending(self) -> bool:
         """Whether a call submitted again at start is unanswered yet (it may create a sampler)."""
-        self._resubmitted = {r for r in self._resubmitted if self.futures.pending(r)}
+        self._resubmitted = {r for r in self._resubmitted if self.results.pending(r)}
         return self._replayed is not None or bool(self._resubmitted)
 
     def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
@@ -153,14 +160,14 @@ class Sequencer:
         )
         job = partial(self._answer, request_id, self._recorded(request_id), failure, False)
         digest, _ = payload(record.body)
-        model_id = request_id.rpartition("/")[0]
+        stream = request_id.rpartition("/")[0]
         with self._lock:
-            if self.futures.known(request_id):
+            if self.results.known(request_id):
                 return False
-            self.futures.add(request_id, digest)
-            if isinstance(record, CallRecord) and self.order.started(model_id):
+            self.results.add(request_id, digest)
+            if isinstance(record, CallRecord) and self.order.started(stream):
                 with contextlib.suppress(TrainwireError):  # its seq_id cannot be taken
-                    if self.order.submit(model_id, record.seq, digest, job, bounded=False):
+                    if self.order.submit(stream, record.seq, digest, job, bounded=False):
                         return True
             self.order.run_unordered(job)
             return True
@@ -172,7 +179,7 @@ class Sequencer:
                 f"the engine restored position {position}, before the checkpoint the request log "
                 f"was compacted at ({self.resume_position}): this run cannot go on exactly once"
             )
-            logger.error("Tinker front: %s", self._cannot_replay)
+            logger.error("intake: %s", self._cannot_replay)
         self._recovered.set()
 
     def _when_recovered(self, job: Callable[[], None]) -> None:
@@ -196,8 +203,8 @@ class Sequencer:
 
     def compact_at(self, seq_id: int, position: int, head: Callable[[], list[Record]]) -> None:
         """After checkpoint ``seq_id`` (journal ``position``), on the calls' thread: drop the
-        records a restart no longer needs, carrying the results the SDK may still ask for.
-        ``head`` (what the front must know first: sessions, samplers) is read while no record
+        records a restart no longer needs, carrying the results a client may still ask for.
+        ``head`` (what the transport must know first: sessions, notes) is read while no record
         can be appended."""
         self._finisher.submit(lambda: None).result()  # every call before it is answered now
         self.before_compaction()
@@ -212,7 +219,7 @@ class Sequencer:
                 self._forgotten.clear()
 
     def forget_all_but(self, head: Callable[[], list[Record]]) -> None:
-        """Keep only ``head`` and the results still kept (the model closed: none of its calls
+        """Keep only ``head`` and the results still kept (the stream ended: none of its calls
         replays again)."""
         self.before_compaction()
 
@@ -228,14 +235,14 @@ class Sequencer:
             self._forgotten.clear()
 
     def forget_sessions(self, sessions: set[str], known: Callable[[str], bool]) -> None:
-        """The model slot forgot SDK ``sessions``: the futures of every session not ``known`` go
+        """The transport forgot client ``sessions``: the results of every session not ``known`` go
         (theirs, and any a restart read back for a session that had ended), and a durable
         ``ForgottenRecord`` keeps a restart from taking their records back. Those records leave
-        the log at the next compaction, or now when they are most of it (so a front that never
+        the log at the next compaction, or now when they are most of it (so an intake that never
         compacts, sampling only, still keeps its log bounded; each rewrite drops at least half
         the records, so rewriting costs each record a constant, however long the log)."""
         with self._lock:
-            self.futures.forget(lambda request_id: not known(session_of(request_id)))
+            self.results.forget(lambda request_id: not known(self.owner_of(request_id)))
             if not sessions:
                 return
             self._forgotten |= sessions
@@ -244,7 +251,7 @@ class Sequencer:
             except (OSError, ResourceExhausted) as error:
                 # Gone from memory all the same: a restart before the next compaction takes them
                 # back, and they lapse again.
-                logger.warning("Tinker front: forgotten sessions not recorded: %s", error)
+                logger.warning("intake: forgotten sessions not recorded: %s", error)
                 return
             records = self.log.records
             if 2 * (len(records) - len(self._without_forgotten(records))) >= len(records):
@@ -257,47 +264,48 @@ class Sequencer:
         return [
             r
             for r in records
-            if not isinstance(r, ForgottenRecord) and session_of_record(r) not in forgotten
+            if not isinstance(r, ForgottenRecord)
+            and owner_of_record(r, self.owner_of) not in forgotten
         ]
 
     def _settled(self, request_id: str) -> bool:
-        return not self.futures.pending(request_id)
+        return not self.results.pending(request_id)
 
     def _carry(self, request_ids: list[str]) -> list[ResultRecord]:
         """The results of ``request_ids`` that retention keeps, to carry in a compacted log."""
-        return [ResultRecord.of(r) for r in self.futures.retained(request_ids).values()]
+        return [ResultRecord.of(r) for r in self.results.retained(request_ids).values()]
 
     # -- submitting ----------------------------------------------------------------------------
 
     def resolve_now(self, request_id: str, outcome: Outcome) -> None:
-        """A request answered as it is made (create_model)."""
-        self.futures.add(request_id)
-        self.futures.resolve(request_id, outcome)
+        """A request answered as it is made (the Tinker front's create_model)."""
+        self.results.add(request_id)
+        self.results.resolve(request_id, outcome)
 
     def submit(
         self,
         route: str,
         body: Body,
-        model_id: str,
-        seq_id: Any,
+        stream: str,
+        seq: Any,
         prepare: Callable[[], Call],
         *,
         encoding: str | None = None,
         keyed: bool = True,
         size: int | None = None,
     ) -> str:
-        """Queue ``prepare()``'s call as ``seq_id`` of ``model_id``; its request id, once the
+        """Queue ``prepare()``'s call as ``seq`` of ``stream``; its request id, once the
         request is durable in the log. A ``keyed`` call's success is the journal's to keep;
         every other outcome is logged before a poll sees it. ``prepare`` checks the request: if
-        it refuses it, the refusal is raised (HTTP 400) and still takes the seq_id, answered as
+        it refuses it, the refusal is raised (HTTP 400) and still takes the seq, answered as
         that failure to a poll or a re-send, so the calls numbered after it are not held.
         ``size``: the request's bytes held while it waits (default: the body's)."""
-        if isinstance(seq_id, bool) or not isinstance(seq_id, int) or seq_id < 1:
-            raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq_id!r}")
-        request_id = f"{model_id}/{seq_id}"
+        if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
+            raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq!r}")
+        request_id = f"{stream}/{seq}"
         digest, body_size = payload(body)
         size = size or body_size
-        taken = partial(self._resent, request_id, model_id, seq_id, digest, size)
+        taken = partial(self._resent, request_id, stream, seq, digest, size)
         with self._lock:
             if taken():  # checked first too: a refused or re-sent call is not even decoded
                 return request_id
@@ -310,30 +318,30 @@ class Sequencer:
         with self._lock:
             if taken():
                 return request_id  # a re-send: its future already exists
-            ticket = self._append(CallRecord(route, request_id, seq_id, body, encoding))
-            self.futures.add(request_id, digest)
+            ticket = self._append(CallRecord(route, request_id, seq, body, encoding))
+            self.results.add(request_id, digest)
             bounded = self._replayed is None
-            self.order.submit(model_id, seq_id, digest, job, size=size, bounded=bounded)
+            self.order.submit(stream, seq, digest, job, size=size, bounded=bounded)
         if ticket is not None:
             self.log.sync(ticket)
         if refusal is not None:
-            self.futures.mark_delivered(request_id)  # the 400 is its answer
+            self.results.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
         return request_id
 
-    def _resent(self, request_id: str, model_id: str, seq_id: int, digest: str, size: int) -> bool:
+    def _resent(self, request_id: str, stream: str, seq: int, digest: str, size: int) -> bool:
         """Whether a call is a re-send (under ``_lock``); raises when it cannot be taken: another
-        payload under its key, its model closed, too much already waiting."""
+        payload under its key, its stream ended, too much already waiting."""
         self.admit(request_id)
-        if self.futures.resent(request_id, digest):
+        if self.results.resent(request_id, digest):
             return True
         bounded = self._replayed is None  # a restart takes back all it accepted before
-        return not self.order.accepts(model_id, seq_id, digest, size, bounded=bounded)
+        return not self.order.accepts(stream, seq, digest, size, bounded=bounded)
 
     def submit_unordered(
         self, request_id: str, body: dict[str, Any], call: Callable[[], Any], size: int = 0
     ) -> bool:
-        """Queue ``call`` outside any model's sequence (a sample) as ``request_id``, once the
+        """Queue ``call`` outside any stream's order (a sample) as ``request_id``, once the
         request is durable; False for a re-send (its future already exists). The same
         ``request_id`` with another body is refused (``AlreadyExists``). ``size``: the bytes
         the request holds until it has run (default: the body's)."""
@@ -342,12 +350,12 @@ class Sequencer:
         job = partial(self._answer, request_id, self._recorded(request_id), lambda _: call(), False)
         with self._lock:
             self.admit(request_id)
-            if self.futures.resent(request_id, digest):
+            if self.results.resent(request_id, digest):
                 return False
             if self._replayed is None:  # a restart takes back all it accepted before
                 self.order.check_room(size)
             ticket = self._append(SampleRecord(request_id, body))
-            self.futures.add(request_id, digest)
+            self.results.add(request_id, digest)
             self.order.run_unordered(job, size)
         if ticket is not None:
             self.log.sync(ticket)
@@ -361,7 +369,7 @@ class Sequencer:
         """A request's turn: its recorded result, its failure, or its call (whose response is
         encoded and logged behind, while the next call runs)."""
         if recorded is not None:
-            self.futures.resolve(request_id, recorded.outcome, recorded.resolved_at)
+            self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
         elif isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
         else:
@@ -383,8 +391,8 @@ class Sequencer:
         """Resolve a future, writing its outcome to the log first unless already durable (or
         forgotten meanwhile with its session: nobody asks for it)."""
         at = time.time()
-        if not self.futures.known(request_id):
+        if not self.results.known(request_id):
             return
         if not durable:
             outcome = self.log.write_result(request_id, outcome, at)
-        self.futures.resolve(request_id, outcome, at)
+        self.results.resolve(request_id, outcome, at)

@@ -1,33 +1,35 @@
-"""The request log's records, typed: what the Tinker front writes down so a restart loses nothing.
+"""The request log's records, typed: what the intake writes down so a restart loses nothing.
 
 Each record is a frozen dataclass; ``to_json`` gives the one JSON object a line of the log holds
 (its ``kind`` names the record type, and is written here only) and ``record_from_json`` reads it
 back. The JSON form is the log's file format: it stays readable across versions.
 
-- ``SessionRecord``: an SDK session the server created.
-- ``SamplerRecord``: a sampling session, or (``named``) named sampler weights.
-- ``UnnamedSnapshotsRecord``: which unnamed snapshot exports exist, oldest first.
-- ``ResumeRecord``: where a compacted log resumes: the next seq_id and the journal position of
-  the checkpoint it was compacted at.
-- ``CallRecord``: an accepted training call, as its route takes it again.
-- ``SampleRecord``: an accepted sample request.
+- ``SessionRecord``: a client session the server created (a Tinker SDK session); the requests
+  made under it are its own (``Intake.owner_of``).
+- ``NoteRecord``: a transport's own state, kept in the log so a restart has it before the
+  requests that use it (the Tinker front's sampling sessions): its kind and fields are the
+  transport's, and its ``owner`` the client session it goes with (None: the server's).
+- ``ResumeRecord``: where a compacted log resumes: the next seq of the stream and the journal
+  position of the checkpoint it was compacted at.
+- ``CallRecord``: an accepted ordered request, as its route takes it again.
+- ``SampleRecord``: an accepted unordered request (a sample).
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
   in a compacted log, one whose request's record is gone but which is still kept (see
-  ``futures``'s retention): then with its payload's digest and when it was resolved and handed out.
-- ``ForgottenRecord``: SDK sessions the front forgot (``model_slot``): a restart leaves out every
-  record of theirs (``session_of_record``) until a compaction drops them.
+  ``results``'s retention): then with its payload's digest and when it was resolved and handed out.
+- ``ForgottenRecord``: client sessions the server forgot: a restart leaves out every record of
+  theirs (``owner_of_record``) until a compaction drops them.
 """
 
 from __future__ import annotations
 
 import base64
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from trainwire.server.tinker.futures import Done, Failed, Outcome, Resolved
-from trainwire.server.tinker.sdk_sessions import session_of
+from trainwire.server.service.results import Done, Failed, Outcome, Resolved
 
-Body = dict[str, Any] | bytes  # a JSON request or result, or protobuf bytes
+Body = dict[str, Any] | bytes  # a JSON request or result, or encoded bytes (protobuf)
 
 
 def encode_body(body: Body) -> dict[str, Any]:
@@ -50,32 +52,17 @@ class SessionRecord:
 
 
 @dataclass(frozen=True)
-class SamplerRecord:
-    """A sampling session (or, ``named``, sampler weights saved under a tinker path)."""
+class NoteRecord:
+    """A transport's own state: ``kind`` (never one of this module's), ``fields`` (JSON), and
+    the client session it goes with."""
 
-    sampling_session_id: str
-    base_model: str
-    model_path: str | None
-    export: str | None
-    snapshot_seq: int
-    named: bool = False
-    export_run: str = ""  # the run that saved ``export``, when another than the model's
+    kind: str
+    fields: dict[str, Any]
+    owner: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        fields = asdict(self)
-        if not self.named:
-            del fields["named"]
-        if not self.export_run:
-            del fields["export_run"]
-        return {"kind": "sampler", **fields}
-
-
-@dataclass(frozen=True)
-class UnnamedSnapshotsRecord:
-    exports: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": "unnamed_snapshots", "exports": list(self.exports)}
+        owner = {} if self.owner is None else {"owner": self.owner}
+        return {**self.fields, **owner, "kind": self.kind}
 
 
 @dataclass(frozen=True)
@@ -160,8 +147,7 @@ class ForgottenRecord:
 
 Record = (
     SessionRecord
-    | SamplerRecord
-    | UnnamedSnapshotsRecord
+    | NoteRecord
     | ResumeRecord
     | CallRecord
     | SampleRecord
@@ -170,28 +156,24 @@ Record = (
 )
 
 
-def session_of_record(record: Record) -> str | None:
-    """The SDK session a record belongs to (None: the server's, as where to resume, or named
-    sampler weights, which outlive the session that saved them)."""
+def owner_of_record(record: Record, owner_of: Callable[[str], str]) -> str | None:
+    """The client session a record belongs to (None: the server's, as where to resume, or a note
+    that outlives the session that made it); ``owner_of`` reads it from a request id."""
     if isinstance(record, SessionRecord):
         return record.session_id
-    if isinstance(record, SamplerRecord):
-        return session_of(record.sampling_session_id) if not record.named else None
+    if isinstance(record, NoteRecord):
+        return record.owner
     if isinstance(record, CallRecord | SampleRecord | ResultRecord):
-        return session_of(record.request_id)
+        return owner_of(record.request_id)
     return None
 
 
 def record_from_json(data: dict[str, Any]) -> Record:
-    """One line of the log back as its record; ValueError for a kind this server never wrote."""
+    """One line of the log back as its record (a kind not of this module is a transport's note);
+    ValueError for a line that is not a record."""
     kind = data.get("kind")
     if kind == "session":
         return SessionRecord(data["session_id"])
-    if kind == "sampler":
-        fields = {k: v for k, v in data.items() if k != "kind"}
-        return SamplerRecord(**fields)
-    if kind == "unnamed_snapshots":
-        return UnnamedSnapshotsRecord(tuple(data["exports"]))
     if kind == "resume":
         return ResumeRecord(data["next_seq"], data["position"])
     if kind == "call":
@@ -208,4 +190,7 @@ def record_from_json(data: dict[str, Any]) -> Record:
             outcome = Done(decode_body(data["body"]))
         extras = {name: data.get(name) for name in RESULT_EXTRAS}
         return ResultRecord(data["request_id"], outcome, **extras)
-    raise ValueError(f"a request-log record of unknown kind {kind!r}")
+    if not isinstance(kind, str) or not kind:
+        raise ValueError(f"a request-log record without a kind: {data!r}")
+    fields = {k: v for k, v in data.items() if k not in ("kind", "owner")}
+    return NoteRecord(kind, fields, data.get("owner"))
