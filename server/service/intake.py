@@ -80,7 +80,7 @@ class Intake:
         self.order = StreamOrder(self._when_recovered, noun=noun)
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
-        # Held by the part of a sample that may not run beside another (``ordering``): choosing
+        # Held by the part of a sample that may not run beside another (``stream_order``): choosing
         # its weights, which may open a model for sampling.
         self.serial = threading.Lock()
         self._recovered = threading.Event()
@@ -88,7 +88,7 @@ class Intake:
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
         self.resume_position = 0  # the journal position the log was last compacted at
-        # What the model slot plugs in: ``admit(request_id)`` raises NotFound for a request of a
+        # What the transport plugs in: ``admit(request_id)`` raises NotFound for a request of a
         # session it does not know (and counts the request as its session's sign of life);
         # ``before_compaction()`` forgets the sessions that lapsed, so a compaction leaves their
         # records out.
@@ -149,7 +149,7 @@ class Intake:
         return self._replayed is not None or bool(self._resubmitted)
 
     def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
-        """A logged request whose route failed before queueing it again fails alone: its future
+        """A logged request whose route failed before queueing it again fails alone: its ticket
         answers the failure (logged; a ``server`` one unless the error is the caller's), it
         takes its seq_id so the calls after it run, and the start goes on. False when it was
         queued before failing (a refusal again): its turn answers it."""
@@ -296,9 +296,9 @@ class Intake:
     ) -> str:
         """Queue ``prepare()``'s call as ``seq`` of ``stream``; its request id, once the
         request is durable in the log. A ``keyed`` call's success is the journal's to keep;
-        every other outcome is logged before a poll sees it. ``prepare`` checks the request: if
+        every other outcome is logged before a fetch sees it. ``prepare`` checks the request: if
         it refuses it, the refusal is raised (HTTP 400) and still takes the seq, answered as
-        that failure to a poll or a re-send, so the calls numbered after it are not held.
+        that failure to a fetch or a re-send, so the calls numbered after it are not held.
         ``size``: the request's bytes held while it waits (default: the body's)."""
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq!r}")
@@ -317,7 +317,7 @@ class Intake:
         job = partial(self._answer, request_id, self._recorded(request_id), work, keyed)
         with self._lock:
             if taken():
-                return request_id  # a re-send: its future already exists
+                return request_id  # a re-send: its ticket already exists
             ticket = self._append(CallRecord(route, request_id, seq, body, encoding))
             self.results.add(request_id, digest)
             bounded = self._replayed is None
@@ -342,7 +342,7 @@ class Intake:
         self, request_id: str, body: dict[str, Any], call: Callable[[], Any], size: int = 0
     ) -> bool:
         """Queue ``call`` outside any stream's order (a sample) as ``request_id``, once the
-        request is durable; False for a re-send (its future already exists). The same
+        request is durable; False for a re-send (its ticket already exists). The same
         ``request_id`` with another body is refused (``AlreadyExists``). ``size``: the bytes
         the request holds until it has run (default: the body's)."""
         digest, body_size = payload(body)
@@ -388,7 +388,7 @@ class Intake:
         self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
 
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
-        """Resolve a future, writing its outcome to the log first unless already durable (or
+        """Resolve a ticket, writing its outcome to the log first unless already durable (or
         forgotten meanwhile with its session: nobody asks for it)."""
         at = time.time()
         if not self.results.known(request_id):

@@ -197,7 +197,7 @@ class RequestLog:
         self.sync(self.append(record))
 
     def write_result(self, request_id: str, outcome: Outcome, at: float | None = None) -> Outcome:
-        """Write a result (resolved ``at``) durably; what a poll may then see: the outcome, or a
+        """Write a result (resolved ``at``) durably; what a fetch may then see: the outcome, or a
         server error if it could not be written (a restart runs its call again)."""
         try:
             self.write(ResultRecord(request_id, outcome, resolved_at=at))

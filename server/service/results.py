@@ -227,7 +227,7 @@ class ResultStore:
             }
 
     def forget(self, gone: Callable[[str], bool]) -> int:
-        """Drop every request whose id ``gone`` names (its client is gone); a poll held on one
+        """Drop every request whose id ``gone`` names (its client is gone); a fetch held on one
         is woken and answered as for an unknown request. How many were dropped."""
         with self._lock:
             dropped = [request_id for request_id in self._entries if gone(request_id)]
@@ -264,7 +264,7 @@ class ResultStore:
             if waiter is not None and (waiter.get_loop(), waiter) in waiting:
                 waiting.remove((waiter.get_loop(), waiter))
             entry = self._entries.get(request_id)
-            if entry is None:  # forgotten while the poll was held
+            if entry is None:  # forgotten while the fetch was held
                 raise KeyError(request_id)
             if entry.outcome is not None:  # kept from the last hand-out: it may be lost again
                 entry.delivered_at = self._clock()
