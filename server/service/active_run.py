@@ -1,23 +1,12 @@
-"""The active run: its folder, spec, engine and journal, and the one path every keyed operation
-takes through them.
+"""The active run: its folder, spec, engine and journal, and where it stands (its position).
 
-The session host decides *whether* a run may take operations (lifecycle) and runs them on its
-executor; ``ActiveRun.apply_keyed`` decides what a keyed operation does, in this order:
-
-1. the journal: the key seen with the same payload digest → the journaled result, nothing runs;
-   the same key with another payload → ALREADY_EXISTS;
-2. ``expected_position`` differs from the position → FAILED_PRECONDITION (``PositionMismatch``);
-3. the operation's ``apply`` (``operations``) calls the engine (an engine error changes nothing
-   and is not journaled);
-4. the journal commits it durably with its position; only then does the caller hear of it.
-
-``Applying`` tells the operation that needs it (SaveState, which embeds its own journal entry in
-the checkpoint) where it will land.
+What the operations of the table (``operations``, ``reads``) are applied to; the path a keyed
+operation takes through it is ``keyed_path``'s. ``Applying`` tells the operation that needs it
+(SaveState, which embeds its own journal entry in the checkpoint) where it will land.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from concurrent import futures
 from dataclasses import dataclass
@@ -25,16 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.client import outcomes
-from trainwire.client.outcomes import OperationOutcome, OperationSpec
+from trainwire.client.outcomes import OperationOutcome
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import AlreadyExists, PositionMismatch
-from trainwire.server.service.journal import (
-    Journal,
-    JournalEntry,
-    outcome_from_record,
-    outcome_record,
-)
-from trainwire.server.service.operations import Fields, Operation
+from trainwire.server.service.journal import Journal, JournalEntry, outcome_record
 from trainwire.server.service.recovery import drop_forgotten_exports, restore_into
 from trainwire.server.service.run_checkpoints import latest_checkpoint
 from trainwire.server.service.state_dir import RunDirectory, RunSpec
@@ -60,25 +42,22 @@ def wait_durable(durable: Durable, key: str) -> None:
 
 @dataclass(frozen=True)
 class Applying:
-    """The keyed operation being applied: its operation, key, the position it will have and the
-    digest of its payload."""
+    """The keyed operation being applied: its kind and outcome type, key, the position it will
+    have and the digest of its payload."""
 
-    operation: Operation[Any]
+    kind: str
+    outcome_type: type[OperationOutcome]
     key: str
     position: int
     payload_digest: str
 
-    def outcome(self, fields: Fields) -> OperationOutcome:
-        return self.operation.outcome_type(self.key, self.position, **fields)
+    def outcome(self, fields: dict[str, Any]) -> OperationOutcome:
+        return self.outcome_type(self.key, self.position, **fields)
 
     def entry(self, outcome: OperationOutcome) -> JournalEntry:
         """The journal entry that commits ``outcome``."""
         return JournalEntry(
-            self.key,
-            self.operation.kind,
-            self.payload_digest,
-            self.position,
-            outcome_record(outcome),
+            self.key, self.kind, self.payload_digest, self.position, outcome_record(outcome)
         )
 
 
@@ -160,56 +139,3 @@ class ActiveRun:
             raise JournalCommitFailed(
                 f"the journal could not record an operation: {error}"
             ) from error
-
-    # -- the keyed path ----------------------------------------------------------------------------
-
-    def apply_keyed(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, payload_digest: str
-    ) -> tuple[Any, Durable]:
-        """Journal lookup, position check, ``operation.apply``, commit: in that order.
-
-        Returns the outcome and the commit it waits on (None when already on disk). The caller
-        must wait for it before anyone hears of the outcome, but not on the executor: the next
-        operation runs while this one's fsync completes (group commit). A commit that fails
-        raises ``JournalCommitFailed`` there (only a restart makes journal and engine agree).
-        """
-        entry = self.journal.lookup(op.key)
-        if entry is not None:
-            outcome = self._replay(entry, operation, payload_digest, op)
-            durable = self.journal.durable(op.key)
-        else:
-            outcome, durable = self._apply_new(operation, request, op, payload_digest)
-        if operation.complete is not None:
-            outcome = operation.complete(self, request, outcome)
-        return outcome, durable
-
-    def _apply_new(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, payload_digest: str
-    ) -> tuple[OperationOutcome, Durable]:
-        if op.expected_position is not None and op.expected_position != self.position:
-            raise PositionMismatch(
-                f"expected_position {op.expected_position}, but the session is at position "
-                f"{self.position} (last operation {self.last_key!r}); resume from "
-                f"position {self.position}",
-                self.position,
-            )
-        applying = Applying(operation, op.key, self.position + 1, payload_digest)
-        outcome = applying.outcome(operation.apply(self, request, applying))
-        if op.include_digest and not outcome.state_digest:
-            outcome = dataclasses.replace(outcome, state_digest=self.session.state_digest())
-        durable = self.journal.commit_async(applying.entry(outcome))
-        self.position, self.last_key = applying.position, applying.key
-        return outcome, durable
-
-    def _replay(
-        self, entry: JournalEntry, operation: Operation[Any], payload_digest: str, op: OperationSpec
-    ) -> OperationOutcome:
-        if entry.kind != operation.kind or entry.payload_sha256 != payload_digest:
-            raise AlreadyExists(
-                f"operation key {op.key!r} was already used for another {entry.kind} payload "
-                f"(applied as operation {entry.position}); send a new key for a new operation"
-            )
-        outcome = outcome_from_record(operation.outcome_type, entry.result, replayed=True)
-        if op.include_digest and not outcome.state_digest and entry.position == self.position:
-            outcome = dataclasses.replace(outcome, state_digest=self.session.state_digest())
-        return outcome

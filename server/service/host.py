@@ -7,7 +7,7 @@ that holds an open run is ``restoring`` until ``recover()`` has reopened it from
 checkpoint; the layout on disk is in ``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
-ExportWeights) runs on the one executor thread and takes ``ActiveRun.apply_keyed``'s path
+ExportWeights) runs on the one executor thread and takes ``keyed_path.apply_keyed``'s path
 (journal, position, engine, commit), moving the session's *position* (operations applied) by one;
 its caller hears of it once its commit is on disk. The host checks requests and keys first, and
 owns what a failure means for the lifecycle: a session broken midway, or a journal that could
@@ -37,6 +37,7 @@ from trainwire.server.service.active_run import (
 )
 from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
+from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
 from trainwire.server.service.position_gate import PositionGate
@@ -289,7 +290,7 @@ class SessionHost:
         every transport reaches the engine.
 
         The request is checked before anything is queued. A keyed operation needs ``op`` (its
-        key and expected position) and takes ``ActiveRun.apply_keyed``'s path; its caller hears
+        key and expected position) and takes ``keyed_path.apply_keyed``'s path; its caller hears
         of it once its journal entry is on disk. A read takes no ``op`` and runs on the
         executor behind everything queued before it, so it never sees weights mid-update.
         """
@@ -336,7 +337,7 @@ class SessionHost:
         return self._executor.run(job, joinable=joinable)
 
     def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
-        """``ActiveRun.apply_keyed`` on the executor; the payload is digested before queueing."""
+        """``keyed_path.apply_keyed`` on the executor; the payload is digested before queueing."""
         check_operation_key(op.key)
         assert operation.payload is not None
         digest = payload_digest(operation.kind, operation.payload(request))
@@ -361,7 +362,7 @@ class SessionHost:
     ) -> tuple[Any, Durable]:
         active = self._require_active()
         try:
-            applied = active.apply_keyed(operation, request, op, digest)
+            applied = apply_keyed(active, operation, request, op, digest)
         except JournalCommitFailed as error:
             # An earlier operation's commit failed: only a restart makes journal and engine agree.
             self._fail(str(error))

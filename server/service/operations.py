@@ -28,7 +28,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from trainwire.client import outcomes
 from trainwire.client.outcomes import OperationOutcome
@@ -39,8 +39,11 @@ from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import reads
+from trainwire.server.service.active_run import ActiveRun, Applying
 from trainwire.server.service.request_limits import check_batch
 from trainwire.server.service.requests import (
+    EXPORT_WEIGHTS_KIND,
+    SAVE_STATE_KIND,
     CheckpointRequest,
     DetokenizeRequest,
     DiscardExportsRequest,
@@ -58,9 +61,6 @@ from trainwire.server.service.run_checkpoints import (
     written_by,
 )
 from trainwire.server.service.state_dir import check_name, list_export_files, sibling_run
-
-if TYPE_CHECKING:
-    from trainwire.server.service.active_run import ActiveRun, Applying
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ OPTIM_STEP = Operation(
     outcomes.OptimStepOutcome,
 )
 SAVE_STATE = Operation(
-    "SaveState",
+    SAVE_STATE_KIND,
     CheckpointRequest,
     _check_checkpoint,
     _save_state,
@@ -313,7 +313,7 @@ LOAD_WEIGHTS = Operation(
     "LoadWeights", LoadWeightsRequest, _check_weights_source, _load_weights, _load_weights_payload
 )
 EXPORT_WEIGHTS = Operation(
-    "ExportWeights",
+    EXPORT_WEIGHTS_KIND,
     ExportWeightsRequest,
     _check_export,
     _export_weights,

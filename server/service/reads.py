@@ -10,12 +10,13 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainwire.client import outcomes
 from trainwire.server.engine.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
 from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.service.active_run import ActiveRun, Applying
 from trainwire.server.service.request_limits import check_texts, check_token_lists
 from trainwire.server.service.requests import (
     DetokenizeRequest,
@@ -25,9 +26,6 @@ from trainwire.server.service.requests import (
     TokenizeRequest,
 )
 from trainwire.server.service.state_dir import check_name, sibling_run
-
-if TYPE_CHECKING:
-    from trainwire.server.service.active_run import ActiveRun, Applying
 
 
 def token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], dict[str, float]]:

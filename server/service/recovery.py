@@ -14,7 +14,7 @@ import shutil
 
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.service.journal import Journal, JournalEntry
-from trainwire.server.service.operations import EXPORT_WEIGHTS, SAVE_STATE
+from trainwire.server.service.requests import EXPORT_WEIGHTS_KIND, SAVE_STATE_KIND
 from trainwire.server.service.run_checkpoints import RestorePoint
 from trainwire.server.service.state_dir import RunDirectory
 
@@ -41,8 +41,8 @@ def restore_into(
         logger.warning("rolled back an entry at position %d that is not %r", point.position, key)
     if journal.lookup(key) is None:
         # The server died after the checkpoint was renamed into place, before the commit.
-        journal.commit(point.entry(SAVE_STATE.kind))
-        logger.warning("re-committed %s %r at position %d", SAVE_STATE.kind, key, point.position)
+        journal.commit(point.entry(SAVE_STATE_KIND))
+        logger.warning("re-committed %s %r at position %d", SAVE_STATE_KIND, key, point.position)
     return point.position, key
 
 
@@ -52,7 +52,7 @@ def drop_forgotten_exports(run: RunDirectory, journal: Journal) -> None:
     The rolled-back ExportWeights writes them again, the same bits, when it is replayed."""
     latest: dict[str, JournalEntry] = {}
     for entry in journal.entries(include_rolled_back=True):
-        if entry.kind == EXPORT_WEIGHTS.kind:
+        if entry.kind == EXPORT_WEIGHTS_KIND:
             name = entry.result.get("name", "")
             if name not in latest or entry.position >= latest[name].position:
                 latest[name] = entry

@@ -13,6 +13,11 @@ from typing import Any
 from trainwire.client import outcomes
 from trainwire.client.tokens import DEFAULT_LOSS, Examples
 
+# The kinds of the two operations recovery reads back from the journal (``operations`` names
+# every kind: a kind is what its RPC is called).
+SAVE_STATE_KIND = "SaveState"
+EXPORT_WEIGHTS_KIND = "ExportWeights"
+
 
 @dataclass(frozen=True)
 class ForwardRequest:

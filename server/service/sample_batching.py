@@ -29,19 +29,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainwire.client.outcomes import Sample
 from trainwire.server.engine.sampling import SamplingParams
 from trainwire.server.engine.session_sampling import BatchedSample, sample_many
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
+from trainwire.server.service.active_run import ActiveRun
+from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.reads import SampleResult, sample_weights
 from trainwire.server.service.requests import SampleRequest
-
-if TYPE_CHECKING:
-    from trainwire.server.service.active_run import ActiveRun
-    from trainwire.server.service.executor import SessionExecutor
 
 SETTLE_S = 0.02  # the longest a batch waits for requests still arriving
 SETTLE_STEP_S = 0.002  # requests arriving further apart than this start apart
