@@ -121,9 +121,9 @@ def test_an_operation_that_arrives_before_its_predecessor_waits_and_applies_in_o
     first, second = microbatches(TEXTS[:6])
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
-        client.open("run", config)
         host = handle.session_host
-        host._gate.idle_timeout_s = 120.0  # held however long this machine takes to send "a"
+        host.idle_release_s = 120.0  # held however long this machine takes to send "a"
+        client.open("run", config)
         results: dict[str, object] = {}
 
         def send_second() -> None:
@@ -133,7 +133,7 @@ def test_an_operation_that_arrives_before_its_predecessor_waits_and_applies_in_o
 
         thread = threading.Thread(target=send_second)
         thread.start()  # position 1 goes first; the session is at 0
-        wait_for(lambda: host._executor.waiting == 1, 60)  # admitted: held at the gate
+        wait_for(lambda: host._executor.waiting == 1, 60)  # admitted: held for position 0
         assert "second" not in results and host.position == 0  # held, not refused nor run
         results["first"] = client.forward_backward(first, operation_key="a", expected_position=0)
         thread.join(timeout=30)
@@ -153,7 +153,7 @@ def test_an_operation_whose_predecessor_never_comes_is_refused_with_the_real_pos
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("run", llama_config())
-        # Bounded by the gate's idle timeout (2 s), well inside the client's deadline (60 s),
+        # Bounded by the idle release (2 s), well inside the client's deadline (60 s),
         # which would answer DEADLINE_EXCEEDED instead.
         with pytest.raises(grpc.RpcError) as refused:
             client.forward_backward(TEXTS[:2], operation_key="x", expected_position=3)

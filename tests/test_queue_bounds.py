@@ -77,11 +77,11 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
         client.close_channel()
 
 
-@pytest.mark.slow  # the 24 held calls are let go one idle timeout (2 s) after another
-def test_calls_held_at_the_position_gate_count_against_the_bound_and_health_answers(
+@pytest.mark.slow  # the 24 held calls wait for their predecessors until nothing ran for 2 s
+def test_calls_held_for_their_position_count_against_the_bound_and_health_answers(
     tmp_path, model_root, llama_config
 ):
-    """Issue 21.8: keyed calls whose expected position is far ahead wait at the gate; they hold
+    """Issue 21.8: keyed calls whose expected position is far ahead wait in position order; they hold
     server threads as queued calls do, so they count against the same bound."""
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
@@ -108,12 +108,12 @@ def test_calls_held_at_the_position_gate_count_against_the_bound_and_health_answ
         health = health_pb2_grpc.HealthStub(client._channel)
         reply = health.Check(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)
         assert client.info().position == 0
-        # Answered while every held call still waits (the gate lets one go only after 2 s idle,
+        # Answered while every held call still waits (the order lets them go only after 2 s idle,
         # and then refuses it): neither queued behind them.
         assert codes.count(grpc.StatusCode.FAILED_PRECONDITION) == 0
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         for thread in senders:
-            thread.join(timeout=120)  # the gate lets them go once nothing runs; refused then
+            thread.join(timeout=120)  # let go once nothing runs; refused then
         assert codes.count(grpc.StatusCode.FAILED_PRECONDITION) == DEFAULT_MAX_QUEUED
         client.close_channel()
 

@@ -16,6 +16,7 @@ from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.intake import Intake
+from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.service.request_records import ForgottenRecord, SessionRecord, owner_of_record
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model_slot import SESSION_KEEP_S
@@ -199,13 +200,14 @@ def test_a_front_that_never_compacts_drops_forgotten_records_once_they_are_most_
 ) -> None:
     """Without checkpoints the log is never compacted; forgotten sessions' records are rewritten
     away once they make up half of it, so it stays bounded by the live sessions."""
-    intake = Intake(tmp_path, owner_of=session_of, noun="model")
+    order = StreamOrder(lambda job: job())
+    intake = Intake(tmp_path, order, owner_of=session_of, noun="model")
     try:
         for index in range(6):
             intake.record(SessionRecord(f"tw-{index}"))
         intake.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
         assert len(intake.log.records) == 7  # 3 of 7 stale: left out of a restart only
-        restarted = Intake(tmp_path, owner_of=session_of, noun="model")
+        restarted = Intake(tmp_path, order, owner_of=session_of, noun="model")
         with restarted.replaying() as records:
             assert records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted.stop()
@@ -213,3 +215,4 @@ def test_a_front_that_never_compacts_drops_forgotten_records_once_they_are_most_
         assert intake.log.records == [SessionRecord(f"tw-{i}") for i in range(3, 6)]
     finally:
         intake.stop()
+        order.stop()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
+from concurrent import futures
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,7 +41,6 @@ from trainwire.server.service.journal import Journal, check_operation_key, paylo
 from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
-from trainwire.server.service.position_gate import PositionGate
 from trainwire.server.service.run_checkpoints import discard_saved
 from trainwire.server.service.sample_batching import SampleBatcher
 from trainwire.server.service.state_dir import (
@@ -50,10 +50,14 @@ from trainwire.server.service.state_dir import (
     check_name,
     refuse_another_run,
 )
+from trainwire.server.service.stream_order import StreamOrder
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+# How long a request whose expected position is ahead of the run waits with nothing running
+# before it goes ahead to be refused with the real position (its predecessor never came).
+DEFAULT_IDLE_RELEASE_S = 2.0
 SessionFactory = Callable[..., TrainingSession]  # (config, *, device, max_steps, model_root)
 RequestT = TypeVar("RequestT")
 
@@ -103,7 +107,11 @@ class SessionHost:
         self._batcher = SampleBatcher(self._executor, self._require_active)
         self._active: ActiveRun | None = None
         self._snapshot: SessionInfo | None = None  # as of the last finished operation
-        self._gate = PositionGate(lambda: self._active.position if self._active else 0)
+        # The one order every numbered request takes: a run's positions here, a Tinker model's
+        # seq_ids through the intake (``stream_order``). Its thread hands each released job to
+        # the executor.
+        self.order = StreamOrder(lambda job: job(), noun="stream")
+        self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
         self._pending = open_runs[0] if len(open_runs) == 1 else None
         if self._pending is not None:
@@ -133,7 +141,7 @@ class SessionHost:
             self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
             self._active.keep_checkpoints = self.keep_checkpoints
             self._snapshot = self._active.info(digest_known_only=True)  # restore hashed it
-            self._gate.moved()
+            self._start_positions(spec.run_id)
         except Exception as error:
             logger.exception("restoring run %s failed", spec.run_id)
             self._fail(f"restoring run {spec.run_id!r} failed: {error}")
@@ -176,6 +184,7 @@ class SessionHost:
         run.write_spec(spec)  # only once the session loaded: a refused config leaves none
         self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
         self._active.keep_checkpoints = self.keep_checkpoints
+        self._start_positions(run_id)
         self.lifecycle.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
         self._snapshot = self._active.info()
@@ -201,6 +210,7 @@ class SessionHost:
         info = active.info(state=outcomes.CLOSED)
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
+        self.order.end_stream(active.spec.run_id)
         self._active, self.lifecycle.closed_info = None, info
         self.lifecycle.phase = outcomes.CLOSED
         self._snapshot = None
@@ -257,6 +267,7 @@ class SessionHost:
             self.state_dir.release()
 
         self._executor.release(release)
+        self.order.stop()
 
     @property
     def open_run_id(self) -> str | None:
@@ -337,18 +348,31 @@ class SessionHost:
         return self._executor.run(job, joinable=joinable)
 
     def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
-        """``keyed_path.apply_keyed`` on the executor; the payload is digested before queueing."""
+        """``keyed_path.apply_keyed`` on the executor, in the order of the run's positions
+        (pipelined calls may arrive out of order); the payload is digested before queueing."""
         check_operation_key(op.key)
         assert operation.payload is not None
         digest = payload_digest(operation.kind, operation.payload(request))
         self.lifecycle.refuse_if_unavailable()
-        # Admitted before the gate: a call held there for its predecessor holds a server thread
+        applied: futures.Future[tuple[Any, Durable]] = futures.Future()
+
+        def job() -> None:
+            try:
+                apply = self._apply_keyed
+                applied.set_result(self._run_refusable(apply, operation, request, op, digest))
+            except BaseException as error:
+                applied.set_exception(error)
+
+        # Admitted before the order: a call held there for its predecessor holds a server thread
         # as much as one queued on the executor, so both count against the one bound.
         with self._executor.admitted():
-            self._gate.wait_for(op.expected_position)  # pipelined calls may arrive out of order
-            with self._gate.running(op.expected_position):
-                apply = self._apply_keyed
-                outcome, durable = self._run_refusable(apply, operation, request, op, digest)
+            run_id = self._require_active().spec.run_id
+            if op.expected_position is None:  # numbered by no one (or by the intake's stream)
+                job()
+                self.order.position_moved(run_id)
+            else:
+                self.order.submit_at(run_id, op.expected_position, job)
+            outcome, durable = applied.result()
         try:
             wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
         except JournalCommitFailed as error:
@@ -377,6 +401,12 @@ class SessionHost:
         return applied
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _start_positions(self, run_id: str) -> None:
+        """Requests that name a position of ``run_id`` are ordered by it from now on."""
+        self.order.start_positions(
+            run_id, lambda: self.position, idle_release_s=self.idle_release_s
+        )
 
     def _new_session(self, config: TrainingConfig, max_steps: int | None) -> TrainingSession:
         session = self._session_factory(

@@ -69,15 +69,20 @@ class Intake:
 
     Args:
         directory: where the request log lives.
+        order: the host's ``StreamOrder``; the intake's jobs wait there until the host has
+            restored its run.
         owner_of: the client session a request id belongs to.
-        noun: what a stream is called in refusals (``StreamOrder``).
+        noun: what the intake's streams are called in refusals (a Tinker ``model``).
     """
 
-    def __init__(self, directory: Path, owner_of: Callable[[str], str], noun: str) -> None:
+    def __init__(
+        self, directory: Path, order: StreamOrder, owner_of: Callable[[str], str], noun: str
+    ) -> None:
         self.owner_of = owner_of
+        self.noun = noun
         self.results = ResultStore()
         self.log = RequestLog(directory)
-        self.order = StreamOrder(self._when_recovered, noun=noun)
+        self.order = order  # the host's: one order for every transport
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
         # Held by the part of a sample that may not run beside another (``stream_order``): choosing
@@ -103,7 +108,6 @@ class Intake:
         }
 
     def stop(self) -> None:
-        self.order.stop()
         self._finisher.shutdown()
         self.log.close()
 
@@ -135,9 +139,13 @@ class Intake:
         what a request names may then find what was valid when it was accepted)."""
         return self._replayed is not None
 
+    def start_stream(self, stream: str, next_seq: int = 1) -> None:
+        """Take requests of ``stream`` (a Tinker model), numbered from ``next_seq``."""
+        self.order.start_stream(stream, next_seq, noun=self.noun)
+
     def resume_at(self, stream: str, record: ResumeRecord) -> None:
         """A compacted log goes on at ``record``'s seq_id and journal position."""
-        self.order.start_stream(stream, record.next_seq)
+        self.start_stream(stream, record.next_seq)
         self.resume_position = record.position
 
     def resubmitted(self, request_id: str) -> None:
@@ -158,7 +166,7 @@ class Intake:
         failure = Failed(
             f"replaying this request failed: {type(error).__name__}: {error}", category
         )
-        job = partial(self._answer, request_id, self._recorded(request_id), failure, False)
+        job = self._job(request_id, failure, keyed=False)
         digest, _ = payload(record.body)
         stream = request_id.rpartition("/")[0]
         with self._lock:
@@ -314,7 +322,7 @@ class Intake:
             work: Call | Failed = prepare()
         except USER_ERRORS as error:
             work, refusal = Failed(str(error), "user"), error
-        job = partial(self._answer, request_id, self._recorded(request_id), work, keyed)
+        job = self._job(request_id, work, keyed=keyed)
         with self._lock:
             if taken():
                 return request_id  # a re-send: its ticket already exists
@@ -347,7 +355,7 @@ class Intake:
         the request holds until it has run (default: the body's)."""
         digest, body_size = payload(body)
         size = size or body_size
-        job = partial(self._answer, request_id, self._recorded(request_id), lambda _: call(), False)
+        job = self._job(request_id, lambda _: call(), keyed=False)
         with self._lock:
             self.admit(request_id)
             if self.results.resent(request_id, digest):
@@ -362,6 +370,11 @@ class Intake:
         return True
 
     # -- answering -----------------------------------------------------------------------------
+
+    def _job(self, request_id: str, work: Call | Failed, *, keyed: bool) -> Callable[[], None]:
+        """What the order runs for a request: its answer, once the host has restored its run."""
+        answer = partial(self._answer, request_id, self._recorded(request_id), work, keyed)
+        return partial(self._when_recovered, answer)
 
     def _answer(
         self, request_id: str, recorded: ResultRecord | None, work: Call | Failed, keyed: bool

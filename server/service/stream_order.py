@@ -13,6 +13,16 @@ it is recorded, except one that nothing taken is waiting before (it runs next: r
 only stall), and the one request the stream's held ones are waiting for (nothing of the stream
 could run without it).
 
+A run's positions are a stream too (``start_positions``): a gRPC caller numbers each state-changing
+request with the position it expects the run at (``expected_position``), and pipelined requests
+may arrive out of order on separate HTTP/2 streams. One of them waits until the requests before
+it were released, or the run is at its position already (a retried key is then answered from the
+journal, a stale position refused by the position check); its predecessor may never come (never
+sent, or the server restarted and restored an older state), so once nothing has run for the
+stream's ``idle_release_s`` the first one held goes ahead and the position check refuses it with
+the real position. A refused request does not move the position, so the ones released behind it
+are refused the same way: nothing after a failure runs.
+
 Unordered jobs released one after another run beside each other (up to ``SAMPLES_BESIDE`` at
 once), so the host decodes samples as one batch (``sample_batching``); the next ordered job runs
 once every unordered job released before it has ended, as when they ran one at a time.
@@ -23,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +71,15 @@ def payload(value: Any) -> tuple[str, int]:
     return hashlib.sha256(data).hexdigest(), len(data)
 
 
+@dataclass(frozen=True)
+class _Positions:
+    """A stream numbered by a run's position: where the run is now, and how long nothing may
+    have run before the first held request goes ahead anyway."""
+
+    position: Callable[[], int]
+    idle_release_s: float
+
+
 @dataclass
 class _Waiting:
     """The jobs of one stream (or unordered): ``calls`` not yet running, ``ready`` of them
@@ -74,7 +94,7 @@ class StreamOrder:
     """Releases each stream's jobs to ``run`` in ``seq`` order, one at a time.
 
     ``run`` is called on a thread of this object's own, never on the caller's, so an HTTP handler
-    returns its request id at once.
+    returns its request id at once; a caller that needs the answer waits for its job to tell it.
     """
 
     def __init__(
@@ -96,7 +116,11 @@ class StreamOrder:
         self._max_total = DEFAULT_MAX_TOTAL_BYTES if max_total_bytes is None else max_total_bytes
         self._lock = threading.Condition()
         self._next: dict[str, int] = {}
-        self._held: dict[str, dict[int, tuple[int, Job]]] = {}  # seq → (size, job)
+        self._held: dict[str, dict[int, list[tuple[int, Job]]]] = {}  # seq → [(size, job)]
+        self._positions: dict[str, _Positions] = {}  # the streams numbered by a run's position
+        self._nouns: dict[str, str] = {}  # what a stream is called in refusals, when not noun
+        self._running = False  # a job released to ``run`` has not ended
+        self._active_at = time.monotonic()  # when a job last started or ended
         self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
         self._total = 0  # bytes of every job taken and not ended, of all streams and unordered
@@ -106,10 +130,51 @@ class StreamOrder:
         self._thread = threading.Thread(target=self._loop, name="stream-order", daemon=True)
         self._thread.start()
 
-    def start_stream(self, stream: str, next_seq: int = 1) -> None:
+    def start_stream(self, stream: str, next_seq: int = 1, *, noun: str | None = None) -> None:
+        """A stream whose requests are numbered from ``next_seq`` by their client (a Tinker
+        model's ``seq_id``); ``noun`` names it in refusals (the order's own by default)."""
         with self._lock:
             self._next[stream] = max(self._next.get(stream, next_seq), next_seq)
             self._held.setdefault(stream, {})
+            if noun is not None:
+                self._nouns[stream] = noun
+
+    def start_positions(
+        self, stream: str, position: Callable[[], int], *, idle_release_s: float
+    ) -> None:
+        """A stream numbered by a run's position (see the module docstring): ``position()`` is
+        where the run is now. Starting it again (the run reopened or restored elsewhere) takes
+        the new position."""
+        with self._lock:
+            self._positions[stream] = _Positions(position, idle_release_s)
+            self._nouns[stream] = "run"
+            self._next[stream] = position()
+            self._held.setdefault(stream, {})
+            self._release(stream)
+
+    def position_moved(self, stream: str) -> None:
+        """The run's position changed outside this order (an operation without a position, a
+        restore): requests held for it may go now."""
+        with self._lock:
+            if stream in self._positions:
+                self._release(stream)
+
+    def submit_at(self, stream: str, position: int | None, job: Job) -> None:
+        """Queue ``job``, which expects the run of ``stream`` at ``position``, in position order
+        (see the module docstring), or (None) behind what is released now; ``FailedPrecondition``
+        for a stream not started, ``ResourceExhausted`` when its requests are at their bound."""
+        with self._lock:
+            if stream not in self._positions:
+                raise FailedPrecondition(f"run {stream!r} is not open on this server")
+            floor = self._floor(stream)
+            self._check_room(stream, 0, needed=position is None or position <= floor)
+            self._take(stream, 0)
+            if position is None:
+                self._queue(stream, 0, job)
+                self._lock.notify_all()
+                return
+            self._held[stream].setdefault(position, []).append((0, job))
+            self._release(stream)
 
     def started(self, stream: str) -> bool:
         with self._lock:
@@ -121,8 +186,10 @@ class StreamOrder:
         with self._lock:
             held = self._held.pop(stream, {})
             for seq in sorted(held):
-                self._queue(stream, *held[seq])
+                for size, job in held[seq]:
+                    self._queue(stream, size, job)
             self._next.pop(stream, None)
+            self._positions.pop(stream, None)
             self._seen = {key: value for key, value in self._seen.items() if key[0] != stream}
             self._lock.notify_all()
 
@@ -173,7 +240,7 @@ class StreamOrder:
             if not self.accepts(stream, seq, digest, size, bounded=bounded):
                 return False
             self._seen[(stream, seq)] = digest
-            self._held[stream][seq] = (size, job)
+            self._held[stream][seq] = [(size, job)]
             self._take(stream, size)
             self._release(stream)
             return True
@@ -201,12 +268,12 @@ class StreamOrder:
         for the total) or it is ``needed``: the next ``seq`` while the stream's jobs are held
         and none is ready to run."""
         waiting = self._waiting[key]
-        what = "samples" if key is UNORDERED else f"{self._noun} {key!r}"
+        what = "samples" if key is UNORDERED else f"{self._nouns.get(key, self._noun)} {key!r}"
         needed = needed and waiting.ready == 0
         full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
         if full and waiting.calls and not needed:
             held = f"({waiting.size} bytes of decoded requests held)"
-            if key is not UNORDERED and waiting.ready == 0:
+            if key is not UNORDERED and key not in self._positions and waiting.ready == 0:
                 raise ResourceExhausted(
                     f"{what}: {waiting.calls} calls wait for seq_id {self._next[key]}; send it "
                     f"first {held}"
@@ -227,28 +294,60 @@ class StreamOrder:
         self._total += size
 
     def _ended(self, key: str | None, size: int) -> None:
-        """A job has run: its bytes are free."""
+        """A job has run: its bytes are free, and a run's position may have moved."""
         with self._lock:
             self._waiting[key].size -= size
             self._total -= size
+            if key in self._positions:
+                self._release(key)
 
     def _queue(self, key: str | None, size: int, job: Job) -> None:
         self._ready.append((key, size, job))
         self._waiting[key].ready += 1
 
+    def _floor(self, stream: str) -> int:
+        """The highest number of ``stream`` that may be released now."""
+        positions = self._positions.get(stream)
+        if positions is None:
+            return self._next[stream]
+        self._next[stream] = max(self._next[stream], positions.position())
+        return self._next[stream]
+
     def _release(self, stream: str) -> None:
         held = self._held[stream]
-        while self._next[stream] in held:
-            size, job = held.pop(self._next[stream])
-            self._next[stream] += 1
-            self._queue(stream, size, job)
+        while held and min(held) <= self._floor(stream):
+            seq = min(held)
+            for size, job in held.pop(seq):
+                self._queue(stream, size, job)
+            if seq == self._next[stream]:
+                self._next[stream] += 1
         self._lock.notify_all()
+
+    def _release_idle(self) -> float | None:
+        """Let the first held request of each run's stream go once nothing has run for its
+        ``idle_release_s``; how long to wait before looking again (None: nothing is held)."""
+        wait: float | None = None
+        idle = time.monotonic() - self._active_at
+        for stream, positions in self._positions.items():
+            held = self._held[stream]
+            if not held:
+                continue
+            left = positions.idle_release_s - idle
+            if left <= 0:
+                self._next[stream] = max(self._next[stream], min(held))
+                self._release(stream)
+            else:
+                wait = left if wait is None else min(wait, left)
+        return wait
 
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not self._ready and not self._stopped:
-                    self._lock.wait()
+                while True:
+                    wait = self._release_idle()  # may release a held job: looked at first
+                    if self._ready or self._stopped:
+                        break
+                    self._lock.wait(wait)
                 if self._stopped:
                     return
                 ordered = self._ready[0][0] is not UNORDERED
@@ -260,9 +359,14 @@ class StreamOrder:
                 key, size, job = self._ready.popleft()
                 waiting = self._waiting[key]
                 waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
+                self._running, self._active_at = ordered, time.monotonic()
             counted = partial(self._counted, key, size, job)
             if ordered:
-                self._run(counted)
+                try:
+                    self._run(counted)
+                finally:
+                    with self._lock:
+                        self._running, self._active_at = False, time.monotonic()
             else:
                 self._samples.start(counted)
 

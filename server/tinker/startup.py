@@ -55,7 +55,7 @@ def start_front(
 ) -> TinkerFront:
     """The front of ``host``, its files in ``state_dir/tinker``, with its request log replayed."""
     directory = Path(state_dir) / FRONT_DIR
-    intake = Intake(directory, owner_of=session_of, noun="model")
+    intake = Intake(directory, host.order, owner_of=session_of, noun="model")
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
     models = ModelSlot(
