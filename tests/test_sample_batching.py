@@ -16,9 +16,10 @@ from sample_requests import held_executor, mixed_requests, prompts, spy_batches
 from service_fixtures import wait_for
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import batch_decode, session_sampling
-from trainwire.server.engine.batch_decode import tile_rows_for
-from trainwire.server.engine.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling import batch_decode
+from trainwire.server.engine.sampling import weight_swap as session_sampling
+from trainwire.server.engine.sampling.batch_decode import tile_rows_for
+from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops

@@ -2,7 +2,7 @@
 
 Every sample request (gRPC ``Sample``, the Tinker front's ``asample``) is registered here and
 queues one *batch call* on the executor, as any read does. The first batch call to run takes
-every registered request it may and decodes them as one batch (``session_sampling.sample_many``);
+every registered request it may and decodes them as one batch (``TrainingSession.sample_many``);
 the later calls find theirs answered and return. While a batch decodes, a request that arrives
 joins it at the next step. Which request a batch may take is what keeps the order the service
 promises: a request is taken only by a batch call queued after every call that was queued before
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import Sample
-from trainwire.server.engine.sampling import SamplingParams
-from trainwire.server.engine.session_sampling import BatchedSample, sample_many
+from trainwire.server.engine.sampling.sampler import SamplingParams
+from trainwire.server.engine.sampling.weight_swap import BatchedSample, sample_many
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
 from trainwire.server.service.reads import SampleResult, sample_weights

@@ -1,13 +1,13 @@
 """A sharded session's weights in and out: exports, a checkpoint's export, ``load_weights``.
 
-Each function is the single-process one (``session_persistence`` and ``weights``) with the work
+Each function is the single-process one (``TrainingSession`` and ``weights``) with the work
 placed on the ranks, calling the same checks and writers rather than defining its own:
 
 - An export is written by rank 0 alone, from a fresh unsharded copy of the model on the CPU,
   with ``weights.write_export``: the directory one process writes, file for file.
   ``export_weights`` gathers the live weights into the copy; ``export_checkpoint_weights`` reads
   a checkpoint's into it (a sharded checkpoint's whole, one tensor at a time, with
-  ``sharded_verify``'s one-process reading; one process's with ``weights.export_checkpoint``).
+  ``sharded.verify``'s one-process reading; one process's with ``weights.export_checkpoint``).
   The live state is untouched on every rank.
 - ``load_weights``: every rank reads the whole source and checks it with the single-process
   checks (``weights.plan_weights_load``: names, shapes, dtypes, adapter settings, base model),
@@ -32,14 +32,14 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from trainwire.server import errors
-from trainwire.server.engine import weights
-from trainwire.server.engine.model_loading import load_session_model
-from trainwire.server.engine.rng import preserved_global_rng
-from trainwire.server.engine.session_checkpoint import is_sharded_checkpoint, read_session_json
-from trainwire.server.engine.sharded_checkpoint import on_rank_zero, read_sharded_meta
-from trainwire.server.engine.sharded_verify import stored_parameters
-from trainwire.server.engine.sharding import ShardGroup, full_tensor, reshard
-from trainwire.server.engine.tensor_files import copy_into, describe_mismatches
+from trainwire.server.engine.session.checkpoint import is_sharded_checkpoint, read_session_json
+from trainwire.server.engine.session.rng import preserved_global_rng
+from trainwire.server.engine.sharded.checkpoint import on_rank_zero, read_sharded_meta
+from trainwire.server.engine.sharded.sharding import ShardGroup, full_tensor, reshard
+from trainwire.server.engine.sharded.verify import stored_parameters
+from trainwire.server.engine.weights import transfer as weights
+from trainwire.server.engine.weights.model_loading import load_session_model
+from trainwire.server.engine.weights.tensor_files import copy_into, describe_mismatches
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, TrainwireError
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ def agreed_load(
     """``plan()`` on every rank (the source read whole and checked against ``model``, resharded
     first), the ranks agreed on it (if any refused, every rank raises: ``raise_alike``), and
     this rank's shards of it: (the whole load, the load in shards). Nothing has changed yet.
-    A collective: ``load_weights`` and sampling other weights (``session_sampling``) both
+    A collective: ``load_weights`` and sampling other weights (``TrainingSession.sample``) both
     call it on every rank."""
     failure: Exception | None = None
     planned: tuple[weights.WeightsLoad, weights.WeightsLoad] | None = None

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from trainwire.client.config import TrainingConfig
 from trainwire.server.engine.device import refuse_unsupported_setups
-from trainwire.server.engine.operation_guard import OperationGuard
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.sampling import Sampler
-from trainwire.server.engine.sharding import ShardGroup, shard_model
+from trainwire.server.engine.sampling.sampler import Sampler
+from trainwire.server.engine.session.operation_guard import OperationGuard
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.sharded.sharding import ShardGroup, shard_model
 from trainwire.server.errors import InvalidArgument
 
 logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it

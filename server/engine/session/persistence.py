@@ -4,10 +4,10 @@
 ``load_weights``, ``export_weights``, ``export_checkpoint_weights``) delegate here, one function
 each, and keep their signatures and contracts in ``session``. The functions work on the session
 as its own methods would, its guard included: each takes the session's lock first, so none runs
-beside an operation. The checkpoint format they write and read is ``session_checkpoint`` and
-``session_restore``; the weights sources and exports are ``weights``. A sharded session (one
-with a process group) keeps its state in ``sharded_checkpoint`` instead, and its weights go in
-and out through ``sharded_weights``.
+beside an operation. The checkpoint format they write and read is ``session.checkpoint`` and
+``session.restore``; the weights sources and exports are ``weights``. A sharded session (one
+with a process group) keeps its state in ``sharded.checkpoint`` instead, and its weights go in
+and out through ``sharded.weights``.
 """
 
 from __future__ import annotations
@@ -17,14 +17,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.server.engine import sharded_checkpoint, sharded_weights, weights
-from trainwire.server.engine.operation_guard import OperationGuard
-from trainwire.server.engine.session_checkpoint import (
+from trainwire.server.engine.session.checkpoint import (
     CheckpointContents,
     optimizer_state_tensors,
     write_checkpoint,
 )
-from trainwire.server.engine.session_restore import RestoredState, read_checkpoint
+from trainwire.server.engine.session.operation_guard import OperationGuard
+from trainwire.server.engine.session.restore import RestoredState, read_checkpoint
+from trainwire.server.engine.sharded import checkpoint as sharded_checkpoint
+from trainwire.server.engine.sharded import weights as sharded_weights
+from trainwire.server.engine.weights import transfer as weights
 from trainwire.server.errors import FailedPrecondition
 
 if TYPE_CHECKING:

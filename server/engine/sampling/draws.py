@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from trainwire.server.engine.sampling import SamplingParams
+    from trainwire.server.engine.sampling.sampler import SamplingParams
 
 STOP, LENGTH = "stop", "length"  # Sample.stop_reason
 

@@ -5,10 +5,10 @@ forward_backward, optim_step) → save / export → close. Every path that train
 controller, Lightning) drives this one class, so they all produce the same bits.
 
 The class holds the session's state and runs its operations; the work lives by job beside it:
-what it returns in ``session_results``, the per-batch loss in ``loss_hook``, the sampler in
+what it returns in ``session.results``, the per-batch loss in ``loss_hook``, the sampler in
 ``sampling`` and sampling the weights a caller selects (other weights swapped in for one call) in
-``session_sampling``; its digest, checkpoints and weights in and out in ``session_persistence``,
-the checkpoint format in ``session_checkpoint`` and ``session_restore``. The results and
+``TrainingSession.sample``; its digest, checkpoints and weights in and out in ``TrainingSession``,
+the checkpoint format in ``session.checkpoint`` and ``session.restore``. The results and
 ``LossHook`` import from here too.
 
 Every operation runs inside the session's ``OperationGuard`` (``operation_guard``): its lock, its
@@ -31,39 +31,39 @@ import torch.distributed as dist
 from trainwire.client.config import InputExample, TrainingConfig, is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine import session_persistence as persistence
-from trainwire.server.engine import session_sampling
-from trainwire.server.engine.batching import BatchEncoder, check_max_length
-from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.engine.device import resolve_device, resolve_dtype
-from trainwire.server.engine.lockstep import Announcer, collective
-from trainwire.server.engine.loss_hook import LossHook, LossHookFactory
-from trainwire.server.engine.microbatches import DEFAULT_LOSS, Microbatch
-from trainwire.server.engine.model_loading import (
-    load_session_model,
-    load_tokenizer,
-    model_positions,
-    resolve_model_dir,
-)
-from trainwire.server.engine.operation_guard import refuse_out_of_memory
+from trainwire.server.engine.loss.batching import BatchEncoder, check_max_length
+from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
+from trainwire.server.engine.loss.loss_hook import LossHook, LossHookFactory
+from trainwire.server.engine.loss.microbatches import DEFAULT_LOSS, Microbatch
 from trainwire.server.engine.optimization import (
     UpdateSettings,
     apply_update,
     build_optimizer,
     learning_rate_at,
 )
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.sample_weights import SampleWeights
-from trainwire.server.engine.sampling import SamplingParams
-from trainwire.server.engine.session_checkpoint import CheckpointContents
-from trainwire.server.engine.session_results import ForwardResult, StepResult, TokenOutput
-from trainwire.server.engine.session_setup import (
+from trainwire.server.engine.sampling import weight_swap as session_sampling
+from trainwire.server.engine.sampling.sample_weights import SampleWeights
+from trainwire.server.engine.sampling.sampler import SamplingParams
+from trainwire.server.engine.session import persistence
+from trainwire.server.engine.session.checkpoint import CheckpointContents
+from trainwire.server.engine.session.operation_guard import refuse_out_of_memory
+from trainwire.server.engine.session.results import ForwardResult, StepResult, TokenOutput
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.session.setup import (
     check_session_arguments,
     seeded_guard,
     shard_for_group,
 )
-from trainwire.server.engine.sharding import ShardedMicrobatch, encode_for_group, total_norm
-from trainwire.server.engine.weights import base_model_fingerprint
+from trainwire.server.engine.sharded.lockstep import Announcer, collective
+from trainwire.server.engine.sharded.sharding import ShardedMicrobatch, encode_for_group, total_norm
+from trainwire.server.engine.weights.model_loading import (
+    load_session_model,
+    load_tokenizer,
+    model_positions,
+    resolve_model_dir,
+)
+from trainwire.server.engine.weights.transfer import base_model_fingerprint
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 

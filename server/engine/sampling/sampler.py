@@ -10,8 +10,8 @@ last bits, and an on-policy importance ratio must be exactly 1.
 
 Which weights a sample reads is the caller's choice (``sample_weights.SampleWeights``): the live
 ones, an export of the run, or the base model. Putting other weights in for one call, and the
-live bits back after, is ``session_sampling``'s job; this module only ever reads the model it is
-given.
+live bits back after, is ``TrainingSession.sample``'s job; this module only ever reads the model
+it is given.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import torch
 from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine import batch_decode
-from trainwire.server.engine.batch_decode import DecodeJob, Drawn
-from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
-from trainwire.server.engine.draws import LENGTH, STOP, _choose
-from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
-from trainwire.server.engine.token_batches import encode_token_batch, token_logprobs
+from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
+from trainwire.server.engine.loss.token_batches import encode_token_batch, token_logprobs
+from trainwire.server.engine.sampling import batch_decode
+from trainwire.server.engine.sampling.batch_decode import DecodeJob, Drawn
+from trainwire.server.engine.sampling.draws import LENGTH, STOP, _choose
+from trainwire.server.engine.sampling.stop_strings import StopStringWatch, stop_string_problems
 from trainwire.server.errors import InvalidArgument
 
 __all__ = ["LENGTH", "STOP", "SampleCall", "Sampler", "SamplingLimits", "SamplingParams", "_choose"]
@@ -208,7 +208,7 @@ class Sampler:
         # docs/BENCHMARKS.md). Samples differ between the two modes, never within one.
         self.batches = batches
         # On a sharded session, rank 0's draws made the group's (``batch_decode``); None in one
-        # process. Set once the model is sharded (``session_setup.shard_for_group``).
+        # process. Set once the model is sharded (``session.setup.shard_for_group``).
         self.agree: Callable[[torch.Tensor], torch.Tensor] | None = None
         # The trainer's chunking of the head (``chunked_logprobs``), so a sample's logprobs are
         # the trainer's bits; the session sets its own.

@@ -22,7 +22,7 @@ A sharded session (``session.shards``) samples the same way on every rank, each 
 with the same arguments (``lockstep`` announces the call): the decode runs on the FSDP model,
 each forward gathering the weights, with rank 0's draws (``batch_decode``) and rank 0's decoding
 mode, so every rank runs the same forwards; every rank returns rank 0's answer. Other weights
-are planned with ``sharded_weights.agreed_load`` (each rank reads and checks the whole source
+are planned with ``sharded.weights.agreed_load`` (each rank reads and checks the whole source
 with the single-process checks, the ranks agree, each takes its shards) and swapped into each
 rank's shards; the live shards come back bit for bit. Every FSDP module is resharded before
 the swap and after the decode, so what is swapped, put back, stepped and hashed are the shards.
@@ -46,14 +46,14 @@ import torch
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import Sample
-from trainwire.server.engine.batch_decode import Cancel
-from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
-from trainwire.server.engine.sample_weights import SampleWeights
-from trainwire.server.engine.sampling import SampleCall, SamplingParams
-from trainwire.server.engine.sharded_weights import agreed_load
-from trainwire.server.engine.sharding import ShardGroup, reshard
-from trainwire.server.engine.tensor_files import copy_into
-from trainwire.server.engine.weights import (
+from trainwire.server.engine.sampling.batch_decode import Cancel
+from trainwire.server.engine.sampling.sample_weights import SampleWeights
+from trainwire.server.engine.sampling.sampler import SampleCall, SamplingParams
+from trainwire.server.engine.session.operation_guard import OperationGuard, refuse_out_of_memory
+from trainwire.server.engine.sharded.sharding import ShardGroup, reshard
+from trainwire.server.engine.sharded.weights import agreed_load
+from trainwire.server.engine.weights.tensor_files import copy_into
+from trainwire.server.engine.weights.transfer import (
     WeightsLoad,
     plan_native_load,
     plan_weights_load,

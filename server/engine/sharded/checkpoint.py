@@ -1,5 +1,5 @@
 """A sharded session's state in and out: its digest and its checkpoints (its weights alone, in
-and out, are ``sharded_weights``).
+and out, are ``sharded.weights``).
 
 A sharded checkpoint is one directory, published atomically as a single-process one is::
 
@@ -35,12 +35,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainwire.client.files import atomic_directory
-from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.session_checkpoint import EXTRA_KEY, SESSION_FILE
-from trainwire.server.engine.session_restore import check_compatible
-from trainwire.server.engine.sharding import ShardGroup, full_tensor, reshard
-from trainwire.server.engine.tensor_files import write_json
+from trainwire.server.engine.session.checkpoint import EXTRA_KEY, SESSION_FILE
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.session.restore import check_compatible
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.sharded.sharding import ShardGroup, full_tensor, reshard
+from trainwire.server.engine.weights.tensor_files import write_json
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ DIGESTED_GROUPS = (MODEL_KEY, OPTIMIZER_KEY, GRADIENTS_KEY, LOSS_HOOK_KEY)  # in
 def sharded_tensors_digest(
     step: int, accumulated: int, max_steps: int | None, groups: Iterable[Mapping[str, torch.Tensor]]
 ) -> str:
-    """The tensors digest, one definition for a live session and its files (``sharded_verify``):
+    """The tensors digest, one definition for a live session and its files (``sharded.verify``):
     the counters, then each group (``DIGESTED_GROUPS`` order) read one whole tensor at a time."""
     digest = hashlib.sha256(b"trainwire.sharded-tensors/v1|")
     digest.update(f"step={step}|accumulated={accumulated}|max_steps={max_steps}|".encode())

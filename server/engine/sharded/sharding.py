@@ -34,15 +34,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainwire.server.engine.batching import IGNORE_INDEX, BatchEncoder
-from trainwire.server.engine.loss_hook import LossHook
-from trainwire.server.engine.microbatches import (
+from trainwire.server.engine.loss.batching import IGNORE_INDEX, BatchEncoder
+from trainwire.server.engine.loss.loss_hook import LossHook
+from trainwire.server.engine.loss.microbatches import (
     Microbatch,
     TextMicrobatch,
     TokenMicrobatch,
     encode_microbatch,
 )
-from trainwire.server.engine.session_results import ForwardResult, TokenOutput
+from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.errors import FailedPrecondition
 
 

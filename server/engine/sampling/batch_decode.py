@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from trainwire.server.engine.draws import LENGTH, STOP, _choose
+from trainwire.server.engine.sampling.draws import LENGTH, STOP, _choose
 
 if TYPE_CHECKING:
-    from trainwire.server.engine.sampling import SamplingParams
-    from trainwire.server.engine.stop_strings import StopStringWatch
+    from trainwire.server.engine.sampling.sampler import SamplingParams
+    from trainwire.server.engine.sampling.stop_strings import StopStringWatch
 
 # Rows of every decode forward (see tile_rows_for). On CPU a forward costs about its rows (8 keeps
 # padding cheap, bench/sampling_concurrent.py); on an accelerator a step costs about the same for
