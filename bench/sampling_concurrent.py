@@ -38,8 +38,8 @@ from sampling import TimedLogprobs  # bench/sampling.py
 from tinker import types
 
 from trainwire.client import TrainingConfig
-from trainwire.server.engine.sampling import weight_swap as session_sampling
 from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.process import serve
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
@@ -151,10 +151,10 @@ def run_batched(session, requests: list[SampleRequest]) -> int:
         raise error
 
     calls = [
-        session_sampling.BatchedSample(list(r.prompt_tokens), params_of(r), False, answered, failed)
+        BatchedSample(list(r.prompt_tokens), params_of(r), False, answered, failed)
         for r in requests
     ]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    session.sample_many(LIVE_WEIGHTS, calls)
     return sum(produced)
 
 

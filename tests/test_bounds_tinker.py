@@ -23,7 +23,7 @@ import pytest
 import zstandard
 from tinker_loops import KEY, tinker_server
 
-from trainwire.server.engine.sampling.sampler import SamplingLimits
+from trainwire.server.engine.sampling.params import SamplingLimits
 from trainwire.server.process import ServerHandle
 from trainwire.server.tinker import app, sample_codec
 from trainwire.server.tinker.codec import INFLATE_CHUNK_BYTES, MAX_FORWARD_BACKWARD_BYTES

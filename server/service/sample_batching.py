@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainwire.client.outcomes import Sample
-from trainwire.server.engine.sampling.sampler import SamplingParams
-from trainwire.server.engine.sampling.weight_swap import BatchedSample, sample_many
+from trainwire.server.engine.sampling.params import SamplingParams
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
 from trainwire.server.service.reads import SampleResult, sample_weights
@@ -164,7 +164,7 @@ class SampleBatcher:
 
         try:
             selected = sample_weights(run, batch[0].request)
-            sample_many(run.session, selected, [_batched(w) for w in batch], join)
+            run.session.sample_many(selected, [_batched(w) for w in batch], join)
         except BaseException as error:  # the batch failed: every request not answered hears why
             for waiting in batch:
                 if not waiting.answer.done():

@@ -87,8 +87,8 @@ def is_sharded_checkpoint(path: Path) -> bool:
         return False
     if found == CHECKPOINT_FORMAT:
         return False
-    # Imported here, not at the top: sharded_checkpoint imports this module (for its file
-    # names and keys), and with it torch.distributed, which a single-process server never needs.
+    # Imported here, not at the top: the sharded format's modules import this one (for its
+    # file names and keys), so this reader of either format imports them when it runs.
     from trainwire.server.engine.sharded.checkpoint import SHARDED_FORMAT
 
     return found == SHARDED_FORMAT

@@ -29,7 +29,7 @@ def check_session_arguments(
 ) -> ShardGroup | None:
     """InvalidArgument for a session that cannot be built; the group it runs on (None: one
     process). Without a group, a distributed launcher or an initialized default group is
-    refused as before: one process must not silently train on a part of a group's work."""
+    refused: one process must not silently train on a part of a group's work."""
     if not isinstance(config, TrainingConfig):
         raise InvalidArgument(f"config must be a TrainingConfig, got {type(config).__name__}")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
