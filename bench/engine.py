@@ -54,9 +54,9 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import logging as transformers_logging
 
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
-from trainwire.server.engine import session_checkpoint as ckpt
 from trainwire.server.engine.optimization import parameter_groups
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session import checkpoint as ckpt
 from trainwire.testing import make_tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "trainwire" / "data" / "corpus.txt"

@@ -40,7 +40,7 @@ from engine import QWEN2_05B, write_model  # bench/engine.py
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine.loss_hook import LossHook
+from trainwire.server.engine.loss.loss_hook import LossHook
 from trainwire.server.engine.session import TrainingSession
 
 QWEN_VOCAB = 151936

@@ -13,7 +13,7 @@ goal <= 1.15.
 
 ``mixed``: 8 requests of prompt lengths 8, 16, 24 and 32 tokens, 4 samples each; half have
 max_tokens N, half N/4 (they stop early). The service decodes them as one batch
-(``session_sampling.sample_many``, the logprob pass included, and without it: ``decode``);
+(``TrainingSession.sample_many``, the logprob pass included, and without it: ``decode``);
 transformers' ``generate`` runs the same rows batched by hand: one call per prompt length and
 max_tokens (no padding), every row making its max_tokens. Ratio: the service's tokens/s over
 generate's; goal >= 0.9. Medians over rounds; nothing is asserted.
@@ -38,8 +38,8 @@ from sampling import TimedLogprobs  # bench/sampling.py
 from tinker import types
 
 from trainwire.client import TrainingConfig
-from trainwire.server.engine import session_sampling
-from trainwire.server.engine.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.process import serve
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
@@ -151,10 +151,10 @@ def run_batched(session, requests: list[SampleRequest]) -> int:
         raise error
 
     calls = [
-        session_sampling.BatchedSample(list(r.prompt_tokens), params_of(r), False, answered, failed)
+        BatchedSample(list(r.prompt_tokens), params_of(r), False, answered, failed)
         for r in requests
     ]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    session.sample_many(LIVE_WEIGHTS, calls)
     return sum(produced)
 
 

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainwire.server.engine.managed import ManagedTraining
-    from trainwire.server.engine.session import TrainingSession
+    from trainwire.server.engine.session.session import TrainingSession
     from trainwire.server.process import ServerHandle
     from trainwire.server.service.host import SessionHost
 
 _LAZY = {
-    "TrainingSession": "trainwire.server.engine.session",
+    "TrainingSession": "trainwire.server.engine.session.session",
     "ManagedTraining": "trainwire.server.engine.managed",
     "SessionHost": "trainwire.server.service.host",
 }

@@ -7,7 +7,7 @@ import threading
 
 import torch
 
-from trainwire.server.service import sample_batching
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.requests import SampleRequest
 
@@ -36,7 +36,7 @@ def mixed_requests(vocab: int) -> list[SampleRequest]:
 def spy_batches(monkeypatch) -> list[int]:
     """How many requests each batch decoded (those joining included)."""
     sizes: list[int] = []
-    inner = sample_batching.sample_many
+    inner = TrainingSession.sample_many
 
     def counted(session, selected, requests, join):
         seen = [len(requests)]
@@ -49,7 +49,7 @@ def spy_batches(monkeypatch) -> list[int]:
         inner(session, selected, requests, counting_join)
         sizes.append(seen[0])
 
-    monkeypatch.setattr(sample_batching, "sample_many", counted)
+    monkeypatch.setattr(TrainingSession, "sample_many", counted)
     return sizes
 
 

@@ -64,7 +64,7 @@ def weights_in_and_out(spec: dict[str, Any], group: dist.ProcessGroup) -> dict[s
 
 
 def _weights_of(spec: dict[str, Any], group: dist.ProcessGroup, mode: str) -> dict[str, Any]:
-    from trainwire.server.engine.weights import WeightsLoad
+    from trainwire.server.engine.weights.transfer import WeightsLoad
 
     lora, out, one_process = mode == "lora", Path(spec["out"]) / mode, spec["one_process"][mode]
     source = _session(spec, group, lora=lora, dropout=0.0)
@@ -106,8 +106,8 @@ def weights_seen(session: Any) -> dict[str, Any]:
     """What a session's weights are and give: every parameter whole, hashed by name (a
     collective on a sharded session), the logprobs of a token batch, the base fingerprint and
     the step (a weights load leaves the run's schedule where it was)."""
-    from trainwire.server.engine.digest import update_with_tensors
-    from trainwire.server.engine.sharding import full_tensor
+    from trainwire.server.engine.session.digest import update_with_tensors
+    from trainwire.server.engine.sharded.sharding import full_tensor
 
     parameters = {name: full_tensor(p.detach()) for name, p in session.model.named_parameters()}
     digest = hashlib.sha256()

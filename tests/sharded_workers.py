@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine.losses import LOSSES
+from trainwire.server.engine.loss.losses import LOSSES
 from trainwire.testing import (
     SENTIMENT_LABELS,
     free_port,

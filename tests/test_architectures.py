@@ -25,10 +25,10 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.module_roles import ROLES, model_role_targets
-from trainwire.server.engine.sample_weights import BASE_MODEL
+from trainwire.server.engine.sampling.sample_weights import BASE_MODEL
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 
 ARCHITECTURE_MATRIX = matrix(pytest.mark.slow)
 

@@ -16,8 +16,8 @@ import pytest
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import TokenExample
-from trainwire.server.engine import session as session_module
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session import session as session_module
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.model import MAX_LENGTH, fit_max_length, training_config
 

@@ -15,8 +15,8 @@ from fresh_state import fresh_digest, fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import LoraSettings, TrainingConfig
-from trainwire.server.engine import sampling
-from trainwire.server.engine.sampling import SamplingLimits, SamplingParams
+from trainwire.server.engine.sampling import sampler as sampling
+from trainwire.server.engine.sampling.params import SamplingLimits, SamplingParams
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 

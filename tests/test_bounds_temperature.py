@@ -17,8 +17,8 @@ from fresh_state import fresh_server_info
 from service_fixtures import NO_RETRY, connect, running_server
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import sampling
-from trainwire.server.engine.sampling import SamplingParams
+from trainwire.server.engine.sampling import draws
+from trainwire.server.engine.sampling.params import SamplingParams
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 
@@ -58,7 +58,7 @@ def test_values_that_cannot_be_numbers_are_refused(session):
 
 
 def old_choose(logits, params, generator):
-    """``sampling._choose`` before near-zero values were handled, verbatim: the reference."""
+    """``draws.next_tokens`` before near-zero values were handled, verbatim: the reference."""
     if params.temperature == 0:
         return torch.argmax(logits, dim=-1)
     logits = logits / params.temperature
@@ -81,7 +81,7 @@ def test_ordinary_values_draw_exactly_what_they_drew_before(temperature, top_p, 
     logits = torch.randn(16, 512, generator=torch.Generator().manual_seed(7)) * 6
     new, old = (torch.Generator().manual_seed(11) for _ in range(2))
     for _ in range(8):
-        assert torch.equal(sampling._choose(logits, params, new), old_choose(logits, params, old))
+        assert torch.equal(draws.next_tokens(logits, params, new), old_choose(logits, params, old))
     assert torch.equal(new.get_state(), old.get_state())
 
 

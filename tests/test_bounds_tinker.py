@@ -23,7 +23,7 @@ import pytest
 import zstandard
 from tinker_loops import KEY, tinker_server
 
-from trainwire.server.engine.sampling import SamplingLimits
+from trainwire.server.engine.sampling.params import SamplingLimits
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.request_log import LOG_FILE, RequestLog
 from trainwire.server.service.request_records import SampleRecord

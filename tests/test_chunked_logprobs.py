@@ -18,7 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.engine.chunked_logprobs import chunked_target_logprobs, positions_per_chunk
+from trainwire.server.engine.loss.chunked_logprobs import (
+    chunked_target_logprobs,
+    positions_per_chunk,
+)
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import make_tiny_architecture, tiny_token_examples
 

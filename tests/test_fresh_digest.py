@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from fresh_state import fresh_digest, fresh_info
 
-from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session.rng import RngState
 from trainwire.testing import tiny_text_examples
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainwire.cli import main
-from trainwire.server.engine.lockstep import (
+from trainwire.server.engine.sharded.lockstep import (
     Announcer,
     Call,
     collective,

@@ -16,7 +16,7 @@ from fresh_state import fresh_server_info
 from safetensors import SafetensorError
 from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 
-from trainwire.server.engine import session_checkpoint
+from trainwire.server.engine.session import checkpoint as session_checkpoint
 
 CPU_OOM = (
     "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: not enough memory: "

@@ -11,7 +11,7 @@ import grpc
 from service_fixtures import connect, running_server, wait_for
 
 from trainwire.client import wire
-from trainwire.server.engine import batch_decode
+from trainwire.server.engine.sampling import batch_decode
 from trainwire.server.service.requests import SampleRequest
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 

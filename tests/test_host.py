@@ -18,7 +18,7 @@ from service_fixtures import REVIEWS
 
 from trainwire.client import outcomes
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.engine.session_checkpoint import read_extra
+from trainwire.server.engine.session.checkpoint import read_extra
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,

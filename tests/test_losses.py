@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from trainwire.client.tokens import TokenExample, is_token_batch
-from trainwire.server.engine.losses import LOSSES, TokenInputs, require_inputs, resolve_loss
+from trainwire.server.engine.loss.losses import LOSSES, TokenInputs, require_inputs, resolve_loss
 from trainwire.server.errors import InvalidArgument
 
 

@@ -22,8 +22,8 @@ from architecture_models import CAUSAL, ArchitectureModels
 from tinker_loops import KEY, tinker_server
 from transformers import MambaConfig
 
-from trainwire.server.engine import weights
-from trainwire.server.engine.model_loading import apply_lora, load_model, load_tokenizer
+from trainwire.server.engine.weights import transfer as weights
+from trainwire.server.engine.weights.model_loading import apply_lora, load_model, load_tokenizer
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.model import fit_lora_roles, fit_max_length, training_config
 

@@ -16,9 +16,10 @@ from sample_requests import held_executor, mixed_requests, prompts, spy_batches
 from service_fixtures import wait_for
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import batch_decode, session_sampling
-from trainwire.server.engine.batch_decode import tile_rows_for
-from trainwire.server.engine.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling import batch_decode
+from trainwire.server.engine.sampling.batch_decode import tile_rows_for
+from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
@@ -39,7 +40,7 @@ def batched(request: SampleRequest, results: dict[int, object], index: int):
         results[index] = error
 
     params = sample_batching.params_of(request)
-    return session_sampling.BatchedSample(
+    return BatchedSample(
         list(request.prompt_tokens), params, request.prompt_logprobs, on_result, on_error
     )
 
@@ -65,7 +66,7 @@ def test_a_request_gets_the_same_bits_alone_and_among_others_joining_at_later_st
         return [later.pop(0)] if later and steps % 2 == 0 else []
 
     first = [batched(r, results, i) for i, r in enumerate(requests[:2])]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, first, join)
+    session.sample_many(LIVE_WEIGHTS, first, join)
     assert [results[i][0] for i in range(len(requests))] == expected
     assert results[2][1] == session.prompt_logprobs(requests[2].prompt_tokens)
 
@@ -75,7 +76,7 @@ def test_each_samples_logprobs_are_the_trainers_forward_bit_for_bit(session):
     requests = mixed_requests(session.sampler.vocab_size)
     results: dict[int, object] = {}
     calls = [batched(r, results, i) for i, r in enumerate(requests)]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    session.sample_many(LIVE_WEIGHTS, calls)
     for index, request in enumerate(requests):
         for sample in results[index][0]:
             exact = session.sampler.logprobs(
@@ -91,7 +92,7 @@ def test_a_refused_request_in_a_batch_is_refused_alone_with_todays_message(sessi
         alone(session, too_long)
     results: dict[int, object] = {}
     calls = [batched(r, results, i) for i, r in enumerate([requests[0], too_long, requests[1]])]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    session.sample_many(LIVE_WEIGHTS, calls)
     assert isinstance(results[1], InvalidArgument)
     assert str(results[1]) == str(alone_error.value)
     assert results[0][0] == alone(session, requests[0])
@@ -226,7 +227,7 @@ def test_rows_that_end_leave_and_the_rest_repack_into_fewer_tiles_with_the_same_
     monkeypatch.setattr(session.sampler, "tile_rows", 8)
     results: dict[int, object] = {}
     calls = [batched(r, results, i) for i, r in enumerate(requests)]
-    session_sampling.sample_many(session, LIVE_WEIGHTS, calls)
+    session.sample_many(LIVE_WEIGHTS, calls)
     assert [results[0][0], results[1][0]] == expected
     assert gathered == [2]  # the live rows of both tiles, once they fit one
     assert tiles_seen[0] == 2 and tiles_seen[-1] == 1

@@ -10,7 +10,7 @@ import torch
 from fresh_state import fresh_digest
 
 from trainwire.client import InputExample
-from trainwire.server.engine.batching import IGNORE_INDEX
+from trainwire.server.engine.loss.batching import IGNORE_INDEX
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.testing import SENTIMENT_LABELS, tiny_sentiment_examples

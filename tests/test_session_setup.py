@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trainwire.client import TrainingConfig
-from trainwire.server.engine import session as session_module
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session import session as session_module
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.testing import tiny_text_examples
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.engine import session_sampling
-from trainwire.server.engine.sample_weights import BASE_MODEL, SampleWeights
+from trainwire.server.engine.sampling import weight_swap as session_sampling
+from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, SampleWeights
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.testing import tiny_token_examples

@@ -18,8 +18,8 @@ from plans import drive_plan
 from safetensors.torch import load_file
 
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
-from trainwire.server.engine import session_checkpoint as ckpt
 from trainwire.server.engine.session import LossHook, TrainingSession
+from trainwire.server.engine.session import checkpoint as ckpt
 from trainwire.server.errors import InvalidArgument
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 

@@ -14,8 +14,8 @@ import torch
 from fresh_state import fresh_digest
 from safetensors.torch import load_file, save_file
 
-from trainwire.server.engine import session_checkpoint as ckpt
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session import checkpoint as ckpt
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.testing import tiny_text_examples
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainwire.cli import main
-from trainwire.server.engine.session_checkpoint import SESSION_FILE, read_extra, verify_checkpoint
-from trainwire.server.engine.sharded_verify import verify_sharded_checkpoint
+from trainwire.server.engine.session.checkpoint import SESSION_FILE, read_extra, verify_checkpoint
+from trainwire.server.engine.sharded.verify import verify_sharded_checkpoint
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.service.journal import JournalEntry
 from trainwire.server.service.run_checkpoints import checkpoint_extra, latest_checkpoint

@@ -22,9 +22,9 @@ import torch.distributed.checkpoint as dcp
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from trainwire.server.engine.loss.token_batches import encode_token_batch, target_logprobs
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.engine.sharding import ShardGroup, combine_metrics
-from trainwire.server.engine.token_batches import encode_token_batch, target_logprobs
+from trainwire.server.engine.sharded.sharding import ShardGroup, combine_metrics
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 # One process and two ranks compute the same sums in another order: each rank adds its own

@@ -20,8 +20,8 @@ import sharded_runs as runs
 import sharded_workers as workers
 
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.engine.sharded_weights import raise_alike
-from trainwire.server.engine.weights import ADAPTER_CONFIG_FILE, EXPORT_FILE
+from trainwire.server.engine.sharded.weights import raise_alike
+from trainwire.server.engine.weights.transfer import ADAPTER_CONFIG_FILE, EXPORT_FILE
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.testing import make_tiny_model
 

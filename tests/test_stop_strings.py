@@ -15,7 +15,7 @@ from tinker import types
 from tinker_loops import lora_training
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.engine.sampling import SamplingLimits
+from trainwire.server.engine.sampling.params import SamplingLimits
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker import sample_codec

@@ -19,10 +19,10 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import session_checkpoint as ckpt
-from trainwire.server.engine import weights
-from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.session import checkpoint as ckpt
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.weights import transfer as weights
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.testing import make_tiny_model, tiny_sentiment_examples, tiny_text_examples
 

@@ -23,8 +23,8 @@ from test_weights import parameter_digest, params  # the same digests as the wei
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import LoraSettings
-from trainwire.server.engine import weights
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.weights import transfer as weights
 from trainwire.server.errors import InvalidArgument
 from trainwire.testing import tiny_text_examples
 

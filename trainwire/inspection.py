@@ -22,8 +22,8 @@ def describe_path(path: Path) -> str:
         raise ValueError(f"{path}: no such file or directory")
     if path.is_file():
         return describe_manifest(path)
-    from trainwire.server.engine.session_checkpoint import SESSION_FILE
-    from trainwire.server.engine.weights import EXPORT_FILE
+    from trainwire.server.engine.session.checkpoint import SESSION_FILE
+    from trainwire.server.engine.weights.transfer import EXPORT_FILE
 
     if (path / SESSION_FILE).is_file():
         return describe_checkpoint(path)
@@ -99,7 +99,7 @@ def _files(directory: Path) -> str:
 def describe_checkpoint(path: Path) -> str:
     """A session checkpoint's step, digest, config and files, from its ``session.json``; a
     sharded one's world size and tensors digest too."""
-    from trainwire.server.engine.session_checkpoint import SESSION_FILE, is_sharded_checkpoint
+    from trainwire.server.engine.session.checkpoint import SESSION_FILE, is_sharded_checkpoint
 
     meta = _read_json(path / SESSION_FILE)
     config = meta.get("config", {})
@@ -144,7 +144,7 @@ def _sharding(meta: dict[str, Any]) -> list[str]:
 
 def describe_export(path: Path) -> str:
     """An export's kind, step, digest and files, from the record the server wrote beside it."""
-    from trainwire.server.engine.weights import EXPORT_FILE
+    from trainwire.server.engine.weights.transfer import EXPORT_FILE
 
     record = _read_json(path / EXPORT_FILE)
     config = record.get("config", {})

@@ -144,7 +144,7 @@ class ManagedTraining:
 
     def load_state(self, path: str | Path) -> None:
         """Resume from a managed checkpoint into this run's fresh session."""
-        from trainwire.server.engine.session_checkpoint import read_extra
+        from trainwire.server.engine.session.checkpoint import read_extra
 
         saved = read_extra(Path(path)).get(MANAGED_KEY)
         if saved is None:

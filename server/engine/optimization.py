@@ -112,11 +112,6 @@ def _positive(value: float) -> bool:
     return value > 0.0
 
 
-def check_learning_rate(rate: float | None) -> None:
-    """InvalidArgument unless ``rate`` is None (the schedule's) or a finite number >= 0."""
-    UpdateSettings(learning_rate=rate).check()
-
-
 def apply_update(
     optimizer: torch.optim.Optimizer,
     parameters: list[torch.Tensor],

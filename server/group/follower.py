@@ -13,8 +13,8 @@ from __future__ import annotations
 import gc
 import logging
 
-from trainwire.server.engine.lockstep import Call, raised_alike_on_every_rank
 from trainwire.server.engine.session import TrainingSession
+from trainwire.server.engine.sharded.lockstep import Call, raised_alike_on_every_rank
 from trainwire.server.group.messages import OpenSession, Stop
 from trainwire.server.group.ranks import RankGroup
 

@@ -1,6 +1,7 @@
 """Each target's term of a loss (the Tinker SDK's ``elementwise_loss`` output), from the logprobs
 an operation returned and the examples' inputs, through the engine's own loss table
-(``trainwire.server.engine.losses``): the same terms, token by token, whose sum is ``loss:sum``.
+(``trainwire.server.engine.loss.losses``): the same terms, token by token, whose sum is
+``loss:sum``.
 
 Pure arithmetic on a finished outcome, so a transport computes it off the executor (the Tinker
 front does, while the next call runs); it lives in the service so that no transport reaches
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine.losses import TokenInputs, resolve_loss
+from trainwire.server.engine.loss.losses import TokenInputs, resolve_loss
 
 
 def elementwise_loss(

@@ -35,7 +35,7 @@ from trainwire.client.outcomes import OperationOutcome
 from trainwire.client.selection import BEST_CHECKPOINT
 from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.optimization import UpdateSettings
-from trainwire.server.engine.session_results import TokenOutput
+from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import reads

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.client import outcomes
-from trainwire.server.engine.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
-from trainwire.server.engine.session_results import TokenOutput
+from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
+from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service.active_run import ActiveRun, Applying
 from trainwire.server.service.request_limits import check_texts, check_token_lists

@@ -5,7 +5,7 @@ A SaveState checkpoint carries its own journal entry in its ``extra`` (``checkpo
 the run, its position, the key and payload digest of the SaveState that wrote it, and that
 operation's result. Recovery (``recovery``) restores the latest one and aligns the journal with it.
 
-A checkpoint is trusted only once verified (``session_checkpoint.verify_checkpoint``: its files
+A checkpoint is trusted only once verified (``session.checkpoint.verify_checkpoint``: its files
 load and hash to the digest it was written with), so one damaged latest checkpoint costs the
 operations since the newest intact one (the controller replays them), never the whole run.
 Verifying reads the chosen checkpoint once more than the restore does; a restart is rare, and a
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.server.engine.session_checkpoint import read_extra, verify_checkpoint
+from trainwire.server.engine.session.checkpoint import read_extra, verify_checkpoint
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.service.journal import JournalEntry
 from trainwire.server.service.state_dir import RunDirectory

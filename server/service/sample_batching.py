@@ -2,7 +2,7 @@
 
 Every sample request (gRPC ``Sample``, the Tinker front's ``asample``) is registered here and
 queues one *batch call* on the executor, as any read does. The first batch call to run takes
-every registered request it may and decodes them as one batch (``session_sampling.sample_many``);
+every registered request it may and decodes them as one batch (``TrainingSession.sample_many``);
 the later calls find theirs answered and return. While a batch decodes, a request that arrives
 joins it at the next step. Which request a batch may take is what keeps the order the service
 promises: a request is taken only by a batch call queued after every call that was queued before
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainwire.client.outcomes import Sample
-from trainwire.server.engine.sampling import SamplingParams
-from trainwire.server.engine.session_sampling import BatchedSample, sample_many
+from trainwire.server.engine.sampling.params import SamplingParams
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
 from trainwire.server.service.active_run import ActiveRun
@@ -162,7 +162,7 @@ class SampleBatcher:
 
         try:
             selected = sample_weights(run, batch[0].request)
-            sample_many(run.session, selected, [_batched(w) for w in batch], join)
+            run.session.sample_many(selected, [_batched(w) for w in batch], join)
         except BaseException as error:  # the batch failed: every request not answered hears why
             for waiting in batch:
                 if not waiting.answer.done():

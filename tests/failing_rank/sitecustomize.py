@@ -32,7 +32,7 @@ MESSAGE = "injected failure"
 
 
 def _fail_inside_forward_backward(at: int, marker: str) -> None:
-    from trainwire.server.engine.sharding import ShardedMicrobatch
+    from trainwire.server.engine.sharded.sharding import ShardedMicrobatch
 
     real_loss = ShardedMicrobatch.loss
     forwards = 0

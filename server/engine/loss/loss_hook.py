@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig
-from trainwire.server.engine.batching import Batch
-from trainwire.server.engine.losses import LossOutput, LossSpec
-from trainwire.server.engine.token_batches import TokenBatch, token_logprobs
+from trainwire.server.engine.loss.batching import Batch
+from trainwire.server.engine.loss.losses import LossOutput, LossSpec
+from trainwire.server.engine.loss.token_batches import TokenBatch, token_logprobs
 from trainwire.server.errors import InvalidArgument
 
 
@@ -47,8 +47,8 @@ class LossHook:
     ) -> tuple[LossOutput, torch.Tensor]:
         """A token batch's loss and the flat logprobs of its targets (``batch.mask`` order).
 
-        The default runs the named loss function (``trainwire.server.engine.losses``) on the model's
-        logprobs; a subclass may add terms or state, as ``compute_loss`` may for text.
+        The default runs the named loss function (``trainwire.server.engine.loss.losses``) on the
+        model's logprobs; a subclass may add terms or state, as ``compute_loss`` may for text.
         """
         logp = token_logprobs(model, batch)
         return loss.fn(logp, batch.inputs, config), logp

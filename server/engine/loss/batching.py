@@ -13,7 +13,7 @@ import torch
 
 from trainwire.client.config import InputExample, TrainingConfig
 from trainwire.client.plan import check_examples
-from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
+from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.errors import InvalidArgument
 
 IGNORE_INDEX = -100  # the label id Hugging Face losses skip

@@ -15,8 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from trainwire.client.tokens import FLOAT_FIELDS, TokenExample
-from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES, chunked_target_logprobs
-from trainwire.server.engine.losses import TokenInputs
+from trainwire.server.engine.loss.chunked_logprobs import (
+    LOGITS_CHUNK_BYTES,
+    chunked_target_logprobs,
+)
+from trainwire.server.engine.loss.losses import TokenInputs
 from trainwire.server.errors import InvalidArgument
 
 

@@ -16,22 +16,22 @@ import torch
 
 from trainwire.client.config import TrainingConfig, setting_differences
 from trainwire.client.files import atomic_directory
-from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.model_loading import MODEL_CONFIG_FILE
-from trainwire.server.engine.module_roles import holds_experts
-from trainwire.server.engine.session_checkpoint import (
+from trainwire.server.engine.session.checkpoint import (
     MODEL_FILE,
     is_session_checkpoint,
     read_provenance,
     read_session_json,
 )
-from trainwire.server.engine.tensor_files import (
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.weights.layout import in_live_layout, tied_aliases
+from trainwire.server.engine.weights.model_loading import MODEL_CONFIG_FILE
+from trainwire.server.engine.weights.module_roles import holds_experts
+from trainwire.server.engine.weights.tensor_files import (
     copy_into,
     describe_mismatches,
     load_tensors,
     write_json,
 )
-from trainwire.server.engine.weight_layout import in_live_layout, tied_aliases
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 
 EXPORT_FORMAT = "trainwire.export/v1"

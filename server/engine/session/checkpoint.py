@@ -13,9 +13,9 @@ One directory, written atomically (``client.files.atomic_directory``), holding n
 
 This module is the format: its files and metadata, the optimizer state as flat tensors, the state
 digest (and ``verify_checkpoint``, which checks a checkpoint against it without a session), and
-writing. Reading a checkpoint back into a live session is ``session_restore``'s job. Neither
-touches a session: the engine (``session_persistence``) hands ``write_checkpoint`` its
-``CheckpointContents`` and applies what ``session_restore.read_checkpoint`` returns.
+writing. Reading a checkpoint back into a live session is ``session.restore``'s job. Neither
+touches a session: the engine (``TrainingSession``) hands ``write_checkpoint`` its
+``CheckpointContents`` and applies what ``session.restore.read_checkpoint`` returns.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import torch
 
 from trainwire.client.config import TrainingConfig
 from trainwire.client.files import atomic_directory
-from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.tensor_files import load_tensors, save_tensors, write_json
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.weights.tensor_files import load_tensors, save_tensors, write_json
 from trainwire.server.errors import InvalidArgument, NotFound, ResourceExhausted, is_disk_full
 
 CHECKPOINT_FORMAT = "trainwire.checkpoint/v1"
@@ -77,9 +77,9 @@ def is_session_checkpoint(path: Path) -> bool:
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether ``path``'s ``session.json`` names the sharded format (``sharded_checkpoint``):
+    """Whether ``path``'s ``session.json`` names the sharded format (``sharded.checkpoint``):
     the checkpoint readers the service calls (``read_extra``, ``verify_checkpoint``) hand
-    those to ``sharded_verify``. Anything unreadable is left to ``read_session_json`` to name.
+    those to ``sharded.verify``. Anything unreadable is left to ``read_session_json`` to name.
     """
     try:
         found = json.loads((path / SESSION_FILE).read_text()).get("format")
@@ -87,9 +87,9 @@ def is_sharded_checkpoint(path: Path) -> bool:
         return False
     if found == CHECKPOINT_FORMAT:
         return False
-    # Imported here, not at the top: sharded_checkpoint imports this module (for its file
-    # names and keys), and with it torch.distributed, which a single-process server never needs.
-    from trainwire.server.engine.sharded_checkpoint import SHARDED_FORMAT
+    # Imported here, not at the top: the sharded format's modules import this one (for its
+    # file names and keys), so this reader of either format imports them when it runs.
+    from trainwire.server.engine.sharded.checkpoint import SHARDED_FORMAT
 
     return found == SHARDED_FORMAT
 
@@ -97,7 +97,7 @@ def is_sharded_checkpoint(path: Path) -> bool:
 def read_extra(path: Path) -> dict[str, Any]:
     """A checkpoint's ``extra`` state without loading its tensors (either format)."""
     if is_sharded_checkpoint(path):
-        from trainwire.server.engine.sharded_verify import read_sharded_extra  # see above
+        from trainwire.server.engine.sharded.verify import read_sharded_extra  # see above
 
         return read_sharded_extra(path)
     return dict(read_session_json(path).get(EXTRA_KEY) or {})
@@ -195,10 +195,10 @@ def verify_checkpoint(path: Path) -> str:
 
     Recovery runs this before it trusts a checkpoint, since a truncated or changed file would
     otherwise fail the restore (or, worse, restore other bits than the journal recorded). A
-    sharded checkpoint is verified in this process, without a process group (``sharded_verify``).
+    sharded checkpoint is verified in this process, without a process group (``sharded.verify``).
     """
     if is_sharded_checkpoint(path):
-        from trainwire.server.engine.sharded_verify import verify_sharded_checkpoint  # see above
+        from trainwire.server.engine.sharded.verify import verify_sharded_checkpoint  # see above
 
         return verify_sharded_checkpoint(path)
     meta = read_session_json(path)

@@ -1,7 +1,7 @@
 """Which weights a sample reads: the live ones, an export of the run, or the base model.
 
 ``TrainingSession.sample`` and ``prompt_logprobs`` take one of these (or what ``SampleWeights.of``
-turns into one); ``session_sampling`` swaps the selected weights in and back inside the
+turns into one); ``TrainingSession.sample`` swaps the selected weights in and back inside the
 session's guard.
 """
 

@@ -4,9 +4,9 @@
 config, device type, tensor names, shapes and dtypes, an RNG state the generators accept) before
 it returns, so a refused restore changes nothing. It also makes the owned copies a restore keeps
 (optimizer state, gradients) on the session's device, so running out of memory there changes
-nothing either. The engine (``session_persistence``) then applies the ``RestoredState``; only
+nothing either. The engine (``TrainingSession``) then applies the ``RestoredState``; only
 that copy into live tensors can fail midway, and a failure there marks the session broken. The
-files themselves are ``session_checkpoint``'s format.
+files themselves are ``session.checkpoint``'s format.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from trainwire.client.config import TrainingConfig, setting_differences
-from trainwire.server.engine.rng import RngState, preserved_global_rng
-from trainwire.server.engine.session_checkpoint import (
+from trainwire.server.engine.session.checkpoint import (
     EXTRA_KEY,
     GRADIENTS_FILE,
     LOSS_HOOK_FILE,
@@ -33,7 +32,12 @@ from trainwire.server.engine.session_checkpoint import (
     optimizer_state_from_tensors,
     read_session_json,
 )
-from trainwire.server.engine.tensor_files import copy_into, describe_mismatches, load_tensors
+from trainwire.server.engine.session.rng import RngState, preserved_global_rng
+from trainwire.server.engine.weights.tensor_files import (
+    copy_into,
+    describe_mismatches,
+    load_tensors,
+)
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 

@@ -10,8 +10,8 @@ last bits, and an on-policy importance ratio must be exactly 1.
 
 Which weights a sample reads is the caller's choice (``sample_weights.SampleWeights``): the live
 ones, an export of the run, or the base model. Putting other weights in for one call, and the
-live bits back after, is ``session_sampling``'s job; this module only ever reads the model it is
-given.
+live bits back after, is ``TrainingSession.sample``'s job; this module only ever reads the model
+it is given.
 """
 
 from __future__ import annotations
@@ -26,137 +26,13 @@ import torch
 from trainwire.client.config import is_int
 from trainwire.client.outcomes import Sample
 from trainwire.client.tokens import TokenExample
-from trainwire.server.engine import batch_decode
-from trainwire.server.engine.batch_decode import DecodeJob, Drawn
-from trainwire.server.engine.chunked_logprobs import LOGITS_CHUNK_BYTES
-from trainwire.server.engine.draws import LENGTH, STOP, _choose
-from trainwire.server.engine.stop_strings import StopStringWatch, stop_string_problems
-from trainwire.server.engine.token_batches import encode_token_batch, token_logprobs
+from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
+from trainwire.server.engine.loss.token_batches import encode_token_batch, token_logprobs
+from trainwire.server.engine.sampling import batch_decode
+from trainwire.server.engine.sampling.batch_decode import DecodeJob, Drawn
+from trainwire.server.engine.sampling.params import SamplingLimits, SamplingParams, prompt_problems
+from trainwire.server.engine.sampling.stop_strings import StopStringWatch
 from trainwire.server.errors import InvalidArgument
-
-__all__ = ["LENGTH", "STOP", "SampleCall", "Sampler", "SamplingLimits", "SamplingParams", "_choose"]
-
-
-@dataclass(frozen=True)
-class SamplingLimits:
-    """What one Sample request may ask for; over a limit is INVALID_ARGUMENT before any work.
-
-    Each count alone is not what costs memory: every sample decodes its own copy of the prompt
-    with its own KV cache, so what one request holds at once grows with
-    samples × (prompt + max_tokens). ``max_sample_positions`` bounds that product (64 samples
-    of 4096 positions, or fewer samples of longer ones). ``model_positions`` is the model's
-    ``max_position_embeddings`` (None where it has none): a prompt plus ``max_tokens`` past it
-    is refused, as training refuses a sequence past ``max_length``.
-    """
-
-    max_tokens: int = 4096
-    max_samples: int = 64
-    max_prompt_tokens: int = 32768
-    max_sample_positions: int = 64 * 4096
-    max_stop_tokens: int = 1024
-    max_stop_strings: int = 32
-    max_stop_string_chars: int = 256
-    model_positions: int | None = None
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """A validated sampling request (see ``TrainingSession.sample``)."""
-
-    max_tokens: int
-    num_samples: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_tokens: tuple[int, ...] = ()
-    seed: int = 0
-    stop_strings: tuple[str, ...] = ()  # see ``stop_strings``: the sample's text ends on one
-
-    def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
-        """InvalidArgument naming every bad argument at once."""
-        problems = prompt_problems(prompt, vocab_size, limits)
-        if len(self.stop_tokens) > limits.max_stop_tokens:
-            problems.append(f"{len(self.stop_tokens)} stop_tokens; the limit is "
-                            f"{limits.max_stop_tokens}")  # fmt: skip
-        elif _bad_ids(self.stop_tokens, vocab_size):
-            problems.append(f"stop_tokens must be ids in [0, {vocab_size})")
-        problems += stop_string_problems(
-            self.stop_strings,
-            max_count=limits.max_stop_strings,
-            max_chars=limits.max_stop_string_chars,
-        )
-        counts = self._count_problems(limits)
-        if not counts and not problems:  # the sizes below only mean something for valid counts
-            counts = size_problems(len(prompt), self.max_tokens, self.num_samples, limits)
-        problems += counts
-        problems += self._draw_problems()
-        if problems:
-            raise InvalidArgument("sample: " + "; ".join(problems))
-
-    def _count_problems(self, limits: SamplingLimits) -> list[str]:
-        problems = []
-        if not is_int(self.max_tokens) or not 1 <= self.max_tokens <= limits.max_tokens:
-            problems.append(f"max_tokens must be in [1, {limits.max_tokens}], "
-                            f"got {self.max_tokens!r}")  # fmt: skip
-        if not is_int(self.num_samples) or not 1 <= self.num_samples <= limits.max_samples:
-            problems.append(f"num_samples must be in [1, {limits.max_samples}], "
-                            f"got {self.num_samples!r}")  # fmt: skip
-        return problems
-
-    def _draw_problems(self) -> list[str]:
-        """The settings of each draw. Any finite temperature is computable (see ``_tempered``)."""
-        problems = []
-        if not _is_number(self.temperature) or self.temperature < 0:
-            problems.append(
-                f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
-            )
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"top_k must be >= 0 (0 keeps every token), got {self.top_k!r}")
-        if not is_int(self.seed) or not 0 <= self.seed < 2**63:
-            problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
-        return problems
-
-
-def size_problems(
-    prompt_tokens: int, max_tokens: int, num_samples: int, limits: SamplingLimits
-) -> list[str]:
-    """What is too big about a request whose counts are each within their bounds: a sequence
-    past the model's positions, or more token positions at once than ``max_sample_positions``."""
-    positions = prompt_tokens + max_tokens
-    problems = []
-    if limits.model_positions is not None and positions > limits.model_positions:
-        problems.append(
-            f"the prompt's {prompt_tokens} tokens plus max_tokens {max_tokens} make {positions} "
-            f"positions; the model has {limits.model_positions} (its max_position_embeddings): "
-            "shorten the prompt or lower max_tokens"
-        )
-    if num_samples * positions > limits.max_sample_positions:
-        problems.append(
-            f"num_samples {num_samples} x (prompt {prompt_tokens} + max_tokens {max_tokens}) is "
-            f"{num_samples * positions} token positions at once; the limit is "
-            f"{limits.max_sample_positions}: ask for fewer samples, or shorter ones"
-        )
-    return problems
-
-
-def prompt_problems(prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> list[str]:
-    """What is wrong with a prompt to sample or score: empty, too long (for the limits or for
-    the model's positions), ids outside the vocab."""
-    problems = []
-    positions = limits.model_positions
-    if not prompt:
-        problems.append("prompt_tokens is empty: give at least one token")
-    elif len(prompt) > limits.max_prompt_tokens:
-        problems.append(f"the prompt has {len(prompt)} tokens; the limit is "
-                        f"{limits.max_prompt_tokens}")  # fmt: skip
-    elif positions is not None and len(prompt) > positions:
-        problems.append(f"the prompt has {len(prompt)} tokens; the model has {positions} "
-                        "positions (its max_position_embeddings)")  # fmt: skip
-    if _bad_ids(prompt, vocab_size):
-        problems.append(f"prompt_tokens must be ids in [0, {vocab_size})")
-    return problems
 
 
 @dataclass(frozen=True)
@@ -168,6 +44,21 @@ class SampleCall:
     params: SamplingParams
     on_samples: Callable[[list[Sample]], None]
     cancel: batch_decode.Cancel | None = None
+
+
+@dataclass(frozen=True)
+class BatchedSample:
+    """One request of ``TrainingSession.sample_many``: what ``sample`` takes, whether the prompt
+    is scored too (``prompt_logprobs``), and where its answer goes: ``on_result(samples,
+    prompt_logprobs or None)`` once it is done, or ``on_error`` with why it was refused or
+    failed."""
+
+    prompt: list[int]
+    params: SamplingParams
+    with_prompt_logprobs: bool
+    on_result: Callable[[list[Sample], list[float] | None], None]
+    on_error: Callable[[Exception], None]
+    cancelled: Callable[[], bool] | None = None  # whether the caller gave up (polled per step)
 
 
 def generate(
@@ -208,7 +99,7 @@ class Sampler:
         # docs/BENCHMARKS.md). Samples differ between the two modes, never within one.
         self.batches = batches
         # On a sharded session, rank 0's draws made the group's (``batch_decode``); None in one
-        # process. Set once the model is sharded (``session_setup.shard_for_group``).
+        # process. Set once the model is sharded (``session.setup.shard_for_group``).
         self.agree: Callable[[torch.Tensor], torch.Tensor] | None = None
         # The trainer's chunking of the head (``chunked_logprobs``), so a sample's logprobs are
         # the trainer's bits; the session sets its own.
@@ -264,8 +155,8 @@ class Sampler:
             eos_ids=self.eos_ids,
             device=device,
             max_positions=self.limits.max_sample_positions,
-            # Alone, a request decodes all its rows in one forward (no padding), as before
-            # requests were batched: its samples then depend on its own count of rows only.
+            # Alone, a request decodes all its rows in one forward (no padding): its samples
+            # then depend on its own count of rows only.
             tile_rows=self.tile_rows if self.batches else batch_decode.OWN_ROWS,
             agree=self.agree,
         )
@@ -331,17 +222,3 @@ class Sampler:
         )
         values = batch.split(token_logprobs(model, batch))[0]
         return tuple(values[len(values) - len(tokens) :])
-
-
-def _bad_ids(ids: Sequence[int], vocab_size: int) -> bool:
-    return any(not is_int(i) or not 0 <= i < vocab_size for i in ids)
-
-
-def _is_number(value: object) -> bool:
-    """An int or float with a finite float value (an int past float's range is not)."""
-    if not (is_int(value) or isinstance(value, float)):
-        return False
-    try:
-        return math.isfinite(float(value))  # type: ignore[arg-type]
-    except OverflowError:
-        return False

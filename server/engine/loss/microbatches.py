@@ -17,11 +17,11 @@ import torch
 from trainwire.client.config import TrainingConfig
 from trainwire.client.outcomes import Prediction
 from trainwire.client.tokens import DEFAULT_LOSS, is_token_batch
-from trainwire.server.engine.batching import Batch, BatchEncoder
-from trainwire.server.engine.loss_hook import LossHook
-from trainwire.server.engine.losses import LossSpec, require_inputs, resolve_loss
-from trainwire.server.engine.session_results import ForwardResult, TokenOutput
-from trainwire.server.engine.token_batches import TokenBatch, encode_token_batch
+from trainwire.server.engine.loss.batching import Batch, BatchEncoder
+from trainwire.server.engine.loss.loss_hook import LossHook
+from trainwire.server.engine.loss.losses import LossSpec, require_inputs, resolve_loss
+from trainwire.server.engine.loss.token_batches import TokenBatch, encode_token_batch
+from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.errors import InvalidArgument
 
 

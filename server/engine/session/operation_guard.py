@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainwire.server.engine.rng import RngState, preserved_global_rng
+from trainwire.server.engine.session.rng import RngState, preserved_global_rng
 from trainwire.server.errors import FailedPrecondition, ResourceExhausted, is_out_of_memory
 
 logger = logging.getLogger(__name__)

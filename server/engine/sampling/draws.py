@@ -1,7 +1,7 @@
 """Each step's draw of a sample's next token: greedy, or temperature, top-k, top-p, then a draw.
 
-Apart from ``sampling`` so that the batched decode (``batch_decode``) and the sampler share it
-without importing each other. Every operation is per row, and the draw's noise is laid out per
+Its own module so that the batched decode (``batch_decode``) and the sampler share it; a
+request's settings are ``params``'. Every operation is per row, and the draw's noise is laid out per
 row (``torch.multinomial`` of one sample divides by exponential noise drawn for the whole
 [rows, vocab] tensor and takes each row's argmax): a row's token depends only on its own logits
 and its place in its request's rows, never on another row's values.
@@ -10,17 +10,15 @@ and its place in its request's rows, never on another row's values.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from trainwire.server.engine.sampling import SamplingParams
+from trainwire.server.engine.sampling.params import SamplingParams
 
 STOP, LENGTH = "stop", "length"  # Sample.stop_reason
 
 
-def _choose(
+def next_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
 ) -> torch.Tensor:
     """One token per row: greedy at temperature 0, else temperature → top-k → top-p → draw."""

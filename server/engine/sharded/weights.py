@@ -1,13 +1,13 @@
 """A sharded session's weights in and out: exports, a checkpoint's export, ``load_weights``.
 
-Each function is the single-process one (``session_persistence`` and ``weights``) with the work
-placed on the ranks, calling the same checks and writers rather than defining its own:
+Each function is the single-process one (``TrainingSession`` and ``weights.transfer``) with the
+work placed on the ranks, calling the same checks and writers rather than defining its own:
 
 - An export is written by rank 0 alone, from a fresh unsharded copy of the model on the CPU,
   with ``weights.write_export``: the directory one process writes, file for file.
   ``export_weights`` gathers the live weights into the copy; ``export_checkpoint_weights`` reads
   a checkpoint's into it (a sharded checkpoint's whole, one tensor at a time, with
-  ``sharded_verify``'s one-process reading; one process's with ``weights.export_checkpoint``).
+  ``sharded.verify``'s one-process reading; one process's with ``weights.export_checkpoint``).
   The live state is untouched on every rank.
 - ``load_weights``: every rank reads the whole source and checks it with the single-process
   checks (``weights.plan_weights_load``: names, shapes, dtypes, adapter settings, base model),
@@ -24,96 +24,97 @@ lockstep, and a refusal must leave every rank at the same point (``lockstep``).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from trainwire.client.config import TrainingConfig
 from trainwire.server import errors
-from trainwire.server.engine import weights
-from trainwire.server.engine.model_loading import load_session_model
-from trainwire.server.engine.rng import preserved_global_rng
-from trainwire.server.engine.session_checkpoint import is_sharded_checkpoint, read_session_json
-from trainwire.server.engine.sharded_checkpoint import on_rank_zero, read_sharded_meta
-from trainwire.server.engine.sharded_verify import stored_parameters
-from trainwire.server.engine.sharding import ShardGroup, full_tensor, reshard
-from trainwire.server.engine.tensor_files import copy_into, describe_mismatches
+from trainwire.server.engine.session.checkpoint import is_sharded_checkpoint, read_session_json
+from trainwire.server.engine.sharded.checkpoint import on_rank_zero, read_sharded_meta
+from trainwire.server.engine.sharded.sharding import ShardGroup, full_tensor
+from trainwire.server.engine.sharded.verify import stored_parameters
+from trainwire.server.engine.weights import transfer as weights
+from trainwire.server.engine.weights.tensor_files import copy_into, describe_mismatches
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, TrainwireError
-
-if TYPE_CHECKING:
-    from trainwire.server.engine.session import TrainingSession
 
 # What an export records of the checkpoint it was taken from, as ``read_provenance`` reads it.
 PROVENANCE_KEYS = ("base_model_fingerprint", "step", "state_digest")
-# The settings a checkpoint's weights must share with the session, as
-# ``weights.check_checkpoint_settings`` compares them for one process's checkpoints.
-
-
-def _shards(session: TrainingSession) -> ShardGroup:
-    assert session.shards is not None
-    return session.shards
-
-
-def _cpu_copy(session: TrainingSession) -> torch.nn.Module:
-    """A fresh unsharded copy of the session's model on the CPU, for rank 0 to write from (the
-    live one is sharded and may be on a GPU). A LoRA copy draws initial adapters from the
-    global RNG; they are overwritten and the RNG put back, so nothing of the run's changes."""
-    with preserved_global_rng():
-        return load_session_model(
-            session.config, session.model_dir, session.dtype, session.tokenizer, torch.device("cpu")
-        )
 
 
 # -- exports -----------------------------------------------------------------------------------
 
 
-def export_weights(session: TrainingSession, path: Path, provenance: dict[str, Any]) -> None:
+@dataclass(frozen=True)
+class ExportWriter:
+    """How rank 0 writes an export as one process writes it: from ``cpu_copy()``, a fresh
+    unsharded copy of the session's model on the CPU (the live one is sharded and may be on a
+    GPU), with the session's tokenizer and config."""
+
+    cpu_copy: Callable[[], torch.nn.Module]
+    tokenizer: Any
+    config: TrainingConfig
+
+    def write(self, path: Path, model: torch.nn.Module, provenance: dict[str, Any]) -> None:
+        weights.write_export(path, model, self.tokenizer, self.config, provenance)
+
+
+def export_weights(
+    shards: ShardGroup,
+    model: torch.nn.Module,
+    path: Path,
+    provenance: dict[str, Any],
+    writer: ExportWriter,
+) -> None:
     """The full weights gathered to rank 0, written as the single-process export is, with the
     same ``provenance``. The caller holds the session's lock."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    full = get_model_state_dict(session.model, options=options)  # rank 0 holds it
+    full = get_model_state_dict(model, options=options)  # rank 0 holds it
 
     def write() -> None:
         # The copy takes the gathered weights and writes them with the same code as a
         # single-process export (same files, same record).
-        model = _cpu_copy(session)
-        model.load_state_dict(full)
-        weights.write_export(path, model, session.tokenizer, session.config, provenance)
+        copy = writer.cpu_copy()
+        copy.load_state_dict(full)
+        writer.write(path, copy, provenance)
 
-    on_rank_zero(_shards(session), path, write)
+    on_rank_zero(shards, path, write)
 
 
-def export_checkpoint_weights(session: TrainingSession, checkpoint: Path, path: Path) -> None:
+def export_checkpoint_weights(
+    shards: ShardGroup, checkpoint: Path, path: Path, writer: ExportWriter
+) -> None:
     """Rank 0 exports ``checkpoint``'s weights (either format) from a copy; the other ranks wait
-    and raise its error if it failed. The live state is untouched on every rank."""
-    shards = _shards(session)
-    with session._guard.lock:  # as in one process: no operation runs meanwhile
-        failure: Exception | None = None
-        if shards.rank == 0:
-            try:
-                _export_checkpoint(session, checkpoint, path)
-            except Exception as error:
-                failure = error
-        raise_alike(shards, failure)
+    and raise its error if it failed. The live state is untouched on every rank. The caller
+    holds the session's lock, as in one process: no operation runs meanwhile."""
+    failure: Exception | None = None
+    if shards.rank == 0:
+        try:
+            _export_checkpoint(checkpoint, path, writer)
+        except Exception as error:
+            failure = error
+    raise_alike(shards, failure)
 
 
-def _export_checkpoint(session: TrainingSession, checkpoint: Path, path: Path) -> None:
+def _export_checkpoint(checkpoint: Path, path: Path, writer: ExportWriter) -> None:
     if not is_sharded_checkpoint(checkpoint):
         # One process's checkpoint, exported as one process exports it: the copy stands in for
         # the detached live model (every parameter is overwritten). Its session.json is read
         # first, so a missing or foreign checkpoint is refused before the copy is built.
         read_session_json(checkpoint)
-        model = _cpu_copy(session)
-        weights.export_checkpoint(checkpoint, path, model, session.tokenizer, session.config)
+        model = writer.cpu_copy()
+        weights.export_checkpoint(checkpoint, path, model, writer.tokenizer, writer.config)
         return
     meta = read_sharded_meta(checkpoint)
-    model = _cpu_copy(session)
+    model = writer.cpu_copy()
     copy_into(_checkpoint_pairs(dict(model.named_parameters()), checkpoint))
     provenance = {key: meta.get(key) for key in PROVENANCE_KEYS}
     provenance["checkpoint"] = checkpoint.name  # the name, as one process records it
-    weights.write_export(path, model, session.tokenizer, session.config, provenance)
+    writer.write(path, model, provenance)
 
 
 def _checkpoint_pairs(
@@ -130,21 +131,8 @@ def _checkpoint_pairs(
 
 
 # -- load_weights ------------------------------------------------------------------------------
-
-
-def load_weights(session: TrainingSession, path: Path) -> None:
-    """Every rank reads and checks the whole source; once all agree, each copies its shards."""
-    shards, guard = _shards(session), session._guard
-    with guard.operation():
-        reshard(session.model)  # the registered parameters, copied into, are the shards
-        load, staged = agreed_load(shards, session.model, lambda: _plan(session, path))
-        # Hashed from the whole source tensors before anything changes: a collective only for
-        # the parameters the source leaves as they are, which every rank gathers alike.
-        fingerprint = _base_fingerprint(session, load)
-        with guard.breaks_on_failure("load_weights"):
-            staged.apply(session.model)
-        session.base_fingerprint = fingerprint
-        guard.changed()
+# Every rank reads and checks the whole source (``plan_load``); once all agree (``agreed_load``),
+# each copies its shards in.
 
 
 def agreed_load(
@@ -153,7 +141,7 @@ def agreed_load(
     """``plan()`` on every rank (the source read whole and checked against ``model``, resharded
     first), the ranks agreed on it (if any refused, every rank raises: ``raise_alike``), and
     this rank's shards of it: (the whole load, the load in shards). Nothing has changed yet.
-    A collective: ``load_weights`` and sampling other weights (``session_sampling``) both
+    A collective: ``load_weights`` and sampling other weights (``TrainingSession.sample``) both
     call it on every rank."""
     failure: Exception | None = None
     planned: tuple[weights.WeightsLoad, weights.WeightsLoad] | None = None
@@ -167,14 +155,14 @@ def agreed_load(
     return planned
 
 
-def _plan(session: TrainingSession, path: Path) -> weights.WeightsLoad:
+def plan_load(
+    model: torch.nn.Module, path: Path, config: TrainingConfig, base_fingerprint: str | None
+) -> weights.WeightsLoad:
     """The source read whole and checked against the live model, as one process checks it."""
     if not is_sharded_checkpoint(path):
-        return weights.plan_weights_load(
-            session.model, path, session.config, session.base_fingerprint
-        )
-    weights.check_saved_settings(path.name, read_sharded_meta(path).get("config"), session.config)
-    live = dict(session.model.named_parameters())
+        return weights.plan_weights_load(model, path, config, base_fingerprint)
+    weights.check_saved_settings(path.name, read_sharded_meta(path).get("config"), config)
+    live = dict(model.named_parameters())
     return weights.WeightsLoad(pairs=_checkpoint_pairs(live, path))
 
 
@@ -204,15 +192,20 @@ def _shard_like(whole: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     return part if part.device == whole.device else part.clone()
 
 
-def _base_fingerprint(session: TrainingSession, load: weights.WeightsLoad) -> str | None:
+def base_fingerprint_after(
+    model: torch.nn.Module,
+    load: weights.WeightsLoad,
+    config: TrainingConfig,
+    base_fingerprint: str | None,
+) -> str | None:
     """``weights.base_model_fingerprint`` of the model as the load leaves it. An adapter holds
     no base weight (only the tensors of ``get_peft_model_state_dict``, which the fingerprint
     leaves out), so it keeps the base's; otherwise the fingerprint reads each parameter whole:
     the source's tensor where the load replaces it, else the live one gathered."""
     if load.adapter:
-        return session.base_fingerprint
+        return base_fingerprint
     sources = {id(live): source for live, source in load.pairs}
-    return weights.base_model_fingerprint(_WholeModel(session.model, sources), session.config)
+    return weights.base_model_fingerprint(_WholeModel(model, sources), config)
 
 
 class _WholeModel:

@@ -13,7 +13,7 @@ digest is recomputed from them, the world size and every rank's recorded RNG; a 
 verifies only when both equal what it was written with.
 
 ``stored_parameters`` reads the parameters the same way, whole, one at a time, for what takes a
-checkpoint's weights alone (``sharded_weights``: an export of them, ``load_weights``).
+checkpoint's weights alone (``sharded.weights``: an export of them, ``load_weights``).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainwire.server.engine.session_checkpoint import EXTRA_KEY, SESSION_FILE
-from trainwire.server.engine.sharded_checkpoint import (
+from trainwire.server.engine.session.checkpoint import EXTRA_KEY, SESSION_FILE
+from trainwire.server.engine.sharded.checkpoint import (
     DIGESTED_GROUPS,
     GRADIENTS_KEY,
     LOSS_HOOK_KEY,

@@ -23,8 +23,9 @@ size alone, so a driver only has to send every rank the same operation:
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,15 +35,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from trainwire.server.engine.batching import IGNORE_INDEX, BatchEncoder
-from trainwire.server.engine.loss_hook import LossHook
-from trainwire.server.engine.microbatches import (
+from trainwire.server.engine.loss.batching import IGNORE_INDEX, BatchEncoder
+from trainwire.server.engine.loss.loss_hook import LossHook
+from trainwire.server.engine.loss.microbatches import (
     Microbatch,
     TextMicrobatch,
     TokenMicrobatch,
     encode_microbatch,
 )
-from trainwire.server.engine.session_results import ForwardResult, TokenOutput
+from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.errors import FailedPrecondition
 
 
@@ -56,7 +57,7 @@ class ShardGroup:
 
     @classmethod
     def of(cls, group: dist.ProcessGroup | None) -> ShardGroup | None:
-        """None for no group: the single-process session, whose code path stays as it was."""
+        """None for no group: the single-process session."""
         if group is None:
             return None
         return cls(group, dist.get_rank(group), dist.get_world_size(group))
@@ -127,6 +128,17 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def resharded_after(model: torch.nn.Module, shards: ShardGroup | None) -> Iterator[None]:
+    """Every FSDP module back to its shards after the block (a forward alone leaves the root's
+    weights gathered, ``reshard``); nothing without a group."""
+    try:
+        yield
+    finally:
+        if shards is not None:
+            reshard(model)
 
 
 def _no_split_modules(model: torch.nn.Module) -> list[str]:

@@ -1,5 +1,5 @@
-"""A sharded session's state in and out: its digest and its checkpoints (its weights alone, in
-and out, are ``sharded_weights``).
+"""A sharded session's checkpoint format and its digests (its weights alone, in and out, are
+``sharded.weights``).
 
 A sharded checkpoint is one directory, published atomically as a single-process one is::
 
@@ -25,26 +25,32 @@ otherwise, and each rank draws from the RNG state of the rank it takes the place
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainwire.client.config import TrainingConfig
 from trainwire.client.files import atomic_directory
-from trainwire.server.engine.digest import update_with_tensors
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.session_checkpoint import EXTRA_KEY, SESSION_FILE
-from trainwire.server.engine.session_restore import check_compatible
-from trainwire.server.engine.sharding import ShardGroup, full_tensor, reshard
-from trainwire.server.engine.tensor_files import write_json
+from trainwire.server.engine.loss.loss_hook import LossHook
+from trainwire.server.engine.session.checkpoint import (
+    EXTRA_KEY,
+    SESSION_FILE,
+    CheckpointContents,
+    Tensors,
+)
+from trainwire.server.engine.session.digest import update_with_tensors
+from trainwire.server.engine.session.restore import check_compatible
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.sharded.sharding import ShardGroup, full_tensor, reshard
+from trainwire.server.engine.weights.tensor_files import write_json
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
-
-if TYPE_CHECKING:
-    from trainwire.server.engine.session import TrainingSession
 
 SHARDED_FORMAT = "trainwire.sharded-checkpoint/v1"
 MODEL_KEY, OPTIMIZER_KEY, GRADIENTS_KEY, LOSS_HOOK_KEY = "model", "optimizer", "gradients", "hook"
@@ -66,45 +72,41 @@ class _Whole(Mapping[str, torch.Tensor]):
         return len(self._tensors)
 
 
-def _optimizer_tensors(session: TrainingSession) -> dict[str, torch.Tensor]:
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Tensors:
     """AdamW's state as ``<parameter name>.<key>``: names, not indices, so it reshards."""
-    reshard(session.model)  # the registered parameters are the optimizer's shards
-    names = {id(p): name for name, p in session.model.named_parameters()}
+    reshard(model)  # the registered parameters are the optimizer's shards
+    names = {id(p): name for name, p in model.named_parameters()}
     return {
         f"{names[id(p)]}.{key}": value
-        for p, state in session.optimizer.state.items()
+        for p, state in optimizer.state.items()
         for key, value in state.items()
     }
 
 
-class ShardedState:
-    """A sharded session's digests; computing them is a collective (every rank, same order)."""
+@dataclass(frozen=True)
+class ShardedContents:
+    """A sharded session's complete continuation state, as its checkpoint holds it: one
+    process's ``CheckpointContents`` holding this rank's shards (the optimizer's state by
+    parameter name, ``optimizer_tensors``, so it reshards), and the group they belong to. Its
+    digests are collectives (every rank computes them, in the same order)."""
 
-    def __init__(self, session: TrainingSession) -> None:
-        self.session = session
-        self._tensors: str | None = None
+    shards: ShardGroup
+    state: CheckpointContents
 
     def tensors_digest(self) -> str:
-        if self._tensors is None:
-            session = self.session
-            groups = (  # in DIGESTED_GROUPS order
-                dict(session.model.named_parameters()),
-                _optimizer_tensors(session),
-                session.pending_gradients(),
-                session.loss_hook.session_state_dict(),
-            )
-            self._tensors = sharded_tensors_digest(
-                session.step,
-                session.accumulated,
-                session.max_steps,
-                (_Whole(group) for group in groups),
-            )
-        return self._tensors
+        return self._tensors_digest
+
+    @functools.cached_property
+    def _tensors_digest(self) -> str:
+        state = self.state
+        groups = (state.parameters, state.optimizer, state.gradients, state.loss_hook_state)
+        return sharded_tensors_digest(  # groups in DIGESTED_GROUPS order
+            state.step, state.accumulated, state.max_steps, (_Whole(group) for group in groups)
+        )
 
     def state_digest(self) -> str:
-        shards = _shards(self.session)
-        fingerprints = shards.gather(self.session.rng_state.fingerprint())
-        return sharded_state_digest(shards.world_size, self.tensors_digest(), fingerprints)
+        fingerprints = self.shards.gather(self.state.rng.fingerprint())
+        return sharded_state_digest(self.shards.world_size, self.tensors_digest(), fingerprints)
 
 
 DIGESTED_GROUPS = (MODEL_KEY, OPTIMIZER_KEY, GRADIENTS_KEY, LOSS_HOOK_KEY)  # in digest order
@@ -113,7 +115,7 @@ DIGESTED_GROUPS = (MODEL_KEY, OPTIMIZER_KEY, GRADIENTS_KEY, LOSS_HOOK_KEY)  # in
 def sharded_tensors_digest(
     step: int, accumulated: int, max_steps: int | None, groups: Iterable[Mapping[str, torch.Tensor]]
 ) -> str:
-    """The tensors digest, one definition for a live session and its files (``sharded_verify``):
+    """The tensors digest, one definition for a live session and its files (``sharded.verify``):
     the counters, then each group (``DIGESTED_GROUPS`` order) read one whole tensor at a time."""
     digest = hashlib.sha256(b"trainwire.sharded-tensors/v1|")
     digest.update(f"step={step}|accumulated={accumulated}|max_steps={max_steps}|".encode())
@@ -131,57 +133,42 @@ def sharded_state_digest(world_size: int, tensors: str, rng_fingerprints: Iterab
     return "sha256:" + digest.hexdigest()
 
 
-def _shards(session: TrainingSession) -> ShardGroup:
-    assert session.shards is not None
-    return session.shards
-
-
 # -- saving ------------------------------------------------------------------------------------
 
 
-def save_state(session: TrainingSession, path: Path, extra: dict[str, Any]) -> None:
-    shards, guard = _shards(session), session._guard
-    with guard.lock:
-        guard.refuse_if_broken("cannot save an unusable session")
-        contents = ShardedState(session)
-        state_digest = session._digests.held(lambda: contents)
-        optimizer = _optimizer_tensors(session)
-        gradients = session.pending_gradients()
-        hook = session.loss_hook.session_state_dict()
-        state = {
-            MODEL_KEY: {name: p.detach() for name, p in session.model.named_parameters()},
-            OPTIMIZER_KEY: optimizer,
-            GRADIENTS_KEY: gradients,
-            LOSS_HOOK_KEY: hook,
-        }
-        meta = {
-            "format": SHARDED_FORMAT,
-            "config": session.config.to_dict(),
-            "config_fingerprint": session.config.fingerprint(),
-            "device_type": session.device.type,
-            "world_size": shards.world_size,
-            "step": session.step,
-            "accumulated": session.accumulated,
-            "max_steps": session.max_steps,
-            "base_model_fingerprint": session.base_fingerprint,
-            "trainer": type(session.loss_hook).__name__,
-            "rng": shards.gather(_rng_to_json(session.rng_state)),
-            "layout": {
-                OPTIMIZER_KEY: _layout(optimizer),
-                GRADIENTS_KEY: sorted(gradients),
-                LOSS_HOOK_KEY: _layout(hook),
-            },
-            "tensors_digest": contents.tensors_digest(),
-            "state_digest": state_digest,
-            EXTRA_KEY: extra,
-        }
+def write_checkpoint(
+    path: Path, contents: ShardedContents, state_digest: str, extra: dict[str, Any]
+) -> None:
+    """Every rank writes its shards of ``contents`` to the checkpoint directory ``path``, and
+    rank 0 its ``session.json``; published once every rank's part succeeded (``publish``). The
+    caller, on every rank, holds the session's lock."""
+    shards, saved = contents.shards, contents.state
+    state = {
+        MODEL_KEY: {name: p.detach() for name, p in saved.parameters.items()},
+        OPTIMIZER_KEY: saved.optimizer,
+        GRADIENTS_KEY: saved.gradients,
+        LOSS_HOOK_KEY: saved.loss_hook_state,
+    }
+    # One process's metadata, with every rank's RNG, the world size and the tensors' layout.
+    meta = {
+        **saved.metadata(state_digest, extra),
+        "format": SHARDED_FORMAT,
+        "world_size": shards.world_size,
+        "rng": shards.gather(_rng_to_json(saved.rng)),
+        "layout": {
+            OPTIMIZER_KEY: _layout(saved.optimizer),
+            GRADIENTS_KEY: sorted(saved.gradients),
+            LOSS_HOOK_KEY: _layout(saved.loss_hook_state),
+        },
+        "tensors_digest": contents.tensors_digest(),
+    }
 
-        def write(tmp: Path) -> None:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=shards.group)
-            if shards.rank == 0:
-                write_json(tmp / SESSION_FILE, meta)
+    def write(tmp: Path) -> None:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=shards.group)
+        if shards.rank == 0:
+            write_json(tmp / SESSION_FILE, meta)
 
-        publish(shards, path, write)
+    publish(shards, path, write)
 
 
 def publish(shards: ShardGroup, path: Path, write: Callable[[Path], None]) -> None:
@@ -276,49 +263,94 @@ def rng_from_json(data: dict[str, Any]) -> RngState:
 # -- loading -----------------------------------------------------------------------------------
 
 
-def load_state(session: TrainingSession, path: Path) -> dict[str, Any]:
-    shards, guard = _shards(session), session._guard
-    with guard.lock:
-        if not guard.fresh and guard.broken is None:
-            raise FailedPrecondition(
-                f"load_state needs a fresh session; this one has applied {guard.version} "
-                f"operation(s) (step {session.step}). Open a new session to restore"
+@dataclass(frozen=True)
+class ShardedRestore:
+    """A sharded checkpoint's metadata, read and checked against the live session, and the
+    tensors its shards are read into; nothing loaded yet. ``dcp.load`` reads the parameters
+    into the live ones themselves, so unlike one process's restore the tensors are checked
+    only once loaded: by the tensors digest (``check``), under the caller's
+    ``breaks_on_failure``."""
+
+    path: Path
+    shards: ShardGroup
+    step: int
+    accumulated: int
+    base_model_fingerprint: str | None
+    rng: RngState
+    tensors_digest: str | None  # recorded when it was written
+    state: dict[str, Tensors]
+    extra: dict[str, Any]
+
+    def loss_hook_state(self) -> Tensors:
+        """The loss hook's tensors as allocated, not yet read: a hook that refuses them refuses
+        before anything is loaded."""
+        return dict(self.state[LOSS_HOOK_KEY])
+
+    def load_into(
+        self, live: Tensors, optimizer: torch.optim.Optimizer, loss_hook: LossHook
+    ) -> None:
+        """Read every rank's shards into the live parameters, the optimizer, the pending
+        gradients and the loss hook (the caller marks a failure midway)."""
+        dcp.load(
+            self.state,
+            storage_reader=dcp.FileSystemReader(self.path),
+            process_group=self.shards.group,
+        )
+        loss_hook.load_session_state_dict(self.state[LOSS_HOOK_KEY])
+        optimizer.state.clear()
+        for key, value in self.state[OPTIMIZER_KEY].items():
+            name, _, field = key.rpartition(".")
+            optimizer.state[live[name]][field] = value
+        for name, parameter in live.items():
+            parameter.grad = self.state[GRADIENTS_KEY].get(name)
+
+    def check(self, found: str) -> None:
+        """InvalidArgument unless the loaded state's tensors digest is the recorded one."""
+        if found != self.tensors_digest:
+            raise InvalidArgument(
+                f"checkpoint {self.path.name} is damaged: its shards hash to {found}, but it was "
+                f"written with {self.tensors_digest}"
             )
-        meta = read_sharded_meta(path)
-        check_compatible(meta, session.config, session.device.type, session.max_steps)
-        try:
-            saved_rngs = meta["rng"]
-            # Same world size: each rank its own RNG. Another: the rank it takes the place of.
-            rng = rng_from_json(saved_rngs[shards.rank % len(saved_rngs)])
-            layout = meta["layout"]
-            step, accumulated = int(meta["step"]), int(meta["accumulated"])
-        except (KeyError, TypeError, ValueError, IndexError) as error:
-            raise InvalidArgument(f"{path.name}: malformed {SESSION_FILE} ({error!r})") from None
-        live = dict(session.model.named_parameters())
-        state = {
-            MODEL_KEY: {name: p.detach() for name, p in live.items()},
-            OPTIMIZER_KEY: {k: _empty(k, v, live) for k, v in layout[OPTIMIZER_KEY].items()},
-            GRADIENTS_KEY: {name: torch.zeros_like(live[name]) for name in layout[GRADIENTS_KEY]},
-            LOSS_HOOK_KEY: {k: _empty(k, v, {}) for k, v in layout[LOSS_HOOK_KEY].items()},
-        }
-        session.loss_hook.load_session_state_dict(dict(state[LOSS_HOOK_KEY]))  # may refuse
-        # dcp.load reads into the live parameters themselves: from here a failure, or files
-        # that do not hash to what was written, leave the session broken until a load_state.
-        with guard.breaks_on_failure("load_state"):
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=shards.group)
-            session.loss_hook.load_session_state_dict(state[LOSS_HOOK_KEY])
-            _install(session, live, state[OPTIMIZER_KEY], state[GRADIENTS_KEY])
-            session.step, session.accumulated = step, accumulated
-            session.base_fingerprint = meta.get("base_model_fingerprint")
-            guard.rng = rng
-            found = ShardedState(session).tensors_digest()
-            if found != meta.get("tensors_digest"):
-                raise InvalidArgument(
-                    f"checkpoint {path.name} is damaged: its shards hash to {found}, but it was "
-                    f"written with {meta.get('tensors_digest')}"
-                )
-        guard.restored()
-        return dict(meta.get(EXTRA_KEY) or {})
+
+
+def read_checkpoint(
+    path: Path,
+    shards: ShardGroup,
+    *,
+    config: TrainingConfig,
+    device_type: str,
+    max_steps: int | None,
+    live: Tensors,
+) -> ShardedRestore:
+    """Read and check sharded checkpoint ``path``'s metadata against the live session's, and
+    allocate what its shards are read into (sharded like each live parameter)."""
+    meta = read_sharded_meta(path)
+    check_compatible(meta, config, device_type, max_steps)
+    try:
+        saved_rngs = meta["rng"]
+        # Same world size: each rank its own RNG. Another: the rank it takes the place of.
+        rng = rng_from_json(saved_rngs[shards.rank % len(saved_rngs)])
+        layout = meta["layout"]
+        step, accumulated = int(meta["step"]), int(meta["accumulated"])
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        raise InvalidArgument(f"{path.name}: malformed {SESSION_FILE} ({error!r})") from None
+    state = {
+        MODEL_KEY: {name: p.detach() for name, p in live.items()},
+        OPTIMIZER_KEY: {k: _empty(k, v, live) for k, v in layout[OPTIMIZER_KEY].items()},
+        GRADIENTS_KEY: {name: torch.zeros_like(live[name]) for name in layout[GRADIENTS_KEY]},
+        LOSS_HOOK_KEY: {k: _empty(k, v, {}) for k, v in layout[LOSS_HOOK_KEY].items()},
+    }
+    return ShardedRestore(
+        path=path,
+        shards=shards,
+        step=step,
+        accumulated=accumulated,
+        base_model_fingerprint=meta.get("base_model_fingerprint"),
+        rng=rng,
+        tensors_digest=meta.get("tensors_digest"),
+        state=state,
+        extra=dict(meta.get(EXTRA_KEY) or {}),
+    )
 
 
 def read_sharded_meta(path: Path) -> dict[str, Any]:
@@ -344,17 +376,3 @@ def _empty(key: str, layout: list[Any], live: Mapping[str, torch.Tensor]) -> tor
     if owner is not None and list(owner.shape) == list(shape):
         return torch.zeros_like(owner.detach())
     return torch.zeros(shape, dtype=getattr(torch, dtype))
-
-
-def _install(
-    session: TrainingSession,
-    live: dict[str, torch.Tensor],
-    optimizer: dict[str, torch.Tensor],
-    gradients: dict[str, torch.Tensor],
-) -> None:
-    session.optimizer.state.clear()
-    for key, value in optimizer.items():
-        name, _, field = key.rpartition(".")
-        session.optimizer.state[live[name]][field] = value
-    for name, parameter in live.items():
-        parameter.grad = gradients.get(name)

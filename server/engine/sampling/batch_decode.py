@@ -15,7 +15,7 @@ two things would make it so:
   (the same kernel runs each row's sums in the same order), which ``tests/test_sample_batching``
   holds on CPU; a device whose kernels break that (docs/BENCHMARKS.md) decodes requests alone.
 - Draws. Each request draws from its own ``torch.Generator``, once per step, for all its rows,
-  as ``sampling._choose`` always has; a row that has ended keeps a place in that draw (filled
+  with ``draws.next_tokens``; a row that has ended keeps a place in that draw (filled
   with a live row's logits), because the draw's noise is laid out per row: the other rows'
   tokens are then those of a decode where the ended row had stayed.
 
@@ -41,11 +41,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from trainwire.server.engine.draws import LENGTH, STOP, _choose
+from trainwire.server.engine.sampling.draws import LENGTH, STOP, next_tokens
+from trainwire.server.engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from trainwire.server.engine.sampling import SamplingParams
-    from trainwire.server.engine.stop_strings import StopStringWatch
+    from trainwire.server.engine.sampling.stop_strings import StopStringWatch
 
 # Rows of every decode forward (see tile_rows_for). On CPU a forward costs about its rows (8 keeps
 # padding cheap, bench/sampling_concurrent.py); on an accelerator a step costs about the same for
@@ -281,14 +281,14 @@ class BatchDecoder:
     def _draw(self, request: _Request, logits: dict[_Row, torch.Tensor]) -> None:
         """One draw for all the request's rows; an ended row's place holds a live row's logits
         (its token is thrown away), so the live rows draw as if it had stayed. One exception:
-        ``_tempered`` picks its stable path when any row overflows at a near-zero temperature,
-        and an ended row no longer counts there (before, its own logits did)."""
+        ``draws._tempered`` picks its stable path when any row overflows at a near-zero
+        temperature, and an ended row's logits do not count there."""
         params = request.job.params
         rows = [_Row(request, i) for i in range(params.num_samples)]
         present = [logits.get(row) for row in rows]
         filler = next(value for value in present if value is not None)
         stacked = torch.stack([filler if value is None else value for value in present])
-        drawn = _choose(stacked, params, request.generator)
+        drawn = next_tokens(stacked, params, request.generator)
         chosen = (drawn if self.agree is None else self.agree(drawn)).tolist()
         watch = request.job.watch
         for index, token in enumerate(chosen):

@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 from trainwire.client.config import TrainingConfig
 from trainwire.server.engine.device import refuse_unsupported_setups
-from trainwire.server.engine.operation_guard import OperationGuard
-from trainwire.server.engine.rng import RngState
-from trainwire.server.engine.sampling import Sampler
-from trainwire.server.engine.sharding import ShardGroup, shard_model
+from trainwire.server.engine.sampling.sampler import Sampler
+from trainwire.server.engine.session.operation_guard import OperationGuard
+from trainwire.server.engine.session.rng import RngState
+from trainwire.server.engine.sharded.sharding import ShardGroup, shard_model
 from trainwire.server.errors import InvalidArgument
 
 logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it
@@ -29,7 +29,7 @@ def check_session_arguments(
 ) -> ShardGroup | None:
     """InvalidArgument for a session that cannot be built; the group it runs on (None: one
     process). Without a group, a distributed launcher or an initialized default group is
-    refused as before: one process must not silently train on a part of a group's work."""
+    refused: one process must not silently train on a part of a group's work."""
     if not isinstance(config, TrainingConfig):
         raise InvalidArgument(f"config must be a TrainingConfig, got {type(config).__name__}")
     if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
