@@ -81,8 +81,8 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
 def test_calls_held_for_their_position_count_against_the_bound_and_health_answers(
     tmp_path, model_root, llama_config
 ):
-    """Issue 21.8: keyed calls whose expected position is far ahead wait in position order; they hold
-    server threads as queued calls do, so they count against the same bound."""
+    """Issue 21.8: keyed calls whose expected position is far ahead wait in position order; they
+    hold server threads as queued calls do, so they count against the same bound."""
     with running_server(tmp_path / "state", model_root) as handle:
         client = connect(handle, retry=NO_RETRY)
         client.open("ahead", llama_config())

@@ -16,8 +16,8 @@ from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.intake import Intake
-from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.service.request_records import ForgottenRecord, SessionRecord, owner_of_record
+from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model_slot import SESSION_KEEP_S
 from trainwire.server.tinker.sdk_sessions import session_of
