@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.engine.batching import Batch
 from trainwire.server.engine.losses import LossOutput, LossSpec
 from trainwire.server.engine.token_batches import TokenBatch, token_logprobs

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainwire.client.config import InputExample, TrainingConfig, is_int
-from trainwire.client.outcomes import Sample
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import InputExample, TrainingConfig, is_int
+from trainwire.contract.outcomes import Sample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine import session_persistence as persistence
 from trainwire.server.engine import session_sampling
 from trainwire.server.engine.batching import BatchEncoder, check_max_length

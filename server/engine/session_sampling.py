@@ -44,8 +44,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import Sample
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import Sample
 from trainwire.server.engine.batch_decode import Cancel
 from trainwire.server.engine.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.sample_weights import SampleWeights

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwire.client.files import atomic_directory
+from trainwire.contract.files import atomic_directory
 from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.rng import RngState
 from trainwire.server.engine.session_checkpoint import EXTRA_KEY, SESSION_FILE

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig, setting_differences
-from trainwire.client.files import atomic_directory
+from trainwire.contract.config import TrainingConfig, setting_differences
+from trainwire.contract.files import atomic_directory
 from trainwire.server.engine.digest import update_with_tensors
 from trainwire.server.engine.model_loading import MODEL_CONFIG_FILE
 from trainwire.server.engine.module_roles import holds_experts

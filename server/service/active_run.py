@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.client import outcomes
-from trainwire.client.outcomes import OperationOutcome, OperationSpec
+from trainwire.contract import outcomes
+from trainwire.contract.outcomes import OperationOutcome, OperationSpec
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import AlreadyExists, PositionMismatch
 from trainwire.server.service.journal import (

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.losses import TokenInputs, resolve_loss
 
 

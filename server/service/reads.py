@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.engine.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
 from trainwire.server.engine.session_results import TokenOutput
 from trainwire.server.errors import InvalidArgument

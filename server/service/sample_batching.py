@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client.outcomes import Sample
+from trainwire.contract.outcomes import Sample
 from trainwire.server.engine.sampling import SamplingParams
 from trainwire.server.engine.session_sampling import BatchedSample, sample_many
 from trainwire.server.errors import InvalidArgument
