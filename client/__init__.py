@@ -1,8 +1,10 @@
-"""trainwire's client side: config, plan, manifest, the gRPC client and the controller.
+"""trainwire's client side: the gRPC session client (``session/``) and the controller that drives
+a manifest's run (``control/``), with the contract's config, plan and manifest names re-exported
+so ``from trainwire.client import TrainingConfig, ManagedTrainingPlan`` keeps working.
 
 Importing this package never imports torch, numpy or transformers, so a CPU-only control plane
 can plan and drive a CUDA bf16 run. It imports nothing heavy at all: each name below loads its
-module on first use, so the engine can use the config and plan without pulling in grpc.
+module on first use, so planning a run never pulls in grpc.
 """
 
 from __future__ import annotations
