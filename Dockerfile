@@ -39,6 +39,8 @@ RUN pip install --no-cache-dir "torch==${TORCH_VERSION}"
 
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# src/trainwire, trainwire/client and trainwire/server are links into the folders copied here.
+COPY src/ src/
 COPY trainwire/ trainwire/
 COPY client/ client/
 COPY server/ server/

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from trainwire.client import ManagedTrainingPlan, SessionClient, TrainingConfig
-from trainwire.client.artifacts import write_run_artifacts
-from trainwire.client.controller import Controller
+from trainwire.client.control.controller import Controller
+from trainwire.contract.report.artifacts import write_run_artifacts
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port, make_tiny_model, tiny_text_examples

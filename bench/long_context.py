@@ -39,7 +39,7 @@ import torch
 from engine import QWEN2_05B, write_model  # bench/engine.py
 
 from trainwire.client import LoraSettings, TrainingConfig
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.loss.loss_hook import LossHook
 from trainwire.server.engine.session import TrainingSession
 

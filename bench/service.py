@@ -33,7 +33,8 @@ from pathlib import Path
 
 import grpc
 
-from trainwire.client import InputExample, SessionClient, TrainingConfig, chunks
+from trainwire.client import InputExample, SessionClient, TrainingConfig
+from trainwire.contract import chunks
 from trainwire.server import TrainingSession, serve
 from trainwire.server.service.journal import Journal
 from trainwire.server.service.state_dir import CHUNK_BYTES

@@ -40,7 +40,7 @@ from engine import (  # bench/engine.py
 )
 
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import make_tiny_model
 

@@ -1,8 +1,10 @@
-"""trainwire's client side: config, plan, manifest, the gRPC client and the controller.
+"""trainwire's client side: the gRPC session client (``session/``) and the controller that drives
+a manifest's run (``control/``), with the contract's config, plan and manifest names re-exported
+so ``from trainwire.client import TrainingConfig, ManagedTrainingPlan`` keeps working.
 
 Importing this package never imports torch, numpy or transformers, so a CPU-only control plane
 can plan and drive a CUDA bf16 run. It imports nothing heavy at all: each name below loads its
-module on first use, so the engine can use the config and plan without pulling in grpc.
+module on first use, so planning a run never pulls in grpc.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainwire.client.config import InputExample, LoraSettings, TrainingConfig
-    from trainwire.client.custom_loss import forward_backward_custom
-    from trainwire.client.errors import ServerUnreachable, SessionError
-    from trainwire.client.manifest import (
+    from trainwire.client.session.custom_loss import forward_backward_custom
+    from trainwire.client.session.errors import ServerUnreachable, SessionError
+    from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.config import InputExample, LoraSettings, TrainingConfig
+    from trainwire.contract.outcomes import Sample
+    from trainwire.contract.planning.manifest import (
         load_plan,
         read_config_file,
         read_examples_jsonl,
@@ -22,32 +26,30 @@ if TYPE_CHECKING:
         write_manifest,
         write_plan_manifest,
     )
-    from trainwire.client.outcomes import Sample
-    from trainwire.client.overrides import parse_config_overrides
-    from trainwire.client.plan import MANIFEST_FORMAT, ManagedTrainingPlan, Microbatch
-    from trainwire.client.session_client import SessionClient
-    from trainwire.client.tokens import TokenExample
+    from trainwire.contract.planning.overrides import parse_config_overrides
+    from trainwire.contract.planning.plan import MANIFEST_FORMAT, ManagedTrainingPlan, Microbatch
+    from trainwire.contract.tokens import TokenExample
 
 _LAZY = {
-    "InputExample": "trainwire.client.config",
-    "LoraSettings": "trainwire.client.config",
-    "TrainingConfig": "trainwire.client.config",
-    "load_plan": "trainwire.client.manifest",
-    "read_config_file": "trainwire.client.manifest",
-    "read_examples_jsonl": "trainwire.client.manifest",
-    "read_manifest": "trainwire.client.manifest",
-    "write_manifest": "trainwire.client.manifest",
-    "write_plan_manifest": "trainwire.client.manifest",
-    "parse_config_overrides": "trainwire.client.overrides",
-    "MANIFEST_FORMAT": "trainwire.client.plan",
-    "ManagedTrainingPlan": "trainwire.client.plan",
-    "Microbatch": "trainwire.client.plan",
-    "SessionClient": "trainwire.client.session_client",
-    "SessionError": "trainwire.client.errors",
-    "ServerUnreachable": "trainwire.client.errors",
-    "TokenExample": "trainwire.client.tokens",
-    "Sample": "trainwire.client.outcomes",
-    "forward_backward_custom": "trainwire.client.custom_loss",
+    "InputExample": "trainwire.contract.config",
+    "LoraSettings": "trainwire.contract.config",
+    "TrainingConfig": "trainwire.contract.config",
+    "load_plan": "trainwire.contract.planning.manifest",
+    "read_config_file": "trainwire.contract.planning.manifest",
+    "read_examples_jsonl": "trainwire.contract.planning.manifest",
+    "read_manifest": "trainwire.contract.planning.manifest",
+    "write_manifest": "trainwire.contract.planning.manifest",
+    "write_plan_manifest": "trainwire.contract.planning.manifest",
+    "parse_config_overrides": "trainwire.contract.planning.overrides",
+    "MANIFEST_FORMAT": "trainwire.contract.planning.plan",
+    "ManagedTrainingPlan": "trainwire.contract.planning.plan",
+    "Microbatch": "trainwire.contract.planning.plan",
+    "SessionClient": "trainwire.client.session.session_client",
+    "SessionError": "trainwire.client.session.errors",
+    "ServerUnreachable": "trainwire.client.session.errors",
+    "TokenExample": "trainwire.contract.tokens",
+    "Sample": "trainwire.contract.outcomes",
+    "forward_backward_custom": "trainwire.client.session.custom_loss",
 }
 
 __all__ = [

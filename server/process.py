@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from trainwire.client.files import Pem
+from trainwire.contract.files import Pem
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.grpc.listener import (
     DEFAULT_MAX_MESSAGE_BYTES,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainwire.client.outcomes import SessionInfo
+from trainwire.contract.outcomes import SessionInfo
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.service.host import SessionHost
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from service_fixtures import TEXTS, microbatches
 
-from trainwire.client.outcomes import OperationSpec
+from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.requests import ForwardBackwardRequest, OptimStepRequest

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from typing import Any
 
 from trainwire.client import ManagedTrainingPlan
-from trainwire.client.evaluation import EvaluationTally, evaluation_batches
-from trainwire.client.selection import SelectionState
+from trainwire.contract.run.evaluation import EvaluationTally, evaluation_batches
+from trainwire.contract.run.selection import SelectionState
 from trainwire.testing import tiny_sentiment_examples
 
 

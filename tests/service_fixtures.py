@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from trainwire.client import InputExample, SessionClient
-from trainwire.client.retry import RetryPolicy
+from trainwire.client.session.retry import RetryPolicy
 from trainwire.server.process import ServerHandle, serve
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
 

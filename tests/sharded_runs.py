@@ -17,7 +17,7 @@ import torch.distributed as dist
 from sharded_workers import TEXTS, _session, token_examples, two_more_steps
 
 from trainwire.client import TrainingConfig
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 
 # -- checkpoints only (tests/test_sharded_checkpoint_files.py reads them in one process) --------
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainwire.client import LoraSettings, TrainingConfig
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.loss.losses import LOSSES
 from trainwire.testing import (
     SENTIMENT_LABELS,

@@ -119,7 +119,7 @@ def test_input_example_round_trip_and_field_types():
 
 def test_a_yaml_config_reads_numbers_as_people_write_them(tmp_path) -> None:
     """Issue 24.8: YAML 1.1 reads ``1e-3`` (no dot) as a string; a config reads it as 0.001."""
-    from trainwire.client.manifest import read_config_file
+    from trainwire.contract.planning.manifest import read_config_file
 
     path = tmp_path / "config.yaml"
     path.write_text("model: m\nlearning_rate: 1e-3\nadam_epsilon: 1E-8\nweight_decay: .5\n")
@@ -129,7 +129,7 @@ def test_a_yaml_config_reads_numbers_as_people_write_them(tmp_path) -> None:
 
 
 def test_a_value_that_is_no_number_is_called_so(tmp_path) -> None:
-    from trainwire.client.manifest import read_config_file
+    from trainwire.contract.planning.manifest import read_config_file
 
     path = tmp_path / "config.yaml"
     path.write_text("model: m\nlearning_rate: '1e-3'\nadam_beta1: fast\n")

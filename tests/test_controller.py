@@ -9,7 +9,7 @@ from plans import sentiment_plan
 from service_fixtures import connect, running_server
 
 from trainwire.client import LoraSettings
-from trainwire.client.controller import Controller
+from trainwire.client.control.controller import Controller
 from trainwire.server import serve
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
@@ -119,7 +119,7 @@ def test_a_server_restarted_under_a_running_controller_is_caught_by_the_position
             client.wait_until_serving(timeout_s=60)
 
     try:
-        with caplog.at_level(logging.WARNING, logger="trainwire.client.controller"):
+        with caplog.at_level(logging.WARNING, logger="trainwire.client.control.controller"):
             # Window 1: "nothing in flight" holds only without pipelining (with a window, calls
             # issued ahead meet the stopped server and take the outage path instead).
             result = Controller(

@@ -14,7 +14,7 @@ from service_fixtures import running_server
 
 from trainwire.cli import main
 from trainwire.client import ManagedTrainingPlan, SessionClient, write_manifest
-from trainwire.client.dispatch import Dispatcher, run_id_for
+from trainwire.client.control.dispatch import Dispatcher, run_id_for
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import (

@@ -6,10 +6,12 @@ a gRPC health server on loopback. Nothing here builds an image.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 
@@ -190,6 +192,7 @@ def test_the_build_context_holds_what_the_build_copies_and_nothing_else(dockerfi
     for source in sources:
         path = ROOT / source
         files = [path] if path.is_file() else [p for p in path.rglob("*") if p.is_file()]
+        files += [p for p in path.rglob("*") if p.is_symlink()]  # the package's links
         for file in files:
             relative = file.relative_to(ROOT).as_posix()
             if "__pycache__" not in relative:
@@ -199,9 +202,21 @@ def test_the_build_context_holds_what_the_build_copies_and_nothing_else(dockerfi
     assert dockerignored("trainwire/__pycache__/cli.cpython-311.pyc", patterns)
 
 
+def package_folders(folder: str) -> Iterator[Path]:
+    """Every folder of the package tree under ``folder``, links followed as setuptools does."""
+    for directory, dirs, _ in os.walk(ROOT / folder, followlinks=True):
+        dirs[:] = [d for d in dirs if d != "__pycache__" and not d.endswith(".egg-info")]
+        yield Path(directory)
+
+
 def test_every_package_directory_is_copied_into_the_build(dockerfile):
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    directories = project["tool"]["setuptools"]["package-dir"].values()
+    directories = {
+        Path(os.path.realpath(folder)).relative_to(ROOT).parts[0]
+        for top in project["tool"]["setuptools"]["package-dir"].values()
+        for folder in package_folders(top)
+    }
+    assert {"trainwire", "client", "server"} <= directories
     copied = copy_sources(stages(dockerfile)[0])
     for directory in directories:
         assert any(directory == c or directory.startswith(c + "/") for c in copied), directory
@@ -216,11 +231,11 @@ def test_every_subpackage_reaches_the_wheel_the_image_installs():
         pytest.skip("packages are found automatically")
     packages = set(setuptools["packages"])
     for name, directory in setuptools["package-dir"].items():
-        for init in sorted((ROOT / directory).rglob("__init__.py")):
-            parts = init.parent.relative_to(ROOT / directory).parts
-            if "__pycache__" not in parts:
-                package = ".".join((name, *parts))
-                assert package in packages, f"{package} ({init.parent}) is not in the wheel"
+        for folder in package_folders(directory):
+            if (folder / "__init__.py").is_file():
+                parts = folder.relative_to(ROOT / directory).parts
+                package = ".".join(part for part in (name, *parts) if part)
+                assert package in packages, f"{package} ({folder}) is not in the wheel"
 
 
 # ---- the manifests ----------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 from plans import sentiment_plan
 from service_fixtures import connect, running_server
 
-from trainwire.client.controller import EXPORT_NAME, Controller
+from trainwire.client.control.controller import EXPORT_NAME, Controller
 from trainwire.server.errors import FailedPrecondition
 
 

@@ -26,10 +26,10 @@ from trainwire.client import (
     SessionError,
     TrainingConfig,
 )
-from trainwire.client.controller import Controller
-from trainwire.client.cursor import Record, WorkDirectory
-from trainwire.client.manifest import write_plan_manifest
-from trainwire.client.replay import RunState
+from trainwire.client.control.controller import Controller
+from trainwire.client.control.cursor import Record, WorkDirectory
+from trainwire.contract.planning.manifest import write_plan_manifest
+from trainwire.contract.run.replay import RunState
 from trainwire.server import serve
 from trainwire.testing import free_port, tiny_text_examples
 
@@ -126,7 +126,7 @@ def test_a_wrong_token_file_is_named_rather_than_asked_for(model_root, tmp_path,
 def test_the_controller_waits_for_a_server_its_run_reached_before(manifest, model_root, tmp_path):
     """A restarted controller whose server is restarting too: its work directory records the
     run, so the server is waited for, as before, and the run ends."""
-    from trainwire.client.manifest import load_plan
+    from trainwire.contract.planning.manifest import load_plan
 
     plan = load_plan(manifest)
     work = WorkDirectory(tmp_path / "work", run_id="r", manifest_fingerprint=plan.fingerprint)
@@ -141,7 +141,7 @@ def test_the_controller_waits_for_a_server_its_run_reached_before(manifest, mode
                 waiting.set()
 
     handler = Waiting()
-    logging.getLogger("trainwire.client.controller").addHandler(handler)
+    logging.getLogger("trainwire.client.control.controller").addHandler(handler)
     result: list = []
     client = SessionClient(f"127.0.0.1:{port}")
     controller = Controller(client, plan, run_id="r", work_dir=tmp_path / "work")
@@ -155,6 +155,6 @@ def test_the_controller_waits_for_a_server_its_run_reached_before(manifest, mode
         finally:
             handle.stop(grace=10)
     finally:
-        logging.getLogger("trainwire.client.controller").removeHandler(handler)
+        logging.getLogger("trainwire.client.control.controller").removeHandler(handler)
         client.close_channel()
     assert result and result[0].state_digest.startswith("sha256:")

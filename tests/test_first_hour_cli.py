@@ -12,7 +12,7 @@ from service_fixtures import connect, running_server
 
 from trainwire.cli import main
 from trainwire.client import ManagedTrainingPlan, TrainingConfig
-from trainwire.client.manifest import write_plan_manifest
+from trainwire.contract.planning.manifest import write_plan_manifest
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import make_tiny_model, tiny_text_examples
 

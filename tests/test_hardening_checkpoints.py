@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from trainwire.client import files
-from trainwire.client.files import atomic_directory
+from trainwire.contract import files
+from trainwire.contract.files import atomic_directory
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import CheckpointRequest
 from trainwire.server.service.state_dir import StateDirectory
@@ -60,7 +60,7 @@ CRASH_IN_THE_SWAP = textwrap.dedent(
     f"""
     import os, sys
     from pathlib import Path
-    from trainwire.client import files
+    from trainwire.contract import files
 
     target, mode = Path(sys.argv[1]), sys.argv[2]
     if mode == "fallback":

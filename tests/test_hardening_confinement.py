@@ -12,7 +12,7 @@ import shutil
 import pytest
 from host_operations import op, run_ops
 
-from trainwire.client.outcomes import WeightsSource
+from trainwire.contract.outcomes import WeightsSource
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import (

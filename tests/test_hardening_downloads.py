@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from trainwire.client import chunks
-from trainwire.client.downloads import DownloadError, receive_export
+from trainwire.client.session.downloads import DownloadError, receive_export
+from trainwire.contract import chunks
 from trainwire.v1 import session_pb2 as pb
 
 CONTENT = b"ten bytes!"

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 from service_fixtures import connect, running_server, wait_for
 
-from trainwire.client import wire
+from trainwire.contract import codec
 from trainwire.server.engine.sampling import batch_decode
 from trainwire.server.service.requests import SampleRequest
 from trainwire.v1 import session_pb2_grpc as pb_grpc
@@ -46,7 +46,7 @@ def test_a_cancelled_sample_stops_decoding_and_its_neighbour_keeps_its_bits(
         stub = pb_grpc.TrainingSessionServiceStub(client._channel)
         settings = SampleRequest([4, 5, 6], MAX_TOKENS, seed=1).sampling_settings()
         call = stub.Sample.future(
-            wire.sample_request_to_proto([4, 5, 6], **settings), metadata=client._metadata
+            codec.sample_request_to_proto([4, 5, 6], **settings), metadata=client._metadata
         )
         assert held.wait(60)
         with ThreadPoolExecutor(1) as pool:

@@ -163,7 +163,7 @@ def test_the_controller_waits_longer_than_kubernetes_takes_to_restart_a_failed_p
 ):
     import inspect
 
-    from trainwire.client.controller import Controller
+    from trainwire.client.control.controller import Controller
 
     liveness, startup = container["livenessProbe"], container["startupProbe"]
     restart_s = (

@@ -16,7 +16,7 @@ from fresh_state import fresh_info
 from host_operations import BATCHES, op, run_ops
 from service_fixtures import REVIEWS
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.session.checkpoint import read_extra
 from trainwire.server.errors import (

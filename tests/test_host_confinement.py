@@ -10,7 +10,7 @@ import os
 import pytest
 from host_operations import op
 
-from trainwire.client.outcomes import WeightsSource
+from trainwire.contract.outcomes import WeightsSource
 from trainwire.server.errors import (
     InvalidArgument,
 )

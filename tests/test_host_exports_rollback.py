@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from host_operations import BATCHES, op
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.errors import NotFound
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import (

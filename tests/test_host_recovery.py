@@ -10,7 +10,7 @@ import sqlite3
 import pytest
 from host_operations import BATCHES, op, run_ops
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.errors import (
     Unavailable,
 )

@@ -8,7 +8,7 @@ import sqlite3
 
 from host_operations import BATCHES, op
 
-from trainwire.client import files
+from trainwire.contract import files
 from trainwire.server.service import operations as ops
 from trainwire.server.service.journal import Journal
 from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 from matplotlib import pyplot as plt
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.loss_curve import CurveLabels, draw_loss_curve, loss_curve_png
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.report.loss_curve import CurveLabels, draw_loss_curve, loss_curve_png
 
 
 def history() -> list[dict[str, Any]]:

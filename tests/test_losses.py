@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from trainwire.client.tokens import TokenExample, is_token_batch
+from trainwire.contract.tokens import TokenExample, is_token_batch
 from trainwire.server.engine.loss.losses import LOSSES, TokenInputs, require_inputs, resolve_loss
 from trainwire.server.errors import InvalidArgument
 

@@ -16,7 +16,7 @@ from tinker import types
 from tinker_loops import lora_training
 
 from trainwire.client import LoraSettings, SessionClient, TokenExample
-from trainwire.client.wire import token_examples_from_proto, token_examples_to_proto
+from trainwire.contract.codec import token_examples_from_proto, token_examples_to_proto
 from trainwire.server.engine.loss.losses import TokenInputs, resolve_loss
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument

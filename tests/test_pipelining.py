@@ -17,8 +17,8 @@ from service_fixtures import (
 )
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
-from trainwire.client.controller import Controller
-from trainwire.client.pipeline import OperationPipeline
+from trainwire.client.control.controller import Controller
+from trainwire.client.session.pipeline import OperationPipeline
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import tiny_sentiment_examples, tiny_token_examples

@@ -169,7 +169,7 @@ def test_eval_examples_given_to_to_manifest_replace_the_constructors():
 
 
 def refingerprint(manifest):
-    from trainwire.client.config import canonical_json, sha256_fingerprint
+    from trainwire.contract.config import canonical_json, sha256_fingerprint
 
     body = {key: value for key, value in manifest.items() if key != "fingerprint"}
     return {**body, "fingerprint": sha256_fingerprint(canonical_json(body))}

@@ -9,9 +9,8 @@ import re
 
 import pytest
 
-from trainwire.client.progress import Progress
-from trainwire.client.progress_bar import ProgressReporter
-from trainwire.client.progress_text import (
+from trainwire.client.control.progress_bar import ProgressReporter
+from trainwire.contract.report.progress_text import (
     ProgressFields,
     RateWindow,
     best_text,
@@ -19,6 +18,7 @@ from trainwire.client.progress_text import (
     evaluation_text,
     progress_line,
 )
+from trainwire.contract.run.progress import Progress
 
 EVALUATION = {"eval_loss": 0.34612, "eval_accuracy": 0.984375, "epoch": 5}
 
@@ -140,7 +140,9 @@ def test_on_a_terminal_every_drawn_line_fits_and_logs_print_above(width: int) ->
                 Progress(i, 96, 0, i + 1, 96, 0.5, update={"loss": 0.5}, evaluation=evaluation)
             )
             if i == 10:
-                logging.getLogger("trainwire.client.controller").warning("server unreachable")
+                logging.getLogger("trainwire.client.control.controller").warning(
+                    "server unreachable"
+                )
         reporter.close()
     finally:
         root.removeHandler(handler)

@@ -16,9 +16,9 @@ from plans import sentiment_plan
 from service_fixtures import connect, running_server
 
 from trainwire.client import InputExample
-from trainwire.client.controller import Controller
-from trainwire.client.progress import Progress
-from trainwire.client.retry import RetryPolicy, call_with_retry
+from trainwire.client.control.controller import Controller
+from trainwire.client.session.retry import RetryPolicy, call_with_retry
+from trainwire.contract.run.progress import Progress
 from trainwire.server import serve
 from trainwire.server.library_warnings import QUIET_WARNINGS, quiet_library_warnings
 from trainwire.testing import free_port
@@ -59,7 +59,7 @@ def test_a_retried_call_logs_its_waits_at_debug_level(caplog: pytest.LogCaptureF
         return "ok"
 
     policy = RetryPolicy(max_attempts=5, initial_backoff_s=0.0)
-    with caplog.at_level(logging.DEBUG, logger="trainwire.client.retry"):
+    with caplog.at_level(logging.DEBUG, logger="trainwire.client.session.retry"):
         assert call_with_retry(flaky, policy, sleep=lambda s: None) == "ok"
     assert len(caplog.records) == 3
     assert all(r.levelno == logging.DEBUG for r in caplog.records)

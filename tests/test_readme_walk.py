@@ -125,9 +125,9 @@ def fresh_checkout(tmp_path: Path) -> Path:
     root = tmp_path / "checkout"
     for name in filter(None, listed.split("\0")):
         source = REPO / name
-        if source.is_file():
+        if source.is_file() or source.is_symlink():  # the package's links stay links
             (root / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, root / name)
+            shutil.copy2(source, root / name, follow_symlinks=False)
     (root / ".venv").symlink_to(Path(sys.prefix))
     return root
 

@@ -3,8 +3,8 @@
 import pytest
 
 from trainwire.client import InputExample
-from trainwire.client.evaluation import EvaluationTally, evaluation_batches
-from trainwire.client.selection import SelectionState
+from trainwire.contract.run.evaluation import EvaluationTally, evaluation_batches
+from trainwire.contract.run.selection import SelectionState
 
 
 def observe_all(values, *, mode="min", patience=None):

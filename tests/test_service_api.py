@@ -9,8 +9,8 @@ import sys
 import grpc
 import pytest
 
-from trainwire.client import chunks, outcomes, wire
-from trainwire.client.retry import RetryPolicy, call_with_retry, position_from_error
+from trainwire.client.session.retry import RetryPolicy, call_with_retry, position_from_error
+from trainwire.contract import chunks, codec, outcomes
 from trainwire.server.service import journal as journal_records
 from trainwire.v1 import session_pb2 as pb
 
@@ -37,14 +37,14 @@ def test_outcomes_round_trip_through_the_journal_record_and_the_wire():
 
     record = journal_records.outcome_record(outcome)
     replayed = journal_records.outcome_from_record(outcomes.ExportOutcome, record, replayed=True)
-    decoded = wire.export_outcome_from_proto(wire.export_result_to_proto(replayed).result)
+    decoded = codec.export_outcome_from_proto(codec.export_result_to_proto(replayed).result)
 
     assert "replayed" not in record and "directory" not in record
     assert decoded == replayed and decoded.replayed and decoded.files == files
     step = outcomes.OptimStepOutcome(
         "k", 2, True, "", step=1, learning_rate=0.1 + 0.2, grad_norm=3.5
     )
-    assert wire.optim_step_from_proto(wire.optim_step_to_proto(step)) == step  # doubles exact
+    assert codec.optim_step_from_proto(codec.optim_step_to_proto(step)) == step  # doubles exact
 
 
 def test_session_info_round_trips_every_state():
@@ -56,7 +56,7 @@ def test_session_info_round_trips_every_state():
         outcomes.FAILED,
     ):
         info = outcomes.SessionInfo(run_id="r", position=4, state=state, max_steps=7)
-        assert wire.session_info_from_proto(wire.session_info_to_proto(info)) == info
+        assert codec.session_info_from_proto(codec.session_info_to_proto(info)) == info
 
 
 @pytest.mark.parametrize(
@@ -139,7 +139,7 @@ def test_the_last_retryable_error_is_raised_as_received():
 
 def test_position_from_error_reads_the_trailing_metadata_only():
     code = grpc.StatusCode.FAILED_PRECONDITION
-    metadata = (("other", "3"), (wire.POSITION_METADATA_KEY, "12"))
+    metadata = (("other", "3"), (codec.POSITION_METADATA_KEY, "12"))
     assert position_from_error(FakeRpcError(code, "", metadata)) == 12
     # The details are for people: a position written there alone is not one.
     details = "expected_position 0, but the session is at position 5 (last operation k)"
@@ -152,8 +152,9 @@ def test_position_from_error_reads_the_trailing_metadata_only():
 HEAVY = ("torch", "numpy", "transformers")
 TORCH_FREE = {
     "client": "from trainwire.client import SessionClient, ManagedTrainingPlan\n"
-    "import trainwire.client.controller, trainwire.client.dispatch, trainwire.client.wire\n"
-    "import trainwire.client.retry, trainwire.client.chunks, trainwire.client.outcomes",
+    "import trainwire.client.control.controller, trainwire.client.control.dispatch\n"
+    "import trainwire.contract.codec, trainwire.client.session.retry\n"
+    "import trainwire.contract.chunks, trainwire.contract.outcomes",
     "wire": "import trainwire.v1.session_pb2, trainwire.v1.session_pb2_grpc",
     "tiny-data": "from trainwire.testing import tiny_sentiment_examples, tiny_text_examples\n"
     "tiny_sentiment_examples(4), tiny_text_examples(4)",
@@ -215,7 +216,7 @@ def test_the_engine_and_the_host_import_neither_grpc_nor_protobuf():
     for module in (
         "trainwire.server.engine.session",
         "trainwire.server.service.host",
-        "trainwire.client.plan",
+        "trainwire.contract.planning.plan",
     ):
         done = subprocess.run(
             [sys.executable, "-c", probe.format(module=module)],
@@ -239,4 +240,4 @@ def test_session_info_carries_the_damaged_checkpoints_over_the_wire():
     info = outcomes.SessionInfo(
         run_id="r", restored_checkpoint="early", damaged_checkpoints=("late",)
     )
-    assert wire.session_info_from_proto(wire.session_info_to_proto(info)) == info
+    assert codec.session_info_from_proto(codec.session_info_to_proto(info)) == info

@@ -26,9 +26,9 @@ from service_fixtures import (
     wait_for,
 )
 
-from trainwire.client import outcomes, wire
-from trainwire.client.retry import position_from_error
-from trainwire.client.session_client import DownloadError
+from trainwire.client.session.retry import position_from_error
+from trainwire.client.session.session_client import DownloadError
+from trainwire.contract import codec, outcomes
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.grpc.listener import SERVICE_NAME
 from trainwire.server.service.journal import Journal
@@ -101,7 +101,7 @@ def test_a_position_mismatch_reports_the_real_position_in_trailing_metadata(clie
         client.optim_step(operation_key="k2", expected_position=0)
 
     assert stale.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert (wire.POSITION_METADATA_KEY, "1") in stale.value.trailing_metadata()
+    assert (codec.POSITION_METADATA_KEY, "1") in stale.value.trailing_metadata()
     assert position_from_error(stale.value) == 1
 
 

@@ -23,7 +23,7 @@ from service_fixtures import (
 )
 from slow_commit_serve import events
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.service.journal import Journal
 
 TOKEN = "restart-token"

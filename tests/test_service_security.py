@@ -15,7 +15,8 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_fixtures import NO_RETRY, running_server
 
-from trainwire.client import SessionClient, outcomes
+from trainwire.client import SessionClient
+from trainwire.contract import outcomes
 from trainwire.server import serve
 
 TOKEN = "0123456789abcdef"

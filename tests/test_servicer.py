@@ -8,7 +8,8 @@ import grpc
 import grpc_testing
 import pytest
 
-from trainwire.client import InputExample, outcomes, wire
+from trainwire.client import InputExample
+from trainwire.contract import codec, outcomes
 from trainwire.server.errors import (
     AlreadyExists,
     FailedPrecondition,
@@ -62,7 +63,7 @@ def test_forward_backward_decodes_examples_and_the_operation():
     response, _, code, _ = invoke(host, "ForwardBackward", request)
 
     assert code == grpc.StatusCode.OK
-    assert wire.forward_backward_from_proto(response) == outcome
+    assert codec.forward_backward_from_proto(response) == outcome
     ((name, (operation, request, op), _),) = host.calls
     assert (name, operation) == ("apply", ops.FORWARD_BACKWARD)
     assert request.examples == [InputExample("a"), InputExample("b", completion=" c")]
@@ -159,7 +160,7 @@ def test_export_streams_the_result_then_each_file_in_chunks_of_at_most_one_mib(t
     assert code == grpc.StatusCode.OK
     kinds = [item.WhichOneof("item") for item in items]
     assert kinds == ["result", "chunk", "chunk", "chunk", "file_end", "file_end"]
-    assert wire.export_outcome_from_proto(items[0].result).files == files
+    assert codec.export_outcome_from_proto(items[0].result).files == files
     chunks = [item.chunk for item in items if item.HasField("chunk")]
     assert all(len(chunk.data) <= MiB for chunk in chunks)
     assert [chunk.offset for chunk in chunks] == [0, MiB, 2 * MiB]

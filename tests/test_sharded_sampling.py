@@ -36,7 +36,7 @@ from tinker import types
 from tinker_loops import KEY, close_quietly, rl_step, supervised_datum
 
 from trainwire.client import SessionClient, TokenExample, TrainingConfig
-from trainwire.client.outcomes import Sample
+from trainwire.contract.outcomes import Sample
 from trainwire.server.engine.sampling.sample_weights import BASE_MODEL
 from trainwire.server.engine.session import TrainingSession
 from trainwire.testing import free_port, tiny_token_examples

@@ -23,7 +23,7 @@ from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum, superv
 from transformers import AutoTokenizer
 
 from trainwire.client import SessionClient
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.service.state_dir import RunDirectory
 from trainwire.server.tinker.model import adam_settings
 from trainwire.testing import free_port

@@ -10,7 +10,7 @@ from fresh_state import fresh_digest
 from transformers import AutoModelForCausalLM
 
 from trainwire.client import InputExample, LoraSettings
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.testing import tiny_token_examples

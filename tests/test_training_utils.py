@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import EarlyStopping
 from lightning.pytorch.loggers import CSVLogger
 from training_runs import classifier_plan, last_checkpoint, shared_run
 
-from trainwire.client import overrides
+from trainwire.contract.planning import overrides
 from trainwire.server.training import (
     CheckpointInfo,
     HardwareInfo,
@@ -342,7 +342,7 @@ def test_save_training_summary_writes_json_and_yaml_with_the_final_digest(
 
 
 def test_the_controller_and_trainwire_train_write_one_summary_schema(tmp_path, bert_run):
-    from trainwire.client.artifacts import run_summary, write_run_artifacts
+    from trainwire.contract.report.artifacts import run_summary, write_run_artifacts
 
     result = bert_run.result
     paths = write_run_artifacts(tmp_path, result, bert_run.plan, run_id="r")

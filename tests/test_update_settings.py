@@ -15,7 +15,7 @@ from fresh_state import fresh_digest
 from host_operations import BATCHES, op
 from service_fixtures import running_server
 
-from trainwire.client import wire
+from trainwire.contract import codec
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import AlreadyExists, InvalidArgument
 from trainwire.server.service import operations as ops
@@ -118,7 +118,7 @@ def test_grpc_optim_step_applies_the_settings_as_in_process(
         stub = pb_grpc.TrainingSessionServiceStub(channel)
         config_json = json.dumps(config.to_dict())
         stub.Open(pb.OpenRequest(run_id="run", config_json=config_json, max_steps=4))
-        examples = wire.examples_to_proto(TEXTS[:3])
+        examples = codec.examples_to_proto(TEXTS[:3])
         fb = pb.ForwardBackwardRequest(
             operation=pb.Operation(operation_key="fb"), examples=examples
         )

@@ -18,7 +18,7 @@ import pytest
 from plans import drive_plan
 
 from trainwire.client import ManagedTrainingPlan, write_plan_manifest
-from trainwire.client.results import TrainingResult
+from trainwire.contract.run.results import TrainingResult
 from trainwire.server.engine.managed import ManagedTraining
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.training.run import train

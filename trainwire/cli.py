@@ -15,15 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.manifest import (
+from trainwire.client.session.pipeline import DEFAULT_WINDOW
+from trainwire.contract.planning.manifest import (
     load_plan,
     read_config_file,
     read_examples_jsonl,
     write_plan_manifest,
 )
-from trainwire.client.overrides import config_with_overrides
-from trainwire.client.pipeline import DEFAULT_WINDOW
-from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.contract.planning.overrides import config_with_overrides
+from trainwire.contract.planning.plan import ManagedTrainingPlan
 from trainwire.serve_command import add_serve_arguments, command_serve
 
 USAGE_ERROR = 2
@@ -116,10 +116,10 @@ def add_window_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_run(args: argparse.Namespace) -> int:
-    from trainwire.client.controller import Controller
-    from trainwire.client.progress_bar import ProgressReporter
-    from trainwire.client.progress_text import best_text
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.control.controller import Controller
+    from trainwire.client.control.progress_bar import ProgressReporter
+    from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.report.progress_text import best_text
 
     plan = load_plan(args.manifest)
     client = SessionClient(args.server, **client_options(args))
@@ -150,7 +150,7 @@ def command_run(args: argparse.Namespace) -> int:
 def command_close(args: argparse.Namespace) -> int:
     """``trainwire close``: end a run on the server (a finished ``trainwire run`` does it itself),
     so the server takes the next one; the run's files stay in the state directory."""
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.session.session_client import SessionClient
 
     client = SessionClient(args.server, **client_options(args))
     try:
@@ -163,8 +163,8 @@ def command_close(args: argparse.Namespace) -> int:
 
 
 def command_dispatch(args: argparse.Namespace) -> int:
-    from trainwire.client.dispatch import Dispatcher, dispatch_with_live_table
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.control.dispatch import Dispatcher, dispatch_with_live_table
+    from trainwire.client.session.session_client import SessionClient
 
     options = client_options(args)
     servers = [server.strip() for server in args.servers.split(",") if server.strip()]

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.results import TrainingResult
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.run.results import TrainingResult
 
 if TYPE_CHECKING:
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.session.session_client import SessionClient
 
 MODEL_NAME = "tiny-bert-sentiment"
 RUN_ID = "demo"
@@ -115,7 +115,7 @@ def demo_client(dirs: DemoDirs, server: str | None) -> Iterator[SessionClient]:
     A local server logs a line per operation; a demo tells the story itself, so the server's
     log is quieted to warnings.
     """
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.session.session_client import SessionClient
 
     logging.getLogger("trainwire.server").setLevel(logging.WARNING)
     with contextlib.ExitStack() as stack:
@@ -152,8 +152,8 @@ def run_demo(
 ) -> TrainingResult:
     """Plan, serve (unless ``server`` is given), train through the controller, report (with
     ``quiet``, no progress: only where the results are)."""
-    from trainwire.client.controller import Controller
-    from trainwire.client.progress_bar import ProgressReporter
+    from trainwire.client.control.controller import Controller
+    from trainwire.client.control.progress_bar import ProgressReporter
 
     settings = settings or DemoSettings()
     dirs = DemoDirs.at(work_dir)

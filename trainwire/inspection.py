@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.manifest import read_manifest
-from trainwire.client.plan import ManagedTrainingPlan, manifest_fingerprint
+from trainwire.contract.planning.manifest import read_manifest
+from trainwire.contract.planning.plan import ManagedTrainingPlan, manifest_fingerprint
 
 
 def describe_path(path: Path) -> str:

@@ -19,13 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client.config import LoraSettings, TrainingConfig
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import LoraSettings, TrainingConfig
+from trainwire.contract.tokens import TokenExample
 from trainwire.demo import DemoDirs, demo_client, model_found_by
 
 if TYPE_CHECKING:
-    from trainwire.client.outcomes import Sample
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.outcomes import Sample
 
 MODEL_NAME = "tiny-llama-rl"
 RUN_ID = "rl-demo"
@@ -201,7 +201,7 @@ def write_rl_artifacts(
     """``rl_summary.json`` and ``.yaml`` (the same content) and ``reward_curve.png``."""
     import yaml
 
-    from trainwire.client.files import write_text_atomic
+    from trainwire.contract.files import write_text_atomic
 
     summary = {
         "format": SUMMARY_FORMAT,

@@ -16,7 +16,7 @@ import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client.overrides import checked_config_overrides
+from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
@@ -201,7 +201,7 @@ def _serve_until_stopped(
 ) -> int:
     """One server (a single process, or rank 0 of a group led by ``leader``; a supervisor's
     group also has its ``board``) until a signal."""
-    from trainwire.client.files import write_text_atomic
+    from trainwire.contract.files import write_text_atomic
     from trainwire.server.group.health import GroupHealth
     from trainwire.server.process import serve
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from trainwire.client.config import InputExample, is_int
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import InputExample, is_int
+from trainwire.contract.tokens import TokenExample
 
 SENTIMENT_LABELS = ("negative", "positive")
 """The labels of :func:`tiny_sentiment_examples`, in the order a config should list them."""

@@ -21,7 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client.config import TASKS, is_int
+from trainwire.contract.config import TASKS, is_int
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

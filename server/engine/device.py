@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.errors import InvalidArgument
 
 

@@ -1,6 +1,6 @@
 """ManagedTraining: a plan replayed in-process on a TrainingSession.
 
-It drives the same replay loop as the remote Controller (``trainwire.client.replay``), so the
+It drives the same replay loop as the remote Controller (``trainwire.contract.run.replay``), so the
 two take the same decisions and end with the same bits. Managed checkpoints are session
 checkpoints whose ``extra`` holds the run state: plan fingerprint, exact cursor, evaluation and
 best state, history and early-stopping counters.
@@ -13,18 +13,18 @@ import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from trainwire.client.config import InputExample
-from trainwire.client.plan import ManagedTrainingPlan, check_examples
-from trainwire.client.progress import Progress
-from trainwire.client.replay import (
+from trainwire.contract.config import InputExample
+from trainwire.contract.planning.plan import ManagedTrainingPlan, check_examples
+from trainwire.contract.run.progress import Progress
+from trainwire.contract.run.replay import (
     RunState,
     StepOutcome,
     checkpoint_due,
     replay,
     training_result,
 )
-from trainwire.client.results import TrainingResult
-from trainwire.client.selection import BEST_CHECKPOINT
+from trainwire.contract.run.results import TrainingResult
+from trainwire.contract.run.selection import BEST_CHECKPOINT
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 

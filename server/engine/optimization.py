@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.errors import InvalidArgument
 
 

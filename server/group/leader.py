@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.sharded.lockstep import Announcer, raised_alike_on_every_rank
 from trainwire.server.group.messages import OpenSession, Stop

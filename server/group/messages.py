@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 
 
 @dataclass(frozen=True)

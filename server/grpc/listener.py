@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from trainwire.client.files import Pem, read_pem
+from trainwire.contract.files import Pem, read_pem
 from trainwire.server.grpc.auth import BearerTokenInterceptor
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
 from trainwire.server.service.host import SessionHost

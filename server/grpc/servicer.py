@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from trainwire.client import chunks, outcomes, wire
-from trainwire.client.config import TrainingConfig
+from trainwire.contract import chunks, codec, outcomes
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.errors import (
     InvalidArgument,
     PositionMismatch,
@@ -98,11 +98,11 @@ def batch_from_proto(
     """A request's examples (text or tokens, never both) and its loss; ValueError when bad."""
     if request.examples and request.token_examples:
         raise InvalidArgument("send examples or token_examples, not both")
-    loss_fn, loss_fn_config = wire.loss_spec_from_proto(request.loss)
+    loss_fn, loss_fn_config = codec.loss_spec_from_proto(request.loss)
     if request.token_examples:
-        examples: requests.Examples = wire.token_examples_from_proto(request.token_examples)
+        examples: requests.Examples = codec.token_examples_from_proto(request.token_examples)
     else:
-        examples = wire.examples_from_proto(request.examples)
+        examples = codec.examples_from_proto(request.examples)
     return request_type(examples, loss_fn, loss_fn_config)
 
 
@@ -133,7 +133,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
                 logger.warning("%s refused (%s): %s", kind, code.name, status_message(error))
             log_operation(kind, key, started, code.name, message=str(error))
             if isinstance(error, PositionMismatch):
-                context.set_trailing_metadata(((wire.POSITION_METADATA_KEY, str(error.position)),))
+                context.set_trailing_metadata(((codec.POSITION_METADATA_KEY, str(error.position)),))
             context.abort(code, status_message(error))
         replayed = getattr(outcome, "replayed", False)
         fields = {"position": outcome.position} if hasattr(outcome, "position") else {}
@@ -150,11 +150,11 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             )
 
         outcome = self._run(context, "Open", "", call)
-        return wire.open_response_to_proto(outcome)
+        return codec.open_response_to_proto(outcome)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         info = self._run(context, "Info", "", self.session_host.info)
-        return pb.InfoResponse(info=wire.session_info_to_proto(info))
+        return pb.InfoResponse(info=codec.session_info_to_proto(info))
 
     def _apply(
         self,
@@ -171,64 +171,64 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         decode = partial(batch_from_proto, request, requests.ForwardRequest)
-        return wire.forward_to_proto(self._apply(context, ops.FORWARD, decode))
+        return codec.forward_to_proto(self._apply(context, ops.FORWARD, decode))
 
     def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
         decode = partial(batch_from_proto, request, requests.ForwardBackwardRequest)
         outcome = self._apply(context, ops.FORWARD_BACKWARD, decode, op)
-        return wire.forward_backward_to_proto(outcome)
+        return codec.forward_backward_to_proto(outcome)
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
         decode = partial(optim_step_from_proto, request)
-        return wire.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
+        return codec.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
-        fields = wire.sample_request_from_proto(request)
+        fields = codec.sample_request_from_proto(request)
 
         def gone() -> bool:  # the RPC was cancelled, or its client went away
             return not context.is_active()
 
         decode = partial(requests.SampleRequest, **fields, cancelled=gone)
-        return wire.samples_to_proto(self._apply(context, ops.SAMPLE, decode).samples)
+        return codec.samples_to_proto(self._apply(context, ops.SAMPLE, decode).samples)
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         texts, special = list(request.texts), request.add_special_tokens
         decode = partial(requests.TokenizeRequest, texts, special)
         token_lists = self._apply(context, ops.TOKENIZE, decode)
-        return pb.TokenizeResponse(token_lists=wire.token_lists_to_proto(token_lists))
+        return pb.TokenizeResponse(token_lists=codec.token_lists_to_proto(token_lists))
 
     def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
-        token_lists = wire.token_lists_from_proto(request.token_lists)
+        token_lists = codec.token_lists_from_proto(request.token_lists)
         decode = partial(requests.DetokenizeRequest, token_lists)
         return pb.DetokenizeResponse(texts=self._apply(context, ops.DETOKENIZE, decode))
 
     def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
         decode = partial(requests.CheckpointRequest, request.name)
-        return wire.save_state_to_proto(self._apply(context, ops.SAVE_STATE, decode, op))
+        return codec.save_state_to_proto(self._apply(context, ops.SAVE_STATE, decode, op))
 
     def LoadState(self, request: pb.LoadStateRequest, context) -> pb.LoadStateResponse:
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
         decode = partial(requests.CheckpointRequest, request.name)
-        return wire.load_state_to_proto(self._apply(context, ops.LOAD_STATE, decode, op))
+        return codec.load_state_to_proto(self._apply(context, ops.LOAD_STATE, decode, op))
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
 
         def decode() -> requests.LoadWeightsRequest:
-            return requests.LoadWeightsRequest(wire.weights_source_from_proto(request))
+            return requests.LoadWeightsRequest(codec.weights_source_from_proto(request))
 
-        return wire.load_weights_to_proto(self._apply(context, ops.LOAD_WEIGHTS, decode, op))
+        return codec.load_weights_to_proto(self._apply(context, ops.LOAD_WEIGHTS, decode, op))
 
     def ExportWeights(
         self, request: pb.ExportWeightsRequest, context
     ) -> Iterator[pb.ExportWeightsResponse]:
-        op = wire.operation_from_proto(request.operation)
+        op = codec.operation_from_proto(request.operation)
         decode = partial(requests.ExportWeightsRequest, request.name, request.checkpoint)
         outcome = self._apply(context, ops.EXPORT_WEIGHTS, decode, op)
-        yield wire.export_result_to_proto(outcome)
+        yield codec.export_result_to_proto(outcome)
         if not request.download:
             return
         try:
@@ -236,7 +236,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
                 yield (
                     chunks.encode_chunk(file.path, offset, data)
                     if data
-                    else (wire.file_end_to_proto(file))
+                    else (codec.file_end_to_proto(file))
                 )
         except (OSError, InvalidArgument) as error:
             message = f"export {request.name!r} changed on the server; export it again ({error})"
@@ -245,7 +245,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     def Close(self, request: pb.CloseRequest, context) -> pb.CloseResponse:
         close = partial(self.session_host.close, request.run_id or None)
         info = self._run(context, "Close", "", close)
-        return pb.CloseResponse(info=wire.session_info_to_proto(info))
+        return pb.CloseResponse(info=codec.session_info_to_proto(info))
 
 
 class Undecodable:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.client import outcomes
-from trainwire.client.outcomes import OperationOutcome
+from trainwire.contract import outcomes
+from trainwire.contract.outcomes import OperationOutcome
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.service.journal import Journal, JournalEntry, outcome_record
 from trainwire.server.service.recovery import drop_forgotten_exports, restore_into

@@ -24,9 +24,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainwire.client import outcomes
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import OperationSpec, SessionInfo
+from trainwire.contract import outcomes
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition, InvalidArgument

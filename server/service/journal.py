@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainwire.client.config import canonical_json, sha256_fingerprint
-from trainwire.client.outcomes import ExportedFile, OperationOutcome
+from trainwire.contract.config import canonical_json, sha256_fingerprint
+from trainwire.contract.outcomes import ExportedFile, OperationOutcome
 from trainwire.server.errors import InvalidArgument
 
 JOURNAL_FILE = "journal.sqlite3"

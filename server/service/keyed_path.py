@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from trainwire.client.outcomes import OperationOutcome, OperationSpec
+from trainwire.contract.outcomes import OperationOutcome, OperationSpec
 from trainwire.server.errors import AlreadyExists, PositionMismatch
 from trainwire.server.service.active_run import ActiveRun, Applying, Durable
 from trainwire.server.service.journal import JournalEntry, outcome_from_record

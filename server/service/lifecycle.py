@@ -14,8 +14,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from trainwire.client import outcomes
-from trainwire.client.outcomes import SessionInfo
+from trainwire.contract import outcomes
+from trainwire.contract.outcomes import SessionInfo
 from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 
 logger = logging.getLogger(__name__)

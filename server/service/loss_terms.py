@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.loss.losses import TokenInputs, resolve_loss
 
 

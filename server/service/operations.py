@@ -30,10 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from trainwire.client import outcomes
-from trainwire.client.outcomes import OperationOutcome
-from trainwire.client.selection import BEST_CHECKPOINT
-from trainwire.client.tokens import DEFAULT_LOSS, TokenExample
+from trainwire.contract import outcomes
+from trainwire.contract.outcomes import OperationOutcome
+from trainwire.contract.run.selection import BEST_CHECKPOINT
+from trainwire.contract.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.optimization import UpdateSettings
 from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.errors import InvalidArgument, NotFound

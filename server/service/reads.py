@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.client import outcomes
+from trainwire.contract import outcomes
 from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
 from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.errors import InvalidArgument

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trainwire.client.config import InputExample
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import InputExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, ResourceExhausted
 
 MAX_ITEMS = 4096  # texts or id lists per Tokenize / Detokenize request

@@ -10,8 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from trainwire.client import outcomes
-from trainwire.client.tokens import DEFAULT_LOSS, Examples
+from trainwire.contract import outcomes
+from trainwire.contract.tokens import DEFAULT_LOSS, Examples
 
 # The kinds of the two operations recovery reads back from the journal (``operations`` names
 # every kind: a kind is what its RPC is called).

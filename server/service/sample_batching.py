@@ -31,7 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainwire.client.outcomes import Sample
+from trainwire.contract.outcomes import Sample
 from trainwire.server.engine.sampling.params import SamplingParams
 from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.errors import InvalidArgument

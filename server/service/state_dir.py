@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from trainwire.client.files import clean_leftovers, write_text_atomic
-from trainwire.client.outcomes import ExportedFile
+from trainwire.contract.files import clean_leftovers, write_text_atomic
+from trainwire.contract.outcomes import ExportedFile
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.paths import links_under, resolve_inside, symlink_between
 from trainwire.server.service.journal import JOURNAL_FILE

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.files import write_text_atomic
+from trainwire.contract.files import write_text_atomic
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.tinker.model import run_id_for
 

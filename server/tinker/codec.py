@@ -17,7 +17,7 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.errors import InvalidArgument, RequestTooLarge
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import pyrage
 
-from trainwire.client.outcomes import OperationSpec
+from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, NotFound, Unauthenticated
 from trainwire.server.paths import resolve_inside
 from trainwire.server.service import operations as ops

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import LoraSettings, TrainingConfig
+from trainwire.contract.config import LoraSettings, TrainingConfig
 from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str

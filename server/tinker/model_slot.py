@@ -34,8 +34,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import OperationSpec
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import operations as ops

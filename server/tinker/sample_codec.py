@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
-from trainwire.client.outcomes import Sample
+from trainwire.contract.outcomes import Sample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import (
     get_bool,

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import OperationSpec
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
 from trainwire.server.service.intake import Call

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import OperationSpec, WeightsSource
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import operations as ops

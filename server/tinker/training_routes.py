@@ -12,7 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from trainwire.client.outcomes import OperationSpec, WeightsSource
+from trainwire.contract.outcomes import OperationSpec, WeightsSource
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
 from trainwire.server.service.intake import Call

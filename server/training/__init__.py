@@ -10,8 +10,8 @@ the seed runs unchanged; only the domain is this project's (``TrainingConfig``, 
 Where this is deliberately stricter than the seed, the function's docstring says so.
 """
 
-from trainwire.client.overrides import parse_config_overrides
-from trainwire.client.results import TrainingResult
+from trainwire.contract.planning.overrides import parse_config_overrides
+from trainwire.contract.run.results import TrainingResult
 from trainwire.server.training.callbacks import outcome_checkpoint, outcome_early_stopping
 from trainwire.server.training.checkpoints import (
     CheckpointInfo,

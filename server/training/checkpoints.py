@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from trainwire.client.files import write_bytes_atomic
+from trainwire.contract.files import write_bytes_atomic
 
 if TYPE_CHECKING:
     from trainwire.server.engine.session import TrainingSession

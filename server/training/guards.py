@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import TrainingConfig, setting_differences
+from trainwire.contract.config import TrainingConfig, setting_differences
 from trainwire.server.training.callbacks import OutcomeCheckpoint
 from trainwire.server.training.checkpoints import CKPT_SUFFIX, RECORD_KEY, train_record
 from trainwire.server.training.settings import constructor_settings

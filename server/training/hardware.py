@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 
 logger = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from lightning.pytorch.callbacks.progress import ProgressBar
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from trainwire.client.config import METRICS, InputExample
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import Progress
-from trainwire.client.replay import RunState, StepOutcome, run_microbatch, training_result
-from trainwire.client.results import TrainingResult
+from trainwire.contract.config import METRICS, InputExample
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.run.progress import Progress
+from trainwire.contract.run.replay import RunState, StepOutcome, run_microbatch, training_result
+from trainwire.contract.run.results import TrainingResult
 from trainwire.server.engine.session import StepResult, TrainingSession
 from trainwire.server.training.checkpoints import (
     RECORD_FORMAT,
@@ -101,7 +101,7 @@ class ManifestModule(pl.LightningModule):
     """Runs ``plan`` on ``session``; ``run_record`` (JSON) rides in every checkpoint it writes.
 
     ``training_step`` runs one microbatch through the replay's own step
-    (``trainwire.client.replay.run_microbatch``), with this module as its ``ReplayBackend``:
+    (``trainwire.contract.run.replay.run_microbatch``), with this module as its ``ReplayBackend``:
     the same operations, decisions, ``RunState``, history records and result as an in-process
     or remote run. The backend methods add what Lightning needs: the update goes through
     ``self.optimizers().step()`` so Lightning counts ``global_step``, the engine runs under
@@ -191,7 +191,7 @@ class ManifestModule(pl.LightningModule):
                     value = torch.tensor(progress.evaluation[name], dtype=torch.float64)
                     self.log(name, value, on_step=True, on_epoch=False, prog_bar=True)
 
-    # -- the replay's backend (trainwire.client.replay.ReplayBackend) -----------------------
+    # -- the replay's backend (trainwire.contract.run.replay.ReplayBackend) -----------------------
 
     def forward_backward(self, index: int, examples: list[InputExample]) -> tuple[float, int]:
         with engine_defaults():

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from trainwire.client.artifacts import write_run_artifacts
-from trainwire.client.config import TrainingConfig
-from trainwire.client.manifest import load_plan
-from trainwire.client.overrides import checked_config_overrides, config_with_overrides
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress_text import format_value
-from trainwire.client.replay import RunState, training_result
-from trainwire.client.results import TrainingResult
-from trainwire.client.selection import BEST_CHECKPOINT
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.planning.manifest import load_plan
+from trainwire.contract.planning.overrides import checked_config_overrides, config_with_overrides
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.report.artifacts import write_run_artifacts
+from trainwire.contract.report.progress_text import format_value
+from trainwire.contract.run.replay import RunState, training_result
+from trainwire.contract.run.results import TrainingResult
+from trainwire.contract.run.selection import BEST_CHECKPOINT
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.library_warnings import lightning_fit_quieted, quiet_library_warnings
 from trainwire.server.training.callbacks import StopOnInterrupt

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 
 # The config keys a run may choose freely, in the order they are recorded and reported.
 # Accumulation, clipping and the epoch budget come first: they are what a resume most often

@@ -1,8 +1,8 @@
 """The seed's ``save_training_summary``, over the project's one summary writer.
 
-The schema and the writing live in ``trainwire.client.artifacts`` (torch-free, so the controller
-writes the same summary without importing torch); this adds only what a local run knows: the
-hardware it detected.
+The schema and the writing live in ``trainwire.contract.report.artifacts`` (torch-free, so the
+controller writes the same summary without importing torch); this adds only what a local run
+knows: the hardware it detected.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.artifacts import run_summary, write_summary
-from trainwire.client.config import TrainingConfig
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.results import TrainingResult
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.report.artifacts import run_summary, write_summary
+from trainwire.contract.run.results import TrainingResult
 from trainwire.server.training.hardware import HardwareInfo
 
 

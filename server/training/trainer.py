@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, EarlyStopping
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.training.callbacks import (
     OutcomeCheckpoint,
     outcome_checkpoint,

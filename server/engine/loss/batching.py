@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainwire.client.config import InputExample, TrainingConfig
-from trainwire.client.plan import check_examples
+from trainwire.contract.config import InputExample, TrainingConfig
+from trainwire.contract.planning.plan import check_examples
 from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.errors import InvalidArgument
 

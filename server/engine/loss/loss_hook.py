@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.engine.loss.batching import Batch
 from trainwire.server.engine.loss.losses import LossOutput, LossSpec
 from trainwire.server.engine.loss.token_batches import TokenBatch, token_logprobs

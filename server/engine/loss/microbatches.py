@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.outcomes import Prediction
-from trainwire.client.tokens import DEFAULT_LOSS, is_token_batch
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.outcomes import Prediction
+from trainwire.contract.tokens import DEFAULT_LOSS, is_token_batch
 from trainwire.server.engine.loss.batching import Batch, BatchEncoder
 from trainwire.server.engine.loss.loss_hook import LossHook
 from trainwire.server.engine.loss.losses import LossSpec, require_inputs, resolve_loss

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainwire.client.tokens import FLOAT_FIELDS, TokenExample
+from trainwire.contract.tokens import FLOAT_FIELDS, TokenExample
 from trainwire.server.engine.loss.chunked_logprobs import (
     LOGITS_CHUNK_BYTES,
     chunked_target_logprobs,

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainwire.client.config import is_int
+from trainwire.contract.config import is_int
 from trainwire.server.engine.sampling.stop_strings import stop_string_problems
 from trainwire.server.errors import InvalidArgument
 

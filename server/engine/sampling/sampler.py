@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import is_int
-from trainwire.client.outcomes import Sample
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import is_int
+from trainwire.contract.outcomes import Sample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.engine.loss.token_batches import encode_token_batch, token_logprobs
 from trainwire.server.engine.sampling import batch_decode

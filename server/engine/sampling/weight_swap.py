@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.engine.sampling.sample_weights import SampleWeights
 from trainwire.server.engine.session.operation_guard import OperationGuard, refuse_out_of_memory
 from trainwire.server.engine.sharded.sharding import ShardGroup

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.files import atomic_directory
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.files import atomic_directory
 from trainwire.server.engine.session.digest import update_with_tensors
 from trainwire.server.engine.session.rng import RngState
 from trainwire.server.engine.weights.tensor_files import load_tensors, save_tensors, write_json

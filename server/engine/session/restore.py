@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig, setting_differences
+from trainwire.contract.config import TrainingConfig, setting_differences
 from trainwire.server.engine.session.checkpoint import (
     EXTRA_KEY,
     GRADIENTS_FILE,

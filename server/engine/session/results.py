@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainwire.client.outcomes import Prediction  # the one answer type the service also sends
+from trainwire.contract.outcomes import Prediction  # the one answer type the service also sends
 
 
 @dataclass

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainwire.client.config import InputExample, TrainingConfig, is_int
-from trainwire.client.outcomes import Sample
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.config import InputExample, TrainingConfig, is_int
+from trainwire.contract.outcomes import Sample
+from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.device import resolve_device, resolve_dtype
 from trainwire.server.engine.loss.batching import BatchEncoder, check_max_length
 from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server.engine.device import refuse_unsupported_setups
 from trainwire.server.engine.sampling.sampler import Sampler
 from trainwire.server.engine.session.operation_guard import OperationGuard

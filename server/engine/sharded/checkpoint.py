@@ -36,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.files import atomic_directory
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.files import atomic_directory
 from trainwire.server.engine.loss.loss_hook import LossHook
 from trainwire.server.engine.session.checkpoint import (
     EXTRA_KEY,

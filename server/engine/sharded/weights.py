@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 from trainwire.server import errors
 from trainwire.server.engine.session.checkpoint import is_sharded_checkpoint, read_session_json
 from trainwire.server.engine.sharded.checkpoint import on_rank_zero, read_sharded_meta

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from trainwire.client.config import LoraSettings, TrainingConfig, is_int
+from trainwire.contract.config import LoraSettings, TrainingConfig, is_int
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 

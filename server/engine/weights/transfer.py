@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from trainwire.client.config import TrainingConfig, setting_differences
-from trainwire.client.files import atomic_directory
+from trainwire.contract.config import TrainingConfig, setting_differences
+from trainwire.contract.files import atomic_directory
 from trainwire.server.engine.session.checkpoint import (
     MODEL_FILE,
     is_session_checkpoint,

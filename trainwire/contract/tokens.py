@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainwire.client.config import InputExample
+from trainwire.contract.config import InputExample
 
 DEFAULT_LOSS = "cross_entropy"  # the loss_fn a call names when it names none
 TOKEN_FIELDS = ("tokens", "target_tokens")

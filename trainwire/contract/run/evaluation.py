@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from trainwire.client.config import InputExample
+from trainwire.contract.config import InputExample
 
 
 def evaluation_batches(

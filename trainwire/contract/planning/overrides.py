@@ -11,7 +11,7 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
+from trainwire.contract.config import TrainingConfig
 
 
 def parse_override_value(text: str) -> Any:

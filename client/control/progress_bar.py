@@ -1,6 +1,6 @@
 """A live progress view of a run: one line redrawn in place on a terminal, a log line otherwise.
 
-The words come from ``trainwire.client.progress_text`` and always fit the terminal's width
+The words come from ``trainwire.contract.report.progress_text`` and always fit the terminal's width
 (fields that do not fit are left out whole). On a terminal the line is a ``rich`` live display,
 and log records written meanwhile print above it instead of breaking it.
 """
@@ -11,13 +11,13 @@ import logging
 import sys
 from typing import Any
 
-from trainwire.client.progress import Progress
-from trainwire.client.progress_text import (
+from trainwire.contract.report.progress_text import (
     ProgressFields,
     RateWindow,
     evaluation_text,
     progress_line,
 )
+from trainwire.contract.run.progress import Progress
 
 logger = logging.getLogger(__name__)
 

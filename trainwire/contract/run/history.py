@@ -1,6 +1,6 @@
 """A run's history: one record per update and per evaluation, built by these functions only.
 
-Every runner (in-process, remote, Lightning) goes through ``trainwire.client.replay``, which
+Every runner (in-process, remote, Lightning) goes through ``trainwire.contract.run.replay``, which
 builds its records here, so equal runs have equal histories, key for key.
 """
 

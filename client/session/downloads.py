@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from trainwire.client import chunks, outcomes, wire
-from trainwire.client.files import atomic_directory
+from trainwire.contract import chunks, codec, outcomes
+from trainwire.contract.files import atomic_directory
 from trainwire.v1 import session_pb2 as pb
 
 
@@ -50,7 +50,7 @@ def receive_export(
     first = next(stream)
     if isinstance(first, chunks.RawChunk) or first.WhichOneof("item") != "result":
         raise DownloadError("the export stream did not start with its result")
-    outcome = wire.export_outcome_from_proto(first.result)
+    outcome = codec.export_outcome_from_proto(first.result)
     if download_to is None:
         return outcome
     target = Path(download_to)

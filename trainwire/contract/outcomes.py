@@ -1,7 +1,7 @@
 """The service's domain types: requests' operation specs and every result, as plain dataclasses.
 
 Both sides share these: the session host returns them, the journal records them, the servicer
-encodes them (``trainwire.client.wire``) and ``SessionClient`` decodes them back into the same
+encodes them (``trainwire.contract.codec``) and ``SessionClient`` decodes them back into the same
 classes. Neither protobuf nor grpc is imported here.
 """
 

@@ -14,13 +14,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainwire.client.config import InputExample
-from trainwire.client.evaluation import EvaluationTally, evaluation_batches
-from trainwire.client.history import UPDATE, evaluation_record, update_record
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import Progress
-from trainwire.client.results import TrainingResult
-from trainwire.client.selection import SelectionState
+from trainwire.contract.config import InputExample
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.run.evaluation import EvaluationTally, evaluation_batches
+from trainwire.contract.run.history import UPDATE, evaluation_record, update_record
+from trainwire.contract.run.progress import Progress
+from trainwire.contract.run.results import TrainingResult
+from trainwire.contract.run.selection import SelectionState
 
 
 @dataclass

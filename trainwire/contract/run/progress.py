@@ -1,6 +1,6 @@
 """The progress event a run hands to ``on_step`` callbacks after every microbatch.
 
-The history records it carries are built in ``trainwire.client.history``.
+The history records it carries are built in ``trainwire.contract.run.history``.
 """
 
 from __future__ import annotations

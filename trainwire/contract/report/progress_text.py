@@ -1,9 +1,9 @@
 """What a run's progress says, in words that fit the terminal: pure text, no I/O.
 
-The progress bar (``trainwire.client.progress_bar``) draws these strings; they live apart so a
-test can ask what a line says at 80 or 120 columns without a terminal. The fields come in order
-of what a user looks at first (how far, the loss, the held-out metric); the ones that do not fit
-are left out whole, never cut in the middle.
+The progress bar (``trainwire.client.control.progress_bar``) draws these strings; they live
+apart so a test can ask what a line says at 80 or 120 columns without a terminal. The fields
+come in order of what a user looks at first (how far, the loss, the held-out metric); the ones
+that do not fit are left out whole, never cut in the middle.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from trainwire.client.progress import Progress
+from trainwire.contract.run.progress import Progress
 
 BAR_MIN_WIDTH = 10
 BAR_MAX_WIDTH = 30

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.files import write_text_atomic
-from trainwire.client.replay import RunState
+from trainwire.contract.files import write_text_atomic
+from trainwire.contract.run.replay import RunState
 
 CURSOR_FILE = "cursor.json"
 SNAPSHOT_DIR = "snapshots"

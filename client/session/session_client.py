@@ -24,10 +24,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trainwire.client import chunks, outcomes, wire
-from trainwire.client.config import TrainingConfig, canonical_json
-from trainwire.client.downloads import DownloadError, receive_export
-from trainwire.client.errors import (
+from trainwire.client.session.downloads import DownloadError, receive_export
+from trainwire.client.session.errors import (
     PROBE_TIMEOUT_S,
     STARTUP_GRACE_S,
     ServerUnreachable,
@@ -36,10 +34,12 @@ from trainwire.client.errors import (
     check_target,
     unreachable,
 )
-from trainwire.client.files import Pem, read_pem
-from trainwire.client.pipeline import OperationPipeline
-from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
-from trainwire.client.tokens import DEFAULT_LOSS, Examples
+from trainwire.client.session.pipeline import OperationPipeline
+from trainwire.client.session.retry import RETRYABLE_CODES, RetryPolicy, call_with_retry
+from trainwire.contract import chunks, codec, outcomes
+from trainwire.contract.config import TrainingConfig, canonical_json
+from trainwire.contract.files import Pem, read_pem
+from trainwire.contract.tokens import DEFAULT_LOSS, Examples
 from trainwire.v1 import session_pb2 as pb
 from trainwire.v1 import session_pb2_grpc as pb_grpc
 
@@ -264,11 +264,11 @@ class SessionClient:
             max_steps=max_steps or 0,
             plan_fingerprint=plan_fingerprint,
         )
-        return wire.open_outcome_from_proto(self._call("Open", self._stub.Open, request))
+        return codec.open_outcome_from_proto(self._call("Open", self._stub.Open, request))
 
     def info(self) -> outcomes.SessionInfo:
         response = self._call("Info", self._stub.Info, pb.InfoRequest())
-        return wire.session_info_from_proto(response.info)
+        return codec.session_info_from_proto(response.info)
 
     def forward(
         self,
@@ -279,9 +279,9 @@ class SessionClient:
     ) -> outcomes.ForwardOutcome:
         """The batch loss, predictions (text classification) or, for ``TokenExample``s, every
         target's logprob and the loss's metrics; changes nothing."""
-        request = pb.ForwardRequest(loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config))
-        wire.add_examples(request, examples)
-        return wire.forward_from_proto(self._call("Forward", self._stub.Forward, request))
+        request = pb.ForwardRequest(loss=codec.loss_spec_to_proto(loss_fn, loss_fn_config))
+        codec.add_examples(request, examples)
+        return codec.forward_from_proto(self._call("Forward", self._stub.Forward, request))
 
     @_after_pipelined_calls
     def forward_backward(
@@ -298,11 +298,11 @@ class SessionClient:
         (before the update) and ``.metrics``. The key is bound to every field sent."""
         request = pb.ForwardBackwardRequest(
             operation=_operation(operation_key, expected_position, include_digest),
-            loss=wire.loss_spec_to_proto(loss_fn, loss_fn_config),
+            loss=codec.loss_spec_to_proto(loss_fn, loss_fn_config),
         )
-        wire.add_examples(request, examples)
+        codec.add_examples(request, examples)
         response = self._call("ForwardBackward", self._stub.ForwardBackward, request)
-        return wire.forward_backward_from_proto(response)
+        return codec.forward_backward_from_proto(response)
 
     @_after_pipelined_calls
     def optim_step(
@@ -317,7 +317,7 @@ class SessionClient:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.OptimStepRequest(operation=operation, learning_rate=learning_rate)
         response = self._call("OptimStep", self._stub.OptimStep, request)
-        return wire.optim_step_from_proto(response)
+        return codec.optim_step_from_proto(response)
 
     # -- pipelined calls -------------------------------------------------------------------------
 
@@ -377,7 +377,7 @@ class SessionClient:
         string's)."""
         if isinstance(stop_strings, str):  # list() would split it into characters
             raise TypeError("stop_strings is a list of strings; wrap the one given")
-        request = wire.sample_request_to_proto(
+        request = codec.sample_request_to_proto(
             prompt_tokens,
             max_tokens=max_tokens,
             num_samples=num_samples,
@@ -388,17 +388,17 @@ class SessionClient:
             stop_strings=stop_strings,
             seed=seed,
         )
-        return wire.samples_from_proto(self._call("Sample", self._stub.Sample, request))
+        return codec.samples_from_proto(self._call("Sample", self._stub.Sample, request))
 
     def tokenize(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text, with the server's tokenizer (no model copy needed here)."""
         request = pb.TokenizeRequest(texts=list(texts), add_special_tokens=add_special_tokens)
         response = self._call("Tokenize", self._stub.Tokenize, request)
-        return wire.token_lists_from_proto(response.token_lists)
+        return codec.token_lists_from_proto(response.token_lists)
 
     def detokenize(self, token_lists: Sequence[Sequence[int]]) -> list[str]:
         """Each id list back into text, with the server's tokenizer."""
-        request = pb.DetokenizeRequest(token_lists=wire.token_lists_to_proto(token_lists))
+        request = pb.DetokenizeRequest(token_lists=codec.token_lists_to_proto(token_lists))
         return list(self._call("Detokenize", self._stub.Detokenize, request).texts)
 
     @_after_pipelined_calls
@@ -408,7 +408,7 @@ class SessionClient:
         """Write checkpoint ``name`` on the server; the outcome always carries the digest."""
         operation = _operation(operation_key, expected_position, False)
         request = pb.SaveStateRequest(operation=operation, name=name)
-        return wire.save_state_from_proto(self._call("SaveState", self._stub.SaveState, request))
+        return codec.save_state_from_proto(self._call("SaveState", self._stub.SaveState, request))
 
     @_after_pipelined_calls
     def load_state(
@@ -422,7 +422,7 @@ class SessionClient:
         operation = _operation(operation_key, expected_position, include_digest)
         request = pb.LoadStateRequest(operation=operation, name=name)
         response = self._call("LoadState", self._stub.LoadState, request)
-        return wire.load_state_from_proto(response, name)
+        return codec.load_state_from_proto(response, name)
 
     @_after_pipelined_calls
     def load_weights(
@@ -436,10 +436,10 @@ class SessionClient:
         """Copy weights from ``checkpoint:NAME``, ``export:NAME`` or a model path (model root)."""
         request = pb.LoadWeightsRequest(
             operation=_operation(operation_key, expected_position, include_digest),
-            **wire.weights_source_to_proto(outcomes.WeightsSource.parse(source)),
+            **codec.weights_source_to_proto(outcomes.WeightsSource.parse(source)),
         )
         response = self._call("LoadWeights", self._stub.LoadWeights, request)
-        return wire.load_weights_from_proto(response)
+        return codec.load_weights_from_proto(response)
 
     @_after_pipelined_calls
     def export_weights(
@@ -483,8 +483,8 @@ class SessionClient:
         """
         request = pb.CloseRequest(run_id=run_id or "")
         response = self._call("Close", self._stub.Close, request)
-        return wire.session_info_from_proto(response.info)
+        return codec.session_info_from_proto(response.info)
 
 
 def _operation(key: str, expected_position: int | None, include_digest: bool) -> pb.Operation:
-    return wire.operation_to_proto(outcomes.OperationSpec(key, expected_position, include_digest))
+    return codec.operation_to_proto(outcomes.OperationSpec(key, expected_position, include_digest))

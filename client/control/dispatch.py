@@ -19,11 +19,11 @@ from typing import Any
 
 import grpc
 
-from trainwire.client.controller import DEFAULT_RECOVERY_TIMEOUT_S
-from trainwire.client.manifest import load_plan
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import Progress
-from trainwire.client.results import TrainingResult
+from trainwire.client.control.controller import DEFAULT_RECOVERY_TIMEOUT_S
+from trainwire.contract.planning.manifest import load_plan
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.run.progress import Progress
+from trainwire.contract.run.results import TrainingResult
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class Dispatcher:
 
     def _drive(self, server: str, job: DispatchJob) -> bool:
         """Drive one run to its end on ``server``; False when it failed."""
-        from trainwire.client.controller import Controller
+        from trainwire.client.control.controller import Controller
 
         with self.lock:
             job.status.server, job.status.state = server, "running"

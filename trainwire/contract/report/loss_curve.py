@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.progress_text import format_value, metric_name
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.report.progress_text import format_value, metric_name
 
 LOSS_KEY = "eval_loss"
 

@@ -7,9 +7,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import InputExample
-from trainwire.client.files import write_bytes_atomic
-from trainwire.client.plan import ManagedTrainingPlan
+from trainwire.contract.config import InputExample
+from trainwire.contract.files import write_bytes_atomic
+from trainwire.contract.planning.plan import ManagedTrainingPlan
 
 
 def read_examples_jsonl(path: str | Path) -> list[InputExample]:

@@ -16,13 +16,13 @@ from typing import Any
 
 import grpc
 
-from trainwire.client.config import InputExample
-from trainwire.client.cursor import Record, WorkDirectory
-from trainwire.client.pipeline import OperationPipeline
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.replay import RunState, StepOutcome, checkpoint_due
-from trainwire.client.retry import position_from_error
-from trainwire.client.selection import BEST_CHECKPOINT
+from trainwire.client.control.cursor import Record, WorkDirectory
+from trainwire.client.session.pipeline import OperationPipeline
+from trainwire.client.session.retry import position_from_error
+from trainwire.contract.config import InputExample
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.run.replay import RunState, StepOutcome, checkpoint_due
+from trainwire.contract.run.selection import BEST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 

@@ -20,28 +20,28 @@ from typing import Any
 
 import grpc
 
-from trainwire.client.artifacts import SUMMARY_JSON, write_run_artifacts
-from trainwire.client.cursor import WorkDirectory
-from trainwire.client.errors import ServerUnreachable
-from trainwire.client.pipeline import DEFAULT_WINDOW
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.progress import Progress
-from trainwire.client.progress_text import duration_text
-from trainwire.client.remote_replay import (
+from trainwire.client.control.cursor import WorkDirectory
+from trainwire.client.control.remote_replay import (
     KeyedSession,
     PositionMoved,
     RemoteBackend,
     microbatch_of_key,
 )
-from trainwire.client.replay import (
+from trainwire.client.session.errors import ServerUnreachable
+from trainwire.client.session.pipeline import DEFAULT_WINDOW
+from trainwire.client.session.retry import RETRYABLE_CODES, RetryPolicy
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.report.artifacts import SUMMARY_JSON, write_run_artifacts
+from trainwire.contract.report.progress_text import duration_text
+from trainwire.contract.run.progress import Progress
+from trainwire.contract.run.replay import (
     RunState,
     checkpoint_due,
     replay,
     training_result,
 )
-from trainwire.client.results import TrainingResult
-from trainwire.client.retry import RETRYABLE_CODES, RetryPolicy
-from trainwire.client.selection import BEST_CHECKPOINT
+from trainwire.contract.run.results import TrainingResult
+from trainwire.contract.run.selection import BEST_CHECKPOINT
 
 logger = logging.getLogger(__name__)
 

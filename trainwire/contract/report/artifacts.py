@@ -14,11 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainwire.client.config import TrainingConfig
-from trainwire.client.files import write_bytes_atomic, write_text_atomic
-from trainwire.client.loss_curve import CurveLabels, loss_curve_png
-from trainwire.client.plan import ManagedTrainingPlan
-from trainwire.client.results import TrainingResult
+from trainwire.contract.config import TrainingConfig
+from trainwire.contract.files import write_bytes_atomic, write_text_atomic
+from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.report.loss_curve import CurveLabels, loss_curve_png
+from trainwire.contract.run.results import TrainingResult
 
 SUMMARY_FORMAT = "trainwire.summary/v1"
 SUMMARY_STEM = "training_summary"

@@ -27,7 +27,7 @@ class TrainingResult:
         best_step, best_epoch: where the best evaluation happened.
         stopped_step: the last update applied.
         history: one record per update and per evaluation, in order
-            (``trainwire.client.history``).
+            (``trainwire.contract.run.history``).
         state_digest: the session's digest at the end of the run.
     """
 

@@ -14,13 +14,13 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from trainwire.client.tokens import TokenExample
+from trainwire.contract.tokens import TokenExample
 
 if TYPE_CHECKING:
     import torch
 
-    from trainwire.client.outcomes import ForwardBackwardOutcome
-    from trainwire.client.session_client import SessionClient
+    from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.outcomes import ForwardBackwardOutcome
 
 CustomLoss = Callable[[list["torch.Tensor"]], "torch.Tensor"]
 

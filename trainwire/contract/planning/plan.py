@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from trainwire.client.config import (
+from trainwire.contract.config import (
     InputExample,
     TrainingConfig,
     canonical_json,

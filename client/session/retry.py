@@ -15,8 +15,8 @@ from typing import TypeVar
 
 import grpc
 
-from trainwire.client.errors import ServerUnreachable
-from trainwire.client.wire import POSITION_METADATA_KEY
+from trainwire.client.session.errors import ServerUnreachable
+from trainwire.contract.codec import POSITION_METADATA_KEY
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The proto codec: the service's domain types (``trainwire.client.outcomes``) to and from the
+"""The proto codec: the service's domain types (``trainwire.contract.outcomes``) to and from the
 generated ``trainwire.v1`` messages. The servicer encodes with it and ``SessionClient`` decodes;
 nothing else touches protobuf.
 """
@@ -9,8 +9,8 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from trainwire.client.config import InputExample
-from trainwire.client.outcomes import (
+from trainwire.contract.config import InputExample
+from trainwire.contract.outcomes import (
     CLOSED,
     FAILED,
     FORMAT_ADAPTER,
@@ -32,7 +32,7 @@ from trainwire.client.outcomes import (
     SessionInfo,
     WeightsSource,
 )
-from trainwire.client.tokens import DEFAULT_LOSS, Examples, TokenExample, is_token_batch
+from trainwire.contract.tokens import DEFAULT_LOSS, Examples, TokenExample, is_token_batch
 from trainwire.v1 import session_pb2 as pb
 
 _STATE_TO_PROTO = {
