@@ -143,8 +143,9 @@ def _check_export(request: ExportWeightsRequest, _root: Path | None) -> None:
 
 
 def _forward_backward_payload(request: ForwardBackwardRequest) -> dict[str, Any]:
-    """Text batches digest as they always have; token batches add the loss and its settings,
-    so another loss under the same key is refused."""
+    """Text batches digest their examples alone (a digest that changed would refuse a re-sent key
+    that a journal recorded as another payload); token batches add the loss and its settings, so
+    another loss under the same key is refused."""
     named = {"loss_fn": request.loss_fn, "loss_fn_config": dict(request.loss_fn_config)}
     examples = request.examples
     if examples and isinstance(examples[0], TokenExample):
@@ -156,8 +157,8 @@ def _forward_backward_payload(request: ForwardBackwardRequest) -> dict[str, Any]
 
 
 def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
-    """Every setting given; a step with the defaults digests as ``{}`` (journals written before
-    steps took settings hold that digest for a plain step)."""
+    """Every setting given; a step with the defaults digests as ``{}``, the digest every journal
+    holds for a plain step."""
     payload: dict[str, Any] = {
         name: value
         for name, value in dataclasses.asdict(_update_settings(request)).items()
@@ -169,7 +170,7 @@ def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
 
 
 def _checkpoint_payload(request: CheckpointRequest) -> dict[str, Any]:
-    """The name; another run's adds its id (this run's digests as they always have)."""
+    """The name; another run's adds its id (this run's name alone, the digest journals hold)."""
     return {"name": request.name, **({"run_id": request.run_id} if request.run_id else {})}
 
 
