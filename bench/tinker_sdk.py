@@ -35,7 +35,7 @@ from tinker import types
 
 from trainwire.client import SessionClient, TokenExample
 from trainwire.server.process import ServerHandle, serve
-from trainwire.server.tinker.model import training_config
+from trainwire.server.tinker.model import fit_lora_roles, fit_max_length, training_config
 from trainwire.testing import free_port, make_tiny_model, tiny_text_examples
 
 KEY = "tml-trainwire-bench"
@@ -162,7 +162,9 @@ def compare(
         service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
         training = service.create_lora_training_client(base_model=model, rank=4).result()
         tokenizer = training.get_tokenizer()
+        # The config the front builds for the SDK's model (``ModelSlot.create_model``).
         config = training_config({"base_model": model, "lora_config": {"rank": 4}})
+        config = fit_lora_roles(fit_max_length(config, models / model), models / model)
         own = SessionClient(f"127.0.0.1:{own_port}", timeout_s=120)
         own.wait_until_serving()
         own.open("bench", config)
