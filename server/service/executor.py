@@ -4,7 +4,7 @@ One thread, so nothing interleaves inside the engine and torch always runs on th
 Bounded, because every gRPC handler that waits for the session holds one of the server's
 threads: past ``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than
 kept, so threads stay free for health checks and ``Info``, which answer at once whatever waits.
-A call counts from the moment it is ``admitted`` (a keyed call waiting at the position gate for
+A call counts from the moment it is ``admitted`` (a keyed call held in position order for
 its predecessor counts as much as one queued here) until it ends: one bound for every wait.
 """
 
@@ -30,7 +30,7 @@ class SessionExecutor:
         self.max_queued = max_queued
         self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
         self._lock = threading.Lock()
-        self.waiting = 0  # admitted calls: held at the position gate, queued or running
+        self.waiting = 0  # admitted calls: held in position order, queued or running
         self._on_worker = 0  # queued on the worker thread or running there
         self._released = False
         # Moves with every call queued that samples may not decode beside (see ``run``).
