@@ -206,13 +206,9 @@ def test_a_sample_reports_the_trainers_chunked_logprobs_bit_for_bit(chunked_sess
 
 
 def steps(session: TrainingSession) -> list[Any]:
-    """Token microbatches under two losses, accumulation and two updates: what each gave."""
-    seen = [session.forward_backward(tiny_token_examples(3, seed=1), loss_fn="ppo")]
-    seen.append(session.forward_backward(tiny_token_examples(2, seed=2)))
-    seen.append(session.optim_step())
-    seen.append(session.forward_backward(tiny_token_examples(3, seed=3), loss_fn="cispo"))
-    seen.append(session.optim_step())
-    return seen
+    """Token microbatches under two losses and text ones, accumulation and two updates: what
+    each gave."""
+    return [call(session) for call in steps_as_calls()]
 
 
 def test_chunked_training_repeats_bit_for_bit_and_with_gradient_checkpointing(
@@ -246,9 +242,10 @@ def test_a_chunked_run_resumes_from_every_cut_to_the_uninterrupted_bits(
 def steps_as_calls() -> list[Any]:
     return [
         lambda s: s.forward_backward(tiny_token_examples(3, seed=1), loss_fn="ppo"),
-        lambda s: s.forward_backward(tiny_token_examples(2, seed=2)),
+        lambda s: s.forward_backward(tiny_text_examples(3, seed=1)),
         lambda s: s.optim_step(),
         lambda s: s.forward_backward(tiny_token_examples(3, seed=3), loss_fn="cispo"),
+        lambda s: s.forward_backward(tiny_text_examples(3, seed=2)),
         lambda s: s.optim_step(),
     ]
 
@@ -257,7 +254,7 @@ def steps_as_calls() -> list[Any]:
 
 
 def two_ranks_chunked(spec: dict[str, Any], group: Any) -> dict[str, Any]:
-    """On each rank: the token operations on a chunked session, plain and with gradient
+    """On each rank: the token and text operations on a chunked session, plain and with gradient
     checkpointing, and a sample with its logprobs and the forward of it."""
     report = {}
     for name, checkpointing in (("plain", False), ("checkpointed", True)):
@@ -288,7 +285,9 @@ def workers_operations(session: TrainingSession) -> list[Any]:
     for loss_fn in ("cross_entropy", "ppo", "gspo"):
         out = session.forward_backward(workers.token_examples(), loss_fn=loss_fn)
         seen.append([out.loss, out.logprobs])
+    seen.append(session.forward_backward(workers.TEXTS[:3]))
     seen.append(session.optim_step().grad_norm)
+    seen.append(session.forward(workers.TEXTS[3:]).loss)
     seen.append(session.forward(workers.token_examples()).logprobs)
     return seen
 
