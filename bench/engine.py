@@ -15,7 +15,11 @@
     does per step (tokenizing and padding, its RNG and lock, the gradient norm read back), and
     the plain loop's is the bare step. Steps alternate one by one (ABBA order) after warmup;
     times are medians, the ratio is the median over adjacent pairs. Both sides train on the same
-    batches in the same order, so their weights must end bit-identical ("same bits").
+    batches in the same order, so their weights end equal to float tolerance, not bit for bit:
+    the engine's causal-lm loss sums the same terms in chunks of positions (``chunked_logprobs``,
+    which never holds ``[tokens x vocabulary]``), the plain loop's is transformers' over the
+    whole logits. ``max |dw|`` is the largest weight difference at the end, held to
+    ``SAME_WEIGHTS_ATOL`` in fp32 (in bf16 one rounding apart is a weight's last bit).
     Goal: engine / plain <= 1.05 on CPU (<= 1.03 on a GPU). MFU counts 6N + 12·L·d·S FLOPs a
     token for full weights, 4N + 8·L·d·S (+ 6 per adapter parameter) for LoRA.
 
@@ -61,6 +65,10 @@ from trainwire.testing import make_tiny_model
 
 CORPUS = Path(__file__).resolve().parents[1] / "trainwire" / "data" / "corpus.txt"
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+# How far apart the engine's and the plain loop's fp32 weights may end: their losses differ in
+# the last bits of a float sum, and AdamW moves a weight by about the learning rate (1e-4) a
+# step, so a step that went wrong shows far above this.
+SAME_WEIGHTS_ATOL = 1e-5
 
 SMALL_LLAMA = {  # the CPU model: 4 layers x 256 hidden
     "arch": "llama",
@@ -225,9 +233,12 @@ def compare_steps(model: Path, setup: Setup, batch: int, length: int, lora: bool
     for examples in batches:
         times["encode"].append(timed(lambda e=examples: session.encoder.encode(e), setup.device))
     engine_params = dict(session.model.named_parameters())
-    same = all(torch.equal(engine_params[n], p) for n, p in plain.model.named_parameters())
+    with torch.no_grad():
+        apart = max(
+            float((engine_params[n] - p).abs().max()) for n, p in plain.model.named_parameters()
+        )
     result = {side: statistics.median(values) for side, values in times.items()}
-    result["same_bits"] = same
+    result["weights_apart"] = apart
     result["parameters"] = sum(p.numel() for p in session.model.parameters())
     result["trainable"] = sum(p.numel() for p in session.trainable_parameters())
     return result
@@ -253,7 +264,7 @@ def peak_flops(device: str) -> float | None:
 def print_steps(model: Path, setup: Setup) -> None:
     print(f"\n(1) training step: engine vs plain loop ({setup.device}, {setup.precision})")
     print(f"{'':24} {'engine ms':>10} {'plain ms':>10} {'ratio':>7} {'tokens/s':>10} "
-          f"{'MFU':>6} {'encode ms':>10}  same bits")  # fmt: skip
+          f"{'MFU':>6} {'encode ms':>10}  max |dw|")  # fmt: skip
     peak = peak_flops(setup.device)
     for batch, length in setup.batches:
         for lora in (False, True):
@@ -265,10 +276,15 @@ def print_steps(model: Path, setup: Setup) -> None:
             print(
                 f"{label:24} {result['engine'] * 1e3:10.1f} {result['plain'] * 1e3:10.1f} "
                 f"{result['ratio']:7.3f} {tokens / result['engine']:10.0f} "
-                f"{mfu} {result['encode'] * 1e3:10.2f}  {'yes' if result['same_bits'] else 'NO'}"
+                f"{mfu} {result['encode'] * 1e3:10.2f}  {result['weights_apart']:.1e}"
+                f"{' (too far)' if too_far(result, setup) else ''}"
             )
             if setup.device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def too_far(result: dict, setup: Setup) -> bool:
+    return setup.precision == "fp32" and result["weights_apart"] > SAME_WEIGHTS_ATOL
 
 
 def state_tensors(session: TrainingSession) -> dict[str, dict[str, torch.Tensor]]:

@@ -1,14 +1,18 @@
-"""Long sequences: what a token ``forward_backward`` adds to memory, chunked head against whole.
+"""Long sequences: what a ``forward_backward`` adds to memory, chunked head against whole.
 
     python bench/long_context.py                       # CPU: tiny llama, 151,936 vocab, fp32
     python bench/long_context.py --lengths 2048 8192 --plain-lengths 2048
+    python bench/long_context.py --kind text --lengths 2048 --plain-lengths 2048
     python bench/long_context.py --device cuda         # GPU: Qwen2.5-0.5B shape, bf16, sdpa
 
-One sequence of random ids, ``cross_entropy``, full weights and LoRA (r=16, every linear layer
-but the head). Two paths on the same sequence: ``chunked`` is the engine's (``chunked_logprobs``:
-the head, log-softmax and the gathered targets over chunks of positions, recomputed in the
-backward); ``whole`` is the path the engine had before, the model's whole logits, gathered minus
-``logsumexp``, installed through a ``LossHook`` (the engine's public customization point).
+One sequence, full weights and LoRA (r=16, every linear layer but the head): ``--kind tokens``
+(the default) is a ``TokenExample`` of random ids under ``cross_entropy``; ``--kind text`` is a
+causal-lm ``InputExample`` of corpus text cut to the length (``truncation``), under the text
+path's native loss. Two paths on the same sequence: ``chunked`` is the engine's
+(``chunked_logprobs``: the head, log-softmax and the gathered targets over chunks of positions,
+recomputed in the backward); ``whole`` is the path the engine had before, installed through a
+``LossHook`` (the engine's public customization point): for tokens the model's whole logits,
+gathered minus ``logsumexp``; for text the model's own loss (``model(**inputs).loss``).
 
 Each (length, setup, path) runs in two fresh processes, one for memory and one for time: the
 session loads and one warmup ``forward_backward`` allocates the gradients. Peak added = the
@@ -36,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine import QWEN2_05B, write_model  # bench/engine.py
+from engine import QWEN2_05B, long_texts, write_model  # bench/engine.py
 
 from trainwire.client import LoraSettings, TrainingConfig
 from trainwire.contract.tokens import TokenExample
@@ -60,11 +64,15 @@ SHAPES = {
 }
 SETUPS = ("full", "lora")
 PATHS = ("chunked", "whole")
+KINDS = ("tokens", "text")
 MMAP_THRESHOLD_BYTES = 65536
 
 
 class WholeLogitsHook(LossHook):
-    """The engine's token path before chunking: the model's logits for every position at once."""
+    """The engine's paths before chunking: the model's logits for every position at once."""
+
+    def compute_loss(self, model, batch, *, training):
+        return model(**batch.inputs)
 
     def compute_token_loss(self, model, batch, loss, config, *, training):
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -112,12 +120,17 @@ def measure_one(args: argparse.Namespace) -> dict[str, Any]:
         precision="bf16" if args.device == "cuda" else "fp32",
         lora=LoraSettings(r=16, alpha=32) if args.setup == "lora" else None,
         gradient_checkpointing=args.gradient_checkpointing,
+        truncation=args.kind == "text",
     )
     hook = WholeLogitsHook if args.path == "whole" else LossHook
     session = TrainingSession(config, device=args.device, loss_hook=hook)
-    generator = torch.Generator().manual_seed(args.length)
-    ids = torch.randint(0, QWEN_VOCAB, (args.length + 1,), generator=generator).tolist()
-    example = [TokenExample(ids[:-1], ids[1:])]
+    if args.kind == "text":
+        example = long_texts(session.tokenizer, 1, args.length, seed=0)
+        assert session.encoder.encode(example).token_count == args.length
+    else:
+        generator = torch.Generator().manual_seed(args.length)
+        ids = torch.randint(0, QWEN_VOCAB, (args.length + 1,), generator=generator).tolist()
+        example = [TokenExample(ids[:-1], ids[1:])]
     session.forward_backward(example)  # warmup: gradients allocated, kernels chosen
     assert dtype == session.dtype
     if args.measure == "memory":
@@ -162,6 +175,8 @@ def _child(args, model: Path, length: int, setup: str, path: str, measure: str):
         str(args.steps),
         "--measure",
         measure,
+        "--kind",
+        args.kind,
     ]
     if args.gradient_checkpointing:
         command.append("--gradient-checkpointing")
@@ -182,6 +197,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", help="default: cpu 2048 8192")
     parser.add_argument("--plain-lengths", type=int, nargs="*", help="whole logits at these")
     parser.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
+    parser.add_argument("--kind", choices=KINDS, default="tokens", help="the example's kind")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     parser.add_argument("--threads", type=int)
@@ -208,7 +224,8 @@ def main() -> None:
     shape_name = "qwen2.5-0.5b" if cuda else "tiny-qwen-vocab"
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, {shape_name}, "
-        f"{'bf16' if cuda else 'fp32'}, gradient checkpointing {args.gradient_checkpointing}"
+        f"{'bf16' if cuda else 'fp32'}, {args.kind}, "
+        f"gradient checkpointing {args.gradient_checkpointing}"
         + (f", {torch.cuda.get_device_name()}" if cuda else "")
     )
     print("| tokens | setup | path | peak added (GB) | x fp32 logits | step (s) | vs whole |")

@@ -8,7 +8,7 @@ One session per model (full weights, then LoRA r=16 on every linear layer) runs 
 step, each ``forward_backward`` + ``optim_step``, on the same tokens:
 
 - ``text``: text examples through the text path (tokenized with special tokens and EOS, labels =
-  ids, the model's native loss);
+  ids, the causal-lm mean cross-entropy, on the chunked logprobs path ``ce`` takes too);
 - ``ce``: ``TokenExample(tokens=ids[:-1], target_tokens=ids[1:])`` from exactly the ids the text
   path encodes (read back from the session's own ``BatchEncoder``), ``cross_entropy``;
 - ``is`` and ``ppo``: the same token examples with the sampling logprobs (the session's own

@@ -1,7 +1,7 @@
-"""Token logprobs and losses over chunks of positions (``chunked_logprobs``): never a logits
-tensor for every token, the plain values to float tolerance, and every exactness promise kept
-(run to run, across a resume, the sampler's logprobs the trainer's, gradient checkpointing, two
-ranks)."""
+"""Token logprobs and losses over chunks of positions (``chunked_logprobs``), text causal-lm
+losses included: never a logits tensor for every token, the plain values to float tolerance, and
+every exactness promise kept (run to run, across a resume, the sampler's logprobs the trainer's,
+gradient checkpointing, two ranks)."""
 
 from __future__ import annotations
 
@@ -15,15 +15,17 @@ import sharded_workers as workers
 import torch
 from fresh_state import fresh_digest
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainwire.client import LoraSettings, TokenExample
+from trainwire.client import InputExample, LoraSettings, TokenExample, TrainingConfig
+from trainwire.server.engine.loss.batching import BatchEncoder
 from trainwire.server.engine.loss.chunked_logprobs import (
     chunked_target_logprobs,
     positions_per_chunk,
 )
+from trainwire.server.engine.loss.loss_hook import causal_lm_loss
 from trainwire.server.engine.session import TrainingSession
-from trainwire.testing import make_tiny_architecture, tiny_token_examples
+from trainwire.testing import make_tiny_architecture, tiny_text_examples, tiny_token_examples
 
 VOCAB = 500  # the tiny llama's
 CHUNK = 3  # positions a chunk: every test sequence spans several chunks
@@ -80,6 +82,28 @@ def test_no_step_holds_logits_for_every_token(llama_config, setup) -> None:
         assert seen.rows <= max(CHUNK, session.model.config.hidden_size) < 100, seen.rows
 
 
+LONG_TEXT = "The movie was good, and the food was great. " * 40  # about 480 tokens
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_no_text_step_holds_logits_for_every_token(llama_config, setup) -> None:
+    """A causal-lm text of 256 tokens, whole and as prompt + completion: the model's own loss
+    held 256 x 500 logits; the chunked one at most one chunk's rows, in the forward and the
+    backward alike."""
+    config = llama_config(lora=SETUPS[setup], max_length=256, truncation=True)
+    session = TrainingSession(config, device="cpu", logits_chunk_bytes=CHUNK_BYTES)
+    whole, completed = InputExample(LONG_TEXT), InputExample(LONG_TEXT[:200], completion=LONG_TEXT)
+    for call in (
+        lambda: session.forward_backward([whole]),
+        lambda: session.forward_backward([completed, whole]),
+        lambda: session.forward([whole]),
+    ):
+        with LargestVocabularyRows(VOCAB) as seen:
+            call()
+        assert seen.rows <= max(CHUNK, session.model.config.hidden_size) < 100, seen.rows
+    assert session.last_token_count == 2 * 256
+
+
 def test_the_chunk_size_comes_from_the_vocabulary_and_the_budget_alone() -> None:
     assert positions_per_chunk(151936, 32 * 2**20) == 55
     assert positions_per_chunk(VOCAB, CHUNK_BYTES) == CHUNK
@@ -134,6 +158,36 @@ def test_chunked_logprobs_and_gradients_equal_the_whole_logits_to_float_toleranc
         assert torch.allclose(chunked[name], value, rtol=RTOL, atol=ATOL), name
 
 
+@pytest.mark.parametrize("arch", ["llama3", "gemma2"])
+def test_the_chunked_text_loss_and_gradients_equal_transformers_to_float_tolerance(
+    tmp_path: Path, arch: str
+) -> None:
+    """A padded batch of whole texts and prompt + completion rows, in chunks of 3 positions:
+    transformers' ``ForCausalLMLoss`` (the shift, ``-100`` ignored, the mean over the counted
+    labels) to the tolerance above, loss and every gradient. Gemma 2's soft cap set tight."""
+    directory = make_tiny_architecture(tmp_path, arch)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    if arch == "gemma2":
+        model.config.final_logit_softcapping = 0.5
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    config = TrainingConfig(model=str(directory), task="causal-lm", max_length=64)
+    encoder = BatchEncoder(tokenizer, config, torch.device("cpu"))
+    encoder.logits_chunk_bytes = CHUNK * model.get_output_embeddings().out_features * 4
+    batch = encoder.encode(tiny_text_examples(6, seed=3))
+    labels = batch.inputs["labels"]
+    assert (labels == -100).any(dim=1).all(), "every row has padding or a prompt to ignore"
+    results = []
+    for compute in (lambda: model(**batch.inputs).loss, lambda: causal_lm_loss(model, batch)):
+        model.zero_grad(set_to_none=True)
+        loss = compute()
+        loss.backward()
+        results.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        results[-1]["loss"] = loss.detach()
+    plain, chunked = results
+    for name, value in plain.items():
+        assert torch.allclose(chunked[name], value, rtol=RTOL, atol=ATOL), name
+
+
 @pytest.fixture(params=list(SETUPS))
 def chunked_session(request, llama_config):
     def make(**overrides: Any) -> TrainingSession:
@@ -155,13 +209,9 @@ def test_a_sample_reports_the_trainers_chunked_logprobs_bit_for_bit(chunked_sess
 
 
 def steps(session: TrainingSession) -> list[Any]:
-    """Token microbatches under two losses, accumulation and two updates: what each gave."""
-    seen = [session.forward_backward(tiny_token_examples(3, seed=1), loss_fn="ppo")]
-    seen.append(session.forward_backward(tiny_token_examples(2, seed=2)))
-    seen.append(session.optim_step())
-    seen.append(session.forward_backward(tiny_token_examples(3, seed=3), loss_fn="cispo"))
-    seen.append(session.optim_step())
-    return seen
+    """Token microbatches under two losses and text ones, accumulation and two updates: what
+    each gave."""
+    return [call(session) for call in steps_as_calls()]
 
 
 def test_chunked_training_repeats_bit_for_bit_and_with_gradient_checkpointing(
@@ -195,9 +245,10 @@ def test_a_chunked_run_resumes_from_every_cut_to_the_uninterrupted_bits(
 def steps_as_calls() -> list[Any]:
     return [
         lambda s: s.forward_backward(tiny_token_examples(3, seed=1), loss_fn="ppo"),
-        lambda s: s.forward_backward(tiny_token_examples(2, seed=2)),
+        lambda s: s.forward_backward(tiny_text_examples(3, seed=1)),
         lambda s: s.optim_step(),
         lambda s: s.forward_backward(tiny_token_examples(3, seed=3), loss_fn="cispo"),
+        lambda s: s.forward_backward(tiny_text_examples(3, seed=2)),
         lambda s: s.optim_step(),
     ]
 
@@ -206,7 +257,7 @@ def steps_as_calls() -> list[Any]:
 
 
 def two_ranks_chunked(spec: dict[str, Any], group: Any) -> dict[str, Any]:
-    """On each rank: the token operations on a chunked session, plain and with gradient
+    """On each rank: the token and text operations on a chunked session, plain and with gradient
     checkpointing, and a sample with its logprobs and the forward of it."""
     report = {}
     for name, checkpointing in (("plain", False), ("checkpointed", True)):
@@ -237,7 +288,9 @@ def workers_operations(session: TrainingSession) -> list[Any]:
     for loss_fn in ("cross_entropy", "ppo", "gspo"):
         out = session.forward_backward(workers.token_examples(), loss_fn=loss_fn)
         seen.append([out.loss, out.logprobs])
+    seen.append(session.forward_backward(workers.TEXTS[:3]))
     seen.append(session.optim_step().grad_norm)
+    seen.append(session.forward(workers.TEXTS[3:]).loss)
     seen.append(session.forward(workers.token_examples()).logprobs)
     return seen
 

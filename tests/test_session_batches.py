@@ -60,8 +60,10 @@ def test_the_loss_counts_completion_tokens_only(llama_config) -> None:
     every_token = cross_entropy(logits, targets).item()
 
     loss = session.forward([example]).loss
-    assert loss == completion_only
-    assert loss != every_token
+    # The session sums the logprobs in chunks (``chunked_logprobs``), cross_entropy over the
+    # whole logits: the same mean of 3 terms of magnitude ~6, a few ulps apart at most.
+    assert loss == pytest.approx(completion_only, rel=1e-6, abs=0)
+    assert loss != pytest.approx(every_token, rel=1e-3)
     assert session.forward([InputExample(PROMPT + " 3.")]).loss != loss
 
 
@@ -82,6 +84,15 @@ def test_truncation_cuts_long_examples_only_when_asked(llama_config) -> None:
     truncating.forward_backward([InputExample(long_text)])
     with pytest.raises(InvalidArgument, match="leaves no completion token to learn"):
         truncating.forward_backward([InputExample(long_text, completion=" yes")])
+
+
+def test_a_text_cut_to_one_token_is_refused_for_it_predicts_nothing(llama_config) -> None:
+    """A causal-lm loss is a mean over the tokens a text predicts: one token predicts none."""
+    session = TrainingSession(llama_config(max_length=1, truncation=True))
+    digest = fresh_digest(session)
+    with pytest.raises(InvalidArgument, match="example 0: 1 token leaves nothing to learn"):
+        session.forward_backward([InputExample("Hi.")])
+    assert fresh_digest(session) == digest
 
 
 def test_forward_predicts_labels_and_changes_nothing(bert_classifier_config) -> None:

@@ -16,6 +16,7 @@ from plans import drive_plan
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from trainwire.client import ManagedTrainingPlan
+from trainwire.server.engine.loss.loss_hook import LossHook
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import FailedPrecondition
 from trainwire.testing import tiny_sentiment_examples, tiny_text_examples
@@ -123,8 +124,11 @@ def test_cuda_export_reloads_natively_with_the_same_loss(
         model = PeftModel.from_pretrained(base, tmp_path / "export")
     model = model.to("cuda").eval()
     examples = plan.batch(3)
+    # The session's own loss computation on the loaded export: transformers' causal-lm loss
+    # sums the same terms in another order than the chunked one (``chunked_logprobs``).
     with torch.no_grad():
-        loss = model(**session.encoder.encode(examples).inputs).loss.item()
+        batch = session.encoder.encode(examples)
+        loss = LossHook(session.config).compute_loss(model, batch, training=False).loss.item()
     assert loss == session.forward(examples).loss
 
 

@@ -1,10 +1,12 @@
 """TrainingSession steps: forward_backward, optim_step and the schedule equal a plain hand-written
-loop bit for bit (renormalized accumulation, clipping, AdamW groups, gradient checkpointing,
-dropout only in training), a decaying schedule without max_steps holds its rate, and optim_step
-is refused with nothing accumulated.
+loop (renormalized accumulation, clipping, AdamW groups), gradient checkpointing gives the same
+bits, dropout runs only in training, a decaying schedule without max_steps holds its rate, and
+optim_step is refused with nothing accumulated.
 
-Equality is by state digest or exact tensor equality, never by tolerance: on CPU fp32 the engine
-must produce the very bits a plain hand-written loop produces.
+Equality is by state digest or exact tensor equality, except against the plain loop: its loss is
+transformers' own, over the whole logits at once, and the engine's is the chunked one
+(``chunked_logprobs``), another float summation of the same mean; that comparison states its
+tolerance.
 """
 
 from __future__ import annotations
@@ -41,10 +43,19 @@ def test_forward_backward_trains_with_dropout_and_forward_evaluates_without(
     assert session.forward(TEXTS[3:]).loss == evaluated
 
 
+# The plain loop's loss is transformers' cross-entropy over the whole logits; the engine's sums
+# the same terms in chunks and per row, so losses of magnitude ~6 differ by an ulp or two (seen:
+# 1 ulp, 8e-8 relative), the gradient norm likewise. AdamW turns those last bits into weights
+# apart by at most 4.5e-7 after the two updates here, while one update moves a weight by about
+# the learning rate (1e-3): a wrong rate, group, clipping or renormalization is far past 1e-5.
+LOSS_RTOL, NORM_RTOL, WEIGHT_ATOL = 1e-6, 1e-5, 1e-5
+
+
 def test_steps_equal_a_plain_hand_written_loop_with_partial_accumulation(
     llama_config, tiny_llama
 ) -> None:
-    """Renormalize by the microbatches held, clip, AdamW with two groups: the same bits."""
+    """Renormalize by the microbatches held, clip, AdamW with two groups: the plain loop's
+    results to float tolerance (the tolerances above say why not bit for bit)."""
     config = llama_config(gradient_accumulation_steps=3, shuffle=False, max_grad_norm=0.5)
     plan = ManagedTrainingPlan(tiny_text_examples(14), config)
     held_per_update = [3, 2]  # 5 microbatches: one full accumulation, then a partial one of 2
@@ -66,7 +77,7 @@ def test_steps_equal_a_plain_hand_written_loop_with_partial_accumulation(
         loss = model(**session.encoder.encode(plan.batch(i)).inputs).loss
         loss.backward()
         held += 1
-        assert engine_loss == loss.item()
+        assert engine_loss == pytest.approx(loss.item(), rel=LOSS_RTOL, abs=0)
         if not plan.is_update(i):
             continue
         assert held == held_per_update.pop(0)
@@ -80,11 +91,12 @@ def test_steps_equal_a_plain_hand_written_loop_with_partial_accumulation(
         optimizer.zero_grad(set_to_none=True)
         held = 0
         result = session.optim_step()
-        assert (result.grad_norm, result.learning_rate) == (norm.item(), rate)
+        assert result.learning_rate == rate
+        assert result.grad_norm == pytest.approx(norm.item(), rel=NORM_RTOL, abs=0)
 
     engine = dict(session.model.named_parameters())
     for name, parameter in model.named_parameters():
-        assert torch.equal(engine[name], parameter), name
+        torch.testing.assert_close(engine[name], parameter, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
 def test_sum_microbatches_adds_the_gradients_instead_of_averaging_them(llama_config) -> None:

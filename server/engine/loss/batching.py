@@ -29,6 +29,9 @@ class Batch:
     inputs: dict[str, torch.Tensor]
     example_count: int
     token_count: int  # non-padding tokens, for throughput figures
+    # What one chunk of logits may take when a causal-lm loss is computed (``chunked_logprobs``):
+    # the session's, fixed for a run.
+    logits_chunk_bytes: int = LOGITS_CHUNK_BYTES
 
 
 def check_max_length(config: TrainingConfig, model_positions: int | None) -> None:
@@ -64,7 +67,7 @@ class BatchEncoder:
         self.max_length = config.max_length
         self.device = device
         self.label_ids = {label: i for i, label in enumerate(config.labels)}
-        # What one chunk of logits may take in the token batches it encodes (the session's).
+        # What one chunk of logits may take in the batches it encodes (the session's).
         self.logits_chunk_bytes = LOGITS_CHUNK_BYTES
 
     def encode(self, examples: Sequence[InputExample]) -> Batch:
@@ -129,6 +132,11 @@ class BatchEncoder:
         eos = [] if self.tokenizer.eos_token_id is None else [self.tokenizer.eos_token_id]
         if completion is None:
             ids = self._fit(index, prompt + eos)
+            if len(ids) < 2:  # its one token predicts nothing: a loss over no token
+                raise InvalidArgument(
+                    f"example {index}: {len(ids)} token leaves nothing to learn; a causal-lm "
+                    f"text needs at least 2 tokens (max_length is {self.max_length})"
+                )
             return ids, list(ids)
         ids = self._fit(index, prompt + completion + eos)
         labels = ([IGNORE_INDEX] * len(prompt) + completion + eos)[: len(ids)]
@@ -158,4 +166,5 @@ class BatchEncoder:
             inputs={name: tensor.to(self.device) for name, tensor in inputs.items()},
             example_count=len(rows),
             token_count=int(attention_mask.sum()),
+            logits_chunk_bytes=self.logits_chunk_bytes,
         )

@@ -11,9 +11,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import CausalLMOutput
 
 from trainwire.contract.config import TrainingConfig
-from trainwire.server.engine.loss.batching import Batch
+from trainwire.server.engine.loss.batching import IGNORE_INDEX, Batch
+from trainwire.server.engine.loss.chunked_logprobs import chunked_target_logprobs
 from trainwire.server.engine.loss.losses import LossOutput, LossSpec
 from trainwire.server.engine.loss.token_batches import TokenBatch, token_logprobs
 from trainwire.server.errors import InvalidArgument
@@ -32,8 +34,13 @@ class LossHook:
     def compute_loss(self, model: torch.nn.Module, batch: Batch, *, training: bool) -> Any:
         """The model's output for ``batch``; its ``.loss`` is what backward runs on.
 
+        Causal-lm batches return a ``CausalLMOutput`` holding only the loss, computed on the
+        chunked path (``causal_lm_loss``); classification returns the model's own output, whose
+        logits are one row of labels per example.
         ``training`` is False under ``forward``, which must leave the hook's state alone.
         """
+        if self.config.task == "causal-lm":
+            return CausalLMOutput(loss=causal_lm_loss(model, batch))
         return model(**batch.inputs)
 
     def compute_token_loss(
@@ -65,3 +72,29 @@ class LossHook:
 
 
 LossHookFactory = Callable[[TrainingConfig], LossHook]
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """A text batch's causal-lm loss as transformers' ``ForCausalLMLoss`` defines it: position
+    ``t`` predicts label ``t + 1``, and the loss is the mean negative logprob over the labels
+    that are not ``IGNORE_INDEX``, so a session's microbatch and accumulation normalization stay
+    what they are. The logprobs come from ``chunked_target_logprobs``, the path token losses
+    and the sampler take, so a long text never holds ``[tokens x vocabulary]``.
+    """
+    input_ids = batch.inputs["input_ids"]
+    attention_mask = batch.inputs["attention_mask"]
+    targets = batch.inputs["labels"][:, 1:]
+    counted = targets != IGNORE_INDEX
+    # Right-padded: a row's last real position predicts nothing, and no padding position
+    # carries a label, so each row's first length - 1 positions hold every counted target.
+    lengths = [max(int(n) - 1, 0) for n in attention_mask.sum(dim=1).tolist()]
+    logp = chunked_target_logprobs(
+        model,
+        input_ids,
+        attention_mask,
+        targets.clamp(min=0),  # an ignored position scores some id; it is not counted below
+        lengths,
+        budget_bytes=batch.logits_chunk_bytes,
+    )
+    keep = torch.cat([counted[row, :length] for row, length in enumerate(lengths)])
+    return -logp[keep].sum() / keep.sum()

@@ -2,8 +2,9 @@
 
 The engine's forward and forward_backward read the same whatever the batch holds: encode, run
 ``loss`` under the right mode, then ``backward_result`` or ``forward_result``. Text batches run
-the model's native loss (cross-entropy); token batches run a named loss over logprobs through
-the loss hook. The engine never looks at a loss name.
+their task's native loss (causal-lm: cross-entropy over the chunked logprobs; classification: the
+model's own); token batches run a named loss over logprobs. Both go through the loss hook, and
+the engine never looks at a loss name.
 """
 
 from __future__ import annotations

@@ -100,10 +100,10 @@ class TrainingSession:
     with the same arguments: the model is sharded with FSDP2 and each rank trains on its slice
     of every batch (``sharded.sharding``). None is the single-process session.
 
-    ``logits_chunk_bytes`` bounds what one chunk of logits takes when token logprobs are
-    computed (``chunked_logprobs``): training and sampling chunk alike, so samples report the
-    trainer's logprobs. It decides the chunks, and so the bits: a run keeps one value (a resume
-    under another continues to float tolerance, not bit for bit).
+    ``logits_chunk_bytes`` bounds what one chunk of logits takes when token logprobs or a
+    causal-lm text loss are computed (``chunked_logprobs``): training and sampling chunk alike,
+    so samples report the trainer's logprobs. It decides the chunks, and so the bits: a run
+    keeps one value (a resume under another continues to float tolerance, not bit for bit).
     """
 
     def __init__(
