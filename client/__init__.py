@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainwire.client.control.controller import Controller
     from trainwire.client.session.custom_loss import forward_backward_custom
     from trainwire.client.session.errors import ServerUnreachable, SessionError
     from trainwire.client.session.session_client import SessionClient
@@ -50,10 +51,12 @@ _LAZY = {
     "TokenExample": "trainwire.contract.tokens",
     "Sample": "trainwire.contract.outcomes",
     "forward_backward_custom": "trainwire.client.session.custom_loss",
+    "Controller": "trainwire.client.control.controller",
 }
 
 __all__ = [
     "MANIFEST_FORMAT",
+    "Controller",
     "InputExample",
     "LoraSettings",
     "ManagedTrainingPlan",

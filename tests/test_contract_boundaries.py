@@ -100,4 +100,8 @@ def test_the_client_exports_the_contract_types_themselves():
         for name in names:
             assert getattr(trainwire.client, name) is getattr(module, name), name
     listed = {name for names in defined_in.values() for name in names}
-    assert set(trainwire.client.__all__) == listed | {"forward_backward_custom"}
+    assert set(trainwire.client.__all__) == listed | {"forward_backward_custom", "Controller"}
+    # The controller is the client's own (the design card names it under trainwire.client).
+    from trainwire.client.control.controller import Controller
+
+    assert trainwire.client.Controller is Controller

@@ -195,11 +195,13 @@ def test_the_build_context_holds_what_the_build_copies_and_nothing_else(dockerfi
         files += [p for p in path.rglob("*") if p.is_symlink()]  # the package's links
         for file in files:
             relative = file.relative_to(ROOT).as_posix()
-            if "__pycache__" not in relative:
+            # Build leftovers (bytecode, the editable install's metadata in src/) stay out.
+            if "__pycache__" not in relative and ".egg-info/" not in relative:
                 assert not dockerignored(relative, patterns), f"{relative} is left out"
     for outside in (".git/HEAD", ".venv/bin/python", "tests/test_deploy.py", "deploy/README.md"):
         assert dockerignored(outside, patterns), f"{outside} would enter the build context"
     assert dockerignored("trainwire/__pycache__/cli.cpython-311.pyc", patterns)
+    assert dockerignored("src/trainwire.egg-info/PKG-INFO", patterns)
 
 
 def package_folders(folder: str) -> Iterator[Path]:
