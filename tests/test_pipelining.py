@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import grpc
 import pytest
@@ -15,6 +16,7 @@ from service_fixtures import (
     running_server,
     wait_for,
 )
+from test_queue_bounds import hold_forward_backward
 
 from trainwire.client import LoraSettings, ManagedTrainingPlan
 from trainwire.client.control.controller import Controller
@@ -145,6 +147,47 @@ def test_an_operation_that_arrives_before_its_predecessor_waits_and_applies_in_o
     assert [(e.operation_key, e.position) for e in entries] == [("a", 1), ("b", 2)]
     assert results["second"].position == 2
     assert digest == local.state_digest()
+
+
+def test_a_held_operation_waits_while_a_call_without_a_position_runs(
+    tmp_path, model_root, llama_config
+):
+    """A call sent without a position runs outside the order; what is held for a position waits
+    for it as for any running call, past the idle bound, instead of being let go to be refused
+    while its predecessor is still on its way."""
+    config = llama_config(lr_scheduler="constant")
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        host = handle.session_host
+        host.idle_release_s = 0.5
+        client.open("run", config)
+        release = hold_forward_backward(host.session)
+        results: dict[str, object] = {}
+
+        def send(name: str, **position: int) -> None:
+            try:
+                results[name] = client.forward_backward(TEXTS[:2], operation_key=name, **position)
+            except grpc.RpcError as error:
+                results[name] = error.code()
+
+        unnumbered = threading.Thread(target=send, args=("u",))
+        unnumbered.start()
+        wait_for(lambda: host._executor.busy, 60)  # "u" runs, held in the engine
+        second = threading.Thread(target=send, args=("b",), kwargs={"expected_position": 2})
+        second.start()
+        wait_for(lambda: host._executor.waiting == 2, 60)  # "b" admitted, held for position 2
+        # Several idle bounds pass while "u" runs: "b" must still be held, not let go.
+        time.sleep(6 * host.idle_release_s)
+        assert "b" not in results
+        first = threading.Thread(target=send, args=("a",), kwargs={"expected_position": 1})
+        first.start()
+        wait_for(lambda: host._executor.waiting == 3, 60)
+        release.set()
+        for thread in (unnumbered, first, second):
+            thread.join(timeout=60)
+        entries = host.journal.entries()
+    assert [(e.operation_key, e.position) for e in entries] == [("u", 1), ("a", 2), ("b", 3)]
+    assert results["b"].position == 3, results["b"]
 
 
 def test_an_operation_whose_predecessor_never_comes_is_refused_with_the_real_position(

@@ -368,8 +368,8 @@ class SessionHost:
         with self._executor.admitted():
             run_id = self._require_active().spec.run_id
             if op.expected_position is None:  # numbered by no one (or by the intake's stream)
-                job()
-                self.order.position_moved(run_id)
+                with self.order.running_beside(run_id):
+                    job()
             else:
                 self.order.submit_at(run_id, op.expected_position, job)
             outcome, durable = applied.result()

@@ -30,12 +30,13 @@ once every unordered job released before it has ended, as when they ran one at a
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -119,7 +120,7 @@ class StreamOrder:
         self._held: dict[str, dict[int, list[tuple[int, Job]]]] = {}  # seq → [(size, job)]
         self._positions: dict[str, _Positions] = {}  # the streams numbered by a run's position
         self._nouns: dict[str, str] = {}  # what a stream is called in refusals, when not noun
-        self._running = False  # a job released to ``run`` has not ended
+        self._beside = 0  # calls moving a run outside this order now (``running_beside``)
         self._active_at = time.monotonic()  # when a job last started or ended
         self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
@@ -152,12 +153,21 @@ class StreamOrder:
             self._held.setdefault(stream, {})
             self._release(stream)
 
-    def position_moved(self, stream: str) -> None:
-        """The run's position changed outside this order (an operation without a position, a
-        restore): requests held for it may go now."""
+    @contextlib.contextmanager
+    def running_beside(self, stream: str) -> Iterator[None]:
+        """Around a call that moves ``stream``'s run outside this order (a keyed call without a
+        position): requests held for a position wait while it runs, as while a job of the order
+        runs, and look at the position again when it ends."""
         with self._lock:
-            if stream in self._positions:
-                self._release(stream)
+            self._beside += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._beside -= 1
+                self._active_at = time.monotonic()
+                if stream in self._positions:
+                    self._release(stream)
 
     def submit_at(self, stream: str, position: int | None, job: Job) -> None:
         """Queue ``job``, which expects the run of ``stream`` at ``position``, in position order
@@ -326,6 +336,8 @@ class StreamOrder:
     def _release_idle(self) -> float | None:
         """Let the first held request of each run's stream go once nothing has run for its
         ``idle_release_s``; how long to wait before looking again (None: nothing is held)."""
+        if self._beside:
+            return None  # something runs: looked at again when it ends
         wait: float | None = None
         idle = time.monotonic() - self._active_at
         for stream, positions in self._positions.items():
@@ -359,14 +371,14 @@ class StreamOrder:
                 key, size, job = self._ready.popleft()
                 waiting = self._waiting[key]
                 waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
-                self._running, self._active_at = ordered, time.monotonic()
+                self._active_at = time.monotonic()
             counted = partial(self._counted, key, size, job)
             if ordered:
                 try:
                     self._run(counted)
                 finally:
                     with self._lock:
-                        self._running, self._active_at = False, time.monotonic()
+                        self._active_at = time.monotonic()
             else:
                 self._samples.start(counted)
 
