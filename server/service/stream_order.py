@@ -169,20 +169,15 @@ class StreamOrder:
                 if stream in self._positions:
                     self._release(stream)
 
-    def submit_at(self, stream: str, position: int | None, job: Job) -> None:
+    def submit_at(self, stream: str, position: int, job: Job) -> None:
         """Queue ``job``, which expects the run of ``stream`` at ``position``, in position order
-        (see the module docstring), or (None) behind what is released now; ``FailedPrecondition``
-        for a stream not started, ``ResourceExhausted`` when its requests are at their bound."""
+        (see the module docstring); ``FailedPrecondition`` for a stream not started,
+        ``ResourceExhausted`` when its requests are at their bound."""
         with self._lock:
             if stream not in self._positions:
                 raise FailedPrecondition(f"run {stream!r} is not open on this server")
-            floor = self._floor(stream)
-            self._check_room(stream, 0, needed=position is None or position <= floor)
+            self._check_room(stream, 0, needed=position <= self._floor(stream))
             self._take(stream, 0)
-            if position is None:
-                self._queue(stream, 0, job)
-                self._lock.notify_all()
-                return
             self._held[stream].setdefault(position, []).append((0, job))
             self._release(stream)
 
@@ -215,7 +210,8 @@ class StreamOrder:
         """
         with self._lock:
             if stream not in self._next:
-                raise FailedPrecondition(f"{self._noun} {stream!r} is not open on this server")
+                noun = self._nouns.get(stream, self._noun)  # kept past the stream's end
+                raise FailedPrecondition(f"{noun} {stream!r} is not open on this server")
             seen = self._seen.get((stream, seq))
             if seen is not None:
                 if seen != digest:
