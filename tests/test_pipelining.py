@@ -190,6 +190,34 @@ def test_a_held_operation_waits_while_a_call_without_a_position_runs(
     assert results["b"].position == 3, results["b"]
 
 
+def test_a_server_stopping_refuses_an_operation_held_for_its_position_and_leaves_no_thread(
+    tmp_path, model_root, llama_config
+):
+    """Stopping the server answers a call held for a predecessor that will not come with
+    UNAVAILABLE at once, whatever the idle bound, and no handler thread is left waiting."""
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        host = handle.session_host
+        host.idle_release_s = 3600.0  # only the shutdown lets it go
+        client.open("run", llama_config())
+        codes: list[grpc.StatusCode] = []
+
+        def send() -> None:
+            try:
+                client.forward_backward(TEXTS[:2], operation_key="x", expected_position=5)
+            except grpc.RpcError as error:
+                codes.append(error.code())
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        wait_for(lambda: host._executor.waiting == 1, 60)  # admitted, held for position 5
+        handle.stop()
+        sender.join(timeout=60)
+        assert codes == [grpc.StatusCode.UNAVAILABLE]
+        wait_for(lambda: host._executor.waiting == 0, 60)  # the handler's wait has ended
+        client.close_channel()
+
+
 def test_an_operation_whose_predecessor_never_comes_is_refused_with_the_real_position(
     tmp_path, model_root, llama_config
 ):

@@ -251,8 +251,10 @@ class SessionHost:
         )
 
     def begin_shutdown(self) -> None:
-        """Refuse new operations (UNAVAILABLE); the one in flight finishes and commits."""
+        """Refuse new operations (UNAVAILABLE); the one in flight finishes and commits, and one
+        held for its position is refused now."""
         self.lifecycle.begin_shutdown()
+        self.order.release_positions()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no operation runs; False if ``timeout_s`` passed first."""

@@ -89,6 +89,7 @@ class Intake:
         # its weights, which may open a model for sampling.
         self.serial = threading.Lock()
         self._recovered = threading.Event()
+        self._stopped = False
         self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
@@ -108,6 +109,10 @@ class Intake:
         }
 
     def stop(self) -> None:
+        """Take no turn any more: a request queued in the order and not yet run stays in the log,
+        and the next start replays it (a job waiting for a recovery that will not come ends)."""
+        self._stopped = True
+        self._recovered.set()
         self._finisher.shutdown()
         self.log.close()
 
@@ -192,7 +197,8 @@ class Intake:
 
     def _when_recovered(self, job: Callable[[], None]) -> None:
         self._recovered.wait()
-        job()
+        if not self._stopped:
+            job()
 
     def _recorded(self, request_id: str) -> ResultRecord | None:
         return self._replayed.get(request_id) if self._replayed is not None else None

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import threading
 import time
 from collections import defaultdict, deque
@@ -42,6 +43,8 @@ from functools import partial
 from typing import Any
 
 from trainwire.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_HELD = 1024  # requests waiting to run, per stream and unordered; more are refused
 # Bytes of decoded requests taken and not yet run, per stream and unordered. A maximal
@@ -264,7 +267,19 @@ class StreamOrder:
             self._queue(UNORDERED, size, job)
             self._lock.notify_all()
 
+    def release_positions(self) -> None:
+        """Every request held for a position goes now (the server is shutting down: each is
+        refused at its turn instead of waiting for a predecessor that will not run)."""
+        with self._lock:
+            for stream in self._positions:
+                held = self._held[stream]
+                for seq in sorted(held):
+                    for size, job in held.pop(seq):
+                        self._queue(stream, size, job)
+            self._lock.notify_all()
+
     def stop(self) -> None:
+        """Run what is released already (each job then finds its server stopped), then end."""
         with self._lock:
             self._stopped = True
             self._lock.notify_all()
@@ -356,7 +371,7 @@ class StreamOrder:
                     if self._ready or self._stopped:
                         break
                     self._lock.wait(wait)
-                if self._stopped:
+                if self._stopped and not self._ready:
                     return
                 ordered = self._ready[0][0] is not UNORDERED
             if ordered:
@@ -379,9 +394,12 @@ class StreamOrder:
                 self._samples.start(counted)
 
     def _counted(self, key: str | None, size: int, job: Job) -> None:
-        """``job``, its bytes held until it has ended."""
+        """``job``, its bytes held until it has ended. A job answers its own caller; one that
+        raises anyway is logged, and the order goes on with the next."""
         try:
             job()
+        except Exception:
+            logger.exception("a job of the order raised")
         finally:
             self._ended(key, size)
 
