@@ -124,6 +124,7 @@ class StreamOrder:
         self._positions: dict[str, _Positions] = {}  # the streams numbered by a run's position
         self._nouns: dict[str, str] = {}  # what a stream is called in refusals, when not noun
         self._beside = 0  # calls moving a run outside this order now (``running_beside``)
+        self._closing = False  # the server is shutting down: nothing is held for a position
         self._active_at = time.monotonic()  # when a job last started or ended
         self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
@@ -181,6 +182,10 @@ class StreamOrder:
                 raise FailedPrecondition(f"run {stream!r} is not open on this server")
             self._check_room(stream, 0, needed=position <= self._floor(stream))
             self._take(stream, 0)
+            if self._closing:  # refused at its turn: no predecessor will run
+                self._queue(stream, 0, job)
+                self._lock.notify_all()
+                return
             self._held[stream].setdefault(position, []).append((0, job))
             self._release(stream)
 
@@ -271,6 +276,7 @@ class StreamOrder:
         """Every request held for a position goes now (the server is shutting down: each is
         refused at its turn instead of waiting for a predecessor that will not run)."""
         with self._lock:
+            self._closing = True
             for stream in self._positions:
                 held = self._held[stream]
                 for seq in sorted(held):
