@@ -11,7 +11,6 @@ HTTP as the SDK sends it.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,8 +26,8 @@ from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service import stream_order
-from trainwire.server.service.request_log import LOG_FILE
-from trainwire.server.service.request_records import CallRecord, record_from_json
+from trainwire.server.service.request_records import CallRecord
+from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.codec import parse_forward_backward
 from trainwire.server.tinker.front import FRONT_DIR
@@ -84,8 +83,7 @@ class Front:
 
     def logged_calls(self) -> list[int]:
         """The seq_ids of the calls in the request log, as it is on disk."""
-        lines = (self.state_dir / FRONT_DIR / LOG_FILE).read_bytes().splitlines()
-        records = [record_from_json(json.loads(line)) for line in lines if line.strip()]
+        records = read_records(self.state_dir / FRONT_DIR)
         return [r.seq for r in records if isinstance(r, CallRecord)]
 
 

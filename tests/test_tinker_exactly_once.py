@@ -5,7 +5,6 @@ request log keeps. In process, over raw HTTP as the SDK sends it."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -26,15 +25,15 @@ from tinker_loops import (
 from trainwire.server.process import ServerHandle
 from trainwire.server.service import results as result_store
 from trainwire.server.service import stream_order
-from trainwire.server.service.request_log import LOG_FILE, RequestLog
 from trainwire.server.service.request_records import (
     CallRecord,
     Record,
     SessionRecord,
-    record_from_json,
 )
+from trainwire.server.service.request_store import RequestStore, read_records
 from trainwire.server.tinker import codec, model_slot
 from trainwire.server.tinker.front import FRONT_DIR
+from trainwire.server.tinker.sdk_sessions import session_of
 
 
 def raw(handle: ServerHandle) -> RawFront:
@@ -43,8 +42,7 @@ def raw(handle: ServerHandle) -> RawFront:
 
 def log_records(state_dir: Path) -> list[Record]:
     """The front's request log as it is on disk (read without opening it for writing)."""
-    data = (state_dir / FRONT_DIR / LOG_FILE).read_bytes()
-    return [record_from_json(json.loads(line)) for line in data.splitlines() if line.strip()]
+    return read_records(state_dir / FRONT_DIR)
 
 
 def logged_calls(state_dir: Path) -> list[int]:
@@ -176,7 +174,7 @@ def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
         api = raw(handle)
         _, model_id = api.model()
         assert "path" in save(api, model_id, 1, "one")
-    log = RequestLog(state_dir / FRONT_DIR)
+    log = RequestStore(state_dir / FRONT_DIR, session_of)
     not_an_object: Any = ["not", "an", "object"]
     log.write(CallRecord("optim_step", f"{model_id}/2", 2, not_an_object))
     log.write(CallRecord("from_a_newer_version", f"{model_id}/3", 3, {"seq_id": 3}))

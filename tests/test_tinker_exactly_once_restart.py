@@ -10,10 +10,11 @@ import pytest
 from test_tinker_restart import TinkerServeProcess
 from tinker_loops import RawFront
 
-from trainwire.server.service.request_log import RequestLog
 from trainwire.server.service.request_records import CallRecord
+from trainwire.server.service.request_store import RequestStore
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.front import FRONT_DIR
+from trainwire.server.tinker.sdk_sessions import session_of
 from trainwire.testing import free_port
 
 
@@ -57,7 +58,7 @@ def test_a_record_the_restarted_front_cannot_replay_fails_alone_and_the_server_s
         api = RawFront(f"http://127.0.0.1:{port}")
         _, model_id = api.model()
         started[0].kill()
-        log = RequestLog(state_dir / FRONT_DIR)
+        log = RequestStore(state_dir / FRONT_DIR, session_of)
         log.write(CallRecord("from_a_newer_version", f"{model_id}/1", 1, {"seq_id": 1}))
         body = {"model_id": model_id, "seq_id": 2, "path": "after"}
         log.write(CallRecord("save_weights", f"{model_id}/2", 2, body))

@@ -1,51 +1,73 @@
-"""The request log keeps heavy bodies in its file, not in memory: a run that sends many large
+"""The request store keeps heavy bodies in its rows, not in memory: a run that sends many large
 forward_backward calls between two checkpoints holds their ids, not their bodies. Compaction copies
-a heavy record's line as written, and a restart reads the bodies back whole."""
+a heavy record's row as written, and a restart reads the bodies back whole."""
 
 from __future__ import annotations
 
+import sqlite3
 from pathlib import Path
 
-from trainwire.server.service.request_log import HEAVY_LINE_BYTES, LOG_FILE, OnDisk, RequestLog
 from trainwire.server.service.request_records import CallRecord, ResultRecord, SessionRecord
+from trainwire.server.service.request_store import (
+    HEAVY_RECORD_BYTES,
+    STORE_FILE,
+    RequestStore,
+    Stored,
+)
 from trainwire.server.service.results import Done
+from trainwire.server.tinker.sdk_sessions import session_of
 
-BODY = bytes(range(256)) * (HEAVY_LINE_BYTES // 64)  # a protobuf body past the line bound
+BODY = bytes(range(256)) * (HEAVY_RECORD_BYTES // 64)  # a protobuf body past the bound
 
 
 def heavy_call(seq: int) -> CallRecord:
     return CallRecord("forward_backward", f"m/{seq}", seq, BODY + bytes([seq]), "zstd")
 
 
-def test_heavy_bodies_stay_in_the_file_and_compaction_copies_them_whole(tmp_path: Path) -> None:
-    log = RequestLog(tmp_path)
+def stored_rows(directory: Path) -> list[str]:
+    db = sqlite3.connect(directory / STORE_FILE)
+    try:
+        return [text for (text,) in db.execute("SELECT record FROM records ORDER BY place")]
+    finally:
+        db.close()
+
+
+def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_path: Path) -> None:
+    store = RequestStore(tmp_path, session_of)
     small = CallRecord("optim_step", "m/3", 3, {"seq_id": 3})
     for record in (SessionRecord("s"), heavy_call(1), heavy_call(2), small):
-        log.write(record)
-    log.write(ResultRecord("m/2", Done(BODY)))
-    calls = {r.request_id: r for r in log.records if isinstance(r, CallRecord)}
-    assert isinstance(calls["m/1"].body, OnDisk) and isinstance(calls["m/2"].body, OnDisk)
+        store.write(record)
+    store.write(ResultRecord("m/2", Done(BODY)))
+    calls = {r.request_id: r for r in store.records if isinstance(r, CallRecord)}
+    assert isinstance(calls["m/1"].body, Stored) and isinstance(calls["m/2"].body, Stored)
     assert calls["m/3"].body == {"seq_id": 3}
-    result = next(r for r in log.records if isinstance(r, ResultRecord))
-    assert isinstance(result.outcome, Done) and isinstance(result.outcome.body, OnDisk)
+    result = next(r for r in store.records if isinstance(r, ResultRecord))
+    assert isinstance(result.outcome, Done) and isinstance(result.outcome.body, Stored)
+    whole, answered = store.calls("forward_backward")  # what a route asks for, read back whole
+    assert [call.body for call in whole] == [BODY + b"\x01", BODY + b"\x02"]
+    assert answered == {"m/2"}
 
-    before = (tmp_path / LOG_FILE).read_bytes().splitlines()
-    assert log.compact(
+    before = stored_rows(tmp_path)
+    assert store.compact(
         lambda records: [r for r in records if getattr(r, "request_id", "") != "m/1"]
     )
-    after = (tmp_path / LOG_FILE).read_bytes().splitlines()
-    assert after == [line for line in before if b'"m/1"' not in line]  # copied as written
-    assert all(not isinstance(getattr(r, "body", None), bytes) for r in log.records)
-    log.close()
+    after = stored_rows(tmp_path)
+    assert after == [row for row in before if '"m/1"' not in row]  # copied as written
+    assert all(not isinstance(getattr(r, "body", None), bytes) for r in store.records)
+    store.close()
 
-    reopened = RequestLog(tmp_path)  # a restart reads every body back whole
-    calls = [r for r in reopened.records if isinstance(r, CallRecord)]
-    assert [(c.request_id, c.body) for c in calls] == [("m/2", BODY + b"\x02"), ("m/3", small.body)]
-    assert calls[0].encoding == "zstd"
-    reopened.leave_bodies_on_disk()  # taken back: left in the file again
-    assert isinstance(next(r for r in reopened.records if isinstance(r, CallRecord)).body, OnDisk)
+    reopened = RequestStore(tmp_path, session_of)  # a restart reads every body back whole
+    calls_back = [r for r in reopened.records if isinstance(r, CallRecord)]
+    assert [(c.request_id, c.body) for c in calls_back] == [
+        ("m/2", BODY + b"\x02"),
+        ("m/3", small.body),
+    ]
+    assert calls_back[0].encoding == "zstd"
+    reopened.leave_bodies_on_disk()  # taken back: left in the row again
+    first = next(r for r in reopened.records if isinstance(r, CallRecord))
+    assert isinstance(first.body, Stored)
     assert reopened.compact(list)  # and compacts from there, still whole
     reopened.close()
-    again = RequestLog(tmp_path)
+    again = RequestStore(tmp_path, session_of)
     assert next(r.body for r in again.records if isinstance(r, CallRecord)) == BODY + b"\x02"
     again.close()

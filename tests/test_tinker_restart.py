@@ -4,7 +4,6 @@ gives, and the loop ends with the same weights (the real SDK from PyPI, unchange
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,7 +19,8 @@ from slow_commit_serve import events
 from tinker import types
 from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
 
-from trainwire.server.service.request_log import LOG_FILE
+from trainwire.server.service.request_records import CallRecord
+from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.testing import free_port
 
@@ -68,23 +68,22 @@ class TinkerServeProcess:
 
 
 def logged_request_id(state_dir: Path, route: str, seq: int) -> str:
-    """The request id of call ``seq``, a ``route``, in the front's request log."""
-    path = state_dir / FRONT_DIR / LOG_FILE
-    lines = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-    (found,) = [r["request_id"] for r in lines if r.get("seq") == seq and r.get("route") == route]
+    """The request id of call ``seq``, a ``route``, in the front's request store."""
+    (found,) = [call.request_id for call in stored_calls(state_dir, route) if call.seq == seq]
     return found
 
 
+def stored_calls(state_dir: Path, route: str) -> list[CallRecord]:
+    records = read_records(state_dir / FRONT_DIR)
+    return [r for r in records if isinstance(r, CallRecord) and r.route == route]
+
+
 def logged(state_dir: Path, route: str, seq: int) -> Callable[[], bool]:
-    """True once the front's request log holds call ``seq``, a ``route``: accepted, its request
-    id handed out."""
-    path = state_dir / FRONT_DIR / LOG_FILE
+    """True once the front's request store holds call ``seq``, a ``route``: accepted, its
+    request id handed out."""
 
     def check() -> bool:
-        if not path.is_file():
-            return False
-        lines = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
-        return any(r.get("seq") == seq and r.get("route") == route for r in lines)
+        return any(call.seq == seq for call in stored_calls(state_dir, route))
 
     return check
 

@@ -1,6 +1,6 @@
 """SDK sessions are forgotten once their client is gone: a session silent past the lapse, with
 nothing of its own still asked for, leaves the known sessions, the futures, the sampling sessions
-and the request log, and a restart does not bring it back; one still heartbeating, calling, with
+and the request store, and a restart does not bring it back; one still heartbeating, calling, with
 a result to fetch or with the open model stays. In process, over raw HTTP as the SDK sends it,
 with the sessions' clock moved by hand instead of waiting out the lapse."""
 
@@ -16,7 +16,7 @@ from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.intake import Intake
-from trainwire.server.service.request_records import ForgottenRecord, SessionRecord, owner_of_record
+from trainwire.server.service.request_records import SessionRecord, owner_of_record
 from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model_slot import SESSION_KEEP_S
@@ -119,7 +119,6 @@ def test_lapsed_sessions_leave_memory_and_the_compacted_log(
         records = log_records(state_dir)
         assert logged_sessions(state_dir) == {model_session, live}
         assert not any(owner_of_record(r, session_of) in abandoned for r in records)
-        assert not any(isinstance(r, ForgottenRecord) for r in records)
         assert set(front.models.sessions) == {model_session, live}
         assert len(front.sampling_sessions) == 0
         assert not front.intake.results.known(sampled)
@@ -138,7 +137,7 @@ def test_a_restart_does_not_bring_forgotten_sessions_back(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
     """(b) Sessions forgotten between compactions (on a create_session) are left out of a
-    restart: the log keeps their records behind a record that says they are forgotten."""
+    restart: their records leave the store at once."""
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         clock = with_clock(handle)
@@ -150,7 +149,8 @@ def test_a_restart_does_not_bring_forgotten_sessions_back(
         assert all(beat(api, session_id) == 200 for session_id in live)
         newest = new_session(api)  # looks for lapsed sessions: the twenty go
         assert set(handle.tinker.front.models.sessions) == {*live, newest}
-        assert any(isinstance(r, ForgottenRecord) for r in log_records(state_dir))
+        records = log_records(state_dir)
+        assert not any(owner_of_record(r, session_of) in abandoned for r in records)
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)
         assert set(handle.tinker.front.models.sessions) == {*live, newest}
@@ -195,24 +195,22 @@ def test_a_session_heartbeating_calling_with_a_result_to_fetch_or_the_model_is_k
         assert beat(api, waiting) == 404
 
 
-def test_a_front_that_never_compacts_drops_forgotten_records_once_they_are_most_of_its_log(
+def test_a_front_that_never_compacts_keeps_no_record_of_a_forgotten_session(
     tmp_path: Path,
 ) -> None:
-    """Without checkpoints the log is never compacted; forgotten sessions' records are rewritten
-    away once they make up half of it, so it stays bounded by the live sessions."""
+    """Without checkpoints the store is never compacted; a forgotten session's records leave it
+    at once, so it stays bounded by the live sessions, and a restart does not take them back."""
     order = StreamOrder(lambda job: job())
     intake = Intake(tmp_path, order, owner_of=session_of, noun="model")
     try:
         for index in range(6):
             intake.record(SessionRecord(f"tw-{index}"))
         intake.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
-        assert len(intake.log.records) == 7  # 3 of 7 stale: left out of a restart only
+        assert intake.store.records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted = Intake(tmp_path, order, owner_of=session_of, noun="model")
         with restarted.replaying() as records:
             assert records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted.stop()
-        intake.forget_sessions({"tw-2"}, lambda s: s in {"tw-3", "tw-4", "tw-5"})
-        assert intake.log.records == [SessionRecord(f"tw-{i}") for i in range(3, 6)]
     finally:
         intake.stop()
         order.stop()

@@ -7,22 +7,22 @@ journals, so a re-sent request finds its ticket (and, after it ran, the journal'
 instead of running again; the same key with another payload is refused. Requests run in order per
 stream (``StreamOrder``, which also bounds what waits); their results enter the ``ResultStore``
 only once durable: a keyed call's journal commit happens inside the session host before it
-returns, and every other result (a forward, a sample, a failure) is written to the ``RequestLog``
-first.
+returns, and every other result (a forward, a sample, a failure) is written to the
+``RequestStore`` first.
 
-Exactly once across a crash: each accepted request is in the log before its request id is handed
-out. A restarted intake reads the log back (``replaying``) before its transport serves: recorded
+Exactly once across a crash: each accepted request is stored before its request id is handed
+out. A restarted intake reads the store back (``replaying``) before its transport serves: recorded
 results are answered as they are, every other request is submitted again in its original order by
 its transport, and one that cannot be submitted again fails alone (``replay_failed``). Nothing runs
 until the host has restored its run (``recovered``); the engine restarted from its latest
 checkpoint, so the journal answers the keyed calls before it and the ones since run again, the
-same bits. A checkpoint compacts the log (``compact_at``): the results of the calls before it that
-a client may still ask for are carried, bounded by ``results``'s retention.
+same bits. A checkpoint compacts the store (``compact_at``): the results of the calls before it
+that a client may still ask for are carried, bounded by ``results``'s retention.
 
 Client sessions come and go (the Tinker front's model slot forgets them): a request is taken only
-for a session the transport knows (``admit``), a forgotten session's results go at once, and its
-records stay out of a restart (``ForgottenRecord``) until a compaction leaves them out of the log,
-which the transport makes sure of by forgetting the lapsed sessions first (``before_compaction``).
+for a session the transport knows (``admit``); a forgotten session's results and records go at
+once (one DELETE of its rows), and the transport forgets the lapsed sessions before each
+compaction (``before_compaction``).
 """
 
 from __future__ import annotations
@@ -38,17 +38,15 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
-from trainwire.server.service.request_log import RequestLog, compacted
 from trainwire.server.service.request_records import (
     Body,
     CallRecord,
-    ForgottenRecord,
     Record,
     ResultRecord,
     ResumeRecord,
     SampleRecord,
-    owner_of_record,
 )
+from trainwire.server.service.request_store import RequestStore, compacted
 from trainwire.server.service.results import (
     USER_ERRORS,
     Done,
@@ -68,7 +66,7 @@ class Intake:
     """Orders, records and answers one transport's requests (its files in ``directory``).
 
     Args:
-        directory: where the request log lives.
+        directory: where the request store lives.
         order: the host's ``StreamOrder``; the intake's jobs wait there until the host has
             restored its run.
         owner_of: the client session a request id belongs to.
@@ -81,7 +79,7 @@ class Intake:
         self.owner_of = owner_of
         self.noun = noun
         self.results = ResultStore()
-        self.log = RequestLog(directory)
+        self.store = RequestStore(directory, owner_of)
         self.order = order  # the host's: one order for every transport
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
@@ -90,40 +88,33 @@ class Intake:
         self.serial = threading.Lock()
         self._recovered = threading.Event()
         self._stopped = False
-        self._cannot_replay = ""  # why the restored engine is behind the request log, if it is
+        self._cannot_replay = ""  # why the restored engine is behind the stored requests, if it is
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
-        self.resume_position = 0  # the journal position the log was last compacted at
+        self.resume_position = 0  # the journal position the store was last compacted at
         # What the transport plugs in: ``admit(request_id)`` raises NotFound for a request of a
         # session it does not know (and counts the request as its session's sign of life);
         # ``before_compaction()`` forgets the sessions that lapsed, so a compaction leaves their
         # records out.
         self.admit: Callable[[str], None] = lambda request_id: None
         self.before_compaction: Callable[[], None] = lambda: None
-        # Sessions whose records the log still holds, behind a ForgottenRecord.
-        self._forgotten = {
-            session_id
-            for record in self.log.records
-            if isinstance(record, ForgottenRecord)
-            for session_id in record.session_ids
-        }
 
     def stop(self) -> None:
-        """Take no turn any more: a request queued in the order and not yet run stays in the log,
+        """Take no turn any more: a request queued in the order and not yet run stays stored,
         and the next start replays it (a job waiting for a recovery that will not come ends)."""
         self._stopped = True
         self._recovered.set()
         self._finisher.shutdown()
-        self.log.close()
+        self.store.close()
 
     # -- restart -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def replaying(self) -> Iterator[list[Record]]:
-        """The records read back at start; calls submitted meanwhile are not logged again, and
+        """The records read back at start; calls submitted meanwhile are not stored again, and
         those with a recorded result are answered with it. A result whose request's record was
-        compacted away is answerable at once. A forgotten session's records are left out."""
-        records = self._without_forgotten(self.log.records)
+        compacted away is answerable at once."""
+        records = list(self.store.records)
         results = {r.request_id: r for r in records if isinstance(r, ResultRecord)}
         requested = {r.request_id for r in records if isinstance(r, CallRecord | SampleRecord)}
         for request_id, result in results.items():
@@ -134,7 +125,7 @@ class Intake:
             yield records
         finally:
             self._replayed = None
-            self.log.leave_bodies_on_disk()  # taken back: the heavy bodies stay in the file
+            self.store.leave_bodies_on_disk()  # taken back: the heavy bodies stay in their rows
         if records:
             logger.info("intake: %d request records read back", len(records))
 
@@ -149,7 +140,7 @@ class Intake:
         self.order.start_stream(stream, next_seq, noun=self.noun)
 
     def resume_at(self, stream: str, record: ResumeRecord) -> None:
-        """A compacted log goes on at ``record``'s seq_id and journal position."""
+        """A compacted store goes on at ``record``'s seq_id and journal position."""
         self.start_stream(stream, record.next_seq)
         self.resume_position = record.position
 
@@ -162,7 +153,7 @@ class Intake:
         return self._replayed is not None or bool(self._resubmitted)
 
     def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
-        """A logged request whose route failed before queueing it again fails alone: its ticket
+        """A stored request whose route failed before queueing it again fails alone: its ticket
         answers the failure (logged; a ``server`` one unless the error is the caller's), it
         takes its seq_id so the calls after it run, and the start goes on. False when it was
         queued before failing (a refusal again): its turn answers it."""
@@ -189,7 +180,7 @@ class Intake:
         """The host restored its run at journal ``position``: submitted calls may run now."""
         if position < self.resume_position:
             self._cannot_replay = (
-                f"the engine restored position {position}, before the checkpoint the request log "
+                f"the engine restored position {position}, before the checkpoint the request store "
                 f"was compacted at ({self.resume_position}): this run cannot go on exactly once"
             )
             logger.error("intake: %s", self._cannot_replay)
@@ -206,14 +197,14 @@ class Intake:
     # -- records -------------------------------------------------------------------------------
 
     def record(self, record: Record) -> None:
-        """Write ``record`` durably (not while replaying: it is in the log already)."""
+        """Write ``record`` durably (not while replaying: it is stored already)."""
         if self._replayed is None:
             with self._lock:
-                self.log.write(record)
+                self.store.write(record)
 
     def _append(self, record: Record) -> int | None:
-        """Log a request (not while replaying one); its ticket for ``log.sync``."""
-        return None if self._replayed is not None else self.log.append(record)
+        """Store a request (not while replaying one); its ticket for ``store.sync``."""
+        return None if self._replayed is not None else self.store.append(record)
 
     def compact_at(self, seq_id: int, position: int, head: Callable[[], list[Record]]) -> None:
         """After checkpoint ``seq_id`` (journal ``position``), on the calls' thread: drop the
@@ -225,12 +216,10 @@ class Intake:
 
         def choose(records: list[Record]) -> list[Record] | None:
             first = [*head(), ResumeRecord(seq_id, position)]
-            kept = compacted(records, seq_id, self._settled, first, self._carry)
-            return None if kept is None else self._without_forgotten(kept)
+            return compacted(records, seq_id, self._settled, first, self._carry)
 
         with self._lock:
-            if self.log.compact(choose):
-                self._forgotten.clear()
+            self.store.compact(choose)
 
     def forget_all_but(self, head: Callable[[], list[Record]]) -> None:
         """Keep only ``head`` and the results still kept (the stream ended: none of its calls
@@ -241,52 +230,28 @@ class Intake:
             requests = [
                 r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)
             ]
-            carried = self._carry([r.request_id for r in requests])
-            return self._without_forgotten([*head(), *carried])
+            return [*head(), *self._carry([r.request_id for r in requests])]
 
         with self._lock:
-            self.log.compact(choose)
-            self._forgotten.clear()
+            self.store.compact(choose)
 
     def forget_sessions(self, sessions: set[str], known: Callable[[str], bool]) -> None:
         """The transport forgot client ``sessions``: the results of every session not ``known`` go
-        (theirs, and any a restart read back for a session that had ended), and a durable
-        ``ForgottenRecord`` keeps a restart from taking their records back. Those records leave
-        the log at the next compaction, or now when they are most of it (so an intake that never
-        compacts, sampling only, still keeps its log bounded; each rewrite drops at least half
-        the records, so rewriting costs each record a constant, however long the log)."""
+        (theirs, and any a restart read back for a session that had ended), and their records
+        leave the store, so a restart does not bring them back."""
         with self._lock:
             self.results.forget(lambda request_id: not known(self.owner_of(request_id)))
-            if not sessions:
-                return
-            self._forgotten |= sessions
             try:
-                self.log.write(ForgottenRecord(tuple(sorted(sessions))))
+                self.store.forget(sessions)
             except (OSError, ResourceExhausted) as error:
-                # Gone from memory all the same: a restart before the next compaction takes them
-                # back, and they lapse again.
-                logger.warning("intake: forgotten sessions not recorded: %s", error)
-                return
-            records = self.log.records
-            if 2 * (len(records) - len(self._without_forgotten(records))) >= len(records):
-                self.log.compact(self._without_forgotten)
-                self._forgotten.clear()
-
-    def _without_forgotten(self, records: list[Record]) -> list[Record]:
-        """``records`` less the forgotten sessions' (and the records that say they are)."""
-        forgotten = self._forgotten
-        return [
-            r
-            for r in records
-            if not isinstance(r, ForgottenRecord)
-            and owner_of_record(r, self.owner_of) not in forgotten
-        ]
+                # Gone from memory all the same: a restart takes them back, and they lapse again.
+                logger.warning("intake: forgotten sessions not removed from the store: %s", error)
 
     def _settled(self, request_id: str) -> bool:
         return not self.results.pending(request_id)
 
     def _carry(self, request_ids: list[str]) -> list[ResultRecord]:
-        """The results of ``request_ids`` that retention keeps, to carry in a compacted log."""
+        """The results of ``request_ids`` that retention keeps, to carry in a compacted store."""
         return [ResultRecord.of(r) for r in self.results.retained(request_ids).values()]
 
     # -- submitting ----------------------------------------------------------------------------
@@ -309,8 +274,8 @@ class Intake:
         size: int | None = None,
     ) -> str:
         """Queue ``prepare()``'s call as ``seq`` of ``stream``; its request id, once the
-        request is durable in the log. A ``keyed`` call's success is the journal's to keep;
-        every other outcome is logged before a fetch sees it. ``prepare`` checks the request: if
+        request is stored durably. A ``keyed`` call's success is the journal's to keep;
+        every other outcome is stored before a fetch sees it. ``prepare`` checks the request: if
         it refuses it, the refusal is raised (HTTP 400) and still takes the seq, answered as
         that failure to a fetch or a re-send, so the calls numbered after it are not held.
         ``size``: the request's bytes held while it waits (default: the body's)."""
@@ -337,7 +302,7 @@ class Intake:
             bounded = self._replayed is None
             self.order.submit(stream, seq, digest, job, size=size, bounded=bounded)
         if ticket is not None:
-            self.log.sync(ticket)
+            self.store.sync(ticket)
         if refusal is not None:
             self.results.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
@@ -372,7 +337,7 @@ class Intake:
             self.results.add(request_id, digest)
             self.order.run_unordered(job, size)
         if ticket is not None:
-            self.log.sync(ticket)
+            self.store.sync(ticket)
         return True
 
     # -- answering -----------------------------------------------------------------------------
@@ -386,7 +351,7 @@ class Intake:
         self, request_id: str, recorded: ResultRecord | None, work: Call | Failed, keyed: bool
     ) -> None:
         """A request's turn: its recorded result, its failure, or its call (whose response is
-        encoded and logged behind, while the next call runs)."""
+        encoded and stored behind, while the next call runs)."""
         if recorded is not None:
             self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
         elif isinstance(work, Failed):
@@ -407,11 +372,11 @@ class Intake:
         self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
 
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
-        """Resolve a ticket, writing its outcome to the log first unless already durable (or
+        """Resolve a ticket, writing its outcome to the store first unless already durable (or
         forgotten meanwhile with its session: nobody asks for it)."""
         at = time.time()
         if not self.results.known(request_id):
             return
         if not durable:
-            outcome = self.log.write_result(request_id, outcome, at)
+            outcome = self.store.write_result(request_id, outcome, at)
         self.results.resolve(request_id, outcome, at)

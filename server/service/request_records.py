@@ -1,23 +1,22 @@
-"""The request log's records, typed: what the intake writes down so a restart loses nothing.
+"""The request store's records, typed: what the intake writes down so a restart loses nothing.
 
-Each record is a frozen dataclass; ``to_json`` gives the one JSON object a line of the log holds
+Each record is a frozen dataclass; ``to_json`` gives the one JSON object a row of the store holds
 (its ``kind`` names the record type, and is written here only) and ``record_from_json`` reads it
-back. The JSON form is the log's file format: it stays readable across versions.
+back. The JSON form is the store's format (and was the line of earlier versions' log): it stays
+readable across versions.
 
 - ``SessionRecord``: a client session the server created (a Tinker SDK session); the requests
   made under it are its own (``Intake.owner_of``).
-- ``NoteRecord``: a transport's own state, kept in the log so a restart has it before the
+- ``NoteRecord``: a transport's own state, kept in the store so a restart has it before the
   requests that use it (the Tinker front's sampling sessions): its kind and fields are the
   transport's, and its ``owner`` the client session it goes with (None: the server's).
-- ``ResumeRecord``: where a compacted log resumes: the next seq of the stream and the journal
+- ``ResumeRecord``: where a compacted store resumes: the next seq of the stream and the journal
   position of the checkpoint it was compacted at.
 - ``CallRecord``: an accepted ordered request, as its route takes it again.
 - ``SampleRecord``: an accepted unordered request (a sample).
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
-  in a compacted log, one whose request's record is gone but which is still kept (see
+  in a compacted store, one whose request's record is gone but which is still kept (see
   ``results``'s retention): then with its payload's digest and when it was resolved and handed out.
-- ``ForgottenRecord``: client sessions the server forgot: a restart leaves out every record of
-  theirs (``owner_of_record``) until a compaction drops them.
 """
 
 from __future__ import annotations
@@ -137,23 +136,7 @@ class ResultRecord:
 RESULT_EXTRAS = ("digest", "resolved_at", "delivered_at")
 
 
-@dataclass(frozen=True)
-class ForgottenRecord:
-    session_ids: tuple[str, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": "forgotten", "session_ids": list(self.session_ids)}
-
-
-Record = (
-    SessionRecord
-    | NoteRecord
-    | ResumeRecord
-    | CallRecord
-    | SampleRecord
-    | ResultRecord
-    | ForgottenRecord
-)
+Record = SessionRecord | NoteRecord | ResumeRecord | CallRecord | SampleRecord | ResultRecord
 
 
 def owner_of_record(record: Record, owner_of: Callable[[str], str]) -> str | None:
@@ -169,8 +152,8 @@ def owner_of_record(record: Record, owner_of: Callable[[str], str]) -> str | Non
 
 
 def record_from_json(data: dict[str, Any]) -> Record:
-    """One line of the log back as its record (a kind not of this module is a transport's note);
-    ValueError for a line that is not a record."""
+    """A stored record's JSON back as its record (a kind not of this module is a transport's
+    note); ValueError for JSON that is not a record."""
     kind = data.get("kind")
     if kind == "session":
         return SessionRecord(data["session_id"])
@@ -181,8 +164,6 @@ def record_from_json(data: dict[str, Any]) -> Record:
         return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)
     if kind == "sample":
         return SampleRecord(data["request_id"], data["body"])
-    if kind == "forgotten":
-        return ForgottenRecord(tuple(data["session_ids"]))
     if kind == "result":
         if "error" in data:
             outcome: Outcome = Failed(data["error"], data["category"])
@@ -191,6 +172,6 @@ def record_from_json(data: dict[str, Any]) -> Record:
         extras = {name: data.get(name) for name in RESULT_EXTRAS}
         return ResultRecord(data["request_id"], outcome, **extras)
     if not isinstance(kind, str) or not kind:
-        raise ValueError(f"a request-log record without a kind: {data!r}")
+        raise ValueError(f"a request-store record without a kind: {data!r}")
     fields = {k: v for k, v in data.items() if k not in ("kind", "owner")}
     return NoteRecord(kind, fields, data.get("owner"))

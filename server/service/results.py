@@ -8,7 +8,7 @@ log first), so a fetch can never see a result that a crash could take back. A fe
 Each request keeps the digest of its payload (a re-send must carry the same one) and when its
 result was resolved and first handed out (wall-clock seconds, so they outlive a restart). A result
 handed out is not a result received: the response may be lost and the client asks again, perhaps
-after a restart. So once a request's own record leaves the request log (compaction), its result is
+after a restart. So once a request's own record leaves the request store (compaction), its result is
 carried in the log while ``retained`` keeps it:
 
 - a result handed out (or a refusal answered at once): for ``KEEP_DELIVERED``, one hour after it
@@ -86,7 +86,7 @@ KEEP_UNDELIVERED = Retention(24 * 3600.0, 4096, 256 * 1024 * 1024)
 
 @dataclass(frozen=True)
 class Resolved:
-    """A resolved request as the request log carries it: its outcome, its payload's digest,
+    """A resolved request as the request store carries it: its outcome, its payload's digest,
     when it was resolved and when first handed out (None: never)."""
 
     request_id: str
@@ -105,7 +105,7 @@ class _Entry:
 
 
 def outcome_size(outcome: Outcome) -> int:
-    """Bytes a result takes in the request log, about."""
+    """Bytes a result takes in the request store, about."""
     if isinstance(outcome, Failed):
         return len(outcome.error)
     body = outcome.body
@@ -194,7 +194,7 @@ class ResultStore:
             loop.call_soon_threadsafe(_wake, waiter)
 
     def restore(self, result: Resolved) -> None:
-        """A result carried by the request log (its request's record compacted away)."""
+        """A result carried by the request store (its request's record compacted away)."""
         with self._lock:
             self._entries[result.request_id] = _Entry(
                 result.outcome, result.digest, result.resolved_at, result.delivered_at

@@ -8,5 +8,5 @@ model is) with ``model`` (create_model's config), ``sampling_sessions`` (which w
 sampling client reads), ``auth`` (the ``tml-`` key), ``limits`` (body bounds), ``connections``
 (bounded connections), ``front`` (the parts the routes use), ``startup`` (building them,
 taking back what the service's intake recorded) and ``listener`` (uvicorn). Ordering, the
-request log and the results the SDK polls are the service's (``service.intake``).
+request store and the results the SDK polls are the service's (``service.intake``).
 """

@@ -1,7 +1,7 @@
 """The HTTP routes the Tinker SDK calls: each reads the body and calls its route function
 (``training_routes``, ``sampling_routes``) or the model slot.
 
-Every route that writes the front's request log (an fsync) runs on a worker thread, never on
+Every route that writes the front's request store (an fsync) runs on a worker thread, never on
 the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
 or 404 with ``detail`` saying what to do; a body past its bound 413 (see ``limits``); a wrong
 key 401; a full queue 429 and a restoring server 503 (the SDK retries both): the statuses of

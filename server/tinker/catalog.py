@@ -9,7 +9,7 @@ and which removals wait: the open run's newest checkpoint is its recovery point,
 hides it at once and removes its files once a newer one supersedes it.
 
 An entry is written after the call that saved it is journaled: a call killed between the two is
-run again from the request log, finds its journaled result, and writes the entry then.
+run again from the request store, finds its journaled result, and writes the entry then.
 """
 
 from __future__ import annotations

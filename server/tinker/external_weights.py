@@ -121,7 +121,7 @@ def clean_encrypted_leftovers(directory: Path) -> None:
 
 
 def url_key(directory: Path) -> bytes:
-    """The server's URL-signing key: made once, kept beside the request log (0600)."""
+    """The server's URL-signing key: made once, kept beside the request store (0600)."""
     path = directory / URL_KEY_FILE
     if not path.is_file():
         descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

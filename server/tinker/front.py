@@ -1,5 +1,5 @@
 """The Tinker front's parts, as the routes see them: the session host, the service's intake and
-the model slot (``startup`` builds them and reads the request log back).
+the model slot (``startup`` builds them and reads the request store back).
 
 The front owns no engine and no state directory of its own: it reaches the session only through
 the host's operation table and lifecycle (``open``, ``close``, ``recover``), keeps its own files

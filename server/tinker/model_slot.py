@@ -10,15 +10,15 @@ A call belongs to the run it was sent to: it runs only while that run is the ope
 (``while_open``, which a close or a create_model waits for), and fails with nothing applied once
 its model was closed, never on the next model's run.
 
-Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still
-asked for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the
-known sessions, its futures, its sampling sessions and its records in the request log (left out
-of a restart at once, out of the file at the next compaction). A session its client closed goes
-the same way, without waiting for the lapse. A heartbeat, or any request naming the session (its
-models' and sampling sessions' calls included), keeps it. A forgotten session's heartbeat and
-calls are refused 404 with the reason: the SDK keeps heartbeating and warns with it, where a 410
-would stop its heartbeats silently. Lapsed sessions are looked for before each compaction, and on
-``create_session`` at most every ``SWEEP_EVERY_S`` (new sessions are what makes them pile up).
+Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still asked
+for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the known
+sessions, its futures, its sampling sessions and its records in the request store (deleted at once).
+A session its client closed goes the same way, without waiting for the lapse. A heartbeat, or any
+request naming the session (its models' and sampling sessions' calls included), keeps it. A
+forgotten session's heartbeat and calls are refused 404 with the reason: the SDK keeps heartbeating
+and warns with it, where a 410 would stop its heartbeats silently. Lapsed sessions are looked for
+before each compaction, and on ``create_session`` at most every ``SWEEP_EVERY_S`` (new sessions are
+what makes them pile up).
 
 State changes come before the records that log them, so a compaction that reads this state (see
 ``Intake.compact_at``) never drops a record of something it does not also keep.
@@ -70,7 +70,7 @@ SESSION_LAPSE_S = 3 * SDK_HEARTBEAT_S
 # A session silent for 60 heartbeats, with nothing of its own still asked for, is forgotten. The
 # SDK itself warns after 120 s of failed heartbeats that its session will be terminated; five
 # times that rides out what it still calls an unreliable connection (or a paused client), while
-# the sessions of scripts that crashed do not pile up in memory and in the request log.
+# the sessions of scripts that crashed do not pile up in memory and in the request store.
 SESSION_KEEP_S = 60 * SDK_HEARTBEAT_S
 SWEEP_EVERY_S = 6 * SDK_HEARTBEAT_S  # create_session looks for lapsed sessions at most this often
 SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sampler weights
@@ -98,7 +98,7 @@ class ModelSlot:
         self.directory = directory
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
-        self.sampling_sessions = SamplingSessions(restarted=bool(intake.log.records))
+        self.sampling_sessions = SamplingSessions(restarted=bool(intake.store.records))
         self.sessions = SdkSessions()  # a test may give its ``clock``
         self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
         self._lock = threading.Lock()  # one create_model or close at a time
@@ -130,7 +130,7 @@ class ModelSlot:
         self.require_session(session_of(request_id))
 
     def session_records(self) -> list[Record]:
-        """What a compacted request log starts with: the sessions known (lapsed ones were
+        """What a compacted request store starts with: the sessions known (lapsed ones were
         forgotten before it, ``Intake.before_compaction``)."""
         return [SessionRecord(session_id) for session_id in self.sessions]
 
@@ -299,7 +299,7 @@ class ModelSlot:
         self._sampling_run = {}
 
     def _close_model(self) -> None:
-        """Close the model's run (its files stay) and forget what the request log kept for it;
+        """Close the model's run (its files stay) and forget what the request store kept for it;
         its calls still queued fail when their turn comes (``while_open``)."""
         model = self.model
         self.host.close()

@@ -2,7 +2,7 @@
 ``SampleResponse`` protobufs encoded.
 
 Every setting is bounded here, before the route logs the request: a request the engine would
-refuse for its size (``SamplingLimits``, kept equal by a test) never reaches the request log,
+refuse for its size (``SamplingLimits``, kept equal by a test) never reaches the request store,
 where a restart would read it back. Every refusal is an ``InvalidArgument`` naming the field.
 """
 

@@ -9,7 +9,7 @@ the newest ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, sa
 model forgets its sampling sessions, and forgetting an SDK session forgets its own (``forget``).
 
 ``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
-process. A restarted front starts it at 1, so a snapshot restored from the request log, whose
+process. A restarted front starts it at 1, so a snapshot restored from the request store, whose
 version is unknown, and the base model are never mistaken for the live weights.
 """
 
@@ -25,7 +25,7 @@ from trainwire.server.tinker.sdk_sessions import session_of
 
 KEEP_UNNAMED_SNAPSHOTS = 8
 SNAPSHOT_PREFIX = "sampler-"
-# The kinds of the notes this module keeps in the request log (``NoteRecord``).
+# The kinds of the notes this module keeps in the request store (``NoteRecord``).
 SAMPLER_NOTE = "sampler"  # a sampling session, or (``named``) sampler weights saved under a path
 UNNAMED_SNAPSHOTS_NOTE = "unnamed_snapshots"  # which unnamed snapshot exports exist, oldest first
 
@@ -46,7 +46,7 @@ class SamplingSession:
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
 
     def record(self, *, named: bool = False) -> NoteRecord:
-        """What the request log keeps of it (the version is this process's only): named sampler
+        """What the request store keeps of it (the version is this process's only): named sampler
         weights outlive the SDK session that saved them, a sampling session goes with its own."""
         fields = asdict(self)
         del fields["weights_version"]
@@ -166,10 +166,10 @@ class SamplingSessions:
             )
         return sampler
 
-    # -- the request log -------------------------------------------------------------------------
+    # -- the request store -------------------------------------------------------------------------
 
     def records(self) -> list[Record]:
-        """Every sampling session and named snapshot, for a compacted request log."""
+        """Every sampling session and named snapshot, for a compacted request store."""
         with self._lock:
             named: list[Record] = [s.record(named=True) for s in self._named.values()]
             sessions = [s.record() for s in self._sessions.values()]
@@ -184,7 +184,7 @@ class SamplingSessions:
                 self._unnamed = list(note.fields["exports"])
                 return
             if note.kind != SAMPLER_NOTE:
-                raise ValueError(f"a request-log note of unknown kind {note.kind!r}")
+                raise ValueError(f"a request-store note of unknown kind {note.kind!r}")
             fields = dict(note.fields)
             named = bool(fields.pop("named", False))
             sampler = SamplingSession(**fields)

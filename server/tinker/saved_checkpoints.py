@@ -65,7 +65,7 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
     success is the journal's, and replaying it reads the checkpoint again). A checkpoint of the
     model itself counts too: recovery restores its newest checkpoint, not an older one it
     loaded since."""
-    calls, answered = front.intake.log.calls(LOAD_ROUTE)
+    calls, answered = front.intake.store.calls(LOAD_ROUTE)
     return [
         call.request_id
         for call in calls

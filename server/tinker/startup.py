@@ -1,4 +1,4 @@
-"""Starting and stopping the Tinker front: build its parts, read the request log back, and let
+"""Starting and stopping the Tinker front: build its parts, read the request store back, and let
 the calls run once the host has restored its run.
 
 A restarted front reads its log before its listener serves (``replay``): sessions, samplers and
@@ -53,7 +53,7 @@ def start_front(
     model_root: Path | None,
     tokenizer_id: str | None = None,
 ) -> TinkerFront:
-    """The front of ``host``, its files in ``state_dir/tinker``, with its request log replayed."""
+    """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed."""
     directory = Path(state_dir) / FRONT_DIR
     intake = Intake(directory, host.order, owner_of=session_of, noun="model")
     external_weights.clean_encrypted_leftovers(directory)

@@ -100,7 +100,7 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
 
 
 def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
-    """A checkpoint of the full state; the request log is compacted behind it."""
+    """A checkpoint of the full state; the request store is compacted behind it."""
     model_id, seq_id = _model_id(body), body.get("seq_id")
 
     def prepare() -> Call:
