@@ -7,6 +7,7 @@ with the sessions' clock moved by hand instead of waiting out the lapse."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,9 @@ from test_tinker_exactly_once import log_records, raw, save
 from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
+from trainwire.server.service.host import SessionHost
 from trainwire.server.service.intake import Intake
 from trainwire.server.service.request_records import SessionRecord, owner_of_record
-from trainwire.server.service.stream_order import StreamOrder
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.server.tinker.model_slot import SESSION_KEEP_S
 from trainwire.server.tinker.sdk_sessions import session_of
@@ -196,21 +197,20 @@ def test_a_session_heartbeating_calling_with_a_result_to_fetch_or_the_model_is_k
 
 
 def test_a_front_that_never_compacts_keeps_no_record_of_a_forgotten_session(
-    tmp_path: Path,
+    tmp_path: Path, make_host: Callable[..., SessionHost]
 ) -> None:
     """Without checkpoints the store is never compacted; a forgotten session's records leave it
     at once, so it stays bounded by the live sessions, and a restart does not take them back."""
-    order = StreamOrder(lambda job: job())
-    intake = Intake(tmp_path, order, owner_of=session_of, noun="model")
+    host = make_host()
+    intake = Intake(tmp_path, host, owner_of=session_of, noun="model")
     try:
         for index in range(6):
             intake.record(SessionRecord(f"tw-{index}"))
         intake.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
         assert intake.store.records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
-        restarted = Intake(tmp_path, order, owner_of=session_of, noun="model")
+        restarted = Intake(tmp_path, host, owner_of=session_of, noun="model")
         with restarted.replaying() as records:
             assert records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted.stop()
     finally:
         intake.stop()
-        order.stop()

@@ -37,7 +37,13 @@ from trainwire.server.service.active_run import (
     wait_durable,
 )
 from trainwire.server.service.executor import SessionExecutor
-from trainwire.server.service.journal import Journal, check_operation_key, payload_digest
+from trainwire.server.service.journal import (
+    Journal,
+    KeyDigest,
+    check_operation_key,
+    payload_digest,
+    request_digest,
+)
 from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
@@ -307,16 +313,36 @@ class SessionHost:
         of it once its journal entry is on disk. A read takes no ``op`` and runs on the
         executor behind everything queued before it, so it never sees weights mid-update.
         """
+        self.check(operation, request)
+        return self.apply_checked(operation, request, op)
+
+    def check(self, operation: Operation[RequestT], request: RequestT) -> None:
+        """Refuse ``request`` (InvalidArgument, naming what is wrong) before anything is queued:
+        ``apply`` checks each request; the intake checks one when it accepts it."""
         if not isinstance(request, operation.request_type):
             raise TypeError(
                 f"{operation.kind} takes a {operation.request_type.__name__}, "
                 f"not a {type(request).__name__}"
             )
         operation.check(request, self.model_root)
+
+    def apply_checked(
+        self,
+        operation: Operation[RequestT],
+        request: RequestT,
+        op: OperationSpec | None = None,
+        *,
+        body_digest: str | None = None,
+    ) -> Any:
+        """``apply`` for a request ``check``ed already, when the intake accepted it.
+
+        ``body_digest``: the digest the intake took of the request as it was received; the
+        journal binds the key to it (``journal.KeyDigest``), so the request is hashed once.
+        """
         if operation.keyed:
             if op is None:
                 raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
-            return self._keyed(operation, request, op)
+            return self._keyed(operation, request, op, body_digest)
         if op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
         if operation is SAMPLE:  # decoded beside the samples waiting with it (sample_batching)
@@ -349,12 +375,20 @@ class SessionHost:
 
         return self._executor.run(job, joinable=joinable)
 
-    def _keyed(self, operation: Operation[Any], request: Any, op: OperationSpec) -> Any:
+    def _keyed(
+        self, operation: Operation[Any], request: Any, op: OperationSpec, body_digest: str | None
+    ) -> Any:
         """``keyed_path.apply_keyed`` on the executor, in the order of the run's positions
-        (pipelined calls may arrive out of order); the payload is digested before queueing."""
+        (pipelined calls may arrive out of order); the payload is digested before queueing,
+        unless the intake digested the request's body already."""
         check_operation_key(op.key)
-        assert operation.payload is not None
-        digest = payload_digest(operation.kind, operation.payload(request))
+        payload = operation.payload
+        assert payload is not None
+        if body_digest is None:
+            digest = KeyDigest(payload_digest(operation.kind, payload(request)))
+        else:
+            earlier = partial(_digest_of_payload, operation, request)
+            digest = KeyDigest(request_digest(body_digest), earlier)
         self.lifecycle.refuse_if_unavailable()
         applied: futures.Future[tuple[Any, Durable]] = futures.Future()
 
@@ -384,7 +418,7 @@ class SessionHost:
         return outcome
 
     def _apply_keyed(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, digest: str
+        self, operation: Operation[Any], request: Any, op: OperationSpec, digest: KeyDigest
     ) -> tuple[Any, Durable]:
         active = self._require_active()
         try:
@@ -428,3 +462,9 @@ class SessionHost:
 
     def _fail(self, message: str) -> None:
         self.lifecycle.fail(message)
+
+
+def _digest_of_payload(operation: Operation[Any], request: Any) -> str:
+    """The payload digest an earlier version journaled for a request the intake accepted."""
+    assert operation.payload is not None
+    return payload_digest(operation.kind, operation.payload(request))

@@ -1,23 +1,25 @@
 """The intake: where a request that answers a ticket is accepted, ordered, recorded and answered.
 
 A transport hands the intake each request with its stream and number (a Tinker model and its
-``seq_id``) and a ``prepare`` closure that checks the rest and returns the call; the intake answers
-the request id at once. ``{stream}/{seq}`` is both the request id and the operation key the host
-journals, so a re-sent request finds its ticket (and, after it ran, the journal's recorded result)
-instead of running again; the same key with another payload is refused. Requests run in order per
-stream (``StreamOrder``, which also bounds what waits); their results enter the ``ResultStore``
-only once durable: a keyed call's journal commit happens inside the session host before it
-returns, and every other result (a forward, a sample, a failure) is written to the
-``RequestStore`` first.
+``seq_id``) and a ``prepare`` closure that decodes the rest into a ``Submission`` (an operation of
+the host's table, its request, and what the transport does around it and with its outcome); the
+host checks the request there, once, and the intake answers the request id at once.
+``{stream}/{seq}`` is both the request id and the operation key the host journals, bound to the
+digest the intake took of the body (the one hash of a request), so a re-sent request finds its
+ticket (and, after it ran, the journal's recorded result) instead of running again; the same key
+with another payload is refused. Requests run in order per stream (``StreamOrder``, which also
+bounds what waits); their results enter the ``ResultStore`` only once durable: a keyed call's
+journal commit happens inside the session host before it returns, and every other result (a
+forward, a sample, a failure) is written to the ``RequestStore`` first.
 
-Exactly once across a crash: each accepted request is stored before its request id is handed
-out. A restarted intake reads the store back (``replaying``) before its transport serves: recorded
-results are answered as they are, every other request is submitted again in its original order by
-its transport, and one that cannot be submitted again fails alone (``replay_failed``). Nothing runs
-until the host has restored its run (``recovered``); the engine restarted from its latest
-checkpoint, so the journal answers the keyed calls before it and the ones since run again, the
-same bits. A checkpoint compacts the store (``compact_at``): the results of the calls before it
-that a client may still ask for are carried, bounded by ``results``'s retention.
+Exactly once across a crash: each accepted request is stored before its request id is handed out. A
+restarted intake reads the store back (``replaying``) before its transport serves: recorded results
+are answered as they are, every other request is submitted again in its original order to the route
+that took it (``replay``, through ``routes``), and one that cannot be submitted again fails alone
+(``replay_failed``). Nothing runs until the host has restored its run (``recovered``); the engine
+restarted from its latest checkpoint, so the journal answers the keyed calls before it and the ones
+since run again, the same bits. A checkpoint compacts the store (``compact_at``): the results of the
+calls before it that a client may still ask for are carried, bounded by ``results``'s retention.
 
 Client sessions come and go (the Tinker front's model slot forgets them): a request is taken only
 for a session the transport knows (``admit``); a forgotten session's results and records go at
@@ -33,11 +35,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
+from trainwire.server.service.host import SessionHost
+from trainwire.server.service.operations import Operation
 from trainwire.server.service.request_records import (
     Body,
     CallRecord,
@@ -55,11 +61,28 @@ from trainwire.server.service.results import (
     ResultStore,
     run_to_outcome,
 )
-from trainwire.server.service.stream_order import StreamOrder, payload
+from trainwire.server.service.stream_order import payload
 
 logger = logging.getLogger(__name__)
 
-Call = Callable[[str], Any]  # a request's work, given its request id (its operation key)
+
+@dataclass(frozen=True)
+class Submission:
+    """A request as its transport decoded it: the ``operation`` it runs on ``request`` (checked
+    once, when the intake accepts it), what runs ``around`` the operation (given the operation's
+    run, it returns what that returns: the transport's checks at its turn and the locks it
+    holds meanwhile), and ``finish``, which makes the operation's outcome the request's result
+    (a ``Callable[[], body]`` is encoded behind, while the next request runs)."""
+
+    operation: Operation[Any]
+    request: Any
+    finish: Callable[[Any], Any]
+    around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
+
+
+Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
+Work = Submission | Failed | Callable[[], Any]  # a request's work; a plain call: a read (sample)
+SAMPLE_ROUTE = "asample"  # the route an unordered request (``SampleRecord``) is replayed through
 
 
 class Intake:
@@ -67,20 +90,23 @@ class Intake:
 
     Args:
         directory: where the request store lives.
-        order: the host's ``StreamOrder``; the intake's jobs wait there until the host has
-            restored its run.
+        host: the session host its requests run on; the intake's jobs wait in its order until
+            it has restored its run.
         owner_of: the client session a request id belongs to.
         noun: what the intake's streams are called in refusals (a Tinker ``model``).
     """
 
     def __init__(
-        self, directory: Path, order: StreamOrder, owner_of: Callable[[str], str], noun: str
+        self, directory: Path, host: SessionHost, owner_of: Callable[[str], str], noun: str
     ) -> None:
+        self.host = host
         self.owner_of = owner_of
         self.noun = noun
         self.results = ResultStore()
         self.store = RequestStore(directory, owner_of)
-        self.order = order  # the host's: one order for every transport
+        self.order = host.order  # one order for every transport
+        # The transport's routes by the names its stored requests carry (``replay``).
+        self.routes: dict[str, Route] = {}
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
         # Held by the part of a sample that may not run beside another (``stream_order``): choosing
@@ -144,13 +170,33 @@ class Intake:
         self.start_stream(stream, record.next_seq)
         self.resume_position = record.position
 
-    def resubmitted(self, request_id: str) -> None:
-        self._resubmitted.add(request_id)
-
     def replay_pending(self) -> bool:
         """Whether a call submitted again at start is unanswered yet (it may create a sampler)."""
         self._resubmitted = {r for r in self._resubmitted if self.results.pending(r)}
         return self._replayed is not None or bool(self._resubmitted)
+
+    def replay(self, records: list[Record]) -> None:
+        """Submit every stored request without a recorded result again, in its original order,
+        to the route that took it (``routes``): inside ``replaying``, before the transport
+        serves. A request that cannot be submitted again, whatever the error, fails alone
+        (``replay_failed``): one bad record never keeps the server from starting."""
+        for record in records:
+            if isinstance(record, CallRecord | SampleRecord):
+                self._resubmit(record)
+
+    def _resubmit(self, record: CallRecord | SampleRecord) -> None:
+        self._resubmitted.add(record.request_id)
+        route = record.route if isinstance(record, CallRecord) else SAMPLE_ROUTE
+        encoding = record.encoding if isinstance(record, CallRecord) else None
+        try:
+            if route not in self.routes:
+                raise LookupError(f"no route {route!r} takes this request in this version")
+            self.routes[route](record.body, encoding)
+        except Exception as error:  # refused again, its stream ended, or a record it cannot take
+            if self.replay_failed(record, error):
+                logger.warning("intake: %s failed on replay: %r", record.request_id, error)
+            else:
+                logger.info("intake: %s refused again: %s", record.request_id, error)
 
     def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
         """A stored request whose route failed before queueing it again fails alone: its ticket
@@ -162,8 +208,8 @@ class Intake:
         failure = Failed(
             f"replaying this request failed: {type(error).__name__}: {error}", category
         )
-        job = self._job(request_id, failure, keyed=False)
         digest, _ = payload(record.body)
+        job = self._job(request_id, failure, digest)
         stream = request_id.rpartition("/")[0]
         with self._lock:
             if self.results.known(request_id):
@@ -267,18 +313,19 @@ class Intake:
         body: Body,
         stream: str,
         seq: Any,
-        prepare: Callable[[], Call],
+        prepare: Callable[[], Submission],
         *,
         encoding: str | None = None,
-        keyed: bool = True,
         size: int | None = None,
     ) -> str:
-        """Queue ``prepare()``'s call as ``seq`` of ``stream``; its request id, once the
-        request is stored durably. A ``keyed`` call's success is the journal's to keep;
-        every other outcome is stored before a fetch sees it. ``prepare`` checks the request: if
-        it refuses it, the refusal is raised (HTTP 400) and still takes the seq, answered as
-        that failure to a fetch or a re-send, so the calls numbered after it are not held.
-        ``size``: the request's bytes held while it waits (default: the body's)."""
+        """Queue ``prepare()``'s submission as ``seq`` of ``stream``; its request id, once the
+        request is stored durably. A keyed operation's success is the journal's to keep (bound
+        to this body's digest: the request is hashed once); every other outcome is stored
+        before a fetch sees it. ``prepare`` decodes the request and the host checks it: a
+        refusal is raised (HTTP 400) and still takes the seq, answered as that failure to a
+        fetch or a re-send, so the calls numbered after it are not held. ``route`` names the
+        entry of ``routes`` that takes the stored body again after a restart. ``size``: the
+        request's bytes held while it waits (default: the body's)."""
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq!r}")
         request_id = f"{stream}/{seq}"
@@ -290,10 +337,11 @@ class Intake:
                 return request_id
         refusal: Exception | None = None
         try:
-            work: Call | Failed = prepare()
+            work: Submission | Failed = prepare()
+            self.host.check(work.operation, work.request)  # once: its turn does not again
         except USER_ERRORS as error:
             work, refusal = Failed(str(error), "user"), error
-        job = self._job(request_id, work, keyed=keyed)
+        job = self._job(request_id, work, digest)
         with self._lock:
             if taken():
                 return request_id  # a re-send: its ticket already exists
@@ -326,7 +374,7 @@ class Intake:
         the request holds until it has run (default: the body's)."""
         digest, body_size = payload(body)
         size = size or body_size
-        job = self._job(request_id, lambda _: call(), keyed=False)
+        job = self._job(request_id, call, digest)
         with self._lock:
             self.admit(request_id)
             if self.results.resent(request_id, digest):
@@ -342,23 +390,37 @@ class Intake:
 
     # -- answering -----------------------------------------------------------------------------
 
-    def _job(self, request_id: str, work: Call | Failed, *, keyed: bool) -> Callable[[], None]:
+    def _job(self, request_id: str, work: Work, digest: str) -> Callable[[], None]:
         """What the order runs for a request: its answer, once the host has restored its run."""
-        answer = partial(self._answer, request_id, self._recorded(request_id), work, keyed)
+        answer = partial(self._answer, request_id, self._recorded(request_id), work, digest)
         return partial(self._when_recovered, answer)
 
     def _answer(
-        self, request_id: str, recorded: ResultRecord | None, work: Call | Failed, keyed: bool
+        self, request_id: str, recorded: ResultRecord | None, work: Work, digest: str
     ) -> None:
-        """A request's turn: its recorded result, its failure, or its call (whose response is
-        encoded and stored behind, while the next call runs)."""
+        """A request's turn: its recorded result, its failure, or its operation (whose response
+        is encoded and stored behind, while the next call runs)."""
         if recorded is not None:
             self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
         elif isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
-        else:
-            outcome = self._run(lambda: work(request_id))
+        elif isinstance(work, Submission):
+            outcome = self._run(partial(self._apply, request_id, work, digest))
+            keyed = work.operation.keyed
             self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
+        else:
+            outcome = self._run(work)
+            self._finisher.submit(self._encode_and_finish, request_id, outcome, False)
+
+    def _apply(self, request_id: str, submission: Submission, digest: str) -> Any:
+        """A submission's operation, keyed by its request id, then its transport's ``finish``."""
+        operation, request = submission.operation, submission.request
+        if operation.keyed:
+            op = OperationSpec(request_id)
+            run = partial(self.host.apply_checked, operation, request, op, body_digest=digest)
+        else:
+            run = partial(self.host.apply_checked, operation, request)
+        return submission.finish(submission.around(run))
 
     def _run(self, call: Callable[[], Any]) -> Outcome:
         if self._cannot_replay:

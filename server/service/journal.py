@@ -22,6 +22,7 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -275,6 +276,29 @@ def _entry(row: tuple[Any, ...]) -> JournalEntry:
 def payload_digest(kind: str, payload: dict[str, Any]) -> str:
     """What a reused key is compared by: the operation kind and its payload, never its Operation."""
     return sha256_fingerprint(canonical_json({"kind": kind, "payload": payload}))
+
+
+@dataclass(frozen=True)
+class KeyDigest:
+    """What an operation key is bound to in the journal: ``value``.
+
+    A request the intake accepted is bound to the digest of its body as it was received (the
+    intake hashes every request it takes, so a request is hashed once: ``request:<hex>``); a
+    gRPC request to its operation's payload (``payload_digest``). ``earlier`` gives the payload
+    digest that an earlier version journaled for an intake's request, compared only when
+    ``value`` does not match, so a journal written before still answers its keys.
+    """
+
+    value: str
+    earlier: Callable[[], str] | None = None
+
+    def matches(self, recorded: str) -> bool:
+        return recorded == self.value or (self.earlier is not None and recorded == self.earlier())
+
+
+def request_digest(body_digest: str) -> str:
+    """The journal's form of the digest the intake took of a request's body."""
+    return f"request:{body_digest}"
 
 
 def outcome_record(outcome: OperationOutcome) -> dict[str, Any]:

@@ -19,7 +19,7 @@ from typing import Any
 from trainwire.contract.outcomes import OperationOutcome, OperationSpec
 from trainwire.server.errors import AlreadyExists, PositionMismatch
 from trainwire.server.service.active_run import ActiveRun, Applying, Durable
-from trainwire.server.service.journal import JournalEntry, outcome_from_record
+from trainwire.server.service.journal import JournalEntry, KeyDigest, outcome_from_record
 from trainwire.server.service.operations import Operation
 
 
@@ -28,7 +28,7 @@ def apply_keyed(
     operation: Operation[Any],
     request: Any,
     op: OperationSpec,
-    payload_digest: str,
+    digest: KeyDigest,
 ) -> tuple[Any, Durable]:
     """Journal lookup, position check, ``operation.apply``, commit: in that order.
 
@@ -39,10 +39,10 @@ def apply_keyed(
     """
     entry = run.journal.lookup(op.key)
     if entry is not None:
-        outcome = _replay(run, entry, operation, payload_digest, op)
+        outcome = _replay(run, entry, operation, digest, op)
         durable = run.journal.durable(op.key)
     else:
-        outcome, durable = _apply_new(run, operation, request, op, payload_digest)
+        outcome, durable = _apply_new(run, operation, request, op, digest.value)
     if operation.complete is not None:
         outcome = operation.complete(run, request, outcome)
     return outcome, durable
@@ -77,10 +77,10 @@ def _replay(
     run: ActiveRun,
     entry: JournalEntry,
     operation: Operation[Any],
-    payload_digest: str,
+    digest: KeyDigest,
     op: OperationSpec,
 ) -> OperationOutcome:
-    if entry.kind != operation.kind or entry.payload_sha256 != payload_digest:
+    if entry.kind != operation.kind or not digest.matches(entry.payload_sha256):
         raise AlreadyExists(
             f"operation key {op.key!r} was already used for another {entry.kind} payload "
             f"(applied as operation {entry.position}); send a new key for a new operation"

@@ -27,11 +27,10 @@ from typing import Any
 
 import pyrage
 
-from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, NotFound, Unauthenticated
 from trainwire.server.paths import resolve_inside
 from trainwire.server.service import operations as ops
-from trainwire.server.service.intake import Call
+from trainwire.server.service.intake import Submission
 from trainwire.server.service.requests import ExportWeightsRequest
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import saved_checkpoints
@@ -52,26 +51,23 @@ def save_weights_external(front: TinkerFront, body: dict[str, Any]) -> str:
     """Export the live weights under ``external_weights/<path>``, encrypted when asked."""
     model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
 
-    def prepare() -> Call:
+    def prepare() -> Submission:
         name = check_name(get_str(body, "path", "") or "", "save_weights_external path")
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_external")
         recipients = parse_recipients(body.get("age_encryption_recipients"))
         path = TinkerPath(model_id, "external_weights", name)
         export = EXPORT_PREFIX + name
 
-        def call(key: str) -> dict[str, Any]:
-            outcome = front.host.apply(
-                ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), OperationSpec(key)
-            )
+        def finish(outcome: Any) -> dict[str, Any]:
             if recipients:
                 encrypt(front, path, export, recipients)
             else:  # an earlier save under this name was encrypted: its files are not these
                 shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
-            saved_checkpoints.record_saved(front, path, export, ttl, key)
+            saved_checkpoints.record_saved(front, path, export, ttl, f"{model_id}/{seq_id}")
             size = sum(f.size_bytes for f in outcome.files)
             return {"type": "save_weights_external", "path": str(path), "size_bytes": size}
 
-        return call
+        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish)
 
     return front.submit("save_weights_external", body, model_id, seq_id, prepare)
 

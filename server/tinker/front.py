@@ -10,13 +10,13 @@ that starts it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.intake import Call, Intake
+from trainwire.server.service.intake import Intake, Submission
 from trainwire.server.service.request_records import Body
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.model_slot import ModelSlot
@@ -49,7 +49,7 @@ class TinkerFront:
         body: Body,
         model_id: str,
         seq_id: Any,
-        prepare: Callable[[], Call],
+        prepare: Callable[[], Submission],
         **options: Any,
     ) -> str:
         """Queue a training call of ``model_id`` (``Intake.submit``), bound to the run it was
@@ -57,8 +57,13 @@ class TinkerFront:
         queued before its model closed never runs on the next model's run."""
         run_id = self.models.require_model(model_id).run_id
 
-        def bound() -> Call:
-            call = prepare()
-            return lambda key: self.models.while_open(run_id, partial(call, key))
+        def bound() -> Submission:
+            submission = prepare()
+            around = submission.around
+
+            def while_open(run: Callable[[], Any]) -> Any:
+                return self.models.while_open(run_id, partial(around, run))
+
+            return replace(submission, around=while_open)
 
         return self.intake.submit(route, body, model_id, seq_id, bound, **options)

@@ -11,13 +11,13 @@ the request before answering its id and the result before a poll sees it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from trainwire.contract.config import TrainingConfig
-from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
-from trainwire.server.service.intake import Call
+from trainwire.server.service.intake import Submission
 from trainwire.server.service.requests import (
     DiscardExportsRequest,
     ExportWeightsRequest,
@@ -41,7 +41,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
     session_id = front.models.require_model(model_id).session_id
 
-    def prepare() -> Call:
+    def prepare() -> Submission:
         name = get_str(body, "path")
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
         check_name(export, "save_weights_for_sampler path")
@@ -49,18 +49,19 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
         sampling_seq = get_int(body, "sampling_session_seq_id")
 
-        def call(key: str) -> dict[str, Any]:
-            sessions = front.sampling_sessions
-            if path and sessions.named(path):  # its clients must keep their weights
+        def around(run: Callable[[], Any]) -> Any:
+            if path and front.sampling_sessions.named(path):  # its clients keep their weights
                 raise FailedPrecondition(
                     f"sampler weights {path!r} exist already; save under a new name"
                 )
-            front.host.apply(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), OperationSpec(key))
-            model_name = front.models.model_name()
+            return run()
+
+        def finish(_: Any) -> dict[str, Any]:
+            sessions, model_name = front.sampling_sessions, front.models.model_name()
             if path:
                 sessions.snapshot(None, path, model_name, export, seq_id)
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
-                saved_checkpoints.record_saved(front, saved, export, ttl, key)
+                saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
                 return {"type": "save_weights_for_sampler", "path": path}
             sampling_id = f"{session_id}:sample:{sampling_seq}"
             pruned = sessions.snapshot(sampling_id, None, model_name, export, seq_id)
@@ -68,7 +69,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 front.host.apply(ops.DISCARD_EXPORTS, DiscardExportsRequest(pruned))
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
-        return call
+        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
 
     return front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
 

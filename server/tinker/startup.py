@@ -1,12 +1,11 @@
-"""Starting and stopping the Tinker front: build its parts, read the request store back, and let
-the calls run once the host has restored its run.
+"""Starting and stopping the Tinker front: build its parts, give the intake its routes, read
+the front's own state back, and let the calls run once the host has restored its run.
 
-A restarted front reads its log before its listener serves (``replay``): sessions, samplers and
-where a compacted log resumes come back first, then every call without a recorded result is
-submitted again to its route in its original order (one with a result is answered with it). The
-calls wait until the host's recovery is done (``Intake.recovered``). A record that fails to be
-submitted again, whatever the error, fails that request alone (``Intake.replay_failed``): one
-bad record never keeps the front, and so the server, from starting.
+A restarted front takes its own state back from the request store before its listener serves
+(``replay``): sessions, samplers and where a compacted store resumes. Then the intake submits
+every stored request without a recorded result again, to the route that took it, in its
+original order (``Intake.replay``); the calls wait until the host's recovery is done
+(``Intake.recovered``).
 """
 
 from __future__ import annotations
@@ -14,17 +13,16 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.intake import Intake
+from trainwire.server.service.intake import SAMPLE_ROUTE, Intake
 from trainwire.server.service.request_records import (
-    CallRecord,
     NoteRecord,
     Record,
     ResumeRecord,
-    SampleRecord,
     SessionRecord,
 )
 from trainwire.server.tinker import external_weights, sampling_routes, training_routes
@@ -35,7 +33,7 @@ from trainwire.server.tinker.sdk_sessions import session_of
 
 logger = logging.getLogger(__name__)
 
-# The routes a logged training call is submitted to again, by the name its record holds.
+# The routes a stored request is given to again, by the name its record holds.
 ROUTES: dict[str, Callable[..., Any]] = {
     "forward_backward": training_routes.forward_backward,
     "optim_step": training_routes.optim_step,
@@ -43,6 +41,7 @@ ROUTES: dict[str, Callable[..., Any]] = {
     "load_weights": training_routes.load_weights,
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
     "save_weights_external": external_weights.save_weights_external,
+    SAMPLE_ROUTE: sampling_routes.asample,
 }
 
 
@@ -55,7 +54,7 @@ def start_front(
 ) -> TinkerFront:
     """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed."""
     directory = Path(state_dir) / FRONT_DIR
-    intake = Intake(directory, host.order, owner_of=session_of, noun="model")
+    intake = Intake(directory, host, owner_of=session_of, noun="model")
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
     models = ModelSlot(
@@ -67,6 +66,8 @@ def start_front(
         catalog=catalog,
     )
     front = TinkerFront(host, intake, models, directory, model_root, catalog)
+    for name, route in ROUTES.items():
+        intake.routes[name] = partial(_take, route, front)
     replay(front)
     threading.Thread(
         target=_await_recovery, args=(front,), name="tinker-recover", daemon=True
@@ -79,10 +80,11 @@ def stop_front(front: TinkerFront) -> None:
 
 
 def replay(front: TinkerFront) -> None:
-    """Rebuild sessions, samplers and futures from the log; submit every unanswered call."""
+    """Take back the front's own state, then let the intake submit every unanswered request."""
     with front.intake.replaying() as records:
         for record in records:
             _take_back(front, record)
+        front.intake.replay(records)
 
 
 def _take_back(front: TinkerFront, record: Record) -> None:
@@ -92,23 +94,11 @@ def _take_back(front: TinkerFront, record: Record) -> None:
         front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord) and front.models.model is not None:
         front.intake.resume_at(front.models.model.model_id, record)
-    elif isinstance(record, CallRecord | SampleRecord):
-        _resubmit(front, record)
 
 
-def _resubmit(front: TinkerFront, record: CallRecord | SampleRecord) -> None:
-    front.intake.resubmitted(record.request_id)
-    try:
-        if isinstance(record, SampleRecord):
-            sampling_routes.asample(front, record.body)
-            return
-        args = (record.body,) if record.encoding is None else (record.body, record.encoding)
-        ROUTES[record.route](front, *args)
-    except Exception as error:  # refused again, its model closed, or a record it cannot take
-        if front.intake.replay_failed(record, error):
-            logger.warning("Tinker front: %s failed on replay: %r", record.request_id, error)
-        else:
-            logger.info("Tinker front: %s refused again: %s", record.request_id, error)
+def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:
+    """A stored request given to its route again, as the listener gave it the first time."""
+    return route(front, body) if encoding is None else route(front, body, encoding)
 
 
 def _await_recovery(front: TinkerFront) -> None:

@@ -1,9 +1,11 @@
-"""The SDK's training calls, as plain functions: decode, call the host's operation table, encode.
+"""The SDK's training calls, as plain functions: decode, submit to the service's intake, encode.
 
 Each route reads the call's ``(model_id, seq_id)`` and hands the intake a ``prepare`` closure:
-it checks the rest of the request and returns the call, which the intake runs in seq_id order
-with the request id as its operation key. A refused request still takes its seq_id (the SDK has
-already numbered the calls after it), so the calls behind it are not held.
+it decodes the rest of the request into a ``Submission`` (an entry of the operation table, its
+request, and what the front does around it and with its outcome), which the intake checks when
+it accepts the request and runs in seq_id order with the request id as its operation key. A
+refused request still takes its seq_id (the SDK has already numbered the calls after it), so the
+calls behind it are not held.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from trainwire.contract.outcomes import OperationSpec, WeightsSource
+from trainwire.contract.outcomes import WeightsSource
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
-from trainwire.server.service.intake import Call
+from trainwire.server.service.intake import Submission
 from trainwire.server.service.loss_terms import elementwise_loss
 from trainwire.server.service.request_records import Record
 from trainwire.server.service.requests import (
@@ -45,29 +47,24 @@ def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> 
         body,
         message.model_id,
         message.seq_id,
-        partial(_check_forward_backward, front, message),
+        partial(_decode_forward_backward, message),
         encoding=content_encoding,
-        keyed=not message.forward_only,
         size=codec.held_bytes(message),  # what its decoded datums hold until it has run
     )
 
 
-def _check_forward_backward(front: TinkerFront, message: codec.pb.ForwardBackwardRequest) -> Call:
-    """The datums and the loss, checked before the call takes its turn."""
-    return partial(_run_forward_backward, front, codec.forward_backward_call(message))
+def _decode_forward_backward(message: codec.pb.ForwardBackwardRequest) -> Submission:
+    """The datums and the loss; a ``forward_only`` call is a forward (a read, not keyed). Its
+    response is encoded behind, while the next call runs."""
+    request = codec.forward_backward_call(message)
 
+    def encoded(outcome: Any) -> Callable[[], bytes]:
+        return partial(_encode_forward_backward, request, outcome)
 
-def _run_forward_backward(
-    front: TinkerFront, request: codec.ForwardBackwardCall, key: str
-) -> Callable[[], bytes]:
-    """The operation, in seq_id order; its response is encoded behind, while the next runs."""
+    examples, loss = request.examples, (request.loss_fn, request.loss_fn_config)
     if request.forward_only:
-        forward = ForwardRequest(request.examples, request.loss_fn, request.loss_fn_config)
-        outcome: Any = front.host.apply(ops.FORWARD, forward)
-    else:
-        batch = ForwardBackwardRequest(request.examples, request.loss_fn, request.loss_fn_config)
-        outcome = front.host.apply(ops.FORWARD_BACKWARD, batch, OperationSpec(key))
-    return partial(_encode_forward_backward, request, outcome)
+        return Submission(ops.FORWARD, ForwardRequest(examples, *loss), encoded)
+    return Submission(ops.FORWARD_BACKWARD, ForwardBackwardRequest(examples, *loss), encoded)
 
 
 def _encode_forward_backward(request: codec.ForwardBackwardCall, outcome: Any) -> bytes:
@@ -81,20 +78,14 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
     forward_backward since the last step (``sum_microbatches``)."""
     model_id = _model_id(body)
 
-    def prepare() -> Call:
+    def prepare() -> Submission:
         step = OptimStepRequest(**adam_settings(body), sum_microbatches=True)
-        ops.OPTIM_STEP.check(step, None)  # a refused step still takes its seq_id
+        return Submission(ops.OPTIM_STEP, step, finish)
 
-        def call(key: str) -> dict[str, Any]:
-            outcome = front.host.apply(ops.OPTIM_STEP, step, OperationSpec(key))
-            front.sampling_sessions.weights_changed()
-            metrics = {
-                "learning_rate:mean": outcome.learning_rate,
-                "grad_norm:mean": outcome.grad_norm,
-            }
-            return {"type": "optim_step", "metrics": metrics}
-
-        return call
+    def finish(outcome: Any) -> dict[str, Any]:
+        front.sampling_sessions.weights_changed()
+        metrics = {"learning_rate:mean": outcome.learning_rate, "grad_norm:mean": outcome.grad_norm}
+        return {"type": "optim_step", "metrics": metrics}
 
     return front.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
 
@@ -103,18 +94,17 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
     """A checkpoint of the full state; the request store is compacted behind it."""
     model_id, seq_id = _model_id(body), body.get("seq_id")
 
-    def prepare() -> Call:
+    def prepare() -> Submission:
         name = check_name(get_str(body, "path", "") or "", "save_weights path")
         ttl = check_ttl(body.get("ttl_seconds"), "save_state")
         path = TinkerPath(model_id, "weights", name)
 
-        def call(key: str) -> dict[str, Any]:
-            saved = front.host.apply(ops.SAVE_STATE, CheckpointRequest(name), OperationSpec(key))
+        def finish(saved: Any) -> dict[str, Any]:
             _compact_at(front, seq_id, saved.position)
-            saved_checkpoints.record_saved(front, path, name, ttl, key)
+            saved_checkpoints.record_saved(front, path, name, ttl, f"{model_id}/{seq_id}")
             return {"type": "save_weights", "path": str(path)}
 
-        return call
+        return Submission(ops.SAVE_STATE, CheckpointRequest(name), finish)
 
     return front.submit("save_weights", body, model_id, seq_id, prepare)
 
@@ -135,28 +125,27 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
     if not model_id and body.get("session_id") is not None:  # create_training_client_from_state
         return front.models.create_from_state(body)
 
-    def prepare() -> Call:
+    def prepare() -> Submission:
         path = TinkerPath.parse(get_str(body, "path"))
         if path.segment != "weights":
             raise InvalidArgument(f"load_state {str(path)!r}: give a training checkpoint's path")
         # A replayed request reads what it read when it was accepted, expired since or not.
         source, saved = front.catalog.find(path, expired_ok=front.intake.taking_back)
         run_id = "" if source.model_id == model_id else source.run_id
-        with_optimizer = get_bool(body, "optimizer")
 
-        def call(key: str) -> dict[str, Any]:
-            op = OperationSpec(key)
+        def around(run: Callable[[], Any]) -> Any:
             with front.catalog.removal_guard:  # see saved_checkpoints.delete
                 front.catalog.find(path, expired_ok=True)  # not deleted since it was accepted
-                if with_optimizer:  # the engine restores a full state only into a fresh session
-                    request = CheckpointRequest(saved.stored_as, run_id)
-                    front.host.apply(ops.LOAD_STATE, request, op)
-                else:
-                    source = WeightsSource("checkpoint", saved.stored_as)
-                    front.host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, run_id), op)
+                return run()
+
+        def finish(_: Any) -> dict[str, Any]:
             front.sampling_sessions.weights_changed()
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
-        return call
+        if get_bool(body, "optimizer"):  # the engine restores a full state only into a fresh one
+            load = CheckpointRequest(saved.stored_as, run_id)
+            return Submission(ops.LOAD_STATE, load, finish, around)
+        weights = LoadWeightsRequest(WeightsSource("checkpoint", saved.stored_as), run_id)
+        return Submission(ops.LOAD_WEIGHTS, weights, finish, around)
 
     return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
