@@ -1,6 +1,13 @@
-"""The session's executor: one thread every session call runs on, in arrival order, bounded.
+"""The session's executor: one thread every session call runs on, in fair turns, bounded.
 
 One thread, so nothing interleaves inside the engine and torch always runs on the same thread.
+Each call runs in a *lane* (a run's id; "" for what belongs to no run): calls of one lane run in
+arrival order, and lanes with work take turns, one call each (deficit round robin, so a lane
+of weight 2 runs two calls a turn, one of weight 0.5 one call every other turn). A run that
+floods the executor therefore never delays another run's next call by more than one call of
+each other lane with work (times its weight); with one lane, as on a server of one run, the
+executor is first in, first out.
+
 Bounded, because every gRPC handler that waits for the session holds one of the server's
 threads: past ``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than
 kept, so threads stay free for health checks and ``Info``, which answer at once whatever waits.
@@ -12,29 +19,90 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from trainwire.server.errors import ResourceExhausted, Unavailable
 
 T = TypeVar("T")
 
 DEFAULT_MAX_QUEUED = 24  # of the server's default 32 handler threads, 8 stay free for the rest
+# A queued call: its arrival number, the call, and the future its caller waits on.
+Job = tuple[int, Callable[[], Any], "futures.Future[Any]"]
+
+
+class FairTurns:
+    """The executor's queue: lanes of jobs in arrival order, served in turns by weight.
+
+    ``weight_of(lane)`` is read when a lane's turn begins (default 1.0 for every lane). Not
+    thread-safe: the executor holds its lock around every call.
+    """
+
+    def __init__(self, weight_of: Callable[[str], float] | None = None) -> None:
+        self.weight_of = weight_of or (lambda lane: 1.0)
+        self._lanes: dict[str, deque[Job]] = {}
+        self._turns: deque[str] = deque()  # lanes with work; the first one's turn is now
+        self._credit: dict[str, float] = {}  # calls a lane may still run in its turn
+
+    def oldest(self) -> int | None:
+        """The arrival number of the oldest job still queued (None: none is)."""
+        return min((jobs[0][0] for jobs in self._lanes.values()), default=None)
+
+    def put(self, lane: str, job: Job) -> None:
+        if lane not in self._lanes:
+            self._lanes[lane] = deque()
+            self._turns.append(lane)
+            self._credit[lane] = 0.0
+        self._lanes[lane].append(job)
+
+    def take(self) -> Job | None:
+        """The next job: the first lane's, once it has the credit for it (a turn adds its
+        weight); a lane whose turn is spent goes to the back, one left empty leaves."""
+        while self._turns:
+            lane = self._turns[0]
+            if self._credit[lane] < 1.0:
+                self._credit[lane] += max(self.weight_of(lane), 0.0)
+                if self._credit[lane] < 1.0:  # a light lane saves up over turns
+                    self._turns.rotate(-1)
+                    continue
+            jobs = self._lanes[lane]
+            job = jobs.popleft()
+            self._credit[lane] -= 1.0
+            if not jobs:
+                del self._lanes[lane], self._credit[lane]
+                self._turns.popleft()
+            elif self._credit[lane] < 1.0:
+                self._turns.rotate(-1)
+            return job
+        return None
 
 
 class SessionExecutor:
-    """Runs calls one at a time; ``busy`` while any is queued or running on its thread."""
+    """Runs calls one at a time; ``busy`` while any is queued or running on its thread.
 
-    def __init__(self, max_queued: int = DEFAULT_MAX_QUEUED) -> None:
+    ``weight_of(lane)``: a lane's share of the turns (see ``FairTurns``)."""
+
+    def __init__(
+        self,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        weight_of: Callable[[str], float] | None = None,
+    ) -> None:
         self.max_queued = max_queued
-        self._worker = futures.ThreadPoolExecutor(1, thread_name_prefix="trainwire-session")
         self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # a job queued, or the queue drained
+        self._turns = FairTurns(weight_of)
+        self._barriers: deque[Job] = deque()  # run once every call queued before has run
+        self._arrivals = 0  # calls and barriers queued so far (their arrival numbers)
         self.waiting = 0  # admitted calls: held in position order, queued or running
         self._on_worker = 0  # queued on the worker thread or running there
         self._released = False
+        self._stopping = False
         # Moves with every call queued that samples may not decode beside (see ``run``).
         self.epoch = 0
+        self._thread = threading.Thread(target=self._serve, name="trainwire-session", daemon=True)
+        self._thread.start()
 
     @property
     def busy(self) -> bool:
@@ -59,34 +127,71 @@ class SessionExecutor:
             with self._lock:
                 self.waiting -= 1
 
-    def run(self, call: Callable[[], T], *, joinable: bool = False) -> T:
-        """``call()`` on the executor thread after everything queued before it.
+    def run(self, call: Callable[[], T], *, joinable: bool = False, lane: str = "") -> T:
+        """``call()`` on the executor thread, after everything queued before it in ``lane``
+        and in its turn among the other lanes.
 
         Every call but a ``joinable`` one (a batch of samples) moves ``epoch``: a sample request
         that saw an epoch may decode in any batch that started at that epoch or later, but never
         in one that runs before a call queued after it (``sample_batching``).
         """
+        queued: futures.Future[T] = futures.Future()
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
             self._on_worker += 1
             if not joinable:
                 self.epoch += 1
-            try:  # queued under the lock: the queue's order is the epochs' order
-                queued = self._worker.submit(call)
-            except BaseException:
-                self._on_worker -= 1
-                raise
+            self._turns.put(lane, (self._arrival(), call, queued))  # under the lock: in order
+            self._work.notify()
         try:
             return queued.result()
         finally:
             with self._lock:
                 self._on_worker -= 1
 
+    def _arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def _serve(self) -> None:
+        """The executor thread: a barrier whose predecessors all ran, else the next job in
+        turn; until released and drained."""
+        while True:
+            with self._lock:
+                job = self._next()
+                while job is None:
+                    if self._stopping:
+                        return
+                    self._work.wait()
+                    job = self._next()
+            _, call, result = job
+            if not result.set_running_or_notify_cancel():
+                continue
+            try:
+                result.set_result(call())
+            except BaseException as error:
+                result.set_exception(error)
+
+    def _next(self) -> Job | None:
+        oldest = self._turns.oldest()
+        if self._barriers and (oldest is None or oldest > self._barriers[0][0]):
+            return self._barriers.popleft()
+        return self._turns.take()
+
+    def _after_all(self, last: Callable[[], T]) -> futures.Future[T]:
+        """``last`` on the executor thread once every call queued before it has run, in any
+        lane (calls queued after it may run first)."""
+        done: futures.Future[T] = futures.Future()
+        with self._lock:
+            self._barriers.append((self._arrival(), last, done))
+            self._work.notify()
+        return done
+
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until nothing queued before this call runs; False if ``timeout_s`` passed."""
         try:
-            self._worker.submit(lambda: None).result(timeout=timeout_s)
+            self._after_all(lambda: None).result(timeout=timeout_s)
         except futures.TimeoutError:
             return False
         return True
@@ -97,5 +202,8 @@ class SessionExecutor:
             if self._released:
                 return
             self._released = True
-        self._worker.submit(last).result()
-        self._worker.shutdown()
+        self._after_all(last).result()
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
+        self._thread.join()

@@ -1,0 +1,107 @@
+"""The executor serves lanes (runs) with work in turns: a lane that floods it never delays another
+lane's next call by more than one call of each other lane with work (times its weight), measured
+in calls run, never in seconds. With one lane it is first in, first out."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from trainwire.server.service.executor import SessionExecutor
+
+
+def held(executor: SessionExecutor) -> threading.Event:
+    """Keep the executor's thread busy until the returned event is set, so what is queued
+    meanwhile waits and the order it then runs in is the executor's choice alone."""
+    gate, running = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        running.set()
+        gate.wait(60)
+
+    threading.Thread(target=executor.run, args=(hold,), kwargs={"lane": "hold"}).start()
+    running.wait(60)
+    return gate
+
+
+def queue(
+    executor: SessionExecutor, lane: str, ran: list[str], count: int
+) -> list[threading.Thread]:
+    """``count`` calls of ``lane``, queued in order; each notes its lane in ``ran`` as it runs."""
+    threads = []
+    for _ in range(count):
+        queued = threading.Event()
+
+        def call(lane: str = lane) -> None:
+            ran.append(lane)
+
+        def submit(call: Callable[[], None] = call, queued: threading.Event = queued) -> None:
+            queued.set()
+            executor.run(call, lane=lane)
+
+        thread = threading.Thread(target=submit)
+        thread.start()
+        queued.wait(60)
+        threads.append(thread)
+    return threads
+
+
+def wait_queued(executor: SessionExecutor, count: int) -> None:
+    """Until ``count`` calls are queued behind the held one (the submitting threads raced)."""
+    for _ in range(6000):
+        if executor._on_worker >= count + 1:
+            return
+        threading.Event().wait(0.01)
+    raise AssertionError("the calls never queued")
+
+
+def test_a_flooding_run_delays_another_runs_calls_by_one_call_each():
+    executor = SessionExecutor(max_queued=1000)
+    ran: list[str] = []
+    gate = held(executor)
+    threads = queue(executor, "flood", ran, 200)
+    wait_queued(executor, 200)
+    threads += queue(executor, "other", ran, 5)
+    threads += queue(executor, "third", ran, 3)
+    wait_queued(executor, 208)
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert len(ran) == 208
+    # Each of "other"'s calls waited for at most one call of each other lane with work.
+    previous = -1
+    for index in [i for i, lane in enumerate(ran) if lane == "other"]:
+        between = ran[previous + 1 : index]
+        assert between.count("flood") <= 1 and between.count("third") <= 1, ran[:20]
+        previous = index
+    assert ran[:8] == ["flood", "other", "third"] * 2 + ["flood", "other"]
+    executor.release(lambda: None)
+
+
+def test_a_lane_of_weight_two_runs_two_calls_a_turn():
+    executor = SessionExecutor(max_queued=1000, weight_of=lambda lane: 2.0 if lane == "a" else 1.0)
+    ran: list[str] = []
+    gate = held(executor)
+    threads = queue(executor, "a", ran, 6) + queue(executor, "b", ran, 6)
+    wait_queued(executor, 12)
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert ran == ["a", "a", "b"] * 3 + ["b"] * 3
+    executor.release(lambda: None)
+
+
+def test_one_lane_is_first_in_first_out_and_release_runs_after_everything_queued():
+    executor = SessionExecutor()
+    ran: list[str] = []
+    gate = held(executor)
+    threads = queue(executor, "", ran, 5)
+    wait_queued(executor, 5)
+    idle = threading.Thread(target=lambda: ran.append(f"idle={executor.wait_idle(60)}"))
+    idle.start()
+    gate.set()
+    for thread in [*threads, idle]:
+        thread.join(60)
+    assert ran == [""] * 5 + ["idle=True"]
+    executor.release(lambda: ran.append("released"))
+    assert ran[-1] == "released"
