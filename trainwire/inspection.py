@@ -1,5 +1,6 @@
-"""``trainwire inspect PATH``: a human description of a manifest, a session checkpoint or an
-export. A manifest is described without torch; its fingerprint is verified on the way.
+"""``trainwire inspect PATH``: a human description of a manifest, a session checkpoint, an
+export, or a server's state directory (its runs). A manifest is described without torch; its
+fingerprint is verified on the way.
 
 Checkpoints and exports are the server's files, so their names come from the server's modules
 (defined once there). Those modules import torch, so they are imported only once ``PATH`` is a
@@ -29,7 +30,14 @@ def describe_path(path: Path) -> str:
         return describe_checkpoint(path)
     if (path / EXPORT_FILE).is_file():
         return describe_export(path)
-    raise ValueError(f"{path}: neither a manifest, a session checkpoint nor a trainwire export")
+    from trainwire.server.service.state_dir import LOCK_FILE, RUNS_DIR
+
+    if (path / RUNS_DIR).is_dir() and (path / LOCK_FILE).is_file():
+        return describe_state_dir(path)
+    raise ValueError(
+        f"{path}: neither a manifest, a session checkpoint, a trainwire export nor a server's "
+        "state directory"
+    )
 
 
 def describe_manifest(path: Path) -> str:
@@ -169,3 +177,63 @@ def describe_export(path: Path) -> str:
         lines.append(f"from         checkpoint {record['checkpoint']}")
     lines.append(f"files        {_files(path)}")
     return "\n".join(lines)
+
+
+def describe_state_dir(path: Path) -> str:
+    """A state directory's runs: each one's state, model, position (its journal's last live
+    entry), checkpoints and exports. Read only: a server may be using the directory meanwhile
+    (its lock is not taken), and the journals are opened read-only."""
+    from trainwire.server.service.journal import JOURNAL_FILE
+    from trainwire.server.service.state_dir import RUN_FILE, RUNS_DIR, RunDirectory
+
+    runs = sorted(p for p in (path / RUNS_DIR).iterdir() if (p / RUN_FILE).is_file())
+    lines = [f"state dir    {path}", f"runs         {len(runs)}"]
+    for folder in runs:
+        run = RunDirectory(folder)
+        spec = run.read_spec()
+        config = spec.config
+        position, last_key = _journal_position(folder / JOURNAL_FILE)
+        checkpoints = sorted(p.name for p in run.checkpoint_paths())
+        found = run.exports.iterdir() if run.exports.is_dir() else []
+        exports = sorted(p.name for p in found if not p.name.startswith("."))  # none half written
+        lines += [
+            "",
+            f"run          {spec.run_id} ({spec.state})",
+            f"model        {config.get('model')} ("
+            + ("LoRA" if config.get("lora") else "full weights")
+            + f", {config.get('task')})",
+            f"config       {spec.config_fingerprint}",
+            f"position     {position}" + (f" (last {last_key})" if last_key else ""),
+            f"checkpoints  {_abbreviated_names(checkpoints)}",
+            f"exports      {_abbreviated_names(exports)}",
+        ]
+    return "\n".join(lines)
+
+
+def _journal_position(path: Path) -> tuple[int, str]:
+    """The position of a journal's last live entry and its key ((0, "") without one)."""
+    import sqlite3
+
+    if not path.is_file():
+        return 0, ""
+    # Without a write-ahead log beside it the file holds every entry: read it as immutable, so
+    # not even SQLite's shared-memory index is created. With one (a server has it open), read
+    # through it.
+    wal = path.with_name(path.name + "-wal")
+    mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
+    db = sqlite3.connect(f"{path.as_uri()}?{mode}", uri=True)
+    try:
+        row = db.execute(
+            "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
+            "ORDER BY position DESC LIMIT 1"
+        ).fetchone()
+    finally:
+        db.close()
+    return (0, "") if row is None else (int(row[0]), str(row[1]))
+
+
+def _abbreviated_names(names: list[str], limit: int = 8) -> str:
+    if not names:
+        return "none"
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
