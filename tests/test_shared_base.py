@@ -37,7 +37,8 @@ def _text_run(session: TrainingSession, out: Path) -> Iterator[Any]:
         yield session.optim_step()
         if step == 0:
             session.save_state(out / "text-run")
-            yield "saved"
+            session.export_checkpoint_weights(out / "text-run", out / "text-export")
+            yield _files(out / "text-export")
     yield session.forward(TEXTS[:1])
 
 
@@ -59,7 +60,11 @@ def _sampling_run(session: TrainingSession, out: Path) -> Iterator[Any]:
         yield session.optim_step()
         yield session.prompt_logprobs(prompt)
     session.export_weights(out / "export")
-    yield {p.name: p.read_bytes() for p in sorted((out / "export").iterdir()) if p.is_file()}
+    yield _files(out / "export")
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
 
 
 RUNS: dict[str, tuple[dict[str, Any], Script]] = {
@@ -184,6 +189,8 @@ def test_loads_of_other_base_weights_are_refused_and_change_nothing(
         session.load_weights(other_model)
     with pytest.raises(FailedPrecondition, match="sample: weights 'reseeded' holds other base"):
         session.sample([5, 6], max_tokens=2, weights=tmp_path / "reseeded")
+    with pytest.raises(FailedPrecondition, match="export: checkpoint reseeded holds other base"):
+        session.export_checkpoint_weights(tmp_path / "reseeded", tmp_path / "export")
     assert fresh_digest(session) == before
 
     fresh = TrainingSession(config, device="cpu", base=base)

@@ -744,11 +744,22 @@ class TrainingSession:
         checkpoint, path = Path(checkpoint), Path(path)
         with self._guard.lock:  # no operation changes the model while it is copied
             if self.shards is None:
-                # The checkpoint's weights go into a detached CPU copy, never into the live
-                # model: the live state (and a shared base) stays untouched even if the export
-                # fails midway.
-                detached = copy.deepcopy(self.model).to("cpu")
-                weights.export_checkpoint(checkpoint, path, detached, self.tokenizer, self.config)
+                # The checkpoint's weights go into a detached copy, never into the live model:
+                # the live state stays untouched even if the export fails midway. On a shared
+                # base the copy keeps the shared weights (a second base might not fit), and only
+                # its own tensors are copied in.
+                base = self.shared_base
+                if base is None:
+                    detached = copy.deepcopy(self.model).to("cpu")
+                    narrow = None
+                else:
+                    detached = base.copy_sharing(self.model)
+                    narrow = functools.partial(
+                        base.own_part, what=f"export: checkpoint {checkpoint.name}"
+                    )
+                weights.export_checkpoint(
+                    checkpoint, path, detached, self.tokenizer, self.config, narrow
+                )
                 return
             writer = sharded_weights.ExportWriter(self._cpu_copy, self.tokenizer, self.config)
             sharded_weights.export_checkpoint_weights(self.shards, checkpoint, path, writer)

@@ -39,9 +39,8 @@ from trainwire.server.engine.weights.model_loading import (
     load_tokenizer,
     resolve_model_dir,
 )
+from trainwire.server.engine.weights.transfer import Pairs
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-
-Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (live, source), as ``copy_into`` takes them
 
 
 class SharedBase:
@@ -86,15 +85,22 @@ class SharedBase:
 
     def instance(self) -> torch.nn.Module:
         """A model of its own for one session, its weights on the base's storage (not copied)."""
+        return self.copy_sharing(self._model)
+
+    def copy_sharing(self, model: torch.nn.Module) -> torch.nn.Module:
+        """A deep copy of ``model`` whose tensors on the shared storage stay on it (new tensor
+        objects, not new storage); everything else is copied."""
         memo: dict[int, object] = {}
-        for tensor in self._tensors():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if not self.holds(tensor):
+                continue
             if isinstance(tensor, torch.nn.Parameter):
                 memo[id(tensor)] = torch.nn.Parameter(
                     tensor.detach(), requires_grad=tensor.requires_grad
                 )
             else:
                 memo[id(tensor)] = tensor.detach()
-        return copy.deepcopy(self._model, memo)
+        return copy.deepcopy(model, memo)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` lies on the shared weights' storage."""
