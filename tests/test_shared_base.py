@@ -20,7 +20,7 @@ from trainwire.client import InputExample, LoraSettings, TrainingConfig
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.weights.shared_base import SharedBase
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
-from trainwire.testing import make_tiny_model, tiny_token_examples
+from trainwire.testing import make_tiny_model, tiny_sentiment_examples, tiny_token_examples
 
 TEXTS = [
     InputExample("the movie was great, truly great"),
@@ -201,3 +201,24 @@ def test_loads_of_other_base_weights_are_refused_and_change_nothing(
     # The base's own weights load as they do alone: nothing of the base changes.
     fresh.load_weights(tiny_llama)
     assert fresh_digest(fresh) == before
+
+
+def test_a_dora_classifier_on_a_shared_base_gives_the_bits_it_gives_alone(llama_classifier_config):
+    """The classification head trains as a copy of its own (PEFT's modules_to_save)."""
+    lora = LoraSettings(r=4, alpha=8, dropout=0.1, use_dora=True)
+    config = llama_classifier_config(lora=lora, lr_scheduler="constant")
+    base = SharedBase(config, device="cpu")
+    examples = tiny_sentiment_examples(4)
+    results = []
+    for session in (TrainingSession(config, device="cpu", base=shared) for shared in (None, base)):
+        session.forward_backward(examples)
+        results.append([session.optim_step(), session.forward(examples), fresh_digest(session)])
+        assert not any(base.holds(p) for p in session.trainable_parameters())
+    assert results[0] == results[1]
+
+
+def test_a_model_that_loads_with_fresh_random_weights_is_no_shared_base(llama_config):
+    # A causal-lm directory has no classification head: loading one initializes it at random.
+    config = llama_config(task="sequence-classification", labels=("no", "yes"))
+    with pytest.raises(InvalidArgument, match="initializes weights its directory lacks"):
+        SharedBase(config, device="cpu")
