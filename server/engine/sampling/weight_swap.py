@@ -29,7 +29,7 @@ whole model in full) and reading the source.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -58,6 +58,7 @@ def weights_for_reading(
     base_model_dir: Path,
     guard: OperationGuard,
     shards: ShardGroup | None = None,
+    narrow: Callable[[WeightsLoad], WeightsLoad] | None = None,
 ) -> contextlib.AbstractContextManager[None]:
     """A context in which ``model`` holds ``selected``'s weights.
 
@@ -65,7 +66,9 @@ def weights_for_reading(
     is entered and the live bits come back when it exits. Call it inside the session's
     ``guard.operation(changes_state=False)``, and only read the model within. With ``shards``
     (a collective then: every rank calls it, its model resharded first), every rank reads and
-    checks the whole source, the ranks agree, and each swaps its own shards.
+    checks the whole source, the ranks agree, and each swaps its own shards. ``narrow`` takes
+    the checked load and returns what may really be written (a session on a shared base keeps
+    its own tensors only), before any live bit is copied aside.
     """
     if selected.live:
         return contextlib.nullcontext()
@@ -76,10 +79,12 @@ def weights_for_reading(
         if selected.base_model:
             # The directory the session loaded, read as a native model (whatever else it holds).
             tensors = read_native_model_tensors(base_model_dir)
-            return WeightsLoad(pairs=plan_native_load(model, tensors))
-        assert selected.export is not None
-        _refuse_missing(selected.export)
-        return plan_weights_load(model, selected.export, config, base_fingerprint)
+            load = WeightsLoad(pairs=plan_native_load(model, tensors))
+        else:
+            assert selected.export is not None
+            _refuse_missing(selected.export)
+            load = plan_weights_load(model, selected.export, config, base_fingerprint)
+        return load if narrow is None else narrow(load)
 
     if shards is None:
         return _swapped_in(model, plan(), guard)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,6 +67,7 @@ from trainwire.server.engine.session.results import ForwardResult, StepResult, T
 from trainwire.server.engine.session.rng import RngState, preserved_global_rng
 from trainwire.server.engine.session.setup import (
     check_session_arguments,
+    check_shared_base,
     seeded_guard,
     shard_for_group,
 )
@@ -87,6 +89,7 @@ from trainwire.server.engine.weights.model_loading import (
     model_positions,
     resolve_model_dir,
 )
+from trainwire.server.engine.weights.shared_base import SharedBase
 from trainwire.server.errors import Cancelled, FailedPrecondition, InvalidArgument
 
 
@@ -104,6 +107,14 @@ class TrainingSession:
     causal-lm text loss are computed (``chunked_logprobs``): training and sampling chunk alike,
     so samples report the trainer's logprobs. It decides the chunks, and so the bits: a run
     keeps one value (a resume under another continues to float tolerance, not bit for bit).
+
+    With ``base``, a LoRA session trains its own adapter on the base model's weights that
+    ``base`` holds in memory once for every session on it (``weights.shared_base``), and gives
+    the same bits as alone: losses, samples, digest (which hashes the base too), checkpoints,
+    exports. Nothing it does writes the shared weights: a load or restore that would put other
+    base weights in is refused (FailedPrecondition), and one that carries the base's own bits
+    loads only the session's tensors. Dropping the session frees its adapter and optimizer,
+    never the base.
     """
 
     def __init__(
@@ -116,6 +127,7 @@ class TrainingSession:
         loss_hook: LossHookFactory = LossHook,
         process_group: dist.ProcessGroup | None = None,
         logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
+        base: SharedBase | None = None,
     ) -> None:
         # Validate everything first: a refused session allocates nothing.
         self.shards = check_session_arguments(config, max_steps, process_group)
@@ -129,15 +141,22 @@ class TrainingSession:
         self.dtype = resolve_dtype(config, self.device)
         self.model_root = None if model_root is None else Path(model_root)
         self.model_dir = resolve_model_dir(config, self.model_root)
+        check_shared_base(base, config, self.model_dir, self.device, self.shards)
         check_max_length(config, model_positions(self.model_dir))  # before any weights load
 
+        self.shared_base = base
         self._guard = seeded_guard(config.seed, self.device)
         with self._guard.session_rng():  # LoRA initialization draws from it
             self.tokenizer = load_tokenizer(self.model_dir)
             self.model = load_session_model(
-                config, self.model_dir, self.dtype, self.tokenizer, self.device
+                config,
+                self.model_dir,
+                self.dtype,
+                self.tokenizer,
+                self.device,
+                loaded=None if base is None else base.instance(),
             )
-        self.base_fingerprint = weights.base_model_fingerprint(self.model, config)  # unsharded
+        self.base_fingerprint = self._hash_base()  # unsharded
         positions = getattr(self.model.config, "max_position_embeddings", None)
         self.encoder = BatchEncoder(self.tokenizer, config, self.device, model_positions=positions)
         # Sharded before the optimizer is built: it steps the shards.
@@ -159,6 +178,21 @@ class TrainingSession:
 
     def trainable_parameters(self) -> list[torch.Tensor]:
         return list(self._trainable)
+
+    def _hash_base(self) -> str | None:
+        """The base model's fingerprint; on a shared base, which no session changes, hashed
+        once for every session on it with these LoRA settings."""
+        compute = functools.partial(weights.base_model_fingerprint, self.model, self.config)
+        if self.shared_base is None:
+            return compute()
+        return self.shared_base.base_fingerprint(self.config, compute)
+
+    def _own_load(self, load: weights.WeightsLoad, what: str) -> weights.WeightsLoad:
+        """``load`` less what would write the shared base (refused unless it is the base's own
+        bits); the whole load for a session on a base of its own."""
+        if self.shared_base is None:
+            return load
+        return dataclasses.replace(load, pairs=self.shared_base.own_part(load.pairs, what))
 
     def _set_training(self, training: bool) -> None:
         # Module.train() walks every module (milliseconds a step for a LoRA model), so only on a
@@ -445,6 +479,7 @@ class TrainingSession:
                 base_model_dir=self.model_dir,
                 guard=self._guard,
                 shards=self.shards,
+                narrow=functools.partial(self._own_load, what=_sampled_weights(selected)),
             )
             self._set_training(False)
             resharded = resharded_after(self.model, self.shards)
@@ -586,12 +621,18 @@ class TrainingSession:
             live=live,
             optimizer=self.optimizer,
         )
+        applied = live
+        if self.shared_base is not None:  # the shared weights stay; other base bits refused
+            what = f"load_state: checkpoint {path.name}"
+            pairs = [(live[name], restored.parameters[name]) for name in live]
+            own = {id(tensor) for tensor, _ in self.shared_base.own_part(pairs, what)}
+            applied = {name: tensor for name, tensor in live.items() if id(tensor) in own}
         # Everything is read and checked; now apply it (the hook first: it may still refuse,
         # and nothing has changed yet when it does).
         self.loss_hook.load_session_state_dict(restored.loss_hook_state)
         # Half restored: refuse everything until a load_state succeeds (a retry still works).
         with self._guard.breaks_on_failure("load_state"):
-            restored.apply_tensors(live, self.optimizer)
+            restored.apply_tensors(applied, self.optimizer)
         for name, parameter in live.items():
             parameter.grad = restored.gradients.get(name)
         self._continue_from(
@@ -648,11 +689,12 @@ class TrainingSession:
                 load = weights.plan_weights_load(
                     self.model, path, self.config, self.base_fingerprint
                 )
+                load = self._own_load(load, f"load_weights: {path.name}")
                 with guard.breaks_on_failure("load_weights"):
                     load.apply(self.model)
                 # A full model may have seeded a LoRA session's base: adapters and exports from
                 # now on belong to these base weights.
-                fingerprint = weights.base_model_fingerprint(self.model, self.config)
+                fingerprint = self._hash_base()
             else:
                 fingerprint = self._load_sharded_weights(path, self.shards)
             self.base_fingerprint = fingerprint
@@ -702,10 +744,22 @@ class TrainingSession:
         checkpoint, path = Path(checkpoint), Path(path)
         with self._guard.lock:  # no operation changes the model while it is copied
             if self.shards is None:
-                # The checkpoint's weights go into a detached CPU copy, never into the live
-                # model: the live state stays untouched even if the export fails midway.
-                detached = copy.deepcopy(self.model).to("cpu")
-                weights.export_checkpoint(checkpoint, path, detached, self.tokenizer, self.config)
+                # The checkpoint's weights go into a detached copy, never into the live model:
+                # the live state stays untouched even if the export fails midway. On a shared
+                # base the copy keeps the shared weights (a second base might not fit), and only
+                # its own tensors are copied in.
+                base = self.shared_base
+                if base is None:
+                    detached = copy.deepcopy(self.model).to("cpu")
+                    narrow = None
+                else:
+                    detached = base.copy_sharing(self.model)
+                    narrow = functools.partial(
+                        base.own_part, what=f"export: checkpoint {checkpoint.name}"
+                    )
+                weights.export_checkpoint(
+                    checkpoint, path, detached, self.tokenizer, self.config, narrow
+                )
                 return
             writer = sharded_weights.ExportWriter(self._cpu_copy, self.tokenizer, self.config)
             sharded_weights.export_checkpoint_weights(self.shards, checkpoint, path, writer)
@@ -719,3 +773,10 @@ class TrainingSession:
             return load_session_model(
                 self.config, self.model_dir, self.dtype, self.tokenizer, torch.device("cpu")
             )
+
+
+def _sampled_weights(selected: SampleWeights) -> str:
+    """What a sample reads, for a message: an export by its name, never the server's path."""
+    if selected.export is None:
+        return "sample: the base model"
+    return f"sample: weights {selected.export.name!r}"

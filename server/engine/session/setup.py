@@ -8,6 +8,7 @@ Kept apart from ``session`` so its constructor reads as the lifecycle's set-up s
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from trainwire.server.engine.sampling.sampler import Sampler
 from trainwire.server.engine.session.operation_guard import OperationGuard
 from trainwire.server.engine.session.rng import RngState
 from trainwire.server.engine.sharded.sharding import ShardGroup, shard_model
+from trainwire.server.engine.weights.shared_base import SharedBase
 from trainwire.server.errors import InvalidArgument
 
 logger = logging.getLogger("trainwire.server.engine.session")  # where a reader looks for it
@@ -49,6 +51,27 @@ def check_session_arguments(
             config.lr_scheduler,
         )
     return shards
+
+
+def check_shared_base(
+    base: SharedBase | None,
+    config: TrainingConfig,
+    model_dir: Path,
+    device: torch.device,
+    shards: ShardGroup | None,
+) -> None:
+    """InvalidArgument for a session that cannot run on the shared ``base`` (None: its own)."""
+    if base is None:
+        return
+    if not isinstance(base, SharedBase):
+        raise InvalidArgument(f"base must be a SharedBase or None, got {type(base).__name__}")
+    if shards is not None:
+        raise InvalidArgument(
+            "a sharded session cannot run on a shared base: FSDP replaces the model's "
+            "parameters with this rank's shards in place, which would take the base from the "
+            "other runs on it; open it without a shared base"
+        )
+    base.refuse_unfit(config, model_dir, device)
 
 
 def seeded_guard(seed: int, device: torch.device) -> OperationGuard:

@@ -117,11 +117,20 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
 
 
 def load_session_model(
-    config: TrainingConfig, model_dir: Path, dtype: torch.dtype, tokenizer, device: torch.device
+    config: TrainingConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    tokenizer,
+    device: torch.device,
+    *,
+    loaded: torch.nn.Module | None = None,
 ) -> torch.nn.Module:
     """The model a session trains: loaded, wrapped in LoRA and checkpointed as the config asks,
-    on ``device``. Run it under the session's RNG: LoRA initialization draws from it."""
-    model = load_model(config, model_dir, dtype, tokenizer)
+    on ``device``. Run it under the session's RNG: LoRA initialization draws from it.
+
+    ``loaded`` is a model to wrap instead of loading one (a ``SharedBase`` instance, whose
+    loading drew nothing from the RNG, so the adapter draws what it would draw here)."""
+    model = load_model(config, model_dir, dtype, tokenizer) if loaded is None else loaded
     if config.lora is not None:
         model = apply_lora(model, config)
     if config.gradient_checkpointing:

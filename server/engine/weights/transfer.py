@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ WEIGHT_SETTINGS = ("task", "labels", "lora")  # what a checkpoint's weights must
 PEFT_SET_FIELDS = ("target_modules", "exclude_modules")
 SHARD_INDEX_FILE = "model.safetensors.index.json"
 PEFT_PREFIX = "base_model.model."
+Pairs = list[tuple[torch.Tensor, torch.Tensor]]  # (live, source), as ``copy_into`` takes them
 
 
 def native_name(live_name: str) -> str | None:
@@ -348,12 +350,20 @@ def write_export(
 
 
 def export_checkpoint(
-    checkpoint: Path, path: Path, model: torch.nn.Module, tokenizer: Any, config: TrainingConfig
+    checkpoint: Path,
+    path: Path,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    config: TrainingConfig,
+    narrow: Callable[[Pairs], Pairs] | None = None,
 ) -> None:
-    """Export ``checkpoint``'s weights through ``model``, a detached copy the caller owns."""
+    """Export ``checkpoint``'s weights through ``model``, a detached copy the caller owns;
+    ``narrow`` returns the part of the load that may really be copied into it (a copy that
+    shares a base with other sessions takes its own tensors only)."""
     # The checkpoint's own provenance: a load_weights since may have changed the live base.
     provenance = read_provenance(checkpoint)
-    copy_into(plan_checkpoint_load(model, checkpoint))
+    pairs = plan_checkpoint_load(model, checkpoint)
+    copy_into(pairs if narrow is None else narrow(pairs))
     # The name, not the path: the same weights give the same export files anywhere.
     provenance["checkpoint"] = checkpoint.name
     write_export(path, model, tokenizer, config, provenance)
