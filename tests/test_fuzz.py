@@ -41,6 +41,7 @@ METHODS = {m.name: m for m in SERVICE.methods}
 FORBIDDEN = (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED)
 READ_ONLY = {
     "Info",
+    "ListRuns",
     "Forward",
     "Sample",
     "Tokenize",
@@ -172,6 +173,7 @@ def valid_requests(config_json: str) -> dict[str, bytes]:
     requests = {
         "Open": pb.OpenRequest(run_id="fuzz", config_json=config_json, max_steps=1000),
         "Info": pb.InfoRequest(),
+        "ListRuns": pb.ListRunsRequest(),
         "Forward": pb.ForwardRequest(examples=examples),
         "ForwardBackward": pb.ForwardBackwardRequest(operation=op, token_examples=[token]),
         "OptimStep": pb.OptimStepRequest(operation=op, learning_rate=1e-3),

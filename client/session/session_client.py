@@ -136,6 +136,10 @@ class SessionClient:
         )
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
         self._pipeline = OperationPipeline(max_in_flight, lambda: self.info().position)
+        # The run this client is bound to (``open``): every call names it, so a call never
+        # lands on another run (one opened after it closed, or beside it on a server of many).
+        # "" before ``open``: the server's only open run.
+        self.run_id = ""
 
     # -- connection ------------------------------------------------------------------------------
 
@@ -169,9 +173,17 @@ class SessionClient:
             time.sleep(poll_s)
 
     def _call(self, what: str, method: Any, request: Any) -> Any:
+        request = self._for_the_run(request)
         return self._retried(
             what, lambda: method(request, timeout=self.timeout_s, metadata=self._metadata)
         )
+
+    def _for_the_run(self, request: Any) -> Any:
+        """``request`` naming the run this client is bound to, if it names none itself."""
+        names_runs = "run_id" in type(request).DESCRIPTOR.fields_by_name
+        if self.run_id and names_runs and not request.run_id:
+            request.run_id = self.run_id
+        return request
 
     def _retried(self, what: str, attempt: Callable[[], T]) -> T:
         """``attempt()`` with the retry policy; a failure raised as trainwire's own, in one line
@@ -256,7 +268,8 @@ class SessionClient:
         max_steps: int | None = None,
         plan_fingerprint: str = "",
     ) -> outcomes.OpenOutcome:
-        """Open the session for ``run_id`` (idempotent for the same run, config, steps, plan)."""
+        """Open the session for ``run_id`` (idempotent for the same run, config, steps, plan);
+        this client's later calls are for that run (``run_id``)."""
         data = config.to_dict() if isinstance(config, TrainingConfig) else config
         request = pb.OpenRequest(
             run_id=run_id,
@@ -264,11 +277,20 @@ class SessionClient:
             max_steps=max_steps or 0,
             plan_fingerprint=plan_fingerprint,
         )
-        return codec.open_outcome_from_proto(self._call("Open", self._stub.Open, request))
+        outcome = codec.open_outcome_from_proto(self._call("Open", self._stub.Open, request))
+        self.run_id = run_id
+        return outcome
 
     def info(self) -> outcomes.SessionInfo:
+        """Where this client's run stands (a closed one's state is ``closed``); before
+        ``open``, the server's."""
         response = self._call("Info", self._stub.Info, pb.InfoRequest())
         return codec.session_info_from_proto(response.info)
+
+    def runs(self) -> list[outcomes.SessionInfo]:
+        """The runs open on the server that this client's key may see."""
+        response = self._call("ListRuns", self._stub.ListRuns, pb.ListRunsRequest())
+        return [codec.session_info_from_proto(info) for info in response.runs]
 
     def forward(
         self,
@@ -466,6 +488,8 @@ class SessionClient:
             checkpoint=checkpoint or "",
         )
 
+        request = self._for_the_run(request)
+
         def attempt() -> outcomes.ExportOutcome:
             stream = self._export_stream(request, timeout=None, metadata=self._metadata)
             try:
@@ -478,10 +502,11 @@ class SessionClient:
     def close(self, run_id: str | None = None) -> outcomes.SessionInfo:
         """Close the session on the server (idempotent); the connection stays usable.
 
-        With ``run_id``, only that run: a no-op once it is closed, FAILED_PRECONDITION while
-        another run is open (so a late retry never closes somebody else's run).
+        With ``run_id`` (by default the run this client opened), only that run: a no-op once it
+        is closed, FAILED_PRECONDITION while another run is open (so a late retry never closes
+        somebody else's run).
         """
-        request = pb.CloseRequest(run_id=run_id or "")
+        request = pb.CloseRequest(run_id=run_id or self.run_id)
         response = self._call("Close", self._stub.Close, request)
         return codec.session_info_from_proto(response.info)
 

@@ -153,8 +153,12 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return codec.open_response_to_proto(outcome)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        info = self._run(context, "Info", "", self.session_host.info)
+        info = self._run(context, "Info", "", partial(self.session_host.info, request.run_id))
         return pb.InfoResponse(info=codec.session_info_to_proto(info))
+
+    def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
+        runs = self._run(context, "ListRuns", "", self.session_host.runs)
+        return pb.ListRunsResponse(runs=[codec.session_info_to_proto(info) for info in runs])
 
     def _apply(
         self,
@@ -162,27 +166,36 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         operation: ops.Operation[Any],
         decode: Callable[[], Any],
         op: outcomes.OperationSpec | None = None,
+        *,
+        run_id: str,
     ) -> Any:
-        """Decode (inside the call, so a bad request is its status), then the operation table."""
+        """Decode (inside the call, so a bad request is its status), then the operation table,
+        for the run the request names ("" the open one)."""
         key = "" if op is None else op.key
-        return self._run(
-            context, operation.kind, key, lambda: self.session_host.apply(operation, decode(), op)
-        )
+
+        def call() -> Any:
+            return self.session_host.apply(operation, decode(), op, run_id=run_id)
+
+        return self._run(context, operation.kind, key, call)
 
     def Forward(self, request: pb.ForwardRequest, context) -> pb.ForwardResponse:
         decode = partial(batch_from_proto, request, requests.ForwardRequest)
-        return codec.forward_to_proto(self._apply(context, ops.FORWARD, decode))
+        return codec.forward_to_proto(
+            self._apply(context, ops.FORWARD, decode, run_id=request.run_id)
+        )
 
     def ForwardBackward(self, request: pb.ForwardBackwardRequest, context):
         op = codec.operation_from_proto(request.operation)
         decode = partial(batch_from_proto, request, requests.ForwardBackwardRequest)
-        outcome = self._apply(context, ops.FORWARD_BACKWARD, decode, op)
+        outcome = self._apply(context, ops.FORWARD_BACKWARD, decode, op, run_id=request.run_id)
         return codec.forward_backward_to_proto(outcome)
 
     def OptimStep(self, request: pb.OptimStepRequest, context) -> pb.OptimStepResponse:
         op = codec.operation_from_proto(request.operation)
         decode = partial(optim_step_from_proto, request)
-        return codec.optim_step_to_proto(self._apply(context, ops.OPTIM_STEP, decode, op))
+        return codec.optim_step_to_proto(
+            self._apply(context, ops.OPTIM_STEP, decode, op, run_id=request.run_id)
+        )
 
     def Sample(self, request: pb.SampleRequest, context) -> pb.SampleResponse:
         fields = codec.sample_request_from_proto(request)
@@ -191,28 +204,36 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             return not context.is_active()
 
         decode = partial(requests.SampleRequest, **fields, cancelled=gone)
-        return codec.samples_to_proto(self._apply(context, ops.SAMPLE, decode).samples)
+        return codec.samples_to_proto(
+            self._apply(context, ops.SAMPLE, decode, run_id=request.run_id).samples
+        )
 
     def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         texts, special = list(request.texts), request.add_special_tokens
         decode = partial(requests.TokenizeRequest, texts, special)
-        token_lists = self._apply(context, ops.TOKENIZE, decode)
+        token_lists = self._apply(context, ops.TOKENIZE, decode, run_id=request.run_id)
         return pb.TokenizeResponse(token_lists=codec.token_lists_to_proto(token_lists))
 
     def Detokenize(self, request: pb.DetokenizeRequest, context) -> pb.DetokenizeResponse:
         token_lists = codec.token_lists_from_proto(request.token_lists)
         decode = partial(requests.DetokenizeRequest, token_lists)
-        return pb.DetokenizeResponse(texts=self._apply(context, ops.DETOKENIZE, decode))
+        return pb.DetokenizeResponse(
+            texts=self._apply(context, ops.DETOKENIZE, decode, run_id=request.run_id)
+        )
 
     def SaveState(self, request: pb.SaveStateRequest, context) -> pb.SaveStateResponse:
         op = codec.operation_from_proto(request.operation)
         decode = partial(requests.CheckpointRequest, request.name)
-        return codec.save_state_to_proto(self._apply(context, ops.SAVE_STATE, decode, op))
+        return codec.save_state_to_proto(
+            self._apply(context, ops.SAVE_STATE, decode, op, run_id=request.run_id)
+        )
 
     def LoadState(self, request: pb.LoadStateRequest, context) -> pb.LoadStateResponse:
         op = codec.operation_from_proto(request.operation)
         decode = partial(requests.CheckpointRequest, request.name)
-        return codec.load_state_to_proto(self._apply(context, ops.LOAD_STATE, decode, op))
+        return codec.load_state_to_proto(
+            self._apply(context, ops.LOAD_STATE, decode, op, run_id=request.run_id)
+        )
 
     def LoadWeights(self, request: pb.LoadWeightsRequest, context) -> pb.LoadWeightsResponse:
         op = codec.operation_from_proto(request.operation)
@@ -220,14 +241,16 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         def decode() -> requests.LoadWeightsRequest:
             return requests.LoadWeightsRequest(codec.weights_source_from_proto(request))
 
-        return codec.load_weights_to_proto(self._apply(context, ops.LOAD_WEIGHTS, decode, op))
+        return codec.load_weights_to_proto(
+            self._apply(context, ops.LOAD_WEIGHTS, decode, op, run_id=request.run_id)
+        )
 
     def ExportWeights(
         self, request: pb.ExportWeightsRequest, context
     ) -> Iterator[pb.ExportWeightsResponse]:
         op = codec.operation_from_proto(request.operation)
         decode = partial(requests.ExportWeightsRequest, request.name, request.checkpoint)
-        outcome = self._apply(context, ops.EXPORT_WEIGHTS, decode, op)
+        outcome = self._apply(context, ops.EXPORT_WEIGHTS, decode, op, run_id=request.run_id)
         yield codec.export_result_to_proto(outcome)
         if not request.download:
             return

@@ -29,7 +29,7 @@ from trainwire.contract.config import TrainingConfig
 from trainwire.contract.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -243,9 +243,26 @@ class SessionHost:
 
         return self._serialized(discard, refusable=False)
 
-    def info(self) -> SessionInfo:
+    def runs(self) -> list[SessionInfo]:
+        """The open runs (the one open run, or none), each as ``info`` gives it."""
+        return [self.info()] if self.phase == outcomes.OPEN else []
+
+    def info(self, run_id: str = "") -> SessionInfo:
         """Where the session stands, at once: while operations are queued or running, as of the
-        last one finished (``state_digest`` then only if already known, else "")."""
+        last one finished (``state_digest`` then only if already known, else "").
+
+        With ``run_id``, that run's: the open one's as above, a closed one's state (``closed``),
+        NOT_FOUND for a run this server never had."""
+        if run_id and run_id not in (self.open_run_id, self._pending_run_id):
+            check_name(run_id, "run id")
+            if not self.state_dir.run(run_id).exists():
+                raise NotFound(not_open(run_id))
+            if (
+                self.lifecycle.closed_info is not None
+                and self.lifecycle.closed_info.run_id == run_id
+            ):
+                return self.lifecycle.closed_info
+            return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
         if self.phase != outcomes.OPEN:
             return self._idle_info()
         snapshot = self._snapshot  # taken at open, at restore and after every operation
@@ -303,7 +320,12 @@ class SessionHost:
     # -- operations ------------------------------------------------------------------------------
 
     def apply(
-        self, operation: Operation[RequestT], request: RequestT, op: OperationSpec | None = None
+        self,
+        operation: Operation[RequestT],
+        request: RequestT,
+        op: OperationSpec | None = None,
+        *,
+        run_id: str = "",
     ) -> Any:
         """Run ``operation`` (an entry of ``operations.OPERATIONS``) on ``request``: the one way
         every transport reaches the engine.
@@ -312,9 +334,11 @@ class SessionHost:
         key and expected position) and takes ``keyed_path.apply_keyed``'s path; its caller hears
         of it once its journal entry is on disk. A read takes no ``op`` and runs on the
         executor behind everything queued before it, so it never sees weights mid-update.
+        ``run_id`` names the run the call is for (NOT_FOUND when it is not the open one, checked
+        when the call's turn comes); "" is the open run.
         """
         self.check(operation, request)
-        return self.apply_checked(operation, request, op)
+        return self.apply_checked(operation, request, op, run_id=run_id)
 
     def check(self, operation: Operation[RequestT], request: RequestT) -> None:
         """Refuse ``request`` (InvalidArgument, naming what is wrong) before anything is queued:
@@ -333,6 +357,7 @@ class SessionHost:
         op: OperationSpec | None = None,
         *,
         body_digest: str | None = None,
+        run_id: str = "",
     ) -> Any:
         """``apply`` for a request ``check``ed already, when the intake accepted it.
 
@@ -342,12 +367,15 @@ class SessionHost:
         if operation.keyed:
             if op is None:
                 raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
-            return self._keyed(operation, request, op, body_digest)
+            return self._keyed(operation, request, op, body_digest, run_id)
         if op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
         if operation is SAMPLE:  # decoded beside the samples waiting with it (sample_batching)
+            self._require_active(run_id)  # the open run's weights: refused now if another's
             return self._batcher.submit(request, partial(self._serialized, joinable=True))
-        return self._serialized(lambda: operation.apply(self._require_active(), request, None))
+        return self._serialized(
+            lambda: operation.apply(self._require_active(run_id), request, None)
+        )
 
     # -- the executor ------------------------------------------------------------------------------
 
@@ -376,7 +404,12 @@ class SessionHost:
         return self._executor.run(job, joinable=joinable)
 
     def _keyed(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, body_digest: str | None
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        body_digest: str | None,
+        run_id: str,
     ) -> Any:
         """``keyed_path.apply_keyed`` on the executor, in the order of the run's positions
         (pipelined calls may arrive out of order); the payload is digested before queueing,
@@ -394,7 +427,7 @@ class SessionHost:
 
         def job() -> None:
             try:
-                apply = self._apply_keyed
+                apply = partial(self._apply_keyed, run_id=run_id)
                 applied.set_result(self._run_refusable(apply, operation, request, op, digest))
             except BaseException as error:
                 applied.set_exception(error)
@@ -402,12 +435,12 @@ class SessionHost:
         # Admitted before the order: a call held there for its predecessor holds a server thread
         # as much as one queued on the executor, so both count against the one bound.
         with self._executor.admitted():
-            run_id = self._require_active().spec.run_id
+            stream = self._require_active(run_id).spec.run_id
             if op.expected_position is None:  # numbered by no one (or by the intake's stream)
-                with self.order.running_beside(run_id):
+                with self.order.running_beside(stream):
                     job()
             else:
-                self.order.submit_at(run_id, op.expected_position, job)
+                self.order.submit_at(stream, op.expected_position, job)
             outcome, durable = applied.result()
         try:
             wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
@@ -418,9 +451,15 @@ class SessionHost:
         return outcome
 
     def _apply_keyed(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, digest: KeyDigest
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        digest: KeyDigest,
+        *,
+        run_id: str = "",
     ) -> tuple[Any, Durable]:
-        active = self._require_active()
+        active = self._require_active(run_id)
         try:
             applied = apply_keyed(active, operation, request, op, digest)
         except JournalCommitFailed as error:
@@ -451,10 +490,18 @@ class SessionHost:
         session.sampler.batches = self.sample_batching
         return session
 
-    def _require_active(self) -> ActiveRun:
+    def _require_active(self, run_id: str = "") -> ActiveRun:
+        """The open run; with ``run_id``, NOT_FOUND unless it is that run (a client bound to a
+        run that closed never reaches the next one)."""
         self.lifecycle.require(outcomes.OPEN)
         assert self._active is not None
+        if run_id and run_id != self._active.spec.run_id:
+            raise NotFound(not_open(run_id))
         return self._active
+
+    @property
+    def _pending_run_id(self) -> str | None:
+        return None if self._pending is None else self._pending.run_id
 
     def _idle_info(self) -> SessionInfo:
         run_id = self._pending.run_id if self._pending else ""
@@ -462,6 +509,14 @@ class SessionHost:
 
     def _fail(self, message: str) -> None:
         self.lifecycle.fail(message)
+
+
+def not_open(run_id: str) -> str:
+    """Why a call for ``run_id`` is refused: that run is not open here."""
+    return (
+        f"run {run_id!r} is not open on this server (it was closed, or never opened here); "
+        "open a run to go on"
+    )
 
 
 def _digest_of_payload(operation: Operation[Any], request: Any) -> str:

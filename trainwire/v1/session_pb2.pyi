@@ -151,8 +151,20 @@ class OpenResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    def __init__(self, runs: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
     __slots__ = ("info",)
@@ -161,14 +173,16 @@ class InfoResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("examples", "token_examples", "loss")
+    __slots__ = ("examples", "token_examples", "loss", "run_id")
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     examples: _containers.RepeatedCompositeFieldContainer[Example]
     token_examples: _containers.RepeatedCompositeFieldContainer[TokenExample]
     loss: LossSpec
-    def __init__(self, examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class Prediction(_message.Message):
     __slots__ = ("label", "scores")
@@ -198,16 +212,18 @@ class ForwardResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., predictions: _Optional[_Iterable[_Union[Prediction, _Mapping]]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ForwardBackwardRequest(_message.Message):
-    __slots__ = ("operation", "examples", "token_examples", "loss")
+    __slots__ = ("operation", "examples", "token_examples", "loss", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_EXAMPLES_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     examples: _containers.RepeatedCompositeFieldContainer[Example]
     token_examples: _containers.RepeatedCompositeFieldContainer[TokenExample]
     loss: LossSpec
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., examples: _Optional[_Iterable[_Union[Example, _Mapping]]] = ..., token_examples: _Optional[_Iterable[_Union[TokenExample, _Mapping]]] = ..., loss: _Optional[_Union[LossSpec, _Mapping]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ForwardBackwardResponse(_message.Message):
     __slots__ = ("loss", "result", "token_count", "logprobs", "metrics")
@@ -231,7 +247,7 @@ class ForwardBackwardResponse(_message.Message):
     def __init__(self, loss: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ..., token_count: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprobs, _Mapping]]] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class OptimStepRequest(_message.Message):
-    __slots__ = ("operation", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm")
+    __slots__ = ("operation", "learning_rate", "beta1", "beta2", "eps", "weight_decay", "max_grad_norm", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
     BETA1_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +255,7 @@ class OptimStepRequest(_message.Message):
     EPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
     MAX_GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     learning_rate: float
     beta1: float
@@ -246,7 +263,8 @@ class OptimStepRequest(_message.Message):
     eps: float
     weight_decay: float
     max_grad_norm: float
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., max_grad_norm: _Optional[float] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class OptimStepResponse(_message.Message):
     __slots__ = ("step", "learning_rate", "grad_norm", "result")
@@ -261,12 +279,14 @@ class OptimStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., learning_rate: _Optional[float] = ..., grad_norm: _Optional[float] = ..., result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
 
 class SaveStateRequest(_message.Message):
-    __slots__ = ("operation", "name")
+    __slots__ = ("operation", "name", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     name: str
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class SaveStateResponse(_message.Message):
     __slots__ = ("result", "name", "step")
@@ -279,12 +299,14 @@ class SaveStateResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ..., name: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LoadStateRequest(_message.Message):
-    __slots__ = ("operation", "name")
+    __slots__ = ("operation", "name", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     name: str
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LoadStateResponse(_message.Message):
     __slots__ = ("result", "step")
@@ -295,16 +317,18 @@ class LoadStateResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class LoadWeightsRequest(_message.Message):
-    __slots__ = ("operation", "checkpoint_name", "export_name", "model_path")
+    __slots__ = ("operation", "checkpoint_name", "export_name", "model_path", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_NAME_FIELD_NUMBER: _ClassVar[int]
     EXPORT_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     checkpoint_name: str
     export_name: str
     model_path: str
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., checkpoint_name: _Optional[str] = ..., export_name: _Optional[str] = ..., model_path: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., checkpoint_name: _Optional[str] = ..., export_name: _Optional[str] = ..., model_path: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class LoadWeightsResponse(_message.Message):
     __slots__ = ("result",)
@@ -313,16 +337,18 @@ class LoadWeightsResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[OperationResult, _Mapping]] = ...) -> None: ...
 
 class ExportWeightsRequest(_message.Message):
-    __slots__ = ("operation", "name", "download", "checkpoint")
+    __slots__ = ("operation", "name", "download", "checkpoint", "run_id")
     OPERATION_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     operation: Operation
     name: str
     download: bool
     checkpoint: str
-    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., download: _Optional[bool] = ..., checkpoint: _Optional[str] = ...) -> None: ...
+    run_id: str
+    def __init__(self, operation: _Optional[_Union[Operation, _Mapping]] = ..., name: _Optional[str] = ..., download: _Optional[bool] = ..., checkpoint: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class ExportedFile(_message.Message):
     __slots__ = ("path", "size_bytes", "sha256")
@@ -389,7 +415,7 @@ class CloseResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[SessionInfo, _Mapping]] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("prompt_tokens", "max_tokens", "num_samples", "temperature", "top_p", "top_k", "stop_tokens", "seed", "stop_strings")
+    __slots__ = ("prompt_tokens", "max_tokens", "num_samples", "temperature", "top_p", "top_k", "stop_tokens", "seed", "stop_strings", "run_id")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -399,6 +425,7 @@ class SampleRequest(_message.Message):
     STOP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: _containers.RepeatedScalarFieldContainer[int]
     max_tokens: int
     num_samples: int
@@ -408,7 +435,8 @@ class SampleRequest(_message.Message):
     stop_tokens: _containers.RepeatedScalarFieldContainer[int]
     seed: int
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, prompt_tokens: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., num_samples: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_tokens: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., stop_strings: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class SampledSequence(_message.Message):
     __slots__ = ("tokens", "logprobs", "stop_reason")
@@ -433,12 +461,14 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("texts", "add_special_tokens")
+    __slots__ = ("texts", "add_special_tokens", "run_id")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     add_special_tokens: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    run_id: str
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., add_special_tokens: _Optional[bool] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_lists",)
@@ -447,10 +477,12 @@ class TokenizeResponse(_message.Message):
     def __init__(self, token_lists: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
-    __slots__ = ("token_lists",)
+    __slots__ = ("token_lists", "run_id")
     TOKEN_LISTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     token_lists: _containers.RepeatedCompositeFieldContainer[TokenIds]
-    def __init__(self, token_lists: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, token_lists: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("texts",)

@@ -45,6 +45,11 @@ class TrainingSessionServiceStub:
                 request_serializer=trainwire_dot_v1_dot_session__pb2.InfoRequest.SerializeToString,
                 response_deserializer=trainwire_dot_v1_dot_session__pb2.InfoResponse.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/trainwire.v1.TrainingSessionService/ListRuns',
+                request_serializer=trainwire_dot_v1_dot_session__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=trainwire_dot_v1_dot_session__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
         self.Forward = channel.unary_unary(
                 '/trainwire.v1.TrainingSessionService/Forward',
                 request_serializer=trainwire_dot_v1_dot_session__pb2.ForwardRequest.SerializeToString,
@@ -117,6 +122,13 @@ class TrainingSessionServiceServicer:
 
     def Info(self, request, context):
         """Reports where the session stands; never changes state and always answers (also before Open).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """The runs open on this server (one, unless it serves many runs on one base model).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -214,6 +226,11 @@ def add_TrainingSessionServiceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=trainwire_dot_v1_dot_session__pb2.InfoRequest.FromString,
                     response_serializer=trainwire_dot_v1_dot_session__pb2.InfoResponse.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=trainwire_dot_v1_dot_session__pb2.ListRunsRequest.FromString,
+                    response_serializer=trainwire_dot_v1_dot_session__pb2.ListRunsResponse.SerializeToString,
             ),
             'Forward': grpc.unary_unary_rpc_method_handler(
                     servicer.Forward,
@@ -326,6 +343,33 @@ class TrainingSessionService:
             '/trainwire.v1.TrainingSessionService/Info',
             trainwire_dot_v1_dot_session__pb2.InfoRequest.SerializeToString,
             trainwire_dot_v1_dot_session__pb2.InfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/trainwire.v1.TrainingSessionService/ListRuns',
+            trainwire_dot_v1_dot_session__pb2.ListRunsRequest.SerializeToString,
+            trainwire_dot_v1_dot_session__pb2.ListRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,
