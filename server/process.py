@@ -97,6 +97,7 @@ def serve(
     sample_batching: bool = True,
     session_factory: SessionFactory | None = None,
     health_gate: Callable[[Callable[[bool], None]], Callable[[bool], None]] | None = None,
+    max_runs: int = 1,
 ) -> ServerHandle:
     """Start a server on ``listen`` (``HOST:PORT``; port 0 picks a free one) and return its handle.
 
@@ -112,9 +113,12 @@ def serve(
     ``session_factory`` builds the sessions (rank 0 of a group: ``GroupLeader.open_session``).
     ``health_gate`` takes the listener's health signal and returns the one the host drives (rank
     0 of a group: ``GroupHealth.gate``, NOT_SERVING while another rank is silent).
+    ``max_runs`` above 1 holds up to that many LoRA runs of one base model at once (gRPC; not
+    yet beside the Tinker front, whose SDK clients share one model, nor in a sharded group).
     """
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
+    refuse_many_runs_where_not_served(max_runs, tinker_listen, session_factory)
     quiet_library_warnings()
     listener = GrpcListener(
         listen,
@@ -136,6 +140,7 @@ def serve(
             keep_checkpoints=keep_checkpoints,
             sample_batching=sample_batching,
             session_factory=session_factory or TrainingSession,
+            max_runs=max_runs,
         )
     except BaseException:
         listener.stop(None)  # release the port of a refused start
@@ -204,6 +209,26 @@ def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None)
             f"--model-root is required when listening beyond loopback ({', '.join(exposed)}): "
             "without it a client could open any path on this machine. Give the directory that "
             "holds the models (model paths then resolve under it), or listen on 127.0.0.1"
+        )
+
+
+def refuse_many_runs_where_not_served(
+    max_runs: int, tinker_listen: str | None, session_factory: SessionFactory | None
+) -> None:
+    """ValueError for ``--max-runs`` above 1 where it is not served in this version: beside the
+    Tinker front (its SDK clients share the server's one model), and in a sharded group (whose
+    ranks run one session in lockstep)."""
+    if max_runs == 1:
+        return
+    if tinker_listen is not None:
+        raise ValueError(
+            f"--max-runs {max_runs} with --tinker-listen: the Tinker front serves one model per "
+            "server in this version; serve many runs over gRPC, or leave --max-runs out"
+        )
+    if session_factory is not None:
+        raise ValueError(
+            f"--max-runs {max_runs} with --nproc: a sharded group runs one session across its "
+            "ranks; leave --max-runs out there"
         )
 
 

@@ -53,6 +53,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--model-root", help="model paths resolve under this directory")
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA where there is one)")
     serve.add_argument("--token-file", help="a file holding the bearer token clients must send")
+    serve.add_argument(
+        "--max-runs",
+        type=int,
+        default=1,
+        help="runs open at once (default 1). Beyond one: LoRA runs of one base model share its "
+        "weights in memory, each with its own adapter, optimizer, position and files, served in "
+        "turn; a full-weights run trains alone (gRPC only in this version)",
+    )
     serve.add_argument("--tls-cert", help="PEM server certificate (enables TLS)")
     serve.add_argument("--tls-key", help="PEM private key of --tls-cert")
     serve.add_argument("--tls-client-ca", help="PEM CA that must sign client certificates (mTLS)")
@@ -143,6 +151,13 @@ def command_serve(args: argparse.Namespace) -> int:
     token = _read_token(args.token_file) if args.token_file else None
     launch = Launch.from_environment()
     check_nproc(args.nproc, launch)
+    if args.max_runs < 1:
+        raise ValueError(f"--max-runs must be at least 1, got {args.max_runs}")
+    if args.max_runs > 1 and (args.nproc > 1 or launch is not None):
+        raise ValueError(
+            f"--max-runs {args.max_runs} with --nproc: a sharded group runs one session across "
+            "its ranks; leave --max-runs out there"
+        )
     if launch is None and args.nproc > 1:
         from trainwire.server.group.supervisor import supervise
 
@@ -234,6 +249,7 @@ def _serve_until_stopped(
         tinker_tokenizer_id=args.tinker_tokenizer_id,
         sample_batching=not args.no_sample_batching,
         session_factory=None if leader is None else leader.open_session,
+        max_runs=args.max_runs,
         health_gate=None if board is None else GroupHealth(board, args.rank_stall_timeout_s).gate,
     )
     if args.port_file:

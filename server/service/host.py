@@ -29,7 +29,13 @@ from trainwire.contract.config import TrainingConfig
 from trainwire.contract.outcomes import OperationSpec, SessionInfo
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
+from trainwire.server.engine.weights.shared_base import SharedBase
+from trainwire.server.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+)
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -82,6 +88,10 @@ class SessionHost:
         sample_batching: concurrent samples decode together (``sample_batching``); False
             decodes each request alone, for a device whose kernels are not batch-invariant.
         session_factory: builds each session (rank 0 of a group builds it on every rank).
+        max_runs: runs open at once. Beyond one, LoRA runs of one base model share its weights
+            in memory (``SharedBase``), each with its own adapter, optimizer, RNG, position,
+            keys and files; a full-weights run trains alone; the executor serves the runs with
+            work in turn (``executor.FairTurns``).
     """
 
     def __init__(
@@ -94,7 +104,11 @@ class SessionHost:
         keep_checkpoints: int | None = None,
         sample_batching: bool = True,
         session_factory: SessionFactory = TrainingSession,
+        max_runs: int = 1,
     ) -> None:
+        if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
+            raise ValueError(f"max_runs must be an integer >= 1, got {max_runs!r}")
+        self.max_runs = max_runs
         self.device = resolve_device(device)
         self.model_root = None if model_root is None else Path(model_root).resolve()
         if self.model_root is not None and not self.model_root.is_dir():
@@ -110,20 +124,25 @@ class SessionHost:
         self.sample_batching = sample_batching
         self._session_factory = session_factory
         self._executor = SessionExecutor()
-        self._batcher = SampleBatcher(self._executor, self._require_active)
-        self._active: ActiveRun | None = None
-        self._snapshot: SessionInfo | None = None  # as of the last finished operation
+        self._runs: dict[str, ActiveRun] = {}  # the open runs, by run id
+        self._batchers: dict[str, SampleBatcher] = {}  # each open run's samples decode together
+        self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
+        self._shared_base: SharedBase | None = None  # with max_runs > 1: the LoRA runs' base
         # The one order every numbered request takes: a run's positions here, a Tinker model's
         # seq_ids through the intake (``stream_order``). Its thread hands each released job to
         # the executor.
         self.order = StreamOrder(lambda job: job(), noun="stream")
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
-        self._pending = open_runs[0] if len(open_runs) == 1 else None
-        if self._pending is not None:
+        self._pending: list[RunSpec] = open_runs if len(open_runs) <= max_runs else []
+        if self._pending:
             self.lifecycle.phase = outcomes.RESTORING
         elif open_runs:
-            self._fail(f"{len(open_runs)} runs are recorded open: {[r.run_id for r in open_runs]}")
+            self._fail(
+                f"{len(open_runs)} runs are recorded open ({[r.run_id for r in open_runs]}), "
+                f"more than --max-runs {max_runs}: start the server with --max-runs "
+                f"{len(open_runs)} to restore them"
+            )
 
     @property
     def phase(self) -> str:
@@ -137,23 +156,23 @@ class SessionHost:
         self._serialized(self._recover, refusable=False)
 
     def _recover(self) -> None:
-        spec = self._pending
-        if spec is None:
+        if not self._pending:
             self.lifecycle.set_serving(self.phase != outcomes.FAILED)
             return
         self.lifecycle.set_serving(False)
         try:
-            session = self._new_session(TrainingConfig.from_dict(spec.config), spec.max_steps)
-            self._active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
-            self._active.keep_checkpoints = self.keep_checkpoints
-            self._snapshot = self._active.info(digest_known_only=True)  # restore hashed it
-            self._start_positions(spec.run_id)
-        except Exception as error:
-            logger.exception("restoring run %s failed", spec.run_id)
-            self._fail(f"restoring run {spec.run_id!r} failed: {error}")
-            return
+            for spec in self._pending:
+                try:
+                    config = TrainingConfig.from_dict(spec.config)
+                    session = self._new_session(config, spec.max_steps)
+                    active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
+                except Exception as error:
+                    logger.exception("restoring run %s failed", spec.run_id)
+                    self._fail(f"restoring run {spec.run_id!r} failed: {error}")
+                    return
+                self._add_run(active, info=active.info(digest_known_only=True))  # restore hashed it
         finally:
-            self._pending = None
+            self._pending = []
         self.lifecycle.phase = outcomes.OPEN
         self.lifecycle.set_serving(True)
 
@@ -173,10 +192,19 @@ class SessionHost:
 
     def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
         run_id = spec.run_id
-        if self.phase == outcomes.OPEN:
-            refuse_another_run(self._require_active().spec, spec)
-            return outcomes.OpenOutcome.from_info(self._require_active().info(), created=False)
-        self.lifecycle.require(outcomes.IDLE, outcomes.CLOSED)
+        existing = self._runs.get(run_id)
+        if existing is not None or (self.max_runs == 1 and self.phase == outcomes.OPEN):
+            active = existing or self._require_active()
+            refuse_another_run(active.spec, spec)
+            return outcomes.OpenOutcome.from_info(active.info(), created=False)
+        if self.phase != outcomes.OPEN:
+            self.lifecycle.require(outcomes.IDLE, outcomes.CLOSED)
+        if len(self._runs) >= self.max_runs:
+            raise ResourceExhausted(
+                f"this server holds {self.max_runs} runs at once (--max-runs), all open: close "
+                "one first, or open this run on another server"
+            )
+        self._refuse_beside_the_open_runs(config)
         run = self.state_dir.run(run_id)
         if run.exists():
             raise FailedPrecondition(
@@ -188,13 +216,41 @@ class SessionHost:
         finally:
             self.lifecycle.set_serving(True)
         run.write_spec(spec)  # only once the session loaded: a refused config leaves none
-        self._active = ActiveRun(run, spec, session, Journal(run.journal_path))
-        self._active.keep_checkpoints = self.keep_checkpoints
-        self._start_positions(run_id)
+        active = ActiveRun(run, spec, session, Journal(run.journal_path))
+        info = active.info()
+        self._add_run(active, info=info)
         self.lifecycle.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
-        self._snapshot = self._active.info()
-        return outcomes.OpenOutcome.from_info(self._snapshot, created=True)
+        return outcomes.OpenOutcome.from_info(info, created=True)
+
+    def _add_run(self, active: ActiveRun, *, info: SessionInfo) -> None:
+        run_id = active.spec.run_id
+        active.keep_checkpoints = self.keep_checkpoints
+        self._runs[run_id] = active
+        self._snapshots[run_id] = info
+        self._batchers[run_id] = SampleBatcher(
+            self._executor, partial(self._require_active, run_id)
+        )
+        self._start_positions(run_id)
+
+    def _refuse_beside_the_open_runs(self, config: TrainingConfig) -> None:
+        """FAILED_PRECONDITION for a run that cannot train beside the open ones: a full-weights
+        run changes the base model the others read, so it trains alone (and a run waits for
+        one); a run of another base model is refused when the shared base is fitted
+        (``SharedBase.refuse_unfit``, naming the base this server holds)."""
+        if not self._runs:
+            return
+        if config.lora is None:
+            raise FailedPrecondition(
+                f"a full-weights run changes the base model that the {len(self._runs)} open "
+                "run(s) share: it trains alone; close them first, or open it on another server"
+            )
+        alone = [r.spec.run_id for r in self._runs.values() if r.session.config.lora is None]
+        if alone:
+            raise FailedPrecondition(
+                f"run {alone[0]!r} trains the full weights of the base model and trains alone: "
+                "close it first, or open this run on another server"
+            )
 
     def close(self, run_id: str | None = None) -> SessionInfo:
         """Close the open run (a no-op unless one is open); its files stay in the state dir.
@@ -208,24 +264,30 @@ class SessionHost:
         return self._serialized(self._close, run_id, refusable=False)
 
     def _close(self, run_id: str | None) -> SessionInfo:
-        if run_id and (self.phase != outcomes.OPEN or self._require_active().spec.run_id != run_id):
+        if run_id and (self.phase != outcomes.OPEN or run_id not in self._runs):
             return self._closed_run_info(run_id)
         if self.phase != outcomes.OPEN:
             return self._idle_info()
-        active = self._require_active()
+        active = self._require_active(run_id or "")
+        run_id = active.spec.run_id
         info = active.info(state=outcomes.CLOSED)
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
-        self.order.end_stream(active.spec.run_id)
-        self._active, self.lifecycle.closed_info = None, info
-        self.lifecycle.phase = outcomes.CLOSED
-        self._snapshot = None
+        self.order.end_stream(run_id)
+        del self._runs[run_id], self._snapshots[run_id], self._batchers[run_id]
+        self.lifecycle.closed_info = info
+        if not self._runs:
+            self.lifecycle.phase = outcomes.CLOSED
+            self._shared_base = None  # the last run on it closed: its memory goes with it
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
 
     def _closed_run_info(self, run_id: str) -> SessionInfo:
         recorded = self.state_dir.run(run_id).exists()
-        return self.lifecycle.closed_run_info(run_id, self.open_run_id, recorded, str(self.device))
+        # On a server of many runs a closed run is named apart from the others: closing it again
+        # is a no-op whatever else is open.
+        open_run = self.open_run_id if self.max_runs == 1 else None
+        return self.lifecycle.closed_run_info(run_id, open_run, recorded, str(self.device))
 
     def discard_saved(
         self, run_id: str, *, checkpoints: Sequence[str] = (), exports: Sequence[str] = ()
@@ -236,16 +298,16 @@ class SessionHost:
         folders are resolved (``state_dir.confined``)."""
 
         def discard() -> list[str]:
-            active = self._active
-            is_open = active is not None and active.spec.run_id == run_id
-            run = active.run if is_open else self.state_dir.run(run_id)
+            active = self._runs.get(run_id)
+            is_open = active is not None
+            run = active.run if active is not None else self.state_dir.run(run_id)
             return discard_saved(run, run_id, list(checkpoints), list(exports), is_open=is_open)
 
         return self._serialized(discard, refusable=False)
 
     def runs(self) -> list[SessionInfo]:
-        """The open runs (the one open run, or none), each as ``info`` gives it."""
-        return [self.info()] if self.phase == outcomes.OPEN else []
+        """The open runs, by run id, each as ``info`` gives it."""
+        return [self.info(run_id) for run_id in sorted(self._runs)]
 
     def info(self, run_id: str = "") -> SessionInfo:
         """Where the session stands, at once: while operations are queued or running, as of the
@@ -253,25 +315,33 @@ class SessionHost:
 
         With ``run_id``, that run's: the open one's as above, a closed one's state (``closed``),
         NOT_FOUND for a run this server never had."""
-        if run_id and run_id not in (self.open_run_id, self._pending_run_id):
-            check_name(run_id, "run id")
-            if not self.state_dir.run(run_id).exists():
-                raise NotFound(not_open(run_id))
-            if (
-                self.lifecycle.closed_info is not None
-                and self.lifecycle.closed_info.run_id == run_id
-            ):
-                return self.lifecycle.closed_info
-            return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
+        if run_id and run_id not in self._runs and run_id not in self._pending_run_ids:
+            return self._recorded_info(run_id)
         if self.phase != outcomes.OPEN:
             return self._idle_info()
-        snapshot = self._snapshot  # taken at open, at restore and after every operation
+        active = self._runs.get(run_id) if run_id else self._active
+        if active is None:
+            raise FailedPrecondition(self._name_the_run())
+        run_id = active.spec.run_id
+        snapshot = self._snapshots.get(run_id)  # taken at open, at restore and after each operation
         if snapshot is not None and (self._executor.busy or self._executor.waiting):
             return snapshot  # never queued behind work: Info answers at once in every state
         return self._serialized(
-            lambda: self._active.info() if self._active is not None else self._idle_info(),
+            lambda: active.info() if run_id in self._runs else self._recorded_info(run_id),
             refusable=False,
+            lane=self._lane(run_id),
         )
+
+    def _recorded_info(self, run_id: str) -> SessionInfo:
+        """A run that is not open: its state (``closed``) if this server had it, else
+        NOT_FOUND."""
+        check_name(run_id, "run id")
+        if not self.state_dir.run(run_id).exists():
+            raise NotFound(not_open(run_id))
+        closed = self.lifecycle.closed_info
+        if closed is not None and closed.run_id == run_id:
+            return closed
+        return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
 
     def begin_shutdown(self) -> None:
         """Refuse new operations (UNAVAILABLE); the one in flight finishes and commits, and one
@@ -287,16 +357,23 @@ class SessionHost:
         """Close the journal and let go of the state directory (after ``wait_idle``)."""
 
         def release() -> None:
-            if self._active is not None:
-                self._active.journal.close()
+            for active in self._runs.values():
+                active.journal.close()
             self.state_dir.release()
 
         self._executor.release(release)
         self.order.stop()
 
     @property
+    def _active(self) -> ActiveRun | None:
+        """The open run when exactly one is (the server's only run), else None."""
+        if len(self._runs) != 1:
+            return None
+        return next(iter(self._runs.values()))
+
+    @property
     def open_run_id(self) -> str | None:
-        """The open run's id (None when no run is open), at no cost."""
+        """The open run's id (None when no run, or several, are open), at no cost."""
         return None if self._active is None else self._active.spec.run_id
 
     @property
@@ -370,17 +447,24 @@ class SessionHost:
             return self._keyed(operation, request, op, body_digest, run_id)
         if op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
-        if operation is SAMPLE:  # decoded beside the samples waiting with it (sample_batching)
-            self._require_active(run_id)  # the open run's weights: refused now if another's
-            return self._batcher.submit(request, partial(self._serialized, joinable=True))
+        run_id = self._require_active(run_id).spec.run_id  # bound to it from here on
+        if operation is SAMPLE:  # decoded beside its run's samples waiting with it
+            queue = partial(self._serialized, joinable=True, lane=self._lane(run_id))
+            return self._batchers[run_id].submit(request, queue)
         return self._serialized(
-            lambda: operation.apply(self._require_active(run_id), request, None)
+            lambda: operation.apply(self._require_active(run_id), request, None),
+            lane=self._lane(run_id),
         )
 
     # -- the executor ------------------------------------------------------------------------------
 
     def _serialized(
-        self, call: Callable[..., T], *args: Any, refusable: bool = True, joinable: bool = False
+        self,
+        call: Callable[..., T],
+        *args: Any,
+        refusable: bool = True,
+        joinable: bool = False,
+        lane: str = "",
     ) -> T:
         """``call(*args)`` on the executor thread, after everything queued before it.
 
@@ -389,11 +473,13 @@ class SessionHost:
         itself always run.
         """
         if not refusable:
-            return self._executor.run(lambda: call(*args))
+            return self._executor.run(lambda: call(*args), lane=lane)
         with self._executor.admitted():
-            return self._run_refusable(call, *args, joinable=joinable)
+            return self._run_refusable(call, *args, joinable=joinable, lane=lane)
 
-    def _run_refusable(self, call: Callable[..., T], *args: Any, joinable: bool = False) -> T:
+    def _run_refusable(
+        self, call: Callable[..., T], *args: Any, joinable: bool = False, lane: str = ""
+    ) -> T:
         self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
@@ -401,7 +487,7 @@ class SessionHost:
             self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
-        return self._executor.run(job, joinable=joinable)
+        return self._executor.run(job, joinable=joinable, lane=lane)
 
     def _keyed(
         self,
@@ -428,14 +514,17 @@ class SessionHost:
         def job() -> None:
             try:
                 apply = partial(self._apply_keyed, run_id=run_id)
-                applied.set_result(self._run_refusable(apply, operation, request, op, digest))
+                lane = self._lane(run_id)
+                applied.set_result(
+                    self._run_refusable(apply, operation, request, op, digest, lane=lane)
+                )
             except BaseException as error:
                 applied.set_exception(error)
 
         # Admitted before the order: a call held there for its predecessor holds a server thread
         # as much as one queued on the executor, so both count against the one bound.
         with self._executor.admitted():
-            stream = self._require_active(run_id).spec.run_id
+            stream = run_id = self._require_active(run_id).spec.run_id
             if op.expected_position is None:  # numbered by no one (or by the intake's stream)
                 with self.order.running_beside(stream):
                     job()
@@ -472,39 +561,65 @@ class SessionHost:
                 # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
                 self._fail(f"{active.session.broken}; restart the server to restore")
             raise
-        self._snapshot = active.info(digest_known_only=True)
+        self._snapshots[active.spec.run_id] = active.info(digest_known_only=True)
         return applied
 
     # -- helpers ---------------------------------------------------------------------------------
 
     def _start_positions(self, run_id: str) -> None:
         """Requests that name a position of ``run_id`` are ordered by it from now on."""
-        self.order.start_positions(
-            run_id, lambda: self.position, idle_release_s=self.idle_release_s
-        )
+
+        def position() -> int:
+            active = self._runs.get(run_id)
+            return 0 if active is None else active.position
+
+        self.order.start_positions(run_id, position, idle_release_s=self.idle_release_s)
+
+    def _lane(self, run_id: str) -> str:
+        """The executor lane of ``run_id``'s calls: its own on a server of many runs (they take
+        turns), the one lane otherwise (first in, first out, whatever the call)."""
+        return run_id if self.max_runs > 1 else ""
 
     def _new_session(self, config: TrainingConfig, max_steps: int | None) -> TrainingSession:
+        options: dict[str, Any] = {}
+        if self.max_runs > 1 and config.lora is not None:
+            if self._shared_base is None:
+                self._shared_base = SharedBase(
+                    config, device=self.device, model_root=self.model_root
+                )
+            options["base"] = self._shared_base
         session = self._session_factory(
-            config, device=self.device, max_steps=max_steps, model_root=self.model_root
+            config, device=self.device, max_steps=max_steps, model_root=self.model_root, **options
         )
         session.sampler.batches = self.sample_batching
         return session
 
     def _require_active(self, run_id: str = "") -> ActiveRun:
-        """The open run; with ``run_id``, NOT_FOUND unless it is that run (a client bound to a
-        run that closed never reaches the next one)."""
+        """The open run ``run_id`` (NOT_FOUND unless it is open: a client bound to a run that
+        closed never reaches another); "" is the server's only open run."""
         self.lifecycle.require(outcomes.OPEN)
-        assert self._active is not None
-        if run_id and run_id != self._active.spec.run_id:
-            raise NotFound(not_open(run_id))
-        return self._active
+        if run_id:
+            active = self._runs.get(run_id)
+            if active is None:
+                raise NotFound(not_open(run_id))
+            return active
+        active = self._active
+        if active is None:
+            raise FailedPrecondition(self._name_the_run())
+        return active
+
+    def _name_the_run(self) -> str:
+        return (
+            f"{len(self._runs)} runs are open on this server: name the run (run_id; "
+            "SessionClient binds the run it opened, ListRuns lists them)"
+        )
 
     @property
-    def _pending_run_id(self) -> str | None:
-        return None if self._pending is None else self._pending.run_id
+    def _pending_run_ids(self) -> set[str]:
+        return {spec.run_id for spec in self._pending}
 
     def _idle_info(self) -> SessionInfo:
-        run_id = self._pending.run_id if self._pending else ""
+        run_id = self._pending[0].run_id if len(self._pending) == 1 else ""
         return self.lifecycle.idle_info(run_id, str(self.device))
 
     def _fail(self, message: str) -> None:
