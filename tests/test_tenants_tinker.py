@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import pytest
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.process import ServerHandle, serve
@@ -353,3 +354,26 @@ def test_a_tenant_named_default_owns_what_a_single_key_server_saved(
             assert (
                 bob.send("POST", f"{API}/{name}", json={"session_id": session}).status_code == 404
             )
+
+
+def test_a_request_taken_back_after_a_restart_is_decoded_as_its_senders(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """What a restart replays runs the route again outside any HTTP request: bob's load of
+    alice's checkpoint, refused when he sent it, is refused again there (not run unrestricted)."""
+    from trainwire.server.errors import NotFound
+
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        alice, bob = Front(handle, ALICE), Front(handle, BOB)
+        session = alice.post("create_session", {})["session_id"]
+        model = alice.post("create_model", {"session_id": session, "base_model": "llama"})
+        saved = {"model_id": model["model_id"], "seq_id": 1, "path": "first"}
+        path = alice.result(alice.post("save_weights", saved))["path"]
+        alice.post(f"sessions/{session}/finish", {})
+        bob_session = bob.post("create_session", {})["session_id"]
+        mine = bob.post("create_model", {"session_id": bob_session, "base_model": "llama"})
+        load = {"model_id": mine["model_id"], "seq_id": 1, "path": path}
+        assert bob.send("POST", f"{API}/load_weights", json=load).status_code == 404
+        replay = handle.tinker.front.intake.routes["load_weights"]  # as a restart calls it
+        with pytest.raises(NotFound, match="no checkpoint"):
+            replay({**load, "seq_id": 2}, None)
