@@ -8,7 +8,7 @@ until its case is written)."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,10 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from service_fixtures import running_server
 from tinker.proto import tinker_public_pb2 as pb
 
-from trainwire.server.process import ServerHandle, serve
+from trainwire.server.process import ServerHandle
 from trainwire.server.service.tenants import Tenant, Tenants
 
 ALICE, BOB, WRONG = "tml-alice-key", "tml-bob-key", "tml-nobody"
@@ -27,21 +28,12 @@ GHOST_SESSION = "tw-0123456789abcdef.bob"  # a session of bob's that does not ex
 API = "/api/v1"
 
 
-@contextlib.contextmanager
-def tenant_server(state_dir: Path, model_root: Path, **keys: Any) -> Iterator[ServerHandle]:
+def tenant_server(
+    state_dir: Path, model_root: Path, **keys: Any
+) -> contextlib.AbstractContextManager[ServerHandle]:
+    """A server with the Tinker front, under ``TENANTS`` unless other keys are given."""
     options = keys or {"tenants": TENANTS}
-    handle = serve(
-        listen="127.0.0.1:0",
-        state_dir=state_dir,
-        model_root=model_root,
-        device="cpu",
-        tinker_listen="127.0.0.1:0",
-        **options,
-    )
-    try:
-        yield handle
-    finally:
-        handle.stop(grace=10)
+    return running_server(state_dir, model_root, tinker_listen="127.0.0.1:0", **options)
 
 
 @dataclass(frozen=True)
