@@ -27,8 +27,11 @@ from trainwire.server.grpc.listener import (
     DEFAULT_MAX_WORKERS,
     GrpcListener,
 )
+from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.library_warnings import quiet_library_warnings
 from trainwire.server.service.host import SessionFactory, SessionHost
+from trainwire.server.service.run_owners import RunOwners
+from trainwire.server.service.tenants import Tenants, tenants_of
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +85,7 @@ def serve(
     state_dir: str | Path,
     model_root: str | Path | None = None,
     device: str | None = None,
-    token: str | None = None,
+    token: str | Tenants | None = None,
     *,
     tls_cert: Pem | None = None,
     tls_key: Pem | None = None,
@@ -92,8 +95,9 @@ def serve(
     keep_checkpoints: int | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     tinker_listen: str | None = None,
-    tinker_token: str | None = None,
+    tinker_token: str | Tenants | None = None,
     tinker_tokenizer_id: str | None = None,
+    tenants: Tenants | None = None,
     sample_batching: bool = True,
     session_factory: SessionFactory | None = None,
     health_gate: Callable[[Callable[[bool], None]], Callable[[bool], None]] | None = None,
@@ -107,6 +111,9 @@ def serve(
     ``keep_checkpoints`` turns retention on: a run keeps its K newest checkpoints (and ``best``).
     ``tinker_listen`` (``HOST:PORT``) adds the Tinker SDK front on the same session host
     (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send;
+    ``tenants`` guards both ports with one map of tenants (``server/service/tenants.py``), each
+    seeing only its own runs; ``token`` and ``tinker_token`` may be such a map too, each for its
+    own port (tenants are then matched by name across the two);
     ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
     a path the client can read; None: the model's directory on this host).
     ``sample_batching`` False decodes each sample request alone (see ``SessionHost``).
@@ -116,6 +123,7 @@ def serve(
     ``max_runs`` above 1 holds up to that many LoRA runs of one base model at once (gRPC; not
     yet beside the Tinker front, whose SDK clients share one model, nor in a sharded group).
     """
+    token, tinker_token = keys_of_ports(tenants, token, tinker_token)
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
     refuse_many_runs_where_not_served(max_runs, tinker_listen, session_factory)
@@ -145,8 +153,18 @@ def serve(
     except BaseException:
         listener.stop(None)  # release the port of a refused start
         raise
+    try:
+        owners = run_owners_of(session_host, token, tinker_token)
+    except BaseException:
+        listener.stop(None)
+        session_host.release()
+        raise
     set_serving(session_host.phase not in ("restoring", "failed"))
-    listener.attach(session_host)
+    grpc_tenants = tenants_of(token)
+    access = None
+    if owners is not None and grpc_tenants is not None:
+        access = RunAccess(grpc_tenants, owners, session_host)
+    listener.attach(session_host, access)
     logger.info(
         "listening on %s (%s%s, state dir %s, device %s)",
         listener.address,
@@ -158,7 +176,7 @@ def serve(
     handle = ServerHandle(listener, session_host)
     if tinker_listen is not None:
         handle.tinker = _start_tinker(
-            session_host, listener, tinker_listen, tinker_token, tinker_tokenizer_id
+            session_host, listener, tinker_listen, tinker_token, tinker_tokenizer_id, owners
         )
     threading.Thread(target=session_host.recover, name="trainwire-recover", daemon=True).start()
     return handle
@@ -168,8 +186,9 @@ def _start_tinker(
     session_host: SessionHost,
     listener: GrpcListener,
     listen: str,
-    token: str | None,
+    token: str | Tenants | None,
     tokenizer_id: str | None,
+    owners: RunOwners | None,
 ) -> Any:
     """The Tinker front on the same host; a refused start stops what was started before it."""
     from trainwire.server.tinker.listener import TinkerListener  # the optional extra
@@ -182,11 +201,37 @@ def _start_tinker(
             model_root=session_host.model_root,
             token=token,
             tokenizer_id=tokenizer_id,
+            owners=owners,
         )
     except BaseException:
         listener.stop(None)
         session_host.release()
         raise
+
+
+def keys_of_ports(
+    tenants: Tenants | None, token: str | Tenants | None, tinker_token: str | Tenants | None
+) -> tuple[str | Tenants | None, str | Tenants | None]:
+    """The keys of the gRPC port and of the Tinker front: ``tenants`` for both, or each its own
+    (one map for both and a key of one port's own would leave which one counts unclear)."""
+    if tenants is None:
+        return token, tinker_token
+    if token is not None or tinker_token is not None:
+        raise ValueError(
+            "--tenants gives the keys of both ports: leave out --token-file and "
+            "--tinker-token-file (or put the tenants map in those files instead)"
+        )
+    return tenants, tenants
+
+
+def run_owners_of(
+    host: SessionHost, token: str | Tenants | None, tinker_token: str | Tenants | None
+) -> RunOwners | None:
+    """Who owns each run, when some port has a map of tenants; None when every key is the
+    one-tenant form (or there is none): then every run is everybody's, as before tenants."""
+    if not any(isinstance(keys, Tenants) for keys in (token, tinker_token)):
+        return None
+    return RunOwners(host.state_dir)
 
 
 def is_loopback(listen: str) -> bool:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
+from trainwire.server.service.tenants import Tenants, read_keys
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
     from trainwire.server.group.board import GroupBoard
@@ -52,7 +53,19 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--state-dir", required=True, help="runs, journals, checkpoints, exports")
     serve.add_argument("--model-root", help="model paths resolve under this directory")
     serve.add_argument("--device", help="cpu, cuda or cuda:N (default: CUDA where there is one)")
-    serve.add_argument("--token-file", help="a file holding the bearer token clients must send")
+    serve.add_argument(
+        "--token-file",
+        help="a file holding the bearer token clients must send, or a tenants map as --tenants "
+        "takes (then for the gRPC port only)",
+    )
+    serve.add_argument(
+        "--tenants",
+        metavar="FILE",
+        help="YAML 'tenants: [{name, key, max_runs?, weight?}]': each key is a tenant that sees "
+        "and touches only its own runs, checkpoints, futures and downloads (another tenant's "
+        "answer 404), on both ports; a Tinker SDK key must start with 'tml-' (a tenant whose key "
+        "does not uses gRPC only). Not with --token-file or --tinker-token-file",
+    )
     serve.add_argument(
         "--max-runs",
         type=int,
@@ -79,9 +92,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--tinker-token-file",
-        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'). "
-        "Required when --token-file is given or the front listens beyond loopback: the two keys "
-        "guard the same run, each on its own port (they may differ)",
+        help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'), "
+        "or a tenants map as --tenants takes (then for the front only). Required when "
+        "--token-file is given or the front listens beyond loopback: the two keys guard the "
+        "same run, each on its own port (they may differ)",
     )
     serve.add_argument(
         "--no-sample-batching",
@@ -148,7 +162,7 @@ def command_serve(args: argparse.Namespace) -> int:
     from trainwire.server.group.ranks import Launch, join_group, leave_group, leave_group_and_exit
 
     settings = serve_settings(args)
-    token = _read_token(args.token_file) if args.token_file else None
+    token = read_keys(args.token_file, "--token-file") if args.token_file else None
     launch = Launch.from_environment()
     check_nproc(args.nproc, launch)
     if args.max_runs < 1:
@@ -210,7 +224,7 @@ def check_nproc(nproc: int, launch: Launch | None) -> None:
 def _serve_until_stopped(
     args: argparse.Namespace,
     settings: dict[str, Any],
-    token: str | None,
+    token: str | Tenants | None,
     leader: GroupLeader | None,
     board: GroupBoard | None = None,
 ) -> int:
@@ -245,7 +259,12 @@ def _serve_until_stopped(
         max_workers=settings["max_workers"],
         keep_checkpoints=settings["keep_checkpoints"],
         tinker_listen=args.tinker_listen,
-        tinker_token=_read_token(args.tinker_token_file) if args.tinker_token_file else None,
+        tinker_token=(
+            read_keys(args.tinker_token_file, "--tinker-token-file")
+            if args.tinker_token_file
+            else None
+        ),
+        tenants=Tenants.load(args.tenants) if args.tenants else None,
         tinker_tokenizer_id=args.tinker_tokenizer_id,
         sample_batching=not args.no_sample_batching,
         session_factory=None if leader is None else leader.open_session,
@@ -292,10 +311,3 @@ def check_address_free(option: str, listen: str | None) -> None:
                         f"{option} {listen}: {host} is not an address of this machine"
                     ) from None
                 raise
-
-
-def _read_token(path: str) -> str:
-    token = Path(path).read_text().strip()
-    if not token:
-        raise ValueError(f"--token-file {path} is empty")
-    return token

@@ -1,30 +1,44 @@
-"""The gRPC transport's bearer-token check: every call but health needs the server's token."""
+"""The gRPC transport's bearer-token check: every call but health needs a tenant's key (a
+single token is the one-tenant form, ``Tenants.single``)."""
 
 from __future__ import annotations
 
-import hmac
+from collections.abc import Iterable
+from typing import Any
 
 import grpc
 
+from trainwire.server.service.tenants import Tenant, Tenants, tenants_of
+
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+BEARER = "Bearer "
+
+
+def caller_of(tenants: Tenants, metadata: Iterable[tuple[str, Any]] | None) -> Tenant | None:
+    """The tenant whose key a call's ``authorization: Bearer <key>`` carries, or None (every
+    key compared in constant time: ``Tenants.by_key``)."""
+    supplied = str(dict(metadata or ()).get("authorization", ""))
+    if not supplied.startswith(BEARER):
+        return None
+    return tenants.by_key(supplied[len(BEARER) :])
 
 
 class BearerTokenInterceptor(grpc.ServerInterceptor):
-    """Refuses every call but health without ``authorization: Bearer <token>`` (constant time)."""
+    """Refuses every call but health without ``authorization: Bearer <key>`` of a tenant."""
 
-    def __init__(self, token: str) -> None:
+    def __init__(self, token: str | Tenants) -> None:
         if not token:
             raise ValueError("the bearer token is empty")
-        self._expected = f"Bearer {token}".encode()
+        self._tenants = tenants_of(token)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None or handler_call_details.method.startswith(HEALTH_METHOD_PREFIX):
             return handler
-        metadata = dict(handler_call_details.invocation_metadata or ())
-        supplied = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(supplied, self._expected):
+        metadata = handler_call_details.invocation_metadata
+        if caller_of(self._tenants, metadata) is not None:
             return handler
+        supplied = dict(metadata or ()).get("authorization", "")
         message = (
             "missing or wrong bearer token: send metadata 'authorization: Bearer <token>'"
             if supplied

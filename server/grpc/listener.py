@@ -19,8 +19,10 @@ from grpc_reflection.v1alpha import reflection
 
 from trainwire.contract.files import Pem, read_pem
 from trainwire.server.grpc.auth import BearerTokenInterceptor
+from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.tenants import Tenants
 from trainwire.v1 import session_pb2
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class GrpcListener:
         self,
         listen: str,
         *,
-        token: str | None = None,
+        token: str | Tenants | None = None,
         tls_cert: Pem | None = None,
         tls_key: Pem | None = None,
         tls_client_ca: Pem | None = None,
@@ -88,9 +90,10 @@ class GrpcListener:
         for name in ("", SERVICE_NAME):
             self.health.set(name, status)
 
-    def attach(self, session_host: SessionHost) -> None:
-        """Serve ``session_host``'s operation table, health and reflection, from now on."""
-        add_to_server(TrainingSessionServicer(session_host), self.server)
+    def attach(self, session_host: SessionHost, access: RunAccess | None = None) -> None:
+        """Serve ``session_host``'s operation table (each tenant its own run, with ``access``),
+        health and reflection, from now on."""
+        add_to_server(TrainingSessionServicer(session_host, access), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server

@@ -27,6 +27,7 @@ from trainwire.server.errors import (
     exhaustion_advice,
     status_of,
 )
+from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.service import operations as ops
 from trainwire.server.service import requests
 from trainwire.server.service.host import SessionHost
@@ -116,10 +117,25 @@ def optim_step_from_proto(request: pb.OptimStepRequest) -> requests.OptimStepReq
 
 
 class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
-    """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``."""
+    """``trainwire.v1.TrainingSessionService`` over a ``SessionHost``; with ``access``, each
+    call reaches only its tenant's run."""
 
-    def __init__(self, session_host: SessionHost) -> None:
+    def __init__(self, session_host: SessionHost, access: RunAccess | None = None) -> None:
         self.session_host = session_host
+        self.access = access
+
+    def _guarded(
+        self, context: grpc.ServicerContext, check: Callable[..., None], *args: Any
+    ) -> None:
+        """``check(access, caller, *args)`` when the port has tenants (a keyless one has none)."""
+        if self.access is not None:
+            check(self.access, self.access.caller(context.invocation_metadata()), *args)
+
+    def _own_info(self, context: grpc.ServicerContext, info: Any) -> Any:
+        """``info``, unless it describes another tenant's run (NotFound)."""
+        if self.access is None:
+            return info
+        return self.access.visible(self.access.caller(context.invocation_metadata()), info)
 
     def _run(self, context: grpc.ServicerContext, kind: str, key: str, call: Callable[[], T]) -> T:
         started = time.perf_counter()
@@ -145,6 +161,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             check_name(request.run_id, "run id")  # a bad run id is the first thing refused
             config = config_from_json(request.config_json)
             max_steps = max_steps_from_proto(request.max_steps)
+            self._guarded(context, RunAccess.check_open, request.run_id)
             return self.session_host.open(
                 request.run_id, config, max_steps, request.plan_fingerprint
             )
@@ -153,11 +170,21 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         return codec.open_response_to_proto(outcome)
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
-        info = self._run(context, "Info", "", partial(self.session_host.info, request.run_id))
+        def call() -> outcomes.SessionInfo:
+            return self._own_info(context, self.session_host.info(request.run_id))
+
+        info = self._run(context, "Info", "", call)
         return pb.InfoResponse(info=codec.session_info_to_proto(info))
 
     def ListRuns(self, request: pb.ListRunsRequest, context) -> pb.ListRunsResponse:
-        runs = self._run(context, "ListRuns", "", self.session_host.runs)
+        def call() -> list[outcomes.SessionInfo]:
+            runs = self.session_host.runs()
+            if self.access is None:
+                return runs
+            caller = self.access.caller(context.invocation_metadata())
+            return [info for info in runs if self.access.owners.holds(info.run_id, caller)]
+
+        runs = self._run(context, "ListRuns", "", call)
         return pb.ListRunsResponse(runs=[codec.session_info_to_proto(info) for info in runs])
 
     def _apply(
@@ -174,7 +201,10 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         key = "" if op is None else op.key
 
         def call() -> Any:
-            return self.session_host.apply(operation, decode(), op, run_id=run_id)
+            # The run checked is the run applied to: "" names the only open run, bound here.
+            target = run_id or self.session_host.open_run_id or ""
+            self._guarded(context, RunAccess.check_run, target)
+            return self.session_host.apply(operation, decode(), op, run_id=target)
 
         return self._run(context, operation.kind, key, call)
 
@@ -266,7 +296,10 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             context.abort(status_code(error), message)
 
     def Close(self, request: pb.CloseRequest, context) -> pb.CloseResponse:
-        close = partial(self.session_host.close, request.run_id or None)
+        def close() -> outcomes.SessionInfo:
+            self._guarded(context, RunAccess.check_close, request.run_id)
+            return self._own_info(context, self.session_host.close(request.run_id or None))
+
         info = self._run(context, "Close", "", close)
         return pb.CloseResponse(info=codec.session_info_to_proto(info))
 

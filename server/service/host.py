@@ -372,6 +372,11 @@ class SessionHost:
         return next(iter(self._runs.values()))
 
     @property
+    def open_run_ids(self) -> list[str]:
+        """Every open run's id, sorted, at no cost."""
+        return sorted(self._runs)
+
+    @property
     def open_run_id(self) -> str | None:
         """The open run's id (None when no run, or several, are open), at no cost."""
         return None if self._active is None else self._active.spec.run_id

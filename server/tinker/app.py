@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, status_of
 from trainwire.server.service.results import Done
+from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker import (
     checkpoint_routes,
     codec,
@@ -34,6 +35,7 @@ from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.limits import LimitBody
 from trainwire.server.tinker.model import supported_models
+from trainwire.server.tinker.tenancy import visible
 
 API = "/api/v1"
 # The training calls with a JSON body, each answered with the request id its route queued.
@@ -112,7 +114,7 @@ def too_deep() -> str:
 
 
 def create_app(
-    front: TinkerFront, *, token: str | None, poll_hold_s: float = DEFAULT_POLL_HOLD_S
+    front: TinkerFront, *, token: str | Tenants | None, poll_hold_s: float = DEFAULT_POLL_HOLD_S
 ) -> FastAPI:
     app = FastAPI(title="trainwire Tinker front", docs_url=None, redoc_url=None)
     decoding = asyncio.Semaphore(MAX_DECODING)
@@ -226,6 +228,8 @@ def create_app(
     async def retrieve_future(request: Request) -> Response:
         request_id = get_str(await json_body(request), "request_id", "") or ""
         try:
+            if not visible(request_id):  # another tenant's future: as if there were none
+                raise KeyError(request_id)
             outcome = await front.intake.results.wait(request_id, poll_hold_s)
         except KeyError:
             raise NotFound(f"no request {request_id!r} on this server") from None

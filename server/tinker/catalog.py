@@ -26,6 +26,7 @@ from typing import Any
 from trainwire.contract.files import write_text_atomic
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.tinker.model import run_id_for
+from trainwire.server.tinker.tenancy import visible
 
 CATALOG_DIR = "catalog"
 PATH_PREFIX = "tinker://"
@@ -204,16 +205,18 @@ class Catalog:
                 self._save(record)
 
     def run(self, model_id: str) -> TrainingRunRecord:
+        """Run ``model_id``; NotFound when there is none (for the caller: ``tenancy``)."""
         with self._lock:
             record = self._runs.get(model_id)
-        if record is None:
+        if record is None or not visible(model_id):
             raise NotFound(f"no training run {model_id!r} on this server")
         return record
 
     def runs(self) -> list[TrainingRunRecord]:
-        """Every run, newest first."""
+        """Every run the caller may see, newest first."""
         with self._lock:
-            return sorted(self._runs.values(), key=lambda r: -r.created_s)
+            records = [r for r in self._runs.values() if visible(r.model_id)]
+        return sorted(records, key=lambda r: -r.created_s)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -242,6 +245,8 @@ class Catalog:
         with self._lock:
             record = self._runs.get(path.model_id)
             saved = None if record is None else record.checkpoints.get(path.checkpoint_id)
+        if not visible(path.model_id):
+            saved = None  # another tenant's: as if it were not there
         if record is None or saved is None or (not expired_ok and saved.expired(self.clock())):
             raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")
         return record, saved
@@ -257,7 +262,7 @@ class Catalog:
         """Take ``path`` out of the catalog, expired or not (removing what expired is how it
         goes); its files are the caller's to remove. NotFound when it is not there."""
         with self._lock:
-            record = self._runs.get(path.model_id)
+            record = self._runs.get(path.model_id) if visible(path.model_id) else None
             saved = None if record is None else record.checkpoints.pop(path.checkpoint_id, None)
             if record is None or saved is None:
                 raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")

@@ -10,6 +10,8 @@ from pathlib import Path
 import uvicorn
 
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.run_owners import RunOwners
+from trainwire.server.service.tenants import Tenants, tenants_of
 from trainwire.server.tinker.app import create_app
 from trainwire.server.tinker.auth import check_token
 from trainwire.server.tinker.connections import BoundedH11Protocol
@@ -29,17 +31,25 @@ class TinkerListener:
         *,
         state_dir: Path,
         model_root: Path | None,
-        token: str | None = None,
+        token: str | Tenants | None = None,
         tokenizer_id: str | None = None,
+        owners: RunOwners | None = None,
     ) -> None:
         check_token(token)
         address, sep, port = listen.rpartition(":")
         if not sep or not address or not port.isdigit():
             raise ValueError(f"--tinker-listen takes HOST:PORT (port 0 picks one), got {listen!r}")
-        self.front = start_front(host, state_dir, model_root=model_root, tokenizer_id=tokenizer_id)
-        app = create_app(self.front, token=token)
+        self.front = start_front(
+            host,
+            state_dir,
+            model_root=model_root,
+            tokenizer_id=tokenizer_id,
+            tenants=tenants_of(token),
+            owners=owners,
+        )
+        self.app = create_app(self.front, token=token)
         config = uvicorn.Config(
-            app,
+            self.app,
             host=address,
             port=int(port),
             log_level="warning",

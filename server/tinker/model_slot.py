@@ -44,6 +44,8 @@ from trainwire.server.service.intake import Intake
 from trainwire.server.service.request_records import Record, SessionRecord
 from trainwire.server.service.requests import CheckpointRequest
 from trainwire.server.service.results import Done
+from trainwire.server.service.run_owners import RunOwners
+from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.model import (
@@ -61,6 +63,7 @@ from trainwire.server.tinker.start_from import (
     lora_switches,
     run_record,
 )
+from trainwire.server.tinker.tenancy import caller, new_session_id, tenant_of, visible
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +94,12 @@ class ModelSlot:
         model_root: Path | None,
         tokenizer_id: str | None,
         catalog: Catalog,
+        tenants: Tenants | None = None,
+        owners: RunOwners | None = None,
     ) -> None:
         self.host = host
+        self.tenants = tenants  # their max_runs
+        self.owners = owners  # who holds each run id, across both transports
         self.intake = intake
         self.catalog = catalog
         self.directory = directory
@@ -115,14 +122,15 @@ class ModelSlot:
     def create_session(self) -> str:
         if self.sessions.clock() - self._swept_at >= SWEEP_EVERY_S:
             self.forget_lapsed()
-        session_id = f"tw-{uuid.uuid4().hex[:16]}"
+        session_id = new_session_id(caller())
         self.sessions.add(session_id)
         self.intake.record(SessionRecord(session_id))
         return session_id
 
     def require_session(self, session_id: str) -> None:
-        """NotFound for a session this server does not know; a known one counts as alive."""
-        if not self.sessions.heard_from(session_id):
+        """NotFound for a session this server does not know (or another tenant's); a known one
+        counts as alive."""
+        if not visible(session_id) or not self.sessions.heard_from(session_id):
             raise NotFound(unknown_session(session_id))
 
     def _admit(self, request_id: str) -> None:
@@ -193,6 +201,7 @@ class ModelSlot:
                 self._give_way(self.model, session_id)
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
+            self._claim(record.run_id, tenant_of(session_id))
             self._end_sampling_run()
             self.host.open(record.run_id, config)
             self.catalog.add_run(listed)
@@ -224,6 +233,7 @@ class ModelSlot:
             record = ModelRecord.new(
                 model_id, session_id, config, self.tokenizer_id or str(model_dir)
             )
+            self._claim(record.run_id, tenant_of(session_id))
             self._end_sampling_run()
             self.host.open(record.run_id, config)
             try:
@@ -260,9 +270,9 @@ class ModelSlot:
                 "model): close it first, or start another server"
             )
         if not self._lapsed(model.session_id):
-            raise Unavailable(
-                f"this server trains model {model.model_id!r} of another client (one server, "
-                f"one model); it gives way once that client has sent nothing for "
+            raise Unavailable(  # naming no model: the other client may be another tenant's
+                f"this server trains a model of another client (one server, one model); it "
+                f"gives way once that client has sent nothing for "
                 f"{SESSION_LAPSE_S:.0f} s (a script that exited without closing), else close "
                 "that ServiceClient or start another server"
             )
@@ -273,10 +283,11 @@ class ModelSlot:
         )
         self._close_model()
 
-    def open_for_sampling(self, config: TrainingConfig) -> None:
+    def open_for_sampling(self, config: TrainingConfig, tenant: str) -> None:
         """With no model open, a run of ``config`` (a closed run's) to sample its saved sampler
-        weights on; the next ``create_model`` closes it. A sampling run of another config is
-        closed first. FailedPrecondition when a model is open (its own run samples)."""
+        weights on, for ``tenant``; the next ``create_model`` closes it. A sampling run of
+        another config is closed first. FailedPrecondition when a model is open (its own run
+        samples)."""
         with self._lock:
             if self.model is not None:
                 raise FailedPrecondition(
@@ -285,10 +296,28 @@ class ModelSlot:
             open_id = self.host.open_run_id
             if open_id is not None and open_id == self._sampling_run.get(config.fingerprint()):
                 return
-            self._end_sampling_run()
             run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
+            self._claim(run_id, tenant, training=False)
+            self._end_sampling_run()
             self.host.open(run_id, config)
             self._sampling_run = {config.fingerprint(): run_id}
+
+    def _claim(self, run_id: str, tenant: str, *, training: bool = True) -> None:
+        """Before a run of ``tenant`` opens: a run another tenant opened (over gRPC) is refused
+        without naming it, a training run counts against the tenant's ``max_runs``, and
+        ``run_id`` becomes the tenant's (``RunOwners``)."""
+        if self.owners is None:
+            return
+        open_id = self.host.open_run_id
+        held = open_id is not None and not open_id.startswith(SAMPLING_RUN_PREFIX)
+        if held and not self.owners.holds(open_id, tenant):
+            raise FailedPrecondition(
+                "another client's run is open on this server (one server, one model): "
+                "create yours once it has closed, or use another server"
+            )
+        if training and self.tenants is not None and tenant in self.tenants:
+            self.tenants.check_run_limit(tenant, int(held))
+        self.owners.claim(run_id, tenant)
 
     def _end_sampling_run(self) -> None:
         """Close a run opened only for sampling (also one a restart restored): a model's run
@@ -330,7 +359,7 @@ class ModelSlot:
 
     def require_model(self, model_id: str) -> ModelRecord:
         model = self.model
-        if model is None or model.model_id != model_id:
+        if model is None or model.model_id != model_id or not visible(model_id):
             raise NotFound(f"no model {model_id!r} on this server; create_model first")
         return model
 

@@ -31,6 +31,7 @@ from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
+from trainwire.server.tinker.tenancy import tenant_of
 
 SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past its tokens
 
@@ -154,7 +155,8 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
         return {}
     if front.models.model is None and sampler.export_run:
         source = front.catalog.run(TinkerPath.parse(sampler.model_path).model_id)
-        front.models.open_for_sampling(TrainingConfig.from_dict(source.config))
+        tenant = tenant_of(sampler.sampling_session_id)
+        front.models.open_for_sampling(TrainingConfig.from_dict(source.config), tenant)
         return {"export": sampler.export, "export_run": sampler.export_run}
     if front.models.model is None:
         raise NotFound("no model on this server: its sampling clients ended with it")

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, replace
 from trainwire.server.errors import NotFound
 from trainwire.server.service.request_records import NoteRecord, Record
 from trainwire.server.tinker.sdk_sessions import session_of
+from trainwire.server.tinker.tenancy import visible
 
 KEEP_UNNAMED_SNAPSHOTS = 8
 SNAPSHOT_PREFIX = "sampler-"
@@ -103,8 +104,9 @@ class SamplingSessions:
             )
 
     def named(self, path: str) -> bool:
+        """Whether sampler weights ``path`` of the open model exist (and the caller's)."""
         with self._lock:
-            return path in self._named
+            return path in self._named and visible(path)
 
     def forget_named(self, path: str) -> None:
         """Named sampler weights deleted: no new sampling client can be made on them."""
@@ -159,7 +161,7 @@ class SamplingSessions:
     def get(self, sampling_id: str) -> SamplingSession:
         with self._lock:
             sampler = self._sessions.get(sampling_id)
-        if sampler is None:
+        if sampler is None or not visible(sampling_id):
             raise NotFound(
                 f"no sampling session {sampling_id!r} (never created here, or it ended with its "
                 "model or its ServiceClient's session); create a sampling client first"

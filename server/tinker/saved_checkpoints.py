@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
+from trainwire.server.tinker.tenancy import unrestricted
 
 if TYPE_CHECKING:
     from trainwire.server.tinker.front import TinkerFront
@@ -88,6 +89,7 @@ def delete(front: TinkerFront, path: TinkerPath) -> None:
 
     Refused (``InUse``, HTTP 409) while a request of the open run that a restart replays reads
     it: removing it would make that replay fail and change a result already answered."""
+    front.catalog.run(path.model_id)  # another tenant's run: not found, its readers unnamed
     with front.catalog.removal_guard:
         readers = replay_readers(front, path)
         if readers:
@@ -122,7 +124,12 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
 
 
 def sweep(front: TinkerFront) -> None:
-    """Delete every checkpoint past its TTL."""
+    """Delete every checkpoint past its TTL, every tenant's (whichever request asks)."""
+    with unrestricted():
+        _sweep(front)
+
+
+def _sweep(front: TinkerFront) -> None:
     for path in front.catalog.expired():
         try:
             delete(front, path)

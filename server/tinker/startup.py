@@ -25,11 +25,14 @@ from trainwire.server.service.request_records import (
     ResumeRecord,
     SessionRecord,
 )
+from trainwire.server.service.run_owners import RunOwners
+from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker import external_weights, sampling_routes, training_routes
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_slot import ModelSlot
 from trainwire.server.tinker.sdk_sessions import session_of
+from trainwire.server.tinker.tenancy import calling, sender_of
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,11 @@ def start_front(
     *,
     model_root: Path | None,
     tokenizer_id: str | None = None,
+    tenants: Tenants | None = None,
+    owners: RunOwners | None = None,
 ) -> TinkerFront:
-    """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed."""
+    """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed
+    (``tenants``' limits and the ``owners`` of run ids: ``ModelSlot``)."""
     directory = Path(state_dir) / FRONT_DIR
     intake = Intake(directory, host, owner_of=session_of, noun="model")
     external_weights.clean_encrypted_leftovers(directory)
@@ -64,6 +70,8 @@ def start_front(
         model_root=model_root,
         tokenizer_id=tokenizer_id,
         catalog=catalog,
+        tenants=tenants,
+        owners=owners,
     )
     front = TinkerFront(host, intake, models, directory, model_root, catalog)
     for name, route in ROUTES.items():
@@ -97,8 +105,10 @@ def _take_back(front: TinkerFront, record: Record) -> None:
 
 
 def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:
-    """A stored request given to its route again, as the listener gave it the first time."""
-    return route(front, body) if encoding is None else route(front, body, encoding)
+    """A stored request given to its route again, as the listener gave it the first time: as
+    its tenant's, so what it was refused then (another tenant's checkpoint) it is refused now."""
+    with calling(sender_of(body)):
+        return route(front, body) if encoding is None else route(front, body, encoding)
 
 
 def _await_recovery(front: TinkerFront) -> None:
