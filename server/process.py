@@ -15,6 +15,7 @@ import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,9 @@ def serve(
     access = None
     if owners is not None and grpc_tenants is not None:
         access = RunAccess(grpc_tenants, owners, session_host)
+    weighted = tenants or grpc_tenants
+    if owners is not None and weighted is not None:
+        session_host.run_weight = partial(tenant_weight, weighted, owners)
     listener.attach(session_host, access)
     logger.info(
         "listening on %s (%s%s, state dir %s, device %s)",
@@ -222,6 +226,13 @@ def keys_of_ports(
             "--tinker-token-file (or put the tenants map in those files instead)"
         )
     return tenants, tenants
+
+
+def tenant_weight(tenants: Tenants, owners: RunOwners, run_id: str) -> float:
+    """The share of the executor's turns of ``run_id``: its tenant's weight (1.0 for a run of
+    no tenant in the map, as one the single key opened)."""
+    owner = owners.owner(run_id)
+    return tenants.weight_of(owner) if owner is not None and owner in tenants else 1.0
 
 
 def run_owners_of(

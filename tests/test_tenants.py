@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainwire.server.process import serve
+from trainwire.server.process import serve, tenant_weight
+from trainwire.server.service.run_owners import RunOwners
+from trainwire.server.service.state_dir import StateDirectory
 from trainwire.server.service.tenants import Tenant, Tenants, read_keys
 
 GOOD = """
@@ -96,3 +98,15 @@ def test_tenants_and_a_token_file_together_are_refused_before_anything_starts(
     with pytest.raises(ValueError, match="--tenants gives the keys of both ports"):
         serve("127.0.0.1:0", tmp_path / "state", token="t", tenants=tenants)
     assert not (tmp_path / "state").exists()
+
+
+def test_a_runs_share_of_the_turns_is_its_tenants_weight(tmp_path):
+    tenants = Tenants([Tenant("alice", "key-a", weight=3.0), Tenant("bob", "key-b")])
+    state_dir = StateDirectory(tmp_path / "state")
+    owners = RunOwners(state_dir)
+    owners.claim("alice-run", "alice")
+    owners.claim("bob-run", "bob")
+    assert tenant_weight(tenants, owners, "alice-run") == 3.0
+    assert tenant_weight(tenants, owners, "bob-run") == 1.0
+    assert tenant_weight(tenants, owners, "nobodys") == 1.0  # no tenant of the map
+    state_dir.release()

@@ -123,7 +123,10 @@ class SessionHost:
         self.keep_checkpoints = keep_checkpoints
         self.sample_batching = sample_batching
         self._session_factory = session_factory
-        self._executor = SessionExecutor()
+        # A run's share of the executor's turns when runs of several tenants wait (the process
+        # sets it to the run's tenant's weight); read as a run's turn begins.
+        self.run_weight: Callable[[str], float] = lambda run_id: 1.0
+        self._executor = SessionExecutor(weight_of=lambda lane: self.run_weight(lane))
         self._runs: dict[str, ActiveRun] = {}  # the open runs, by run id
         self._batchers: dict[str, SampleBatcher] = {}  # each open run's samples decode together
         self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
