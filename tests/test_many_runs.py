@@ -183,3 +183,41 @@ def wait_until(condition: Any) -> None:
             return
         threading.Event().wait(0.01)
     raise AssertionError("never came")
+
+
+def test_a_run_a_restart_cannot_restore_fails_alone_while_the_others_serve(
+    tmp_path, model_root, llama_config
+):
+    runs = configs(llama_config)
+    state_dir = tmp_path / "state"
+    with running_server(state_dir, model_root, max_runs=3) as server:
+        clients = {name: connect(server) for name in ("sft", "rl")}
+        for name, client in clients.items():
+            client.open(name, runs[name])
+            run_steps(client, name, range(1))
+            client.save_state("mid", operation_key=f"{name}/save")
+            client.close_channel()
+    (state_dir / "runs" / "rl" / "journal.sqlite3").write_bytes(b"not a journal" * 100)
+    with (
+        running_server(state_dir, model_root, max_runs=2) as server,
+        connect(server) as sft,
+        connect(server) as rl,
+    ):
+        sft.open("sft", runs["sft"])  # restored: it serves
+        assert sft.info().position == 3
+        run_steps(sft, "sft", range(1, 2))
+        assert [(r.run_id, r.state) for r in sft.runs()] == [("rl", "failed"), ("sft", "open")]
+        rl.run_id = "rl"
+        for call in (
+            lambda: rl.forward_backward(TOKENS, operation_key="rl/9/fb"),
+            lambda: rl.open("rl", runs["rl"]),
+        ):
+            with pytest.raises(SessionError) as refused:
+                call()
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "restoring run 'rl' failed" in str(refused.value)
+        with pytest.raises(SessionError) as full:  # it holds its slot until closed
+            SessionClient(f"127.0.0.1:{server.port}").open("x", runs["sft-2"])
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert rl.close().state == "closed"
+        assert [r.run_id for r in sft.runs()] == ["sft"]

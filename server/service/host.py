@@ -131,6 +131,9 @@ class SessionHost:
         self._batchers: dict[str, SampleBatcher] = {}  # each open run's samples decode together
         self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
         self._shared_base: SharedBase | None = None  # with max_runs > 1: the LoRA runs' base
+        # On a server of many runs, a run a restart could not restore fails alone: why, by run
+        # (its calls answer it, and it holds its slot until it is closed).
+        self._failed_runs: dict[str, tuple[RunSpec, str]] = {}
         # The one order every numbered request takes: a run's positions here, a Tinker model's
         # seq_ids through the intake (``stream_order``). Its thread hands each released job to
         # the executor.
@@ -171,12 +174,16 @@ class SessionHost:
                     active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
                 except Exception as error:
                     logger.exception("restoring run %s failed", spec.run_id)
-                    self._fail(f"restoring run {spec.run_id!r} failed: {error}")
-                    return
+                    reason = f"restoring run {spec.run_id!r} failed: {error}"
+                    if self.max_runs == 1:  # the server's one run: a restart is the remedy
+                        self._fail(reason)
+                        return
+                    self._failed_runs[spec.run_id] = (spec, reason)  # the others serve
+                    continue
                 self._add_run(active, info=active.info(digest_known_only=True))  # restore hashed it
         finally:
             self._pending = []
-        self.lifecycle.phase = outcomes.OPEN
+        self.lifecycle.phase = outcomes.OPEN if self._runs else outcomes.IDLE
         self.lifecycle.set_serving(True)
 
     def open(
@@ -195,6 +202,8 @@ class SessionHost:
 
     def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
         run_id = spec.run_id
+        if run_id in self._failed_runs:
+            self._require_active(run_id)  # answers why it could not be restored
         existing = self._runs.get(run_id)
         if existing is not None or (self.max_runs == 1 and self.phase == outcomes.OPEN):
             active = existing or self._require_active()
@@ -202,7 +211,7 @@ class SessionHost:
             return outcomes.OpenOutcome.from_info(active.info(), created=False)
         if self.phase != outcomes.OPEN:
             self.lifecycle.require(outcomes.IDLE, outcomes.CLOSED)
-        if len(self._runs) >= self.max_runs:
+        if len(self._runs) + len(self._failed_runs) >= self.max_runs:
             raise ResourceExhausted(
                 f"this server holds {self.max_runs} runs at once (--max-runs), all open: close "
                 "one first, or open this run on another server"
@@ -267,6 +276,8 @@ class SessionHost:
         return self._serialized(self._close, run_id, refusable=False)
 
     def _close(self, run_id: str | None) -> SessionInfo:
+        if run_id and run_id in self._failed_runs:
+            return self._close_failed(run_id)
         if run_id and (self.phase != outcomes.OPEN or run_id not in self._runs):
             return self._closed_run_info(run_id)
         if self.phase != outcomes.OPEN:
@@ -284,6 +295,14 @@ class SessionHost:
             self._shared_base = None  # the last run on it closed: its memory goes with it
         logger.info("run %s closed at position %d", info.run_id, info.position)
         return info
+
+    def _close_failed(self, run_id: str) -> SessionInfo:
+        """Close a run that could not be restored: it stays on disk as it is (closed), and its
+        slot is free."""
+        spec, reason = self._failed_runs.pop(run_id)
+        self.state_dir.run(run_id).write_spec(dataclasses.replace(spec, state=RUN_CLOSED))
+        logger.info("run %s closed without being restored (%s)", run_id, reason)
+        return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.CLOSED)
 
     def _closed_run_info(self, run_id: str) -> SessionInfo:
         recorded = self.state_dir.run(run_id).exists()
@@ -309,8 +328,9 @@ class SessionHost:
         return self._serialized(discard, refusable=False)
 
     def runs(self) -> list[SessionInfo]:
-        """The open runs, by run id, each as ``info`` gives it."""
-        return [self.info(run_id) for run_id in sorted(self._runs)]
+        """The open runs, by run id, each as ``info`` gives it (a run a restart could not
+        restore as ``failed``)."""
+        return [self.info(run_id) for run_id in sorted([*self._runs, *self._failed_runs])]
 
     def info(self, run_id: str = "") -> SessionInfo:
         """Where the session stands, at once: while operations are queued or running, as of the
@@ -318,6 +338,8 @@ class SessionHost:
 
         With ``run_id``, that run's: the open one's as above, a closed one's state (``closed``),
         NOT_FOUND for a run this server never had."""
+        if run_id in self._failed_runs:
+            return SessionInfo(run_id=run_id, device=str(self.device), state=outcomes.FAILED)
         if run_id and run_id not in self._runs and run_id not in self._pending_run_ids:
             return self._recorded_info(run_id)
         if self.phase != outcomes.OPEN:
@@ -376,8 +398,9 @@ class SessionHost:
 
     @property
     def open_run_ids(self) -> list[str]:
-        """Every open run's id, sorted, at no cost."""
-        return sorted(self._runs)
+        """Every open run's id (one a restart could not restore included), sorted, at no
+        cost."""
+        return sorted([*self._runs, *self._failed_runs])
 
     @property
     def open_run_id(self) -> str | None:
@@ -605,6 +628,11 @@ class SessionHost:
     def _require_active(self, run_id: str = "") -> ActiveRun:
         """The open run ``run_id`` (NOT_FOUND unless it is open: a client bound to a run that
         closed never reaches another); "" is the server's only open run."""
+        if run_id in self._failed_runs:
+            raise FailedPrecondition(
+                f"{self._failed_runs[run_id][1]}; the other runs serve. Close it to free its "
+                "slot (its files stay as they are)"
+            )
         self.lifecycle.require(outcomes.OPEN)
         if run_id:
             active = self._runs.get(run_id)
