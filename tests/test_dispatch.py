@@ -147,3 +147,59 @@ def test_dispatch_refuses_an_empty_pool_and_a_repeated_manifest(plans, tmp_path)
         Dispatcher([], [path], work_dir=tmp_path, client_factory=SessionClient)
     with pytest.raises(ValueError, match="listed twice"):
         Dispatcher(["127.0.0.1:1"], [path, path], work_dir=tmp_path, client_factory=SessionClient)
+
+
+@pytest.mark.slow  # two server processes, three runs
+@pytest.mark.timeout(600)
+def test_runs_of_one_base_fill_a_server_before_another_takes_that_base(
+    llama_config, model_root, tmp_path
+):
+    """Two servers of two runs each (``serve --max-runs 2``, ``--runs-per-server 2``), three
+    LoRA runs of one base: the first two share a server, the third goes to the other once the
+    first is full; each ends with the digest it has trained alone. (Server processes: sessions
+    of two servers in one process would share torch's global generator.)"""
+    from trainwire.client import LoraSettings
+
+    lora = LoraSettings(r=4, alpha=8)
+    plans = {
+        f"lora-{seed}": ManagedTrainingPlan(
+            tiny_text_examples(8, seed=seed),
+            llama_config(batch_size=4, learning_rate=1e-3, lora=lora, seed=seed),
+        )
+        for seed in (1, 2, 3)
+    }
+    alone = {
+        name: ManagedTraining(TrainingSession(plan.config, max_steps=plan.max_steps), plan)
+        .run()
+        .state_digest
+        for name, plan in plans.items()
+    }
+    manifests = write_manifests(plans, tmp_path)
+    ports = [free_port(), free_port()]
+    servers = []
+    try:
+        for port in ports:
+            args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
+                    "--state-dir", str(tmp_path / f"state-{port}"), "--model-root",
+                    str(model_root), "--device", "cpu", "--max-runs", "2"]  # fmt: skip
+            log = open(tmp_path / f"server-{port}.log", "wb")  # noqa: SIM115 - kept by Popen
+            servers.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+        for port in ports:
+            wait_for_listener(f"127.0.0.1:{port}")
+        dispatcher = Dispatcher(
+            [f"127.0.0.1:{port}" for port in ports],
+            list(manifests.values()),
+            work_dir=tmp_path / "runs",
+            client_factory=lambda target: SessionClient(target, timeout_s=60),
+            runs_per_server=2,
+        )
+        statuses = {status.manifest: status for status in dispatcher.run()}
+    finally:
+        for process in servers:
+            process.kill()
+            process.wait()
+    by_name = {name: statuses[str(path)] for name, path in manifests.items()}
+    assert all(status.state == "done" for status in by_name.values()), by_name
+    assert by_name["lora-1"].server == by_name["lora-2"].server != by_name["lora-3"].server
+    for name, path in manifests.items():
+        assert summary_digest(tmp_path / "runs", path, plans[name]) == alone[name]

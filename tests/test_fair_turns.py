@@ -105,3 +105,13 @@ def test_one_lane_is_first_in_first_out_and_release_runs_after_everything_queued
     assert ran == [""] * 5 + ["idle=True"]
     executor.release(lambda: ran.append("released"))
     assert ran[-1] == "released"
+
+
+def test_a_weight_that_cannot_be_read_counts_as_one_and_the_executor_goes_on():
+    def weight_of(lane: str) -> float:
+        raise ValueError(f"no weight for {lane!r}")
+
+    executor = SessionExecutor(weight_of=weight_of)
+    assert executor.run(lambda: "ran", lane="") == "ran"
+    assert executor.run(lambda: "again", lane="other") == "again"
+    executor.release(lambda: None)

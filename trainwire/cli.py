@@ -175,6 +175,7 @@ def command_dispatch(args: argparse.Namespace) -> int:
         client_factory=lambda target: SessionClient(target, **options),
         checkpoint_every=args.checkpoint_every,
         window=args.window,
+        runs_per_server=args.runs_per_server,
     )
     statuses = dispatch_with_live_table(dispatcher, live=not args.quiet)
     failed = [status.run_id for status in statuses if status.state != "done"]
@@ -267,6 +268,13 @@ def build_parser() -> argparse.ArgumentParser:
     dispatch.add_argument("--manifests", required=True, nargs="+", help="manifest files")
     dispatch.add_argument("--work-dir", required=True, help="one subdirectory per run")
     dispatch.add_argument("--checkpoint-every", type=int, default=10, help="updates per checkpoint")
+    dispatch.add_argument(
+        "--runs-per-server",
+        type=int,
+        default=1,
+        help="runs a server takes at once: its trainwire serve --max-runs (LoRA runs of one base "
+        "model fill a server before another loads that base; default 1)",
+    )
     add_window_option(dispatch)
     add_client_arguments(dispatch)
     dispatch.add_argument("--quiet", action="store_true", help="no live table, summary only")

@@ -18,6 +18,7 @@ its predecessor counts as much as one queued here) until it ends: one bound for 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,9 +27,12 @@ from typing import Any, TypeVar
 
 from trainwire.server.errors import ResourceExhausted, Unavailable
 
+logger = logging.getLogger(__name__)
+
 T = TypeVar("T")
 
 DEFAULT_MAX_QUEUED = 24  # of the server's default 32 handler threads, 8 stay free for the rest
+MIN_WEIGHT = 0.01  # the lightest share: one call every hundred turns
 # A queued call: its arrival number, the call, and the future its caller waits on.
 Job = tuple[int, Callable[[], Any], "futures.Future[Any]"]
 
@@ -45,6 +49,15 @@ class FairTurns:
         self._lanes: dict[str, deque[Job]] = {}
         self._turns: deque[str] = deque()  # lanes with work; the first one's turn is now
         self._credit: dict[str, float] = {}  # calls a lane may still run in its turn
+
+    def _weight(self, lane: str) -> float:
+        """``weight_of(lane)``, at least ``MIN_WEIGHT`` (a lane always gets its turn at last);
+        1.0 when it fails: a weight is a share, never a reason for the executor to stop."""
+        try:
+            return max(float(self.weight_of(lane)), MIN_WEIGHT)
+        except Exception:
+            logger.exception("the weight of lane %r could not be read: 1.0", lane)
+            return 1.0
 
     def oldest(self) -> int | None:
         """The arrival number of the oldest job still queued (None: none is)."""
@@ -63,7 +76,7 @@ class FairTurns:
         while self._turns:
             lane = self._turns[0]
             if self._credit[lane] < 1.0:
-                self._credit[lane] += max(self.weight_of(lane), 0.0)
+                self._credit[lane] += self._weight(lane)
                 if self._credit[lane] < 1.0:  # a light lane saves up over turns
                     self._turns.rotate(-1)
                     continue
