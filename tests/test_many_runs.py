@@ -14,6 +14,7 @@ from service_fixtures import TEXTS, connect, microbatches, running_server
 
 from trainwire.client import LoraSettings, SessionClient, SessionError, TokenExample
 from trainwire.contract.outcomes import OperationSpec
+from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import ForwardBackwardRequest
 
@@ -221,3 +222,17 @@ def test_a_run_a_restart_cannot_restore_fails_alone_while_the_others_serve(
         assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert rl.close().state == "closed"
         assert [r.run_id for r in sft.runs()] == ["sft"]
+
+
+def test_a_refused_first_run_leaves_no_base_behind(make_host, llama_config, model_root):
+    """The first LoRA run of a server of many is refused after its base loaded: the next run,
+    of another base, loads its own instead of being told the refused run's is the server's."""
+    from trainwire.testing import make_tiny_model
+
+    other = make_tiny_model(model_root / "other-llama", seed=4)
+    host = make_host(max_runs=2)
+    lora = LoraSettings(r=4, alpha=8)
+    with pytest.raises(InvalidArgument, match="max_length"):
+        host.open("refused", llama_config(lora=lora, model=str(other), max_length=10**6))
+    host.open("a", llama_config(lora=lora))
+    assert host.open_run_ids == ["a"]

@@ -614,7 +614,9 @@ class SessionHost:
     def _new_session(self, config: TrainingConfig, max_steps: int | None) -> TrainingSession:
         options: dict[str, Any] = {}
         if self.max_runs > 1 and config.lora is not None:
-            if self._shared_base is None:
+            # The base is the open runs': with none open (the last closed, or the run that
+            # would have been the first was refused) the new run's base is loaded.
+            if self._shared_base is None or not self._runs:
                 self._shared_base = SharedBase(
                     config, device=self.device, model_root=self.model_root
                 )
