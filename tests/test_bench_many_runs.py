@@ -20,4 +20,9 @@ def test_eight_runs_step_beside_one_run_alone_and_their_shares_print():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^ratio interleaved / alone: \d+\.\d{3} ", done.stdout, re.M), done.stdout
-    assert re.search(r"^steps of each run when the first finished: \[6, ", done.stdout, re.M)
+    shares = re.search(
+        r"^steps of each run when the first finished: \[([\d, ]+)\]", done.stdout, re.M
+    )
+    assert shares is not None, done.stdout
+    counts = [int(count) for count in shares.group(1).split(", ")]
+    assert len(counts) == 8 and max(counts) == 6, counts  # the first to finish ran all six
