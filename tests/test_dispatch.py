@@ -63,6 +63,16 @@ def write_manifests(plans, directory):
     return paths
 
 
+def serve_process(tmp_path, model_root, port, *options):
+    """``trainwire serve`` on ``port`` as a process of its own (its state and log in
+    ``tmp_path``), with ``options`` added."""
+    args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
+            "--state-dir", str(tmp_path / f"state-{port}"), "--model-root", str(model_root),
+            "--device", "cpu", *options]  # fmt: skip
+    log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+
+
 def summary_digest(work_dir, path, plan):
     summary = work_dir / run_id_for(path, plan) / "training_summary.json"
     return json.loads(summary.read_text())["state_digest"]
@@ -78,11 +88,7 @@ def test_dispatch_over_three_servers_survives_a_killed_server(
     servers = {}
 
     def start(port):
-        args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
-                "--state-dir", str(tmp_path / f"state-{port}"), "--model-root", str(model_root),
-                "--device", "cpu"]  # fmt: skip
-        log = open(tmp_path / f"server-{port}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115
-        servers[port] = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        servers[port] = serve_process(tmp_path, model_root, port)
 
     for port in ports:
         start(port)
@@ -179,11 +185,7 @@ def test_runs_of_one_base_fill_a_server_before_another_takes_that_base(
     servers = []
     try:
         for port in ports:
-            args = [sys.executable, "-m", "trainwire", "serve", "--listen", f"127.0.0.1:{port}",
-                    "--state-dir", str(tmp_path / f"state-{port}"), "--model-root",
-                    str(model_root), "--device", "cpu", "--max-runs", "2"]  # fmt: skip
-            log = open(tmp_path / f"server-{port}.log", "wb")  # noqa: SIM115 - kept by Popen
-            servers.append(subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT))
+            servers.append(serve_process(tmp_path, model_root, port, "--max-runs", "2"))
         for port in ports:
             wait_for_listener(f"127.0.0.1:{port}")
         dispatcher = Dispatcher(

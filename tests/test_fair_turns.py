@@ -7,6 +7,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from process_cluster import wait_until
+
 from trainwire.server.service.executor import SessionExecutor
 
 
@@ -48,11 +50,7 @@ def queue(
 
 def wait_queued(executor: SessionExecutor, count: int) -> None:
     """Until ``count`` calls are queued behind the held one (the submitting threads raced)."""
-    for _ in range(6000):
-        if executor._on_worker >= count + 1:
-            return
-        threading.Event().wait(0.01)
-    raise AssertionError("the calls never queued")
+    assert wait_until(lambda: executor._on_worker >= count + 1), "the calls never queued"
 
 
 def test_a_flooding_run_delays_another_runs_calls_by_one_call_each():

@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from process_cluster import wait_until
 from service_fixtures import TEXTS, connect, microbatches, running_server
 
 from trainwire.client import LoraSettings, SessionClient, SessionError, TokenExample
@@ -164,10 +165,10 @@ def test_a_run_that_floods_the_host_delays_another_runs_operation_by_its_weight(
     flood = [threading.Thread(target=forward_backward, args=("flood", f"f/{i}")) for i in range(20)]
     for thread in flood:
         thread.start()
-    wait_until(lambda: host._executor._on_worker == 21)  # the hold and the flood, queued
+    assert wait_until(lambda: host._executor._on_worker == 21)  # the hold and the flood queued
     other = threading.Thread(target=forward_backward, args=("other", "o/0"))
     other.start()
-    wait_until(lambda: host._executor._on_worker == 22)
+    assert wait_until(lambda: host._executor._on_worker == 22)
     gate.set()
     other.join(60)
     applied_before = host.info("flood").position  # as the other run's operation returned
@@ -176,14 +177,6 @@ def test_a_run_that_floods_the_host_delays_another_runs_operation_by_its_weight(
     assert host.info("other").position == 1 and host.info("flood").position == 20
     # ``weight`` ran before it (its turn), one more may run while its commit completes.
     assert applied_before <= weight + 1, applied_before
-
-
-def wait_until(condition: Any) -> None:
-    for _ in range(6000):
-        if condition():
-            return
-        threading.Event().wait(0.01)
-    raise AssertionError("never came")
 
 
 def test_a_run_a_restart_cannot_restore_fails_alone_while_the_others_serve(

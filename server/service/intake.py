@@ -82,7 +82,7 @@ class Submission:
 
 Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
 Work = Submission | Failed | Callable[[], Any]  # a request's work; a plain call: a read (sample)
-SAMPLE_ROUTE = "asample"  # the route an unordered request (``SampleRecord``) is replayed through
+UNORDERED_ROUTE = "unordered"  # the route an unordered request (``SampleRecord``) goes to again
 
 
 class Intake:
@@ -186,7 +186,7 @@ class Intake:
 
     def _resubmit(self, record: CallRecord | SampleRecord) -> None:
         self._resubmitted.add(record.request_id)
-        route = record.route if isinstance(record, CallRecord) else SAMPLE_ROUTE
+        route = record.route if isinstance(record, CallRecord) else UNORDERED_ROUTE
         encoding = record.encoding if isinstance(record, CallRecord) else None
         try:
             if route not in self.routes:

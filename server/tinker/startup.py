@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.intake import SAMPLE_ROUTE, Intake
+from trainwire.server.service.intake import UNORDERED_ROUTE, Intake
 from trainwire.server.service.request_records import (
     NoteRecord,
     Record,
@@ -44,7 +44,7 @@ ROUTES: dict[str, Callable[..., Any]] = {
     "load_weights": training_routes.load_weights,
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
     "save_weights_external": external_weights.save_weights_external,
-    SAMPLE_ROUTE: sampling_routes.asample,
+    UNORDERED_ROUTE: sampling_routes.asample,
 }
 
 
