@@ -363,6 +363,11 @@ class ModelSlot:
             raise NotFound(f"no model {model_id!r} on this server; create_model first")
         return model
 
+    def models_of(self, session_id: str) -> list[ModelRecord]:
+        """The open models ``session_id`` created."""
+        model = self.model
+        return [model] if model is not None and model.session_id == session_id else []
+
     def model_name(self) -> str:
         model = self.model
         return model.base_model if model is not None else ""
