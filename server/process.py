@@ -127,7 +127,7 @@ def serve(
     token, tinker_token = keys_of_ports(tenants, token, tinker_token)
     refuse_open_model_paths(model_root, listen, tinker_listen)
     refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
-    refuse_many_runs_where_not_served(max_runs, tinker_listen, session_factory)
+    refuse_many_runs_where_not_served(max_runs, session_factory)
     quiet_library_warnings()
     listener = GrpcListener(
         listen,
@@ -271,19 +271,12 @@ def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None)
 
 
 def refuse_many_runs_where_not_served(
-    max_runs: int, tinker_listen: str | None, session_factory: SessionFactory | None
+    max_runs: int, session_factory: SessionFactory | None
 ) -> None:
-    """ValueError for ``--max-runs`` above 1 where it is not served in this version: beside the
-    Tinker front (its SDK clients share the server's one model), and in a sharded group (whose
-    ranks run one session in lockstep)."""
-    if max_runs == 1:
-        return
-    if tinker_listen is not None:
-        raise ValueError(
-            f"--max-runs {max_runs} with --tinker-listen: the Tinker front serves one model per "
-            "server in this version; serve many runs over gRPC, or leave --max-runs out"
-        )
-    if session_factory is not None:
+    """ValueError for ``--max-runs`` above 1 in a sharded group: its ranks run one session in
+    lockstep, each rank holding its shard of one model's state, so runs side by side would
+    multiply what every rank holds and serialize every run behind every collective."""
+    if max_runs != 1 and session_factory is not None:
         raise ValueError(
             f"--max-runs {max_runs} with --nproc: a sharded group runs one session across its "
             "ranks; leave --max-runs out there"

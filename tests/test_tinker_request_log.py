@@ -131,11 +131,28 @@ def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples
         CallRecord("save_weights", "m/3", 3, {}),
         CallRecord("optim_step", "m/4", 4, {}),
     ]
-    head = [SessionRecord("tw-1"), ResumeRecord(3, 2)]
+    head = [SessionRecord("tw-1"), ResumeRecord(3, 2, "m")]
     delivered = {"m/1", "m/2", "s/1"}
-    kept = compacted(records, 3, delivered.__contains__, head)
+    kept = compacted(records, "m", 3, delivered.__contains__, head)
     assert kept == [*head, records[4], records[5], records[6], records[7]]
-    assert compacted(records, 3, {"m/1", "s/1"}.__contains__, head) is None  # m/2 unpolled
+    assert compacted(records, "m", 3, {"m/1", "s/1"}.__contains__, head) is None  # m/2 unpolled
+
+
+def test_compacting_one_models_records_keeps_every_other_models_calls() -> None:
+    """Many models on one server: a checkpoint of model "a" drops a's calls before it only;
+    model "b"'s calls (before any checkpoint of b's) replay after a restart as they are."""
+    records = [
+        CallRecord("optim_step", "a/1", 1, {}),
+        CallRecord("optim_step", "b/1", 1, {}),
+        ResultRecord("b/1", Failed("bad step", "user")),
+        CallRecord("save_weights", "a/2", 2, {}),
+        CallRecord("optim_step", "b/2", 2, {}),
+        CallRecord("optim_step", "a/3", 3, {}),
+    ]
+    head = [ResumeRecord(2, 1, "a")]
+    every = {"a/1", "b/1", "a/2", "b/2"}.__contains__
+    kept = compacted(records, "a", 2, every, head, ordered={"a", "b"}.__contains__)
+    assert kept == [*head, records[1], records[2], records[3], records[4], records[5]]
 
 
 class FrontApi:

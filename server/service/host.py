@@ -413,6 +413,11 @@ class SessionHost:
         no cost: ``info()`` would hash the whole state to give its digest too."""
         return 0 if self._active is None else self._active.position
 
+    def position_of(self, run_id: str) -> int:
+        """Run ``run_id``'s position (0 when it is not open), at no cost."""
+        active = self._runs.get(run_id)
+        return 0 if active is None else active.position
+
     @property
     def journal(self) -> Journal | None:
         """The open run's journal (None when no run is open); for inspection only: operations

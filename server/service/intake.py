@@ -12,6 +12,11 @@ bounds what waits); their results enter the ``ResultStore`` only once durable: a
 journal commit happens inside the session host before it returns, and every other result (a
 forward, a sample, a failure) is written to the ``RequestStore`` first.
 
+A stream is a run's (a server of many runs holds many Tinker models): where its compacted
+records resume, and the position its restored run must have reached, are its own, so one
+model's checkpoint compacts that model's records only, and closing a model forgets only its
+own (``compact_at``, ``forget_stream``).
+
 Exactly once across a crash: each accepted request is stored before its request id is handed out. A
 restarted intake reads the store back (``replaying``) before its transport serves: recorded results
 are answered as they are, every other request is submitted again in its original order to the route
@@ -52,7 +57,7 @@ from trainwire.server.service.request_records import (
     ResumeRecord,
     SampleRecord,
 )
-from trainwire.server.service.request_store import RequestStore, compacted
+from trainwire.server.service.request_store import RequestStore, compacted, stream_of
 from trainwire.server.service.results import (
     USER_ERRORS,
     Done,
@@ -78,6 +83,7 @@ class Submission:
     request: Any
     finish: Callable[[Any], Any]
     around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
+    run_id: str = ""  # the run it is for ("" the server's only run)
 
 
 Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
@@ -114,10 +120,13 @@ class Intake:
         self.serial = threading.Lock()
         self._recovered = threading.Event()
         self._stopped = False
-        self._cannot_replay = ""  # why the restored engine is behind the stored requests, if it is
+        # Why a stream's restored run is behind the stored requests, by stream (when it is).
+        self._cannot_replay: dict[str, str] = {}
         self._replayed: dict[str, ResultRecord] | None = None  # recorded results, while replaying
         self._resubmitted: set[str] = set()  # request ids submitted again at start, unanswered
-        self.resume_position = 0  # the journal position the store was last compacted at
+        # Where each stream's records were last compacted: its next seq and journal position.
+        self._resumes: dict[str, ResumeRecord] = {}
+        self._streams: set[str] = set()  # the streams taking requests now
         # What the transport plugs in: ``admit(request_id)`` raises NotFound for a request of a
         # session it does not know (and counts the request as its session's sign of life);
         # ``before_compaction()`` forgets the sessions that lapsed, so a compaction leaves their
@@ -163,12 +172,27 @@ class Intake:
 
     def start_stream(self, stream: str, next_seq: int = 1) -> None:
         """Take requests of ``stream`` (a Tinker model), numbered from ``next_seq``."""
+        with self._lock:
+            self._streams.add(stream)
         self.order.start_stream(stream, next_seq, noun=self.noun)
 
     def resume_at(self, stream: str, record: ResumeRecord) -> None:
-        """A compacted store goes on at ``record``'s seq_id and journal position."""
+        """``stream``'s compacted records go on at ``record``'s seq_id and journal position."""
         self.start_stream(stream, record.next_seq)
-        self.resume_position = record.position
+        self._resumes[stream] = ResumeRecord(record.next_seq, record.position, stream)
+
+    def end_stream(self, stream: str) -> None:
+        """``stream`` ended (its model closed): it takes no request any more, its held calls
+        fail at their turn, and the store forgets its calls (``forget_stream``)."""
+        with self._lock:
+            self._streams.discard(stream)
+            self._resumes.pop(stream, None)
+        self.order.end_stream(stream)
+
+    def _resume_records(self) -> list[ResumeRecord]:
+        """Where each open stream's compacted records resume (a compacted store's head); under
+        ``_lock``."""
+        return [self._resumes[s] for s in sorted(self._resumes) if s in self._streams]
 
     def replay_pending(self) -> bool:
         """Whether a call submitted again at start is unanswered yet (it may create a sampler)."""
@@ -222,14 +246,19 @@ class Intake:
             self.order.run_unordered(job)
             return True
 
-    def recovered(self, position: int) -> None:
-        """The host restored its run at journal ``position``: submitted calls may run now."""
-        if position < self.resume_position:
-            self._cannot_replay = (
-                f"the engine restored position {position}, before the checkpoint the request store "
-                f"was compacted at ({self.resume_position}): this run cannot go on exactly once"
-            )
-            logger.error("intake: %s", self._cannot_replay)
+    def recovered(self, position_of: Callable[[str], int]) -> None:
+        """The host restored its runs, stream ``s``'s at journal position ``position_of(s)``:
+        submitted calls may run now. A stream whose run restored a position before the
+        checkpoint its records were compacted at fails its calls alone."""
+        for stream, resume in self._resumes.items():
+            position = position_of(stream)
+            if position < resume.position:
+                self._cannot_replay[stream] = (
+                    f"the engine restored position {position}, before the checkpoint the request "
+                    f"store was compacted at ({resume.position}): this run cannot go on exactly "
+                    "once"
+                )
+                logger.error("intake: %s: %s", stream, self._cannot_replay[stream])
         self._recovered.set()
 
     def _when_recovered(self, job: Callable[[], None]) -> None:
@@ -252,34 +281,48 @@ class Intake:
         """Store a request (not while replaying one); its ticket for ``store.sync``."""
         return None if self._replayed is not None else self.store.append(record)
 
-    def compact_at(self, seq_id: int, position: int, head: Callable[[], list[Record]]) -> None:
-        """After checkpoint ``seq_id`` (journal ``position``), on the calls' thread: drop the
-        records a restart no longer needs, carrying the results a client may still ask for.
-        ``head`` (what the transport must know first: sessions, notes) is read while no record
-        can be appended."""
+    def compact_at(
+        self, stream: str, seq_id: int, position: int, head: Callable[[], list[Record]]
+    ) -> None:
+        """After ``stream``'s checkpoint ``seq_id`` (journal ``position``), on the calls'
+        thread: drop the records of ``stream`` a restart no longer needs (and the samples
+        answered), carrying the results a client may still ask for; other streams' records
+        stay for their own checkpoints. ``head`` (what the transport must know first: sessions,
+        notes) is read while no record can be appended."""
         self._finisher.submit(lambda: None).result()  # every call before it is answered now
         self.before_compaction()
+        resume = ResumeRecord(seq_id, position, stream)
 
         def choose(records: list[Record]) -> list[Record] | None:
-            first = [*head(), ResumeRecord(seq_id, position)]
-            return compacted(records, seq_id, self._settled, first, self._carry)
+            others = [r for r in self._resume_records() if r.stream != stream]
+            first = [*head(), *others, resume]
+            return compacted(
+                records, stream, seq_id, self._settled, first, self._carry, self._ordered
+            )
 
         with self._lock:
-            self.store.compact(choose)
+            if self.store.compact(choose):
+                self._resumes[stream] = resume
 
-    def forget_all_but(self, head: Callable[[], list[Record]]) -> None:
-        """Keep only ``head`` and the results still kept (the stream ended: none of its calls
-        replays again)."""
+    def forget_stream(self, stream: str, head: Callable[[], list[Record]]) -> None:
+        """``stream`` ended (``end_stream``): none of its calls replays again, so its records
+        go, carrying the results still kept; ``head`` and every other stream's records stay."""
         self.before_compaction()
 
         def choose(records: list[Record]) -> list[Record]:
             requests = [
                 r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)
             ]
-            return [*head(), *self._carry([r.request_id for r in requests])]
+            gone = [r.request_id for r in requests if stream_of(r.request_id) == stream]
+            kept = [r for r in requests if stream_of(r.request_id) != stream]
+            return [*head(), *self._resume_records(), *self._carry(gone), *kept]
 
         with self._lock:
             self.store.compact(choose)
+
+    def _ordered(self, stream: str) -> bool:
+        """Whether ``stream`` takes ordered calls now (its records wait for its checkpoints)."""
+        return stream in self._streams
 
     def forget_sessions(self, sessions: set[str], known: Callable[[str], bool]) -> None:
         """The transport forgot client ``sessions``: the results of every session not ``known`` go
@@ -405,26 +448,30 @@ class Intake:
         elif isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
         elif isinstance(work, Submission):
-            outcome = self._run(partial(self._apply, request_id, work, digest))
+            outcome = self._run(partial(self._apply, request_id, work, digest), request_id)
             keyed = work.operation.keyed
             self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
         else:
-            outcome = self._run(work)
+            outcome = self._run(work, request_id)
             self._finisher.submit(self._encode_and_finish, request_id, outcome, False)
 
     def _apply(self, request_id: str, submission: Submission, digest: str) -> Any:
         """A submission's operation, keyed by its request id, then its transport's ``finish``."""
         operation, request = submission.operation, submission.request
+        run_id = submission.run_id
         if operation.keyed:
             op = OperationSpec(request_id)
-            run = partial(self.host.apply_checked, operation, request, op, body_digest=digest)
+            run = partial(
+                self.host.apply_checked, operation, request, op, body_digest=digest, run_id=run_id
+            )
         else:
-            run = partial(self.host.apply_checked, operation, request)
+            run = partial(self.host.apply_checked, operation, request, run_id=run_id)
         return submission.finish(submission.around(run))
 
-    def _run(self, call: Callable[[], Any]) -> Outcome:
-        if self._cannot_replay:
-            return Failed(self._cannot_replay, "server")
+    def _run(self, call: Callable[[], Any], request_id: str) -> Outcome:
+        cannot = self._cannot_replay.get(stream_of(request_id))
+        if cannot:
+            return Failed(cannot, "server")
         return run_to_outcome(call)
 
     def _encode_and_finish(self, request_id: str, outcome: Outcome, keyed: bool) -> None:

@@ -10,8 +10,8 @@ readable across versions.
 - ``NoteRecord``: a transport's own state, kept in the store so a restart has it before the
   requests that use it (the Tinker front's sampling sessions): its kind and fields are the
   transport's, and its ``owner`` the client session it goes with (None: the server's).
-- ``ResumeRecord``: where a compacted store resumes: the next seq of the stream and the journal
-  position of the checkpoint it was compacted at.
+- ``ResumeRecord``: where a compacted stream resumes: its next seq and the journal position of
+  the checkpoint it was compacted at (``stream`` None: an earlier version's, of its one stream).
 - ``CallRecord``: an accepted ordered request, as its route takes it again.
 - ``SampleRecord``: an accepted unordered request (a sample).
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
@@ -68,9 +68,11 @@ class NoteRecord:
 class ResumeRecord:
     next_seq: int
     position: int
+    stream: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"kind": "resume", "next_seq": self.next_seq, "position": self.position}
+        record = {"kind": "resume", "next_seq": self.next_seq, "position": self.position}
+        return record if self.stream is None else {**record, "stream": self.stream}
 
 
 @dataclass(frozen=True)
@@ -158,7 +160,7 @@ def record_from_json(data: dict[str, Any]) -> Record:
     if kind == "session":
         return SessionRecord(data["session_id"])
     if kind == "resume":
-        return ResumeRecord(data["next_seq"], data["position"])
+        return ResumeRecord(data["next_seq"], data["position"], data.get("stream"))
     if kind == "call":
         body, encoding = decode_body(data["body"]), data.get("encoding")
         return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)

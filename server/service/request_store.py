@@ -78,32 +78,56 @@ class Stored:
     place: int
 
 
+def stream_of(request_id: str) -> str:
+    """The stream (a Tinker model, a sampling session) a request id ``{stream}/{seq}`` is of."""
+    return request_id.rpartition("/")[0]
+
+
 def compacted(
     records: list[Record],
+    stream: str,
     seq_id: int,
     settled: Callable[[str], bool],
     head: list[Record],
     carry: Callable[[list[str]], list[ResultRecord]] | None = None,
+    ordered: Callable[[str], bool] | None = None,
 ) -> list[Record] | None:
-    """The records to keep after a checkpoint at ``seq_id``: ``head`` (sessions, notes, where to
-    resume), the results ``carry`` keeps of the requests whose records go, the calls
-    from ``seq_id`` on and the samples not ``settled`` yet, with their results.
+    """The records to keep after a checkpoint of ``stream`` at ``seq_id``: ``head`` (sessions,
+    notes, where each stream resumes), the results ``carry`` keeps of the requests whose
+    records go, the stream's calls from ``seq_id`` on, every other ordered stream's requests as
+    they are (each is compacted at its own checkpoints), and the samples not ``settled`` yet,
+    with their results.
 
     ``settled(request_id)``: the request needs its record no more (answered, or its result
-    carried). None while a call before the checkpoint is not: it may still be asked for.
-    ``carry`` is given the request ids whose records go, in log order (none: nothing carried).
+    carried). None while a call of ``stream`` before the checkpoint is not: it may still be
+    asked for. ``ordered(name)``: whether ``name`` is a stream whose calls are kept until its
+    own checkpoint (default: ``stream`` only); a result of any other stream (a sample's, a
+    closed model's) is carried or not by retention. ``carry`` is given the request ids whose
+    records go, in log order (none: nothing carried).
     """
-    calls = [r for r in records if isinstance(r, CallRecord)]
+    ordered = ordered or (lambda name: name == stream)
+    calls = [r for r in records if isinstance(r, CallRecord) and stream_of(r.request_id) == stream]
     before = [r.request_id for r in calls if r.seq < seq_id]
     if not before or not all(settled(request_id) for request_id in before):
         return None
-    since = {r.request_id for r in calls if r.seq >= seq_id}  # the engine replays these
-    samples = {r.request_id for r in records if isinstance(r, SampleRecord)}
-    kept = since | {request_id for request_id in samples if not settled(request_id)}
+
+    def goes(request_id: str) -> bool:
+        of = stream_of(request_id)
+        if of == stream:
+            return _seq_of(request_id) < seq_id
+        return not ordered(of) and settled(request_id)
+
     requests = [r for r in records if isinstance(r, CallRecord | SampleRecord | ResultRecord)]
-    gone = [r.request_id for r in requests if r.request_id not in kept]
+    gone = [r.request_id for r in requests if goes(r.request_id)]
     carried = carry(list(dict.fromkeys(gone))) if carry is not None else []
-    return head + carried + [r for r in requests if r.request_id in kept]
+    gone_ids = set(gone)
+    return head + carried + [r for r in requests if r.request_id not in gone_ids]
+
+
+def _seq_of(request_id: str) -> int:
+    """The number of a request id ``{stream}/{seq}`` (-1 for one that carries none)."""
+    seq = request_id.rpartition("/")[2]
+    return int(seq) if seq.isdigit() else -1
 
 
 class RequestStore:

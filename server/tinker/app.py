@@ -174,8 +174,7 @@ def create_app(
     async def create_model(request: Request) -> dict[str, Any]:
         data = await json_body(request)
         request_id = await run_in_threadpool(front.models.create_model, data)
-        model = front.models.model
-        return future(request_id, model_id=model.model_id if model else None)
+        return future(request_id, model_id=request_id.removesuffix("/create"))
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict[str, Any]:

@@ -40,7 +40,7 @@ class TinkerFront:
 
     @property
     def sampling_sessions(self) -> SamplingSessions:
-        """The sampling sessions of the model now in the slot (they end with it)."""
+        """The sampling sessions (those of a model's snapshots end with it)."""
         return self.models.sampling_sessions
 
     def submit(
@@ -53,8 +53,8 @@ class TinkerFront:
         **options: Any,
     ) -> str:
         """Queue a training call of ``model_id`` (``Intake.submit``), bound to the run it was
-        sent to: when its turn comes it runs only while that run is the open one, so a call
-        queued before its model closed never runs on the next model's run."""
+        sent to: when its turn comes it runs only while that run is open, so a call queued
+        before its model closed never runs on another model's run."""
         run_id = self.models.require_model(model_id).run_id
 
         def bound() -> Submission:
@@ -64,6 +64,6 @@ class TinkerFront:
             def while_open(run: Callable[[], Any]) -> Any:
                 return self.models.while_open(run_id, partial(around, run))
 
-            return replace(submission, around=while_open)
+            return replace(submission, around=while_open, run_id=run_id)
 
         return self.intake.submit(route, body, model_id, seq_id, bound, **options)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.contract.config import LoraSettings, TrainingConfig
+from trainwire.contract.files import write_text_atomic
 from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
@@ -27,12 +28,14 @@ LORA_ALPHA = 32
 ROLE_PREFIX = "role:"
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
 MAX_LENGTH = 32768  # tokens per datum, or the model's positions where it has fewer
-MODEL_FILE = "model.json"
+MODELS_DIR = "models"  # one file per open model, by its run id
+LEGACY_MODEL_FILE = "model.json"  # where an earlier version kept its one model
 
 
 @dataclass(frozen=True)
 class ModelRecord:
-    """The model this front serves: enough to answer get_info after a restart."""
+    """A model this front serves: enough to answer get_info and to find its run after a
+    restart (one file per open model, removed when it closes)."""
 
     model_id: str
     run_id: str
@@ -49,15 +52,25 @@ class ModelRecord:
         return cls(model_id, run_id_for(model_id), session_id, config.model, tokenizer_id, rank)
 
     def save(self, directory: Path) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        temporary = directory / (MODEL_FILE + ".tmp")
-        temporary.write_text(json.dumps(asdict(self), sort_keys=True))
-        temporary.replace(directory / MODEL_FILE)
+        """Written atomically (temporary file, fsync, rename) under ``directory/models``."""
+        text = json.dumps(asdict(self), sort_keys=True)
+        write_text_atomic(directory / MODELS_DIR / f"{self.run_id}.json", text)
+
+    def remove(self, directory: Path) -> None:
+        (directory / MODELS_DIR / f"{self.run_id}.json").unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, directory: Path) -> ModelRecord | None:
-        path = directory / MODEL_FILE
-        return cls(**json.loads(path.read_text())) if path.is_file() else None
+    def load_all(cls, directory: Path) -> list[ModelRecord]:
+        """The open models recorded under ``directory``, by model id; an earlier version's one
+        model file is taken in (and moved) first."""
+        legacy = directory / LEGACY_MODEL_FILE
+        if legacy.is_file():
+            cls(**json.loads(legacy.read_text())).save(directory)
+            legacy.unlink()
+        folder = directory / MODELS_DIR
+        paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
+        models = [cls(**json.loads(path.read_text())) for path in paths]
+        return sorted(models, key=lambda model: model.model_id)
 
     def info(self) -> dict[str, Any]:
         """The SDK's ``GetInfoResponse``."""

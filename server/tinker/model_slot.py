@@ -1,14 +1,18 @@
-"""The model slot: which run the SDK's one model is, and the SDK sessions that may use it.
+"""The model slots: which run each of the SDK's models is, and the SDK sessions that may use
+them.
 
-One server trains one model. ``create_model`` opens the host's run for it (``ModelRecord`` keeps
-what ``get_info`` answers, across restarts); closing the ServiceClient that created it closes the
-run (its files stay) and ends its sampling sessions. A model whose client sent nothing for
-``SESSION_LAPSE_S`` (three missed heartbeats: the script died) gives way to another client's
-``create_model`` instead of holding the server until a restart.
+Each ``create_model`` opens a run of the host for its model (``ModelRecord`` keeps what
+``get_info`` answers, across restarts); closing the ServiceClient that created it closes its
+runs (their files stay) and ends their sampling sessions. A server of one run (``--max-runs 1``)
+holds one model: a model whose client sent nothing for ``SESSION_LAPSE_S`` (three missed
+heartbeats: the script died) gives way to another client's ``create_model`` instead of holding
+the server until a restart. A server of many runs holds up to ``--max-runs`` models side by side,
+of any client (past that, the host's refusal, which the SDK retries); a run opened only to
+sample a closed run's saved weights gives its slot to a new model.
 
-A call belongs to the run it was sent to: it runs only while that run is the open one
-(``while_open``, which a close or a create_model waits for), and fails with nothing applied once
-its model was closed, never on the next model's run.
+A call belongs to the run it was sent to: it runs only while that run is open (``while_open``,
+which closing that model waits for), and fails with nothing applied once its model was closed,
+never on another model's run.
 
 Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still asked
 for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the known
@@ -36,7 +40,7 @@ from typing import Any, TypeVar
 
 from trainwire.contract.config import TrainingConfig
 from trainwire.contract.outcomes import OperationSpec
-from trainwire.server.errors import FailedPrecondition, NotFound, Unavailable
+from trainwire.server.errors import FailedPrecondition, NotFound, ResourceExhausted, Unavailable
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
@@ -49,7 +53,6 @@ from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.model import (
-    MODEL_FILE,
     ModelRecord,
     fit_lora_roles,
     fit_max_length,
@@ -82,7 +85,7 @@ T = TypeVar("T")
 
 
 class ModelSlot:
-    """The SDK sessions, the one model (``model``) and its sampling sessions
+    """The SDK sessions, the open models (by model id) and the sampling sessions
     (``sampling_sessions``)."""
 
     def __init__(
@@ -108,14 +111,22 @@ class ModelSlot:
         self.sampling_sessions = SamplingSessions(restarted=bool(intake.store.records))
         self.sessions = SdkSessions()  # a test may give its ``clock``
         self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
-        self._lock = threading.Lock()  # one create_model or close at a time
+        self._lock = threading.Lock()  # the models; one create_model or close at a time
+        self._models: dict[str, ModelRecord] = {}  # the open models, by model id
+        # Held while a call of a model runs (``while_open``): closing the model waits for it.
+        self._busy: dict[str, threading.Lock] = {}
         self._sampling_run: dict[str, str] = {}  # config fingerprint → its sampling run
-        self.model = ModelRecord.load(directory)
-        if self.model is not None:
-            self.sessions.add(self.model.session_id)
-            self._resolve_create(self.model.model_id)
+        for record in ModelRecord.load_all(directory):
+            self._add(record)
+            self.sessions.add(record.session_id)
+            self._resolve_create(record.model_id)
         intake.admit = self._admit
         intake.before_compaction = self.forget_lapsed
+
+    @property
+    def many(self) -> bool:
+        """Whether models train side by side here (``--max-runs`` above 1)."""
+        return self.host.max_runs > 1
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -142,17 +153,21 @@ class ModelSlot:
         forgotten before it, ``Intake.before_compaction``)."""
         return [SessionRecord(session_id) for session_id in self.sessions]
 
+    def head_records(self) -> list[Record]:
+        """What a restart must know before any request: the sessions, then the samplers."""
+        return [*self.session_records(), *self.sampling_sessions.records()]
+
     def _lapsed(self, session_id: str) -> bool:
         """No request and no heartbeat for SESSION_LAPSE_S; after a restart, counted from it."""
         return self.sessions.silent_for(session_id) > SESSION_LAPSE_S
 
     def forget_lapsed(self) -> None:
         """Forget every session silent for more than ``SESSION_KEEP_S`` with nothing of its own
-        still asked for: not the open model's, and none with a future left to fetch (a pending
-        sample of one of its sampling sessions included)."""
+        still asked for: none with an open model, and none with a future left to fetch (a
+        pending sample of one of its sampling sessions included)."""
         self._swept_at = self.sessions.clock()
-        model = self.model
-        silent = self.sessions.silent(SESSION_KEEP_S) - {model.session_id if model else ""}
+        training = {model.session_id for model in self.open_models()}
+        silent = self.sessions.silent(SESSION_KEEP_S) - training
         if silent:
             silent -= self.intake.results.unfetched_owners(session_of)
         # Checked again as they go: a session heard from meanwhile (a create_model, a sample) stays.
@@ -170,22 +185,22 @@ class ModelSlot:
             logger.info("Tinker front: %d SDK session(s) forgotten: %s", len(gone), sorted(gone))
 
     def finish_session(self, session_id: str) -> None:
-        """The SDK closed its ServiceClient: its model's run closes (a new one may be created),
+        """The SDK closed its ServiceClient: its models' runs close (new ones may be created),
         and the session is forgotten once nothing of its own is left to fetch (its calls still
         queued answer that their model was closed)."""
         self.require_session(session_id)
         with self._lock:
             self.sessions.close(session_id)
-            model = self.model
-            if model is not None and model.session_id == session_id:
-                self._close_model()  # its compaction looks for lapsed sessions first
-            else:
+            own = self.models_of(session_id)
+            for model in own:
+                self._close_model(model)  # its compaction looks for lapsed sessions first
+            if not own:
                 self.forget_lapsed()
 
-    # -- the model -----------------------------------------------------------------------------
+    # -- the models ----------------------------------------------------------------------------
 
     def create_model(self, body: dict[str, Any]) -> str:
-        """Open the server's one run for this model; its request id resolves at once."""
+        """Open a run for this model; its request id resolves at once."""
         session_id = get_str(body, "session_id", "") or ""
         self.require_session(session_id)
         config = training_config(body)
@@ -197,16 +212,16 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, lora_switches(body), body)  # checked before opening
         with self._lock:
-            if self.model is not None and self.model.model_id != model_id:
-                self._give_way(self.model, session_id)
+            if model_id in self._models:
+                return self._resolve_create(model_id)  # a retry of a finished create
+            self._make_room(session_id)
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
             self._claim(record.run_id, tenant_of(session_id))
-            self._end_sampling_run()
             self.host.open(record.run_id, config)
             self.catalog.add_run(listed)
             record.save(self.directory)
-            self.model = record
+            self._add(record)
         self.sessions.heard_from(session_id)  # loading the model took a while
         return self._resolve_create(model_id)
 
@@ -225,27 +240,26 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, start.source.switches, body)  # checked first
         with self._lock:
-            if self.model is not None and self.model.model_id == model_id:
+            if model_id in self._models:
                 return self._resolve_from_state(model_id, start)  # a retry of a finished create
-            if self.model is not None:
-                self._give_way(self.model, session_id)
+            self._make_room(session_id)
             model_dir = resolve_under(self.model_root, config.model, "base_model")
             record = ModelRecord.new(
                 model_id, session_id, config, self.tokenizer_id or str(model_dir)
             )
             self._claim(record.run_id, tenant_of(session_id))
-            self._end_sampling_run()
             self.host.open(record.run_id, config)
             try:
-                start.apply(self.host, model_id)
+                start.apply(self.host, model_id, record.run_id)
                 first = CheckpointRequest(START_CHECKPOINT)
-                self.host.apply(ops.SAVE_STATE, first, OperationSpec(f"{model_id}/start"))
+                key = OperationSpec(f"{model_id}/start")
+                self.host.apply(ops.SAVE_STATE, first, key, run_id=record.run_id)
             except Exception:
                 self.host.close(record.run_id)  # refused or failed: no model, nothing open
                 raise
             self.catalog.add_run(listed)
             record.save(self.directory)
-            self.model = record
+            self._add(record)
         self.sessions.heard_from(session_id)
         return self._resolve_from_state(model_id, start)
 
@@ -255,6 +269,17 @@ class ModelSlot:
         outcome = {"type": "load_weights", "path": str(start.path), "model_id": model_id}
         self.intake.resolve_now(request_id, Done(outcome))
         return request_id
+
+    def _make_room(self, asking: str) -> None:
+        """Before a new model of session ``asking`` opens (under ``_lock``): on a server of one
+        run, the open model gives way if its client went silent (``_give_way``); on any server,
+        runs opened only for sampling close when the new model needs their slot."""
+        if not self.many:
+            for model in self.open_models():
+                self._give_way(model, asking)
+            self._end_sampling_runs()
+        elif len(self.host.open_run_ids) >= self.host.max_runs:
+            self._end_sampling_runs()
 
     def _give_way(self, model: ModelRecord, asking: str) -> None:
         """Close ``model`` for session ``asking``'s new one, if its own client went silent.
@@ -267,7 +292,7 @@ class ModelSlot:
         if model.session_id == asking:
             raise FailedPrecondition(
                 f"this client already trains model {model.model_id!r} here (one server, one "
-                "model): close it first, or start another server"
+                "model): close it first, or start another server (or one with --max-runs)"
             )
         if not self._lapsed(model.session_id):
             raise Unavailable(  # naming no model: the other client may be another tenant's
@@ -281,74 +306,88 @@ class ModelSlot:
             model.model_id,
             SESSION_LAPSE_S,
         )
-        self._close_model()
+        self._close_model(model)
 
-    def open_for_sampling(self, config: TrainingConfig, tenant: str) -> None:
-        """With no model open, a run of ``config`` (a closed run's) to sample its saved sampler
-        weights on, for ``tenant``; the next ``create_model`` closes it. A sampling run of
-        another config is closed first. FailedPrecondition when a model is open (its own run
-        samples)."""
+    def open_for_sampling(self, config: TrainingConfig, tenant: str) -> str:
+        """A run of ``config`` (a closed run's) to sample its saved sampler weights on, for
+        ``tenant``; its run id. A sampling run of another config is closed first; a new model
+        closes it. On a server of one run, FailedPrecondition while a model is open (its own
+        run samples); on a server of many, ResourceExhausted while every slot is taken."""
         with self._lock:
-            if self.model is not None:
+            if not self.many and self._models:
+                model = next(iter(self._models.values()))
                 raise FailedPrecondition(
-                    f"this server trains {self.model.base_model!r} now (one server, one model)"
+                    f"this server trains {model.base_model!r} now (one server, one model)"
                 )
-            open_id = self.host.open_run_id
-            if open_id is not None and open_id == self._sampling_run.get(config.fingerprint()):
-                return
+            run_id = self._sampling_run.get(config.fingerprint())
+            if run_id is not None and run_id in self.host.open_run_ids:
+                return run_id
+            self._end_sampling_runs()
+            if len(self.host.open_run_ids) >= self.host.max_runs:
+                raise ResourceExhausted(
+                    f"every run slot of this server is taken (--max-runs {self.host.max_runs}): "
+                    "these sampler weights are sampled once a model closes"
+                )
             run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
             self._claim(run_id, tenant, training=False)
-            self._end_sampling_run()
             self.host.open(run_id, config)
             self._sampling_run = {config.fingerprint(): run_id}
+            return run_id
 
     def _claim(self, run_id: str, tenant: str, *, training: bool = True) -> None:
-        """Before a run of ``tenant`` opens: a run another tenant opened (over gRPC) is refused
-        without naming it, a training run counts against the tenant's ``max_runs``, and
-        ``run_id`` becomes the tenant's (``RunOwners``)."""
+        """Before a run of ``tenant`` opens: on a server of one run, a run another tenant opened
+        (over gRPC) is refused without naming it; a training run counts against the tenant's
+        ``max_runs``; and ``run_id`` becomes the tenant's (``RunOwners``)."""
         if self.owners is None:
             return
-        open_id = self.host.open_run_id
-        held = open_id is not None and not open_id.startswith(SAMPLING_RUN_PREFIX)
-        if held and not self.owners.holds(open_id, tenant):
+        held = [r for r in self.host.open_run_ids if not r.startswith(SAMPLING_RUN_PREFIX)]
+        if not self.many and any(not self.owners.holds(r, tenant) for r in held):
             raise FailedPrecondition(
                 "another client's run is open on this server (one server, one model): "
                 "create yours once it has closed, or use another server"
             )
         if training and self.tenants is not None and tenant in self.tenants:
-            self.tenants.check_run_limit(tenant, int(held))
+            own = sum(1 for r in held if self.owners.holds(r, tenant))
+            self.tenants.check_run_limit(tenant, own)
         self.owners.claim(run_id, tenant)
 
-    def _end_sampling_run(self) -> None:
-        """Close a run opened only for sampling (also one a restart restored): a model's run
-        takes its place. Another run open (a gRPC client's) is left alone."""
-        open_id = self.host.open_run_id
-        if open_id is not None and open_id.startswith(SAMPLING_RUN_PREFIX):
-            self.host.close(open_id)
+    def _end_sampling_runs(self) -> None:
+        """Close the runs opened only for sampling (also those a restart restored): a model's
+        run takes their place. Other runs (a gRPC client's) are left alone."""
+        for run_id in self.host.open_run_ids:
+            if run_id.startswith(SAMPLING_RUN_PREFIX):
+                self.host.close(run_id)
         self._sampling_run = {}
 
-    def _close_model(self) -> None:
-        """Close the model's run (its files stay) and forget what the request store kept for it;
-        its calls still queued fail when their turn comes (``while_open``)."""
-        model = self.model
-        self.host.close()
-        (self.directory / MODEL_FILE).unlink(missing_ok=True)
-        self.model = None
-        self.sampling_sessions = SamplingSessions()  # its sampling clients end with it
-        if model is not None:
-            self.intake.order.end_stream(model.model_id)
-        self.intake.forget_all_but(self.session_records)
+    def _add(self, record: ModelRecord) -> None:
+        self._models[record.model_id] = record
+        self._busy[record.run_id] = threading.Lock()
+
+    def _close_model(self, model: ModelRecord) -> None:
+        """Close ``model``'s run (its files stay) once its running call ended, and forget what
+        the request store kept for it; its calls still queued fail when their turn comes
+        (``while_open``). Under ``_lock``."""
+        with self._busy[model.run_id]:
+            self.host.close(model.run_id)
+            model.remove(self.directory)
+            del self._models[model.model_id], self._busy[model.run_id]
+        self.sampling_sessions.end_model(model.model_id)  # its sampling clients end with it
+        self.intake.end_stream(model.model_id)
+        self.intake.forget_stream(model.model_id, self.head_records)
 
     def while_open(self, run_id: str, call: Callable[[], T]) -> T:
-        """``call()``, with run ``run_id`` held open meanwhile (a close or a create_model waits
-        for it); FailedPrecondition, nothing run, when that run is not the open one."""
-        with self._lock:
-            model = self.model
-            if model is None or model.run_id != run_id:
-                raise FailedPrecondition(
-                    f"the model of run {run_id!r} was closed before this call ran: nothing was "
-                    "applied (a call never runs on another model)"
-                )
+        """``call()``, with run ``run_id`` held open meanwhile (closing its model waits for
+        it); FailedPrecondition, nothing run, when that run is not open."""
+        closed = FailedPrecondition(
+            f"the model of run {run_id!r} was closed before this call ran: nothing was applied "
+            "(a call never runs on another model)"
+        )
+        busy = self._busy.get(run_id)
+        if busy is None:
+            raise closed
+        with busy:
+            if self._busy.get(run_id) is not busy:  # closed while this call waited
+                raise closed
             return call()
 
     def _resolve_create(self, model_id: str) -> str:
@@ -358,19 +397,32 @@ class ModelSlot:
         return request_id
 
     def require_model(self, model_id: str) -> ModelRecord:
-        model = self.model
-        if model is None or model.model_id != model_id or not visible(model_id):
+        model = self._models.get(model_id)
+        if model is None or not visible(model_id):
             raise NotFound(f"no model {model_id!r} on this server; create_model first")
         return model
 
+    def open_models(self) -> list[ModelRecord]:
+        """The open models, by model id."""
+        return sorted(self._models.values(), key=lambda model: model.model_id)
+
     def models_of(self, session_id: str) -> list[ModelRecord]:
         """The open models ``session_id`` created."""
-        model = self.model
-        return [model] if model is not None and model.session_id == session_id else []
+        return [model for model in self.open_models() if model.session_id == session_id]
+
+    def by_run(self, run_id: str) -> ModelRecord | None:
+        """The open model whose run is ``run_id`` (None: no open model's)."""
+        return next((m for m in self.open_models() if m.run_id == run_id), None)
+
+    def position_of(self, model_id: str) -> int:
+        """Where the run of model ``model_id`` is (0 when it is not open)."""
+        model = self._models.get(model_id)
+        return 0 if model is None else self.host.position_of(model.run_id)
 
     def model_name(self) -> str:
-        model = self.model
-        return model.base_model if model is not None else ""
+        """The base model this server's open models train ("" with none open)."""
+        models = self.open_models()
+        return models[0].base_model if models else ""
 
 
 def unknown_session(session_id: str) -> str:

@@ -30,6 +30,7 @@ from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
 from trainwire.server.tinker.tenancy import tenant_of
 
@@ -40,7 +41,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     """A snapshot of the live weights for sampling clients, named (``path``) or for a new
     sampling session; unnamed snapshots past the newest few are removed."""
     model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
-    session_id = front.models.require_model(model_id).session_id
+    model = front.models.require_model(model_id)
 
     def prepare() -> Submission:
         name = get_str(body, "path")
@@ -58,16 +59,17 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
             return run()
 
         def finish(_: Any) -> dict[str, Any]:
-            sessions, model_name = front.sampling_sessions, front.models.model_name()
+            sessions, model_name = front.sampling_sessions, model.base_model
             if path:
-                sessions.snapshot(None, path, model_name, export, seq_id)
+                sessions.snapshot(model_id, None, path, model_name, export, seq_id)
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
                 saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
                 return {"type": "save_weights_for_sampler", "path": path}
-            sampling_id = f"{session_id}:sample:{sampling_seq}"
-            pruned = sessions.snapshot(sampling_id, None, model_name, export, seq_id)
+            sampling_id = f"{model.session_id}:sample:{sampling_seq}"
+            pruned = sessions.snapshot(model_id, sampling_id, None, model_name, export, seq_id)
             if pruned:
-                front.host.apply(ops.DISCARD_EXPORTS, DiscardExportsRequest(pruned))
+                discard = DiscardExportsRequest(pruned)
+                front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
         return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
@@ -89,8 +91,8 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
 
 
 def saved_elsewhere(front: TinkerFront, model_path: str | None) -> SamplingSession | None:
-    """Sampler weights that another run saved (closed since, or not the model now open), as the
-    catalog keeps them; None for this model's own or the base model."""
+    """Sampler weights of a model that is not open (closed since), as the catalog keeps them;
+    None for an open model's own or the base model."""
     if model_path is None or front.sampling_sessions.named(model_path):
         return None
     path = TinkerPath.parse(model_path)
@@ -100,9 +102,10 @@ def saved_elsewhere(front: TinkerFront, model_path: str | None) -> SamplingSessi
             "(tinker://<run>/sampler_weights/<name>, from save_weights_for_sampler)"
         )
     record, saved = front.catalog.find(path)
-    model = front.models.model
-    run = "" if model is not None and model.run_id == record.run_id else record.run_id
-    return SamplingSession("", record.base_model, model_path, saved.stored_as, 0, None, run)
+    run = "" if front.models.by_run(record.run_id) is not None else record.run_id
+    return SamplingSession(
+        "", record.base_model, model_path, saved.stored_as, 0, None, run, path.model_id
+    )
 
 
 def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
@@ -116,7 +119,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         # Looked up when it runs: after a restart, the call that creates it runs first.
         with front.intake.serial:  # samples run beside each other; choosing weights may not
             sampler = front.sampling_sessions.get(request.sampling_session_id)
-            weights = _weights_of(front, sampler)
+            run_id, weights = _weights_of(front, sampler)
         seed = request.seed
         if seed is None:  # the same loop twice draws the same samples
             seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
@@ -133,7 +136,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             prompt_logprobs=request.prompt_logprobs,
             **weights,
         )
-        result = front.host.apply(ops.SAMPLE, sample)
+        result = front.host.apply(ops.SAMPLE, sample, run_id=run_id)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
     front.intake.submit_unordered(request_id, body, call, size=held_bytes(request))
@@ -148,33 +151,41 @@ def held_bytes(request: sample_codec.SampleCall) -> int:
     return values * BYTES_PER_DECODED_VALUE + 4 * strings + SAMPLE_CALL_BYTES
 
 
-def _weights_of(front: TinkerFront, sampler: SamplingSession) -> dict[str, Any]:
-    """Which weights ``sampler`` reads now, as ``SampleRequest`` fields: the live ones while
-    they are its snapshot, else its snapshot's export, or the base model."""
-    if front.sampling_sessions.is_live(sampler):
-        return {}
-    if front.models.model is None and sampler.export_run:
-        source = front.catalog.run(TinkerPath.parse(sampler.model_path).model_id)
-        tenant = tenant_of(sampler.sampling_session_id)
-        front.models.open_for_sampling(TrainingConfig.from_dict(source.config), tenant)
-        return {"export": sampler.export, "export_run": sampler.export_run}
-    if front.models.model is None:
-        raise NotFound("no model on this server: its sampling clients ended with it")
-    if front.sampling_sessions.pruned(sampler):
-        raise FailedPrecondition(
-            f"the snapshot {sampler.export!r} of this sampling client was pruned (the server "
-            "keeps the newest unnamed snapshots only); call "
-            "save_weights_and_get_sampling_client() again, or save it under a name"
-        )
-    if sampler.export_run:
-        model = front.models.model
-        if model.base_model != sampler.base_model:
+def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict[str, Any]]:
+    """Which run samples for ``sampler`` now, and which weights, as ``SampleRequest`` fields:
+    its model's run, with the live weights while they are its snapshot, else its snapshot's
+    export; the base model on any open run; a closed run's export on an open run of its base
+    model, or on a run opened to sample it."""
+    saved_by = sampler.export_run or (run_id_for(sampler.model_id) if sampler.model_id else "")
+    owner = front.models.by_run(saved_by) if saved_by else None
+    if owner is not None and sampler.export is not None:  # its model is open
+        if front.sampling_sessions.is_live(sampler) and not sampler.export_run:
+            return owner.run_id, {}
+        if front.sampling_sessions.pruned(sampler):
             raise FailedPrecondition(
-                f"sampler weights {sampler.model_path} are of {sampler.base_model!r}; the open "
-                f"model is {model.base_model!r} (one server, one model): open one of "
-                f"{sampler.base_model!r} to sample them"
+                f"the snapshot {sampler.export!r} of this sampling client was pruned (the server "
+                "keeps the newest unnamed snapshots only); call "
+                "save_weights_and_get_sampling_client() again, or save it under a name"
             )
-        return {"export": sampler.export, "export_run": sampler.export_run}
-    if sampler.export is not None:
-        return {"export": sampler.export}
-    return {"base_model": True}
+        return owner.run_id, {"export": sampler.export}
+    models = front.models.open_models()
+    if sampler.export is None:  # the base model, which every open model's run holds
+        if not models:
+            raise NotFound("no model on this server: its sampling clients ended with it")
+        return models[0].run_id, {"base_model": True}
+    if not saved_by:  # an earlier version's snapshot, of a model closed since
+        raise NotFound("no model on this server: its sampling clients ended with it")
+    weights = {"export": sampler.export, "export_run": saved_by}
+    if not models:
+        source = front.catalog.run(TinkerPath.parse(sampler.model_path or "").model_id)
+        tenant = tenant_of(sampler.sampling_session_id)
+        config = TrainingConfig.from_dict(source.config)
+        return front.models.open_for_sampling(config, tenant), weights
+    fitting = [model for model in models if model.base_model == sampler.base_model]
+    if not fitting:
+        raise FailedPrecondition(
+            f"sampler weights {sampler.model_path} are of {sampler.base_model!r}; the open "
+            f"model is {models[0].base_model!r}: open one of {sampler.base_model!r} (on a "
+            "server without other models) to sample them"
+        )
+    return fitting[0].run_id, weights

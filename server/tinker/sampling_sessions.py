@@ -4,13 +4,17 @@ A sampling client samples the weights of its snapshot, never weights trained aft
 ``save_weights_for_sampler`` writes its snapshot as an export of the run (see
 ``sampling_routes``); while the trainer has not changed its weights since, samples read the live
 weights at no cost, afterwards the engine swaps the export in for the call. Disk stays bounded:
-the newest ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots are kept (named ones, saved under a
-``path``, are never pruned); sampling an older one is refused with a clear error. Closing the
-model forgets its sampling sessions, and forgetting an SDK session forgets its own (``forget``).
+the newest ``KEEP_UNNAMED_SNAPSHOTS`` unnamed snapshots of each model are kept (named ones,
+saved under a ``path``, are never pruned); sampling an older one is refused with a clear
+error. Closing a
+model forgets the sampling sessions of its snapshots (``end_model``), and forgetting an SDK
+session forgets its own (``forget``).
 
-``weights_version`` counts the trainer's weight changes (optim_step, load_weights) in this
-process. A restarted front starts it at 1, so a snapshot restored from the request store, whose
-version is unknown, and the base model are never mistaken for the live weights.
+Each snapshot names the model that took it (``model_id``; many models may train on one server).
+A model's weights version counts its trainer's weight changes (optim_step, load_weights) in
+this process (``weights_changed``). A restarted front starts every model's at 1, so a snapshot
+restored from the request store, whose version is unknown, and the base model are never
+mistaken for the live weights.
 """
 
 from __future__ import annotations
@@ -45,14 +49,16 @@ class SamplingSession:
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
+    model_id: str = ""  # the model that took the snapshot ("": an earlier version's one model)
 
     def record(self, *, named: bool = False) -> NoteRecord:
         """What the request store keeps of it (the version is this process's only): named sampler
         weights outlive the SDK session that saved them, a sampling session goes with its own."""
         fields = asdict(self)
         del fields["weights_version"]
-        if not self.export_run:
-            del fields["export_run"]
+        for name in ("export_run", "model_id"):  # written where known, as earlier versions did
+            if not fields[name]:
+                del fields[name]
         if named:
             return NoteRecord(SAMPLER_NOTE, {**fields, "named": True})
         return NoteRecord(SAMPLER_NOTE, fields, session_of(self.sampling_session_id))
@@ -63,45 +69,80 @@ class SamplingSessions:
 
     def __init__(self, *, restarted: bool = False) -> None:
         self._lock = threading.Lock()
-        self.weights_version = 1 if restarted else 0
+        self._first_version = 1 if restarted else 0
+        self._versions: dict[str, int] = {}  # model id → its weights version
         self._sessions: dict[str, SamplingSession] = {}
         self._named: dict[str, SamplingSession] = {}  # tinker path → its snapshot
-        self._unnamed: list[str] = []  # unnamed snapshot exports, oldest first
+        self._unnamed: dict[str, list[str]] = {}  # model id → its unnamed snapshots, oldest first
 
-    def weights_changed(self) -> None:
+    def weights_version(self, model_id: str) -> int:
         with self._lock:
-            self.weights_version += 1
+            return self._versions.get(model_id, self._first_version)
+
+    def weights_changed(self, model_id: str) -> None:
+        with self._lock:
+            self._versions[model_id] = self._versions.get(model_id, self._first_version) + 1
 
     def is_live(self, sampler: SamplingSession) -> bool:
-        return sampler.weights_version == self.weights_version
+        """Whether ``sampler``'s model has not changed its weights since its snapshot."""
+        return sampler.weights_version == self.weights_version(sampler.model_id)
 
     def snapshot(
-        self, sampling_id: str | None, path: str | None, base_model: str, export: str, seq: int
+        self,
+        model_id: str,
+        sampling_id: str | None,
+        path: str | None,
+        base_model: str,
+        export: str,
+        seq: int,
     ) -> list[str]:
-        """Register a snapshot just written (a named ``path`` or a sampling session); returns
-        the unnamed snapshot exports now beyond what is kept, for the caller to remove."""
+        """Register a snapshot ``model_id`` just wrote (a named ``path`` or a sampling
+        session); returns that model's unnamed snapshot exports now beyond what is kept, for
+        the caller to remove."""
         with self._lock:
+            version = self._versions.get(model_id, self._first_version)
             sampler = SamplingSession(
-                sampling_id or "", base_model, path, export, seq, self.weights_version
+                sampling_id or "", base_model, path, export, seq, version, model_id=model_id
             )
             if path:
                 self._named[path] = sampler
                 return []
             assert sampling_id is not None
             self._sessions.setdefault(sampling_id, sampler)
-            if export not in self._unnamed:
-                self._unnamed.append(export)
-            pruned = self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
-            del self._unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
+            unnamed = self._unnamed.setdefault(model_id, [])
+            if export not in unnamed:
+                unnamed.append(export)
+            pruned = unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
+            del unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
 
     def pruned(self, sampler: SamplingSession) -> bool:
-        """Whether ``sampler``'s unnamed snapshot is past the newest ``KEEP_UNNAMED_SNAPSHOTS``
-        (its export removed)."""
+        """Whether ``sampler``'s unnamed snapshot is past its model's newest
+        ``KEEP_UNNAMED_SNAPSHOTS`` (its export removed)."""
         with self._lock:
+            unnamed = self._unnamed.get(sampler.model_id, [])
             return sampler.export is not None and (
-                sampler.model_path is None and sampler.export not in self._unnamed
+                sampler.model_path is None and sampler.export not in unnamed
             )
+
+    def end_model(self, model_id: str) -> None:
+        """Model ``model_id`` closed: the sampling sessions of its snapshots end with it (its
+        named sampler weights stay in the catalog, where a new sampling client finds them)."""
+        with self._lock:
+            self._sessions = {
+                k: v for k, v in self._sessions.items() if v.model_id != model_id or v.export_run
+            }
+            self._named = {k: v for k, v in self._named.items() if v.model_id != model_id}
+            self._unnamed.pop(model_id, None)
+            self._versions.pop(model_id, None)
+
+    def adopt(self, model_id: str) -> None:
+        """What an earlier version's store kept without a model (it had one) is ``model_id``'s."""
+        with self._lock:
+            self._sessions = {k: _adopted(v, model_id) for k, v in self._sessions.items()}
+            self._named = {k: _adopted(v, model_id) for k, v in self._named.items()}
+            if "" in self._unnamed:
+                self._unnamed.setdefault(model_id, []).extend(self._unnamed.pop(""))
 
     def named(self, path: str) -> bool:
         """Whether sampler weights ``path`` of the open model exist (and the caller's)."""
@@ -132,14 +173,7 @@ class SamplingSessions:
                 sampler = SamplingSession(sampling_id, base_model, None, None, 0, 0)
             elif model_path in self._named:
                 named = self._named[model_path]
-                sampler = SamplingSession(
-                    sampling_id,
-                    base_model,
-                    model_path,
-                    named.export,
-                    named.snapshot_seq,
-                    named.weights_version,
-                )
+                sampler = replace(named, sampling_session_id=sampling_id, base_model=base_model)
             else:
                 raise NotFound(
                     f"no sampler weights {model_path!r} on this server; save_weights_for_sampler"
@@ -175,15 +209,19 @@ class SamplingSessions:
         with self._lock:
             named: list[Record] = [s.record(named=True) for s in self._named.values()]
             sessions = [s.record() for s in self._sessions.values()]
-            unnamed = NoteRecord(UNNAMED_SNAPSHOTS_NOTE, {"exports": list(self._unnamed)})
-            return [*named, *sessions, unnamed]
+            unnamed = [
+                NoteRecord(UNNAMED_SNAPSHOTS_NOTE, {"exports": list(exports), "model_id": model})
+                for model, exports in sorted(self._unnamed.items())
+            ]
+            return [*named, *sessions, *unnamed]
 
     def restore(self, note: NoteRecord) -> None:
         """Take back one of ``records``' notes (or a logged sampling session); ValueError for a
         note of another kind."""
         with self._lock:
             if note.kind == UNNAMED_SNAPSHOTS_NOTE:
-                self._unnamed = list(note.fields["exports"])
+                model_id = note.fields.get("model_id", "")
+                self._unnamed[model_id] = list(note.fields["exports"])
                 return
             if note.kind != SAMPLER_NOTE:
                 raise ValueError(f"a request-store note of unknown kind {note.kind!r}")
@@ -194,3 +232,7 @@ class SamplingSessions:
                 self._named[sampler.model_path or ""] = sampler
             else:
                 self._sessions[sampler.sampling_session_id] = sampler
+
+
+def _adopted(sampler: SamplingSession, model_id: str) -> SamplingSession:
+    return sampler if sampler.model_id else replace(sampler, model_id=model_id)

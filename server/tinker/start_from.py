@@ -118,12 +118,14 @@ class StartFrom:
         model_dir = resolve_under(model_root, self.base_model, "base_model")
         return fit_max_length(replace(config, model=self.base_model), model_dir)
 
-    def apply(self, host: SessionHost, model_id: str) -> None:
-        """Load the checkpoint into the run just opened, keyed (a retry finds it journaled)."""
+    def apply(self, host: SessionHost, model_id: str, run_id: str) -> None:
+        """Load the checkpoint into ``run_id``, the run just opened for ``model_id``, keyed (a
+        retry finds it journaled)."""
         key = OperationSpec(f"{model_id}/from-state")
-        run_id = self.source.run_id
+        saved_by = self.source.run_id
         if self.with_optimizer:
-            host.apply(ops.LOAD_STATE, CheckpointRequest(self.saved.stored_as, run_id), key)
+            load = CheckpointRequest(self.saved.stored_as, saved_by)
+            host.apply(ops.LOAD_STATE, load, key, run_id=run_id)
             return
         source = WeightsSource("checkpoint", self.saved.stored_as)
-        host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, run_id), key)
+        host.apply(ops.LOAD_WEIGHTS, LoadWeightsRequest(source, saved_by), key, run_id=run_id)

@@ -92,6 +92,9 @@ def replay(front: TinkerFront) -> None:
     with front.intake.replaying() as records:
         for record in records:
             _take_back(front, record)
+        models = front.models.open_models()
+        if len(models) == 1:  # an earlier version's samplers named no model: it had one
+            front.sampling_sessions.adopt(models[0].model_id)
         front.intake.replay(records)
 
 
@@ -100,8 +103,12 @@ def _take_back(front: TinkerFront, record: Record) -> None:
         front.models.sessions.add(record.session_id)
     elif isinstance(record, NoteRecord):
         front.sampling_sessions.restore(record)
-    elif isinstance(record, ResumeRecord) and front.models.model is not None:
-        front.intake.resume_at(front.models.model.model_id, record)
+    elif isinstance(record, ResumeRecord):
+        models = [model.model_id for model in front.models.open_models()]
+        # An earlier version's record names no stream: it had one model.
+        stream = record.stream if record.stream is not None else "".join(models[:1])
+        if stream in models:
+            front.intake.resume_at(stream, record)
 
 
 def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:
@@ -112,6 +119,6 @@ def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: st
 
 
 def _await_recovery(front: TinkerFront) -> None:
-    """Let submitted calls run once the host restored its run (at once when none)."""
+    """Let submitted calls run once the host restored its runs (at once when none)."""
     front.host.recover()  # queued behind serve()'s own recovery: returns once it is done
-    front.intake.recovered(front.host.position)
+    front.intake.recovered(front.models.position_of)

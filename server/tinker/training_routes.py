@@ -19,7 +19,6 @@ from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
 from trainwire.server.service.intake import Submission
 from trainwire.server.service.loss_terms import elementwise_loss
-from trainwire.server.service.request_records import Record
 from trainwire.server.service.requests import (
     CheckpointRequest,
     ForwardBackwardRequest,
@@ -83,7 +82,7 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
         return Submission(ops.OPTIM_STEP, step, finish)
 
     def finish(outcome: Any) -> dict[str, Any]:
-        front.sampling_sessions.weights_changed()
+        front.sampling_sessions.weights_changed(model_id)
         metrics = {"learning_rate:mean": outcome.learning_rate, "grad_norm:mean": outcome.grad_norm}
         return {"type": "optim_step", "metrics": metrics}
 
@@ -91,7 +90,8 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
 
 
 def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
-    """A checkpoint of the full state; the request store is compacted behind it."""
+    """A checkpoint of the full state; this model's records in the request store are compacted
+    behind it (a restart needs the sessions, the samplers and its calls since)."""
     model_id, seq_id = _model_id(body), body.get("seq_id")
 
     def prepare() -> Submission:
@@ -100,23 +100,13 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         path = TinkerPath(model_id, "weights", name)
 
         def finish(saved: Any) -> dict[str, Any]:
-            _compact_at(front, seq_id, saved.position)
+            front.intake.compact_at(model_id, seq_id, saved.position, front.models.head_records)
             saved_checkpoints.record_saved(front, path, name, ttl, f"{model_id}/{seq_id}")
             return {"type": "save_weights", "path": str(path)}
 
         return Submission(ops.SAVE_STATE, CheckpointRequest(name), finish)
 
     return front.submit("save_weights", body, model_id, seq_id, prepare)
-
-
-def _compact_at(front: TinkerFront, seq_id: int, position: int) -> None:
-    """After the checkpoint of ``seq_id`` at journal ``position``: a restart needs only the
-    sessions and samplers, and the calls since."""
-
-    def head() -> list[Record]:
-        return [*front.models.session_records(), *front.sampling_sessions.records()]
-
-    front.intake.compact_at(seq_id, position, head)
 
 
 def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -139,7 +129,7 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
                 return run()
 
         def finish(_: Any) -> dict[str, Any]:
-            front.sampling_sessions.weights_changed()
+            front.sampling_sessions.weights_changed(model_id)
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         if get_bool(body, "optimizer"):  # the engine restores a full state only into a fresh one
