@@ -6,7 +6,8 @@ arrival order, and lanes with work take turns, one call each (deficit round robi
 of weight 2 runs two calls a turn, one of weight 0.5 one call every other turn). A run that
 floods the executor therefore never delays another run's next call by more than one call of
 each other lane with work (times its weight); with one lane, as on a server of one run, the
-executor is first in, first out.
+executor is first in, first out. The rule is ``fair_turns.FairTurns``'s, the same the stream
+order takes its turns by, so a run's numbered requests reach the executor in fair turns too.
 
 Bounded, because every gRPC handler that waits for the session holds one of the server's
 threads: past ``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than
@@ -18,7 +19,6 @@ its predecessor counts as much as one queued here) until it ends: one bound for 
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -26,70 +26,16 @@ from concurrent import futures
 from typing import Any, TypeVar
 
 from trainwire.server.errors import ResourceExhausted, Unavailable
+from trainwire.server.service.fair_turns import FairTurns
 
-logger = logging.getLogger(__name__)
+# FairTurns stays importable from here: it is the executor's queue as much as the order's.
+__all__ = ["DEFAULT_MAX_QUEUED", "FairTurns", "SessionExecutor"]
 
 T = TypeVar("T")
 
 DEFAULT_MAX_QUEUED = 24  # of the server's default 32 handler threads, 8 stay free for the rest
-MIN_WEIGHT = 0.01  # the lightest share: one call every hundred turns
 # A queued call: its arrival number, the call, and the future its caller waits on.
 Job = tuple[int, Callable[[], Any], "futures.Future[Any]"]
-
-
-class FairTurns:
-    """The executor's queue: lanes of jobs in arrival order, served in turns by weight.
-
-    ``weight_of(lane)`` is read when a lane's turn begins (default 1.0 for every lane). Not
-    thread-safe: the executor holds its lock around every call.
-    """
-
-    def __init__(self, weight_of: Callable[[str], float] | None = None) -> None:
-        self.weight_of = weight_of or (lambda lane: 1.0)
-        self._lanes: dict[str, deque[Job]] = {}
-        self._turns: deque[str] = deque()  # lanes with work; the first one's turn is now
-        self._credit: dict[str, float] = {}  # calls a lane may still run in its turn
-
-    def _weight(self, lane: str) -> float:
-        """``weight_of(lane)``, at least ``MIN_WEIGHT`` (a lane always gets its turn at last);
-        1.0 when it fails: a weight is a share, never a reason for the executor to stop."""
-        try:
-            return max(float(self.weight_of(lane)), MIN_WEIGHT)
-        except Exception:
-            logger.exception("the weight of lane %r could not be read: 1.0", lane)
-            return 1.0
-
-    def oldest(self) -> int | None:
-        """The arrival number of the oldest job still queued (None: none is)."""
-        return min((jobs[0][0] for jobs in self._lanes.values()), default=None)
-
-    def put(self, lane: str, job: Job) -> None:
-        if lane not in self._lanes:
-            self._lanes[lane] = deque()
-            self._turns.append(lane)
-            self._credit[lane] = 0.0
-        self._lanes[lane].append(job)
-
-    def take(self) -> Job | None:
-        """The next job: the first lane's, once it has the credit for it (a turn adds its
-        weight); a lane whose turn is spent goes to the back, one left empty leaves."""
-        while self._turns:
-            lane = self._turns[0]
-            if self._credit[lane] < 1.0:
-                self._credit[lane] += self._weight(lane)
-                if self._credit[lane] < 1.0:  # a light lane saves up over turns
-                    self._turns.rotate(-1)
-                    continue
-            jobs = self._lanes[lane]
-            job = jobs.popleft()
-            self._credit[lane] -= 1.0
-            if not jobs:
-                del self._lanes[lane], self._credit[lane]
-                self._turns.popleft()
-            elif self._credit[lane] < 1.0:
-                self._turns.rotate(-1)
-            return job
-        return None
 
 
 class SessionExecutor:
@@ -105,7 +51,7 @@ class SessionExecutor:
         self.max_queued = max_queued
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # a job queued, or the queue drained
-        self._turns = FairTurns(weight_of)
+        self._turns: FairTurns[Job] = FairTurns(weight_of)
         self._barriers: deque[Job] = deque()  # run once every call queued before has run
         self._arrivals = 0  # calls and barriers queued so far (their arrival numbers)
         self.waiting = 0  # admitted calls: held in position order, queued or running
@@ -187,7 +133,7 @@ class SessionExecutor:
                 result.set_exception(error)
 
     def _next(self) -> Job | None:
-        oldest = self._turns.oldest()
+        oldest = min((arrival for arrival, _, _ in self._turns.heads()), default=None)
         if self._barriers and (oldest is None or oldest > self._barriers[0][0]):
             return self._barriers.popleft()
         return self._turns.take()

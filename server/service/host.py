@@ -91,7 +91,8 @@ class SessionHost:
         max_runs: runs open at once. Beyond one, LoRA runs of one base model share its weights
             in memory (``SharedBase``), each with its own adapter, optimizer, RNG, position,
             keys and files; a full-weights run trains alone; the executor serves the runs with
-            work in turn (``executor.FairTurns``).
+            work in turn (``fair_turns.FairTurns``), and so does the order their numbered
+            requests are released in (``stream_order``).
     """
 
     def __init__(
@@ -136,8 +137,11 @@ class SessionHost:
         self._failed_runs: dict[str, tuple[RunSpec, str]] = {}
         # The one order every numbered request takes: a run's positions here, a Tinker model's
         # seq_ids through the intake (``stream_order``). Its thread hands each released job to
-        # the executor.
-        self.order = StreamOrder(lambda job: job(), noun="stream")
+        # the executor and waits for it, so it takes the runs' turns by the executor's weights:
+        # a run's released requests would otherwise all run before another run's next one.
+        self.order = StreamOrder(
+            lambda job: job(), noun="stream", weight_of=lambda lane: self.run_weight(lane)
+        )
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
         self._pending: list[RunSpec] = open_runs if len(open_runs) <= max_runs else []
@@ -609,7 +613,9 @@ class SessionHost:
             active = self._runs.get(run_id)
             return 0 if active is None else active.position
 
-        self.order.start_positions(run_id, position, idle_release_s=self.idle_release_s)
+        self.order.start_positions(
+            run_id, position, idle_release_s=self.idle_release_s, lane=self._lane(run_id)
+        )
 
     def _lane(self, run_id: str) -> str:
         """The executor lane of ``run_id``'s calls: its own on a server of many runs (they take

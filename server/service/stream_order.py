@@ -23,9 +23,18 @@ stream's ``idle_release_s`` the first one held goes ahead and the position check
 the real position. A refused request does not move the position, so the ones released behind it
 are refused the same way: nothing after a failure runs.
 
-Unordered jobs released one after another run beside each other (up to ``SAMPLES_BESIDE`` at
-once), so the host decodes samples as one batch (``sample_batching``); the next ordered job runs
-once every unordered job released before it has ended, as when they ran one at a time.
+Released jobs run in fair turns by *lane* (a run's id on a server of many runs, "" on a server
+of one), with the executor's rule (``fair_turns.FairTurns``, weighted by ``weight_of``): within a
+lane in the order they were released, ordered and unordered alike, and lanes with released jobs
+take turns. This order runs one ordered job at a time and waits until the executor has run it, so
+the executor never sees more than one of them: were the released jobs first in, first out here,
+a run with two hundred pipelined calls released would delay another run's next call by two
+hundred operations, whatever the executor's turns. With one lane nothing is reordered.
+
+Unordered jobs at the head of the lane whose turn it is run beside each other, as that one turn
+(up to ``SAMPLES_BESIDE`` at once), so the host decodes samples as one batch
+(``sample_batching``); the next ordered job runs once every unordered job started before it has
+ended, as when they ran one at a time.
 """
 
 from __future__ import annotations
@@ -36,13 +45,14 @@ import json
 import logging
 import threading
 import time
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 from trainwire.server.errors import AlreadyExists, FailedPrecondition, ResourceExhausted
+from trainwire.server.service.fair_turns import FairTurns
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +94,15 @@ class _Positions:
     idle_release_s: float
 
 
+@dataclass(frozen=True)
+class _Released:
+    """A released job: its stream (``UNORDERED`` for none), the bytes it holds, the job."""
+
+    key: str | None
+    size: int
+    job: Job
+
+
 @dataclass
 class _Waiting:
     """The jobs of one stream (or unordered): ``calls`` not yet running, ``ready`` of them
@@ -95,7 +114,7 @@ class _Waiting:
 
 
 class StreamOrder:
-    """Releases each stream's jobs to ``run`` in ``seq`` order, one at a time.
+    """Releases each stream's jobs to ``run`` in ``seq`` order, one at a time, lanes in turn.
 
     ``run`` is called on a thread of this object's own, never on the caller's, so an HTTP handler
     returns its request id at once; a caller that needs the answer waits for its job to tell it.
@@ -109,10 +128,12 @@ class StreamOrder:
         max_bytes: int | None = None,
         max_total_bytes: int | None = None,
         noun: str = "stream",
+        weight_of: Callable[[str], float] | None = None,
     ) -> None:
         """``max_held`` requests and ``max_bytes`` bytes per stream (and unordered), and
         ``max_total_bytes`` over all, may be held (None: the defaults). ``noun`` names a stream
-        in refusals (a Tinker stream is a ``model``)."""
+        in refusals (a Tinker stream is a ``model``). ``weight_of(lane)``: a lane's share of the
+        turns (the executor's, see ``FairTurns``)."""
         self._run = run
         self._noun = noun
         self._max_held = DEFAULT_MAX_HELD if max_held is None else max_held
@@ -123,35 +144,41 @@ class StreamOrder:
         self._held: dict[str, dict[int, list[tuple[int, Job]]]] = {}  # seq → [(size, job)]
         self._positions: dict[str, _Positions] = {}  # the streams numbered by a run's position
         self._nouns: dict[str, str] = {}  # what a stream is called in refusals, when not noun
+        self._lanes: dict[str, str] = {}  # the lane of each stream whose is not ""
         self._beside = 0  # calls moving a run outside this order now (``running_beside``)
         self._closing = False  # the server is shutting down: nothing is held for a position
         self._active_at = time.monotonic()  # when a job last started or ended
         self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
         self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
         self._total = 0  # bytes of every job taken and not ended, of all streams and unordered
-        self._ready: deque[tuple[str | None, int, Job]] = deque()
+        self._ready: FairTurns[_Released] = FairTurns(weight_of)
         self._stopped = False
         self._samples = _Beside(run, SAMPLES_BESIDE)
         self._thread = threading.Thread(target=self._loop, name="stream-order", daemon=True)
         self._thread.start()
 
-    def start_stream(self, stream: str, next_seq: int = 1, *, noun: str | None = None) -> None:
+    def start_stream(
+        self, stream: str, next_seq: int = 1, *, noun: str | None = None, lane: str = ""
+    ) -> None:
         """A stream whose requests are numbered from ``next_seq`` by their client (a Tinker
-        model's ``seq_id``); ``noun`` names it in refusals (the order's own by default)."""
+        model's ``seq_id``); ``noun`` names it in refusals (the order's own by default); its
+        released jobs take ``lane``'s turns."""
         with self._lock:
             self._next[stream] = max(self._next.get(stream, next_seq), next_seq)
             self._held.setdefault(stream, {})
+            self._set_lane(stream, lane)
             if noun is not None:
                 self._nouns[stream] = noun
 
     def start_positions(
-        self, stream: str, position: Callable[[], int], *, idle_release_s: float
+        self, stream: str, position: Callable[[], int], *, idle_release_s: float, lane: str = ""
     ) -> None:
         """A stream numbered by a run's position (see the module docstring): ``position()`` is
-        where the run is now. Starting it again (the run reopened or restored elsewhere) takes
-        the new position."""
+        where the run is now; its released jobs take ``lane``'s turns. Starting it again (the
+        run reopened or restored elsewhere) takes the new position."""
         with self._lock:
             self._positions[stream] = _Positions(position, idle_release_s)
+            self._set_lane(stream, lane)
             self._nouns[stream] = "run"
             self._next[stream] = position()
             self._held.setdefault(stream, {})
@@ -203,6 +230,7 @@ class StreamOrder:
                     self._queue(stream, size, job)
             self._next.pop(stream, None)
             self._positions.pop(stream, None)
+            self._lanes.pop(stream, None)
             self._seen = {key: value for key, value in self._seen.items() if key[0] != stream}
             self._lock.notify_all()
 
@@ -265,11 +293,12 @@ class StreamOrder:
         with self._lock:
             self._check_room(UNORDERED, size, needed=False)
 
-    def run_unordered(self, job: Job, size: int = 0) -> None:
-        """Queue a job outside any stream's order (a sample), behind what is ready now."""
+    def run_unordered(self, job: Job, size: int = 0, *, lane: str = "") -> None:
+        """Queue a job outside any stream's order (a sample), behind what ``lane`` has ready
+        now."""
         with self._lock:
             self._take(UNORDERED, size)
-            self._queue(UNORDERED, size, job)
+            self._queue(UNORDERED, size, job, lane)
             self._lock.notify_all()
 
     def release_positions(self) -> None:
@@ -328,8 +357,18 @@ class StreamOrder:
             if key in self._positions:
                 self._release(key)
 
-    def _queue(self, key: str | None, size: int, job: Job) -> None:
-        self._ready.append((key, size, job))
+    def _set_lane(self, stream: str, lane: str) -> None:
+        if lane:
+            self._lanes[stream] = lane
+        else:
+            self._lanes.pop(stream, None)
+
+    def _queue(self, key: str | None, size: int, job: Job, lane: str = "") -> None:
+        """Release ``job``: it runs in its lane's turn (a stream's own lane; ``lane`` for an
+        unordered job)."""
+        if key is not UNORDERED:
+            lane = self._lanes.get(key, "")
+        self._ready.put(lane, _Released(key, size, job))
         self._waiting[key].ready += 1
 
     def _floor(self, stream: str) -> int:
@@ -379,25 +418,36 @@ class StreamOrder:
                     self._lock.wait(wait)
                 if self._stopped and not self._ready:
                     return
-                ordered = self._ready[0][0] is not UNORDERED
-            if ordered:
-                # Waits for the samples released before it, still counted as waiting (only this
-                # thread takes from the front of the queue, so the head stays the same).
+                turn = self._ready.peek()
+                assert turn is not None
+                lane, first = turn
+            if first.key is not UNORDERED:
+                # Waits for the samples started before it, still counted as waiting (only this
+                # thread takes from the queue, and what is put meanwhile queues behind this
+                # turn, so the turn and its first job stay the same).
                 self._samples.wait()
-            with self._lock:
-                key, size, job = self._ready.popleft()
-                waiting = self._waiting[key]
-                waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
-                self._active_at = time.monotonic()
-            counted = partial(self._counted, key, size, job)
-            if ordered:
+                (counted,) = self._begin(lane, more=0)
                 try:
                     self._run(counted)
                 finally:
                     with self._lock:
                         self._active_at = time.monotonic()
             else:
-                self._samples.start(counted)
+                for counted in self._begin(lane, more=self._samples.free() - 1):
+                    self._samples.start(counted)
+
+    def _begin(self, lane: str, *, more: int) -> list[Job]:
+        """The job whose turn it is, and up to ``more`` unordered ones behind it at the head of
+        its ``lane``, in the same turn (they decode as one batch); none waits from now."""
+        with self._lock:
+            first = self._ready.take()
+            assert first is not None
+            taken = [first, *self._ready.take_more(lane, _is_unordered, more)]
+            self._active_at = time.monotonic()
+            for released in taken:
+                waiting = self._waiting[released.key]
+                waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
+        return [partial(self._counted, r.key, r.size, r.job) for r in taken]
 
     def _counted(self, key: str | None, size: int, job: Job) -> None:
         """``job``, its bytes held until it has ended. A job answers its own caller; one that
@@ -410,12 +460,17 @@ class StreamOrder:
             self._ended(key, size)
 
 
+def _is_unordered(released: _Released) -> bool:
+    return released.key is UNORDERED
+
+
 class _Beside:
     """Jobs run beside each other, each on a daemon thread of its own (one that never ends
     then never holds up the process's exit), at most ``limit`` at once."""
 
     def __init__(self, run: Callable[[Job], None], limit: int) -> None:
         self._run = run
+        self._limit = limit
         self._slots = threading.Semaphore(limit)
         self._idle = threading.Condition()
         self._running = 0
@@ -425,6 +480,12 @@ class _Beside:
         with self._idle:
             self._running += 1
         threading.Thread(target=self._go, args=(job,), name="unordered-job", daemon=True).start()
+
+    def free(self) -> int:
+        """How many jobs may start now without waiting for a slot (at least; one may free
+        meanwhile)."""
+        with self._idle:
+            return self._limit - self._running
 
     def wait(self) -> None:
         """Until every job started has ended."""
