@@ -40,6 +40,7 @@ class TinkerServeProcess:
         name: str,
         *,
         launcher: tuple[str, ...] = ("-m", "trainwire"),
+        options: tuple[str, ...] = (),
     ) -> None:
         (tmp / "grpc-token").write_text(GRPC_TOKEN + "\n")
         (tmp / "tinker-key").write_text(KEY + "\n")
@@ -50,6 +51,7 @@ class TinkerServeProcess:
             "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
             "--token-file", str(tmp / "grpc-token"), "--port-file", str(self.port_file),
             "--tinker-listen", f"127.0.0.1:{port}", "--tinker-token-file", str(tmp / "tinker-key"),
+            *options,
         ]  # fmt: skip
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -294,7 +294,9 @@ def _init_model(config: PretrainedConfig, task: str, seed: int) -> PreTrainedMod
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-    with torch.random.fork_rng(devices=[]):
+    from trainwire.server.engine.session.rng import preserved_global_rng
+
+    with preserved_global_rng():  # taking turns with sessions on other threads
         torch.manual_seed(seed)
         model = auto.from_config(config, dtype=torch.float32)
     return model.eval()

@@ -358,7 +358,7 @@ class SessionHost:
         return self._serialized(
             lambda: active.info() if run_id in self._runs else self._recorded_info(run_id),
             refusable=False,
-            lane=self._lane(run_id),
+            lane=self.lane_of(run_id),
         )
 
     def _recorded_info(self, run_id: str) -> SessionInfo:
@@ -489,11 +489,11 @@ class SessionHost:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
         run_id = self._require_active(run_id).spec.run_id  # bound to it from here on
         if operation is SAMPLE:  # decoded beside its run's samples waiting with it
-            queue = partial(self._serialized, joinable=True, lane=self._lane(run_id))
+            queue = partial(self._serialized, joinable=True, lane=self.lane_of(run_id))
             return self._batchers[run_id].submit(request, queue)
         return self._serialized(
             lambda: operation.apply(self._require_active(run_id), request, None),
-            lane=self._lane(run_id),
+            lane=self.lane_of(run_id),
         )
 
     # -- the executor ------------------------------------------------------------------------------
@@ -554,7 +554,7 @@ class SessionHost:
         def job() -> None:
             try:
                 apply = partial(self._apply_keyed, run_id=run_id)
-                lane = self._lane(run_id)
+                lane = self.lane_of(run_id)
                 applied.set_result(
                     self._run_refusable(apply, operation, request, op, digest, lane=lane)
                 )
@@ -614,10 +614,10 @@ class SessionHost:
             return 0 if active is None else active.position
 
         self.order.start_positions(
-            run_id, position, idle_release_s=self.idle_release_s, lane=self._lane(run_id)
+            run_id, position, idle_release_s=self.idle_release_s, lane=self.lane_of(run_id)
         )
 
-    def _lane(self, run_id: str) -> str:
+    def lane_of(self, run_id: str) -> str:
         """The executor lane of ``run_id``'s calls: its own on a server of many runs (they take
         turns), the one lane otherwise (first in, first out, whatever the call)."""
         return run_id if self.max_runs > 1 else ""

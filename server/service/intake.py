@@ -170,15 +170,17 @@ class Intake:
         what a request names may then find what was valid when it was accepted)."""
         return self._replayed is not None
 
-    def start_stream(self, stream: str, next_seq: int = 1) -> None:
-        """Take requests of ``stream`` (a Tinker model), numbered from ``next_seq``."""
+    def start_stream(self, stream: str, next_seq: int = 1, *, run_id: str = "") -> None:
+        """Take requests of ``stream`` (a Tinker model, training run ``run_id``), numbered from
+        ``next_seq``; they take that run's turns in the order (``host.lane_of``)."""
         with self._lock:
             self._streams.add(stream)
-        self.order.start_stream(stream, next_seq, noun=self.noun)
+        lane = self.host.lane_of(run_id)
+        self.order.start_stream(stream, next_seq, noun=self.noun, lane=lane)
 
-    def resume_at(self, stream: str, record: ResumeRecord) -> None:
+    def resume_at(self, stream: str, record: ResumeRecord, *, run_id: str = "") -> None:
         """``stream``'s compacted records go on at ``record``'s seq_id and journal position."""
-        self.start_stream(stream, record.next_seq)
+        self.start_stream(stream, record.next_seq, run_id=run_id)
         self._resumes[stream] = ResumeRecord(record.next_seq, record.position, stream)
 
     def end_stream(self, stream: str) -> None:
@@ -409,12 +411,18 @@ class Intake:
         return not self.order.accepts(stream, seq, digest, size, bounded=bounded)
 
     def submit_unordered(
-        self, request_id: str, body: dict[str, Any], call: Callable[[], Any], size: int = 0
+        self,
+        request_id: str,
+        body: dict[str, Any],
+        call: Callable[[], Any],
+        size: int = 0,
+        *,
+        run_id: str = "",
     ) -> bool:
         """Queue ``call`` outside any stream's order (a sample) as ``request_id``, once the
-        request is durable; False for a re-send (its ticket already exists). The same
-        ``request_id`` with another body is refused (``AlreadyExists``). ``size``: the bytes
-        the request holds until it has run (default: the body's)."""
+        request is durable, in run ``run_id``'s turns; False for a re-send (its ticket already
+        exists). The same ``request_id`` with another body is refused (``AlreadyExists``).
+        ``size``: the bytes the request holds until it has run (default: the body's)."""
         digest, body_size = payload(body)
         size = size or body_size
         job = self._job(request_id, call, digest)
@@ -426,7 +434,7 @@ class Intake:
                 self.order.check_room(size)
             ticket = self._append(SampleRecord(request_id, body))
             self.results.add(request_id, digest)
-            self.order.run_unordered(job, size)
+            self.order.run_unordered(job, size, lane=self.host.lane_of(run_id))
         if ticket is not None:
             self.store.sync(ticket)
         return True

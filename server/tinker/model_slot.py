@@ -264,7 +264,7 @@ class ModelSlot:
         return self._resolve_from_state(model_id, start)
 
     def _resolve_from_state(self, model_id: str, start: StartFrom) -> str:
-        self.intake.start_stream(model_id)
+        self.intake.start_stream(model_id, run_id=self._models[model_id].run_id)
         request_id = f"{model_id}/create"
         outcome = {"type": "load_weights", "path": str(start.path), "model_id": model_id}
         self.intake.resolve_now(request_id, Done(outcome))
@@ -391,7 +391,7 @@ class ModelSlot:
             return call()
 
     def _resolve_create(self, model_id: str) -> str:
-        self.intake.start_stream(model_id)
+        self.intake.start_stream(model_id, run_id=self._models[model_id].run_id)
         request_id = f"{model_id}/create"
         self.intake.resolve_now(request_id, Done({"model_id": model_id, "type": "create_model"}))
         return request_id

@@ -42,6 +42,8 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     sampling session; unnamed snapshots past the newest few are removed."""
     model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
     model = front.models.require_model(model_id)
+    sampling_seq = get_int(body, "sampling_session_seq_id")
+    sampling_id = f"{model.session_id}:sample:{sampling_seq}"
 
     def prepare() -> Submission:
         name = get_str(body, "path")
@@ -49,7 +51,6 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         check_name(export, "save_weights_for_sampler path")
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
-        sampling_seq = get_int(body, "sampling_session_seq_id")
 
         def around(run: Callable[[], Any]) -> Any:
             if path and front.sampling_sessions.named(path):  # its clients keep their weights
@@ -65,7 +66,6 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
                 saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
                 return {"type": "save_weights_for_sampler", "path": path}
-            sampling_id = f"{model.session_id}:sample:{sampling_seq}"
             pruned = sessions.snapshot(model_id, sampling_id, None, model_name, export, seq_id)
             if pruned:
                 discard = DiscardExportsRequest(pruned)
@@ -74,7 +74,10 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
 
-    return front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
+    request_id = front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
+    if not get_str(body, "path"):
+        front.sampling_sessions.expect(sampling_id, model_id)  # its samples take model's turns
+    return request_id
 
 
 def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -139,8 +142,18 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         result = front.host.apply(ops.SAMPLE, sample, run_id=run_id)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
-    front.intake.submit_unordered(request_id, body, call, size=held_bytes(request))
+    turns = _turns_of(front, request.sampling_session_id)
+    front.intake.submit_unordered(request_id, body, call, size=held_bytes(request), run_id=turns)
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
+
+
+def _turns_of(front: TinkerFront, sampling_id: str) -> str:
+    """The run whose turns a sample of ``sampling_id`` takes: its model's while that is open
+    (after a restart, the model whose replayed call makes the sampling session: the sample
+    waits behind it), else none ("": which run samples it is chosen when it runs)."""
+    model_id = front.sampling_sessions.model_of(sampling_id)
+    model = front.models.by_run(run_id_for(model_id)) if model_id else None
+    return model.run_id if model is not None else ""
 
 
 def held_bytes(request: sample_codec.SampleCall) -> int:

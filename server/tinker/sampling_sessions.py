@@ -74,6 +74,8 @@ class SamplingSessions:
         self._sessions: dict[str, SamplingSession] = {}
         self._named: dict[str, SamplingSession] = {}  # tinker path → its snapshot
         self._unnamed: dict[str, list[str]] = {}  # model id → its unnamed snapshots, oldest first
+        # Sampling sessions a snapshot call was accepted for and has not made yet: their model.
+        self._expected: dict[str, str] = {}
 
     def weights_version(self, model_id: str) -> int:
         with self._lock:
@@ -109,12 +111,26 @@ class SamplingSessions:
                 return []
             assert sampling_id is not None
             self._sessions.setdefault(sampling_id, sampler)
+            self._expected.pop(sampling_id, None)
             unnamed = self._unnamed.setdefault(model_id, [])
             if export not in unnamed:
                 unnamed.append(export)
             pruned = unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             del unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
+
+    def expect(self, sampling_id: str, model_id: str) -> None:
+        """A snapshot call of ``model_id`` that makes ``sampling_id`` was accepted."""
+        with self._lock:
+            self._expected[sampling_id] = model_id
+
+    def model_of(self, sampling_id: str) -> str:
+        """The model whose snapshot ``sampling_id`` samples, known or expected ("": none, or
+        the base model): after a restart, samples of a sampling session that a replayed call
+        makes again wait behind that call, in its model's turns."""
+        with self._lock:
+            sampler = self._sessions.get(sampling_id)
+            return sampler.model_id if sampler is not None else self._expected.get(sampling_id, "")
 
     def pruned(self, sampler: SamplingSession) -> bool:
         """Whether ``sampler``'s unnamed snapshot is past its model's newest
@@ -135,6 +151,7 @@ class SamplingSessions:
             self._named = {k: v for k, v in self._named.items() if v.model_id != model_id}
             self._unnamed.pop(model_id, None)
             self._versions.pop(model_id, None)
+            self._expected = {k: v for k, v in self._expected.items() if v != model_id}
 
     def adopt(self, model_id: str) -> None:
         """What an earlier version's store kept without a model (it had one) is ``model_id``'s."""
@@ -187,6 +204,7 @@ class SamplingSessions:
         snapshots stay: they belong to the model, not to a client."""
         with self._lock:
             self._sessions = {k: v for k, v in self._sessions.items() if not gone(k)}
+            self._expected = {k: v for k, v in self._expected.items() if not gone(k)}
 
     def __len__(self) -> int:
         with self._lock:

@@ -104,11 +104,11 @@ def _take_back(front: TinkerFront, record: Record) -> None:
     elif isinstance(record, NoteRecord):
         front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord):
-        models = [model.model_id for model in front.models.open_models()]
+        models = {model.model_id: model.run_id for model in front.models.open_models()}
         # An earlier version's record names no stream: it had one model.
-        stream = record.stream if record.stream is not None else "".join(models[:1])
+        stream = record.stream if record.stream is not None else "".join(list(models)[:1])
         if stream in models:
-            front.intake.resume_at(stream, record)
+            front.intake.resume_at(stream, record, run_id=models[stream])
 
 
 def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:

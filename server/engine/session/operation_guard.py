@@ -21,9 +21,6 @@ from trainwire.server.errors import FailedPrecondition, ResourceExhausted, is_ou
 
 logger = logging.getLogger(__name__)
 
-# The RNG generators are process-wide; sessions take turns with them (see ``session_rng``).
-_GLOBAL_RNG_LOCK = threading.RLock()
-
 
 class OperationGuard:
     """One session's lock, RNG snapshot, broken flag and state version."""
@@ -41,7 +38,7 @@ class OperationGuard:
         """Run with the session's RNG installed; keep what it drew only if the block succeeds
         (and ``keep``). The generators are process-wide, so one lock serializes every session's
         use of them: sessions on two threads never draw from each other's state."""
-        with _GLOBAL_RNG_LOCK, preserved_global_rng():
+        with preserved_global_rng():  # holds the process-wide generators' lock
             self.rng.install()
             yield
             if keep:

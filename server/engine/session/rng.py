@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import random
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -105,11 +106,21 @@ class RngState:
         return digest.hexdigest()
 
 
+# The torch, NumPy and Python generators are process-wide: every block that sets or draws from
+# them on purpose holds this lock (``preserved_global_rng``), so such blocks on two threads take
+# turns. Without it, a thread putting the generators back as it found them (after building a
+# model skeleton for a create_model, say) would set them in the middle of another thread's
+# operation, and that run would draw other numbers than it draws alone.
+GLOBAL_RNG_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def preserved_global_rng() -> Iterator[None]:
-    """Run a block and put every global generator back as it was, whatever the block drew."""
-    saved = RngState.capture()
-    try:
-        yield
-    finally:
-        saved.install()
+    """Run a block holding ``GLOBAL_RNG_LOCK`` and put every global generator back as it was,
+    whatever the block drew."""
+    with GLOBAL_RNG_LOCK:
+        saved = RngState.capture()
+        try:
+            yield
+        finally:
+            saved.install()

@@ -133,13 +133,16 @@ def shortest_suffixes(chosen: Sequence[str], every: Iterable[str]) -> tuple[str,
 
 def model_role_targets(model_dir: Path, roles: Sequence[str]) -> RoleTargets:
     """``role_targets`` for the causal LM in ``model_dir``, read from its ``config.json`` alone:
-    the model is built on the meta device (no weights read, no memory), in a forked RNG."""
+    the model is built on the meta device (no weights read, no memory), the generators put back
+    as they were (taking turns with sessions on other threads: ``preserved_global_rng``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from trainwire.server.engine.session.rng import preserved_global_rng
+
     try:
         config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        with preserved_global_rng(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise InvalidArgument(
