@@ -369,3 +369,36 @@ def test_a_request_taken_back_after_a_restart_is_decoded_as_its_senders(
         replay = handle.tinker.front.intake.routes["load_weights"]  # as a restart calls it
         with pytest.raises(NotFound, match="no checkpoint"):
             replay({**load, "seq_id": 2}, None)
+
+
+def test_on_a_server_of_many_runs_tenants_train_side_by_side_and_see_only_their_own(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """``max_runs=2``: bob's model opens beside alice's (no 503 waiting for her to close), each
+    tenant's routes still answer 404 for the other's things and its listings hold only its own;
+    a third model is 429 (the SDK retries it) naming the limit; a tenant's ``max_runs`` caps its
+    own models."""
+    tenants = Tenants([Tenant("alice", ALICE), Tenant("bob", BOB, max_runs=1)])
+    with tenant_server(tmp_path / "state", model_root, tenants=tenants, max_runs=2) as handle:
+        alice, bob = Front(handle, ALICE), Front(handle, BOB)
+        mine = train_and_save(alice)
+        bob_session = bob.post("create_session", {})["session_id"]
+        lora = {"base_model": "llama", "lora_config": {"rank": 4}}
+        created = bob.post("create_model", {"session_id": bob_session, **lora})
+        bobs = created["model_id"]
+        step = bob.send("POST", f"{API}/forward_backward", content=forward_backward_body(bobs, 1))
+        assert bob.result(step.json())
+        second = {"session_id": bob_session, "model_seq_id": 1, **lora}
+        capped = bob.send("POST", f"{API}/create_model", json=second)
+        assert capped.status_code == 400 and "at most 1 open run" in capped.text
+        assert_hidden(bob, mine, bob_session)
+        assert alice.send("POST", f"{API}/get_info", json={"model_id": bobs}).status_code == 404
+        fetch = alice.send("POST", f"{API}/retrieve_future", json=step.json())
+        assert fetch.status_code == 404
+        bob_runs = bob.send("GET", f"{API}/training_runs").json()["training_runs"]
+        assert [run["training_run_id"] for run in bob_runs] == [bobs]
+        assert_listings_hold_only_own(alice, mine, Ids(bob_session))
+        third = {"session_id": mine.session, "model_seq_id": 1, **lora}
+        full = alice.send("POST", f"{API}/create_model", json=third)
+        assert full.status_code == 429 and "--max-runs" in full.text
+        assert alice.post("get_info", {"model_id": mine.model})["model_id"] == mine.model
