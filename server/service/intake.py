@@ -17,6 +17,11 @@ records resume, and the position its restored run must have reached, are its own
 model's checkpoint compacts that model's records only, and closing a model forgets only its
 own (``compact_at``, ``forget_stream``).
 
+An unordered request (a sample) may be cancelled by its client (``cancel``): its ticket is
+resolved at once as cancelled, durably (a restart answers the same), and the work is skipped at
+its turn, or, already running, its result discarded. Ordered requests are never cancelled: each
+holds its place in its stream's numbering, and the calls after it expect its effect.
+
 Exactly once across a crash: each accepted request is stored before its request id is handed out. A
 restarted intake reads the store back (``replaying``) before its transport serves: recorded results
 are answered as they are, every other request is submitted again in its original order to the route
@@ -89,6 +94,8 @@ class Submission:
 Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
 Work = Submission | Failed | Callable[[], Any]  # a request's work; a plain call: a read (sample)
 UNORDERED_ROUTE = "unordered"  # the route an unordered request (``SampleRecord``) goes to again
+RESOLVING_LOCKS = 64
+CANCELLED = "cancelled by its client (cancel_future): {what}"
 
 
 class Intake:
@@ -119,6 +126,9 @@ class Intake:
         # its weights, which may open a model for sampling.
         self.serial = threading.Lock()
         self._recovered = threading.Event()
+        # A result is checked against a cancel, written and resolved under its request's lock
+        # (striped: results of different requests are written side by side, sharing commits).
+        self._resolving = [threading.Lock() for _ in range(RESOLVING_LOCKS)]
         self._stopped = False
         # Why a stream's restored run is behind the stored requests, by stream (when it is).
         self._cannot_replay: dict[str, str] = {}
@@ -439,6 +449,26 @@ class Intake:
             self.store.sync(ticket)
         return True
 
+    def cancel(self, request_id: str) -> bool:
+        """Cancel an unordered request (a sample) not answered yet: its ticket answers a
+        ``user`` failure saying so, written durably before anyone can see it, and its work is
+        skipped at its turn (or, running, its result discarded). False when it was answered
+        already (the answer stands); NotFound-worthy ``KeyError`` for an unknown request."""
+        if not self.results.known(request_id):
+            raise KeyError(request_id)
+        with self._resolving_lock(request_id):
+            if not self.results.pending(request_id):
+                return False
+            at = time.time()
+            outcome = Failed(CANCELLED.format(what="nothing of it was returned"), "user")
+            outcome = self.store.write_result(request_id, outcome, at)
+            self.results.resolve(request_id, outcome, at)
+        logger.info("intake: %s cancelled by its client", request_id)
+        return True
+
+    def _resolving_lock(self, request_id: str) -> threading.Lock:
+        return self._resolving[hash(request_id) % RESOLVING_LOCKS]
+
     # -- answering -----------------------------------------------------------------------------
 
     def _job(self, request_id: str, work: Work, digest: str) -> Callable[[], None]:
@@ -453,6 +483,9 @@ class Intake:
         is encoded and stored behind, while the next call runs)."""
         if recorded is not None:
             self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
+        elif not self.results.pending(request_id):
+            # Cancelled (or forgotten with its session) before its turn: nothing runs.
+            logger.debug("intake: %s not run: answered before its turn", request_id)
         elif isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
         elif isinstance(work, Submission):
@@ -492,8 +525,9 @@ class Intake:
         """Resolve a ticket, writing its outcome to the store first unless already durable (or
         forgotten meanwhile with its session: nobody asks for it)."""
         at = time.time()
-        if not self.results.known(request_id):
-            return
-        if not durable:
-            outcome = self.store.write_result(request_id, outcome, at)
-        self.results.resolve(request_id, outcome, at)
+        with self._resolving_lock(request_id):
+            if not self.results.pending(request_id):
+                return  # cancelled meanwhile (its result is discarded), or forgotten
+            if not durable:
+                outcome = self.store.write_result(request_id, outcome, at)
+            self.results.resolve(request_id, outcome, at)

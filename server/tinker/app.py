@@ -241,6 +241,12 @@ def create_app(
             return JSONResponse(outcome.body)
         return JSONResponse(outcome.body())
 
+    @app.post(f"{API}/cancel_future")
+    async def cancel_future(request: Request) -> JSONResponse:
+        request_id = get_str(await json_body(request), "request_id", "") or ""
+        cancelled = await run_in_threadpool(sampling_routes.cancel_sample, front, request_id)
+        return JSONResponse({"type": "cancel_future", "cancelled": cancelled})
+
     return app
 
 

@@ -32,7 +32,7 @@ from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
-from trainwire.server.tinker.tenancy import tenant_of
+from trainwire.server.tinker.tenancy import tenant_of, visible
 
 SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past its tokens
 
@@ -154,6 +154,27 @@ def _turns_of(front: TinkerFront, sampling_id: str) -> str:
     model_id = front.sampling_sessions.model_of(sampling_id)
     model = front.models.by_run(run_id_for(model_id)) if model_id else None
     return model.run_id if model is not None else ""
+
+
+def cancel_sample(front: TinkerFront, request_id: str) -> bool:
+    """``cancel_future``: a sample not answered yet is answered as cancelled, durably, and is
+    not run (or, running, its result is discarded); one answered already keeps its answer
+    (False).
+    A training call is refused (400): it holds its place in its model's seq_ids, and the calls
+    after it expect its effect. NotFound for a request this server does not know (or another
+    tenant's)."""
+    stream = request_id.rpartition("/")[0]
+    if not visible(request_id) or not front.intake.results.known(request_id):
+        raise NotFound(f"no request {request_id!r} on this server")
+    if ":sample:" not in stream:
+        raise InvalidArgument(
+            f"request {request_id!r} is a training call: only samples can be cancelled (a "
+            "training call keeps its place in its model's order; the calls after it expect it)"
+        )
+    try:
+        return front.intake.cancel(request_id)
+    except KeyError:
+        raise NotFound(f"no request {request_id!r} on this server") from None
 
 
 def held_bytes(request: sample_codec.SampleCall) -> int:
