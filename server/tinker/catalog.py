@@ -275,7 +275,9 @@ class Catalog:
         return saved
 
     def set_ttl(self, path: TinkerPath, ttl_seconds: int | None) -> None:
-        """Expire ``path`` ``ttl_seconds`` from now (None: never)."""
+        """Expire ``path`` ``ttl_seconds`` from now (None: never); its owner's alone, even
+        published."""
+        self.run(path.model_id)
         self.find(path)
         with self._lock:
             record = self._runs[path.model_id]
