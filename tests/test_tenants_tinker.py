@@ -233,6 +233,38 @@ ROUTES: dict[tuple[str, str], Cases | None] = {
     ): lambda a, b: [
         ("GET", f"{a.run_path}/checkpoints/external_weights/out/external_weights_urls", {})
     ],
+    (
+        "POST",
+        f"{API}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish",
+    ): lambda a, b: [("POST", f"{a.run_path}/checkpoints/{a.checkpoint}/publish", {})],
+    (
+        "DELETE",
+        f"{API}/training_runs/{{model_id}}/checkpoints/{{kind}}/{{name}}/publish",
+    ): lambda a, b: [("DELETE", f"{a.run_path}/checkpoints/{a.checkpoint}/publish", {})],
+    ("GET", f"{API}/sessions"): None,
+    ("POST", f"{API}/sessions/search"): None,
+    ("GET", f"{API}/sessions/{{session_id}}"): lambda a, b: [
+        ("GET", f"{API}/sessions/{a.session}", {})
+    ],
+    ("GET", f"{API}/sessions/{{session_id}}/trace_export"): lambda a, b: [
+        ("GET", f"{API}/sessions/{a.session}/trace_export", {})
+    ],
+    ("PUT", f"{API}/sessions/{{session_id}}/project"): lambda a, b: [
+        ("PUT", f"{API}/sessions/{a.session}/project", {"json": {"project_id": "p"}})
+    ],
+    ("POST", f"{API}/client/dynamic_config"): None,
+    ("POST", f"{API}/auth/token"): None,
+    ("GET", f"{API}/auth/apikey/me"): None,
+    ("DELETE", f"{API}/auth/apikey/me"): None,
+    ("GET", f"{API}/billing/usage/checkpoints/current"): None,
+    ("GET", f"{API}/billing/usage/events"): None,
+    ("GET", f"{API}/audit"): None,
+    ("POST", f"{API}/retrieve_futures"): lambda a, b: [
+        _json("retrieve_futures", {"target": {"sampling_session_id": a.sampler}, "timeout": 0})
+    ],
+    ("POST", f"{API}/join_sampling_session"): lambda a, b: [
+        _json("join_sampling_session", {"sampling_session_id": a.sampler})
+    ],
     # A signed URL is its own credential; with a key, only its tenant's (see the download test).
     ("GET", f"{API}/weights_files/{{token}}"): lambda a, b: [("GET", a.url, {})],
 }

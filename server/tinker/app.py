@@ -24,17 +24,20 @@ from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, s
 from trainwire.server.service.results import Done
 from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker import (
+    account_routes,
     checkpoint_routes,
     codec,
     external_weights,
+    publish_routes,
+    sampling_futures,
     sampling_routes,
+    session_routes,
     training_routes,
 )
 from trainwire.server.tinker.auth import RequireKey
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.limits import LimitBody
-from trainwire.server.tinker.model import supported_models
 from trainwire.server.tinker.tenancy import visible
 
 API = "/api/v1"
@@ -149,7 +152,7 @@ def create_app(
 
     @app.get(f"{API}/get_server_capabilities")
     async def capabilities() -> dict[str, Any]:
-        return {"supported_models": supported_models(front.model_root)}
+        return account_routes.capabilities(front)
 
     @app.post(f"{API}/create_session")
     async def create_session() -> dict[str, Any]:
@@ -222,6 +225,10 @@ def create_app(
         return future(request_id, sample_sequence_ids=sequence_ids)
 
     checkpoint_routes_of(app, front)
+    publish_routes.register(app, front)
+    session_routes.register(app, front, json_body)
+    account_routes.register(app, front)
+    sampling_futures.register(app, front, json_body, hold_s=poll_hold_s)
 
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:

@@ -8,6 +8,10 @@ and exports); the catalog says which are live, when each expires (its TTL, as Ti
 and which removals wait: the open run's newest checkpoint is its recovery point, so deleting it
 hides it at once and removes its files once a newer one supersedes it.
 
+A checkpoint its owner published (``set_public``) is found by every tenant of this server, to
+load, sample, start a run from or download; its run, the listings and its removal stay the
+owner's.
+
 An entry is written after the call that saved it is journaled: a call killed between the two is
 run again from the request store, finds its journaled result, and writes the entry then.
 """
@@ -98,6 +102,7 @@ class SavedCheckpoint:
     size_bytes: int
     expires_s: float | None = None
     saved_by: str = ""  # the request that saved it: its replay keeps this record, a new save not
+    public: bool = False  # published: every tenant of this server may read it (``set_public``)
 
     @property
     def segment(self) -> str:
@@ -114,7 +119,7 @@ class SavedCheckpoint:
             "time": iso(self.created_s),
             "tinker_path": f"{PATH_PREFIX}{model_id}/{self.checkpoint_id}",
             "size_bytes": self.size_bytes,
-            "public": False,
+            "public": self.public,
             "expires_at": None if self.expires_s is None else iso(self.expires_s),
         }
 
@@ -245,8 +250,8 @@ class Catalog:
         with self._lock:
             record = self._runs.get(path.model_id)
             saved = None if record is None else record.checkpoints.get(path.checkpoint_id)
-        if not visible(path.model_id):
-            saved = None  # another tenant's: as if it were not there
+        if saved is not None and not saved.public and not visible(path.model_id):
+            saved = None  # another tenant's, unpublished: as if it were not there
         if record is None or saved is None or (not expired_ok and saved.expired(self.clock())):
             raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")
         return record, saved
@@ -270,7 +275,9 @@ class Catalog:
         return saved
 
     def set_ttl(self, path: TinkerPath, ttl_seconds: int | None) -> None:
-        """Expire ``path`` ``ttl_seconds`` from now (None: never)."""
+        """Expire ``path`` ``ttl_seconds`` from now (None: never); its owner's alone, even
+        published."""
+        self.run(path.model_id)
         self.find(path)
         with self._lock:
             record = self._runs[path.model_id]
@@ -278,6 +285,18 @@ class Catalog:
             expires = None if ttl_seconds is None else self.clock() + ttl_seconds
             record.checkpoints[path.checkpoint_id] = replace(saved, expires_s=expires)
             self._save(record)
+
+    def set_public(self, path: TinkerPath, public: bool) -> None:
+        """Publish ``path`` to every tenant of this server, or take it back (its owner only:
+        another tenant's answer is NotFound, as for one that is not there)."""
+        self.run(path.model_id)
+        self.find(path)
+        with self._lock:
+            record = self._runs[path.model_id]
+            saved = record.checkpoints[path.checkpoint_id]
+            if saved.public != public:
+                record.checkpoints[path.checkpoint_id] = replace(saved, public=public)
+                self._save(record)
 
     def expired(self) -> list[TinkerPath]:
         """Every checkpoint past its TTL, to remove."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
+from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.tenancy import unrestricted
 
 if TYPE_CHECKING:
@@ -27,9 +28,9 @@ LOAD_ROUTE = "load_weights"  # the logged route of load_state, whose replay read
 
 
 def encrypted_dir(front: TinkerFront, path: TinkerPath) -> Path:
-    """Where the encrypted files of external weights ``path`` are (if it was encrypted)."""
-    run_id = front.catalog.run(path.model_id).run_id
-    return front.directory / ENCRYPTED_DIR / run_id / path.name
+    """Where the encrypted files of external weights ``path`` are (if it was encrypted); by the
+    path alone, since a tenant it was published to reads them but may not see the run."""
+    return front.directory / ENCRYPTED_DIR / run_id_for(path.model_id) / path.name
 
 
 def folder_bytes(folder: Path) -> int:
