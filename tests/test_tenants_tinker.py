@@ -214,6 +214,13 @@ ROUTES: dict[tuple[str, str], Cases | None] = {
     ("POST", f"{API}/retrieve_future"): lambda a, b: [
         _json("retrieve_future", {"request_id": a.future})
     ],
+    ("POST", f"{API}/cancel_future"): lambda a, b: [
+        _json("cancel_future", {"request_id": a.future})
+    ],
+    ("POST", f"{API}/copy_weights"): lambda a, b: [
+        _json("copy_weights", {"source_path": a.path(a.checkpoint), "destination_project_id": "p"}),
+        _json("copy_weights", {"source_path": a.sampler_path, "session_id": b, "model_seq_id": 9}),
+    ],
     ("GET", f"{API}/training_runs/{{model_id}}"): lambda a, b: [("GET", a.run_path, {})],
     ("GET", f"{API}/training_runs/{{model_id}}/checkpoints"): lambda a, b: [
         ("GET", f"{a.run_path}/checkpoints", {})

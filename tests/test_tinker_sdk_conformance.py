@@ -414,6 +414,27 @@ def from_state(service: tinker.ServiceClient, w: World, call: Call) -> Any:
 
 
 # method → (outcome, what it does here, case), in the order the cases run.
+def copy_into_project(w: World, call: Call) -> None:
+    """A ServiceClient made for a project copies into a new run of its own: the copy's
+    checkpoint is then found as any checkpoint is."""
+    archive = tinker.ServiceClient(
+        project_id="archive", base_url=w.handle.tinker.base_url, api_key=KEY
+    )
+    try:
+        copied = call(archive, w.state_path)
+    finally:
+        close_quietly(archive)
+    assert copied.endswith("/weights/base") and copied != w.state_path
+    assert w.raw("POST", "weights_info", json={"tinker_path": copied}).status_code == 200
+
+
+def rest_copy(w: World, call: Call) -> None:
+    copied = call(w.rest, w.sampler_path, "archive")
+    assert copied.endswith("/sampler_weights/weights") and copied != w.sampler_path
+    runs = w.raw("GET", "training_runs", params={"limit": 100}).json()["training_runs"]
+    assert copied.split("/")[2] in [run["training_run_id"] for run in runs]
+
+
 TABLE: dict[str, tuple[str, str, Case]] = {
     "ServiceClient.get_server_capabilities": (
         SERVED,
@@ -564,6 +585,16 @@ TABLE: dict[str, tuple[str, str, Case]] = {
         "as AdminClient's (deprecated)",
         deprecated_admin(storage),
     ),
+    "ServiceClient.copy_weights": (
+        SERVED,
+        "a new closed run holding the copy (its files shared), once per idempotency key",
+        copy_into_project,
+    ),
+    "RestClient.copy_weights": (
+        SERVED,
+        "as ServiceClient's; the project is kept as the copy's metadata",
+        rest_copy,
+    ),
     "ServiceClient.close": (SERVED, "closes its model's run; the session is finished", close),
     "ServiceClient.create_lora_training_client": (
         SERVED,
@@ -589,14 +620,9 @@ TABLE: dict[str, tuple[str, str, Case]] = {
 
 # What the lead still builds: each check says it is still missing or refused today.
 OWED_BY_LEAD: dict[str, Callable[[World], bool]] = {
-    "ServiceClient.copy_weights": lambda w: (
-        w.raw("POST", "copy_weights", json={}).status_code == 404
-    ),
-    "RestClient.copy_weights": lambda w: w.raw("POST", "copy_weights", json={}).status_code == 404,
     "ServiceClient.create_custom_loss": lambda w: (
         w.raw("POST", "create_custom_loss", json={}).status_code == 404
     ),
-    "cancel_future": lambda w: w.raw("POST", "cancel_future", json={}).status_code == 404,
 }
 
 

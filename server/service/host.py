@@ -53,7 +53,7 @@ from trainwire.server.service.journal import (
 from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
-from trainwire.server.service.run_checkpoints import discard_saved
+from trainwire.server.service.run_checkpoints import copy_saved, discard_saved
 from trainwire.server.service.sample_batching import SampleBatcher
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
@@ -330,6 +330,26 @@ class SessionHost:
             return discard_saved(run, run_id, list(checkpoints), list(exports), is_open=is_open)
 
         return self._serialized(discard, refusable=False)
+
+    def copy_saved(self, source_run: str, target: RunSpec, folder: str, name: str) -> None:
+        """Copy run ``source_run``'s (open or closed) checkpoint (``folder`` "checkpoints") or
+        export ("exports") ``name`` into a new run ``target``, recorded closed: it is never
+        opened to train, and its checkpoint is read as any closed run's (loaded, sampled,
+        downloaded). The files share the source's storage (``run_checkpoints.copy_saved``); on
+        the executor, as removals are, so nothing removes the source meanwhile. Copying again
+        (a retry) finds it done."""
+        check_name(target.run_id, "run id")
+
+        def copy() -> None:
+            source = self.state_dir.run(source_run)
+            run = self.state_dir.run(target.run_id)
+            if run.exists() and run.read_spec().state != RUN_CLOSED:
+                raise FailedPrecondition(f"run {target.run_id!r} is open on this server")
+            if not run.exists():
+                run.write_spec(dataclasses.replace(target, state=RUN_CLOSED))
+            copy_saved(source, run, folder, name)
+
+        self._serialized(copy, refusable=False)
 
     def runs(self) -> list[SessionInfo]:
         """The open runs, by run id, each as ``info`` gives it (a run a restart could not

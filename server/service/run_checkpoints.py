@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainwire.contract.files import TMP_MARK, fsync_directory, fsync_path
 from trainwire.server.engine.session.checkpoint import read_extra, verify_checkpoint
 from trainwire.server.errors import InvalidArgument, NotFound
 from trainwire.server.service.journal import JournalEntry
@@ -180,3 +182,34 @@ def discard_saved(
     for name in exports:
         shutil.rmtree(run.export(name), ignore_errors=True)
     return kept
+
+
+def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: str) -> None:
+    """Copy ``source``'s checkpoint (``folder`` "checkpoints") or export ("exports") ``name``
+    into ``target`` under the same name, sharing the files' storage (hard links; a copy where
+    the file system has none), written whole or not at all (a hidden folder renamed into
+    place). A copy already there is left as it is: copying again (a retry) changes nothing.
+    Saved folders are never written again once in place, so sharing their files is safe."""
+    place = target.checkpoint if folder == "checkpoints" else target.export
+    origin = source.checkpoint(name) if folder == "checkpoints" else source.export(name)
+    destination = place(name)
+    if destination.is_dir():
+        return
+    if not origin.is_dir():
+        raise NotFound(f"{folder[:-1]} {name!r} of this run is no longer on disk")
+    partial_copy = destination.with_name(f".{name}{TMP_MARK}copy")
+    shutil.rmtree(partial_copy, ignore_errors=True)
+    shutil.copytree(origin, partial_copy, copy_function=_link_or_copy)
+    for folder_path, _, files in os.walk(partial_copy):  # durable before it is in place
+        for file in files:
+            fsync_path(Path(folder_path) / file)
+        fsync_directory(Path(folder_path))
+    partial_copy.rename(destination)
+    fsync_directory(destination.parent)
+
+
+def _link_or_copy(origin: str, destination: str) -> None:
+    try:
+        os.link(origin, destination)
+    except OSError:  # another file system, or one without hard links
+        shutil.copy2(origin, destination)

@@ -6,7 +6,8 @@ can.
   key, never the key; deleting a key is refused: keys are the server's configuration.
 - ``auth/token`` is refused: this server issues no JWTs (``client/config`` says so), so the SDK
   keeps sending its key; ``RestClient.whoami``, which reads a JWT, is refused by the SDK itself.
-- ``client/dynamic_config``: the SDK's defaults, with explicit sample cancellation off.
+- ``client/dynamic_config``: the SDK's defaults, with explicit sample cancellation on
+  (``cancel_future``).
 - ``get_server_capabilities``: the base models under the model root, and, beside the SDK's
   fields, the losses served (and refused, with why), that custom losses run on the client, the
   optimizer and the runs one server holds at once.
@@ -88,7 +89,7 @@ def dynamic_config() -> dict[str, Any]:
     """The SDK's ``ClientDynamicConfigResponse``."""
     return {
         "refresh_interval_sec": 300,
-        "sample_cancel_enabled": False,
+        "sample_cancel_enabled": True,  # cancel_future is served
         "sample_cancel_max_batch_size": 64,
     }
 

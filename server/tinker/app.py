@@ -27,6 +27,7 @@ from trainwire.server.tinker import (
     account_routes,
     checkpoint_routes,
     codec,
+    copy_routes,
     external_weights,
     publish_routes,
     sampling_futures,
@@ -247,6 +248,11 @@ def create_app(
                 return Response(outcome.body, media_type=codec.PROTOBUF)
             return JSONResponse(outcome.body)
         return JSONResponse(outcome.body())
+
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(request: Request) -> dict[str, Any]:
+        data, key = await json_body(request), request.headers.get("x-idempotency-key")
+        return await run_in_threadpool(copy_routes.copy_weights, front, data, key)
 
     @app.post(f"{API}/cancel_future")
     async def cancel_future(request: Request) -> JSONResponse:

@@ -139,6 +139,9 @@ class TrainingRunRecord:
     last_request_s: float
     checkpoints: dict[str, SavedCheckpoint] = field(default_factory=dict)
     deferred: list[str] = field(default_factory=list)  # checkpoint folders still to remove
+    # A run made by ``copy_weights``: the key it was copied under, and its request's digest.
+    copy_key: str = ""
+    copy_digest: str = ""
 
     @property
     def run_id(self) -> str:
@@ -216,6 +219,12 @@ class Catalog:
         if record is None or not visible(model_id):
             raise NotFound(f"no training run {model_id!r} on this server")
         return record
+
+    def held(self, model_id: str) -> TrainingRunRecord | None:
+        """Run ``model_id`` whoever holds it (None: none): for the server's own checks, such as
+        whether a model id is taken, never to answer a caller with."""
+        with self._lock:
+            return self._runs.get(model_id)
 
     def runs(self) -> list[TrainingRunRecord]:
         """Every run the caller may see, newest first."""

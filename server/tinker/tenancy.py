@@ -38,7 +38,12 @@ _caller: ContextVar[str | None] = ContextVar("trainwire_tinker_caller", default=
 
 def new_session_id(tenant: str | None) -> str:
     """A new SDK session's id, naming ``tenant`` (None or ``default``: the id as before)."""
-    session_id = f"{SESSION_PREFIX}{uuid.uuid4().hex[:16]}"
+    return session_id_named(uuid.uuid4().hex[:16], tenant)
+
+
+def session_id_named(name: str, tenant: str | None) -> str:
+    """The session id ``tw-<name>`` of ``tenant`` (None or ``default``: without a suffix)."""
+    session_id = f"{SESSION_PREFIX}{name}"
     if tenant is None or tenant == DEFAULT_TENANT:
         return session_id
     return f"{session_id}{TENANT_SEPARATOR}{tenant}"
