@@ -11,10 +11,12 @@
 #    losses, sampling against `generate`, concurrent sample requests batched, and the sharded
 #    session's path (FSDP2 on a 1-rank NCCL group) beside a plain session: memory and step time;
 #    and long sequences (8K and 32K tokens, one sequence): the peak a forward_backward adds with
-#    the chunked head against the whole logits (at 8K), full weights and LoRA;
+#    the chunked head against the whole logits (at 8K), full weights and LoRA; and eight LoRA
+#    runs (r=16, all linear layers) on one Qwen2-0.5B-shaped base: GPU memory against one run
+#    (goal <= 1.25x), and steps/s interleaved on one `serve --max-runs 8` against one run alone;
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 17 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 19 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -66,6 +68,11 @@ step sampling 120 "$PYTHON" bench/sampling.py --device cuda --shape qwen2-0.5b -
 step sampling-concurrent 120 "$PYTHON" bench/sampling_concurrent.py --device cuda --quick
 step sharding 120 "$PYTHON" bench/sharding.py --device cuda --nproc 1
 step long-context 300 "$PYTHON" bench/long_context.py --device cuda --steps 2
+# Both many-runs benches in one step (about 2 minutes: three processes load the base, then one
+# server opens ten runs); the throughput bench runs even when the memory bench fails.
+step many-runs 300 bash -c '"$0" bench/many_runs.py "$@" --quick; memory=$?
+    "$0" bench/many_runs_throughput.py "$@" --steps 10 && exit "$memory"' \
+    "$PYTHON" --device cuda --shape qwen2-0.5b --runs 8
 
 echo "results: $SUMMARY"
 exit "$failed"

@@ -37,5 +37,7 @@ def test_every_test_file_and_benchmark_it_runs_exists():
         "bench/engine.py",
         "bench/sampling.py",
         "bench/sharding.py",
+        "bench/many_runs.py",
+        "bench/many_runs_throughput.py",
     } <= named
     assert [path for path in sorted(named) if not (root / path).is_file()] == []
