@@ -141,8 +141,14 @@ def create_app(
 
     @app.post(f"{API}/client/config")
     async def client_config() -> dict[str, Any]:
-        # The defaults, with JWT exchange and server-side custom losses off (neither exists here).
-        return {"pjwt_auth_enabled": False, "custom_loss_server_side": False}
+        # JWT exchange and server-side custom losses off (neither exists here); the sampling
+        # poller (retrieve_futures) and clone ids (join_sampling_session) on: both are served.
+        return {
+            "pjwt_auth_enabled": False,
+            "custom_loss_server_side": False,
+            "sample_use_retrieve_futures": True,
+            "sample_join_sampling_session": True,
+        }
 
     @app.get(f"{API}/healthz")
     async def healthz() -> JSONResponse:

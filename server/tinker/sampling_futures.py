@@ -145,7 +145,8 @@ class SamplingFutures:
         sampling_id = body.get("sampling_session_id")
         if not isinstance(sampling_id, str) or not sampling_id:
             raise InvalidArgument("join_sampling_session: sampling_session_id is required")
-        self.front.sampling_sessions.get(sampling_id)  # not there, or another tenant's: 404
+        replaying = self.front.intake.replay_pending()  # not there, or another tenant's: 404
+        self.front.sampling_sessions.require(sampling_id, replaying=replaying)
         results = self.front.intake.results
         with self._lock:
             taken = self._clones.setdefault(sampling_id, set())
@@ -160,7 +161,8 @@ class SamplingFutures:
 
     async def poll(self, body: dict[str, Any]) -> dict[str, Any]:
         target, cursor, hold, retrieved = check_target(body)
-        self.front.sampling_sessions.get(target[0])  # not there, or another tenant's: 404
+        replaying = self.front.intake.replay_pending()  # not there, or another tenant's: 404
+        self.front.sampling_sessions.require(target[0], replaying=replaying)
         queue = self._queue(target)
         with self._lock:
             queue.reported.difference_update(retrieved)

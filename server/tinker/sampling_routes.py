@@ -115,8 +115,9 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     """The request id of a sample call and its sequences' ids, at once."""
     request = sample_codec.decode_sample(body)
     request_id = f"{request.sampling_session_id}/{request.seq_id}"
-    if not front.intake.replay_pending():  # after a restart, a replayed call may create it
-        front.sampling_sessions.get(request.sampling_session_id)  # unknown: 404 at once
+    # Unknown: 404 at once (after a restart, unless a replayed call is to make it again).
+    replaying = front.intake.replay_pending()
+    front.sampling_sessions.require(request.sampling_session_id, replaying=replaying)
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.

@@ -210,6 +210,15 @@ class SamplingSessions:
         with self._lock:
             return len(self._sessions)
 
+    def require(self, sampling_id: str, *, replaying: bool) -> None:
+        """NotFound unless ``sampling_id`` is a sampling session the caller may use, or, while
+        a restart still replays its calls (``replaying``), one a replayed snapshot call is
+        to make again (``expect``): its clients keep polling and sampling meanwhile."""
+        with self._lock:
+            coming = replaying and sampling_id in self._expected
+        if not coming or not visible(sampling_id):
+            self.get(sampling_id)
+
     def get(self, sampling_id: str) -> SamplingSession:
         with self._lock:
             sampler = self._sessions.get(sampling_id)
