@@ -214,6 +214,7 @@ ROUTES: dict[tuple[str, str], Cases | None] = {
     ("POST", f"{API}/retrieve_future"): lambda a, b: [
         _json("retrieve_future", {"request_id": a.future})
     ],
+    ("POST", f"{API}/create_custom_loss"): None,
     ("POST", f"{API}/cancel_future"): lambda a, b: [
         _json("cancel_future", {"request_id": a.future})
     ],

@@ -5,8 +5,6 @@ refused with a 4xx whose detail says why, or answered inside the SDK without a r
 ``TABLE`` holds one case per method, in the order they run (an ``X_async`` twin runs the case
 of ``X`` through its own method). The methods are enumerated with ``inspect``, so a method a
 new SDK adds fails ``test_every_public_method_has_a_case`` until its case is written.
-``OWED_BY_LEAD`` holds what is not built yet, each asserted to be missing or refused today:
-building one fails ``test_what_is_owed_is_still_missing`` until it moves into ``TABLE``.
 docs/TINKER.md's table is this table, for readers.
 """
 
@@ -159,6 +157,21 @@ def forward_backward_custom(w: World, call: Call) -> None:
         return loss, {"nll:mean": loss.item()}
 
     assert call(w.training, [w.datum()], mean_nll).metrics["nll:mean"] > 0
+
+
+def create_custom_loss(w: World, call: Call) -> None:
+    """Traced and run by the SDK itself (client/config keeps it off the server, whose route
+    refuses it with the reason): the loss then trains through forward_backward_custom."""
+
+    def neg_ll(logprobs: torch.Tensor, weights: torch.Tensor) -> Any:
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/neg_ll:sum": loss}
+
+    handle = call(w.service, neg_ll, {"logprobs": 1, "weights": 1})
+    output = w.training.forward_backward_custom([w.datum()], handle).result(timeout=60)
+    assert output.metrics["custom/neg_ll:sum"] > 0
+    refusal = w.raw("POST", "create_custom_loss", json={})
+    assert refusal.status_code == 400 and "runs custom losses on the client" in refusal.text
 
 
 def optim_step(w: World, call: Call) -> None:
@@ -585,6 +598,11 @@ TABLE: dict[str, tuple[str, str, Case]] = {
         "as AdminClient's (deprecated)",
         deprecated_admin(storage),
     ),
+    "ServiceClient.create_custom_loss": (
+        LOCAL,
+        "traced and run by the SDK (the server's route refuses it with why)",
+        create_custom_loss,
+    ),
     "ServiceClient.copy_weights": (
         SERVED,
         "a new closed run holding the copy (its files shared), once per idempotency key",
@@ -618,14 +636,8 @@ TABLE: dict[str, tuple[str, str, Case]] = {
     ),
 }
 
+
 # What the lead still builds: each check says it is still missing or refused today.
-OWED_BY_LEAD: dict[str, Callable[[World], bool]] = {
-    "ServiceClient.create_custom_loss": lambda w: (
-        w.raw("POST", "create_custom_loss", json={}).status_code == 404
-    ),
-}
-
-
 def public_methods() -> set[str]:
     """Every public method (and property) of the SDK's clients, ``X_async`` twins included."""
     return {
@@ -649,8 +661,7 @@ def ordered_calls() -> list[tuple[str, str]]:
 
 def test_every_public_method_has_a_case() -> None:
     covered = {method for method, _ in ordered_calls()}
-    owed = {f"{name}{suffix}" for name in OWED_BY_LEAD for suffix in ("", ASYNC)}
-    missing = public_methods() - covered - owed
+    missing = public_methods() - covered
     assert not missing, f"SDK methods without a case in TABLE: {sorted(missing)}"
 
 
@@ -658,8 +669,6 @@ def test_the_docs_table_names_every_case() -> None:
     text = DOCS.read_text()
     for key, (outcome, what, _) in TABLE.items():
         assert f"| `{key}` | {outcome} | {what} |" in text, key
-    for key in OWED_BY_LEAD:
-        assert f"`{key}`" in text, key
 
 
 @pytest.fixture(scope="module")
@@ -684,11 +693,6 @@ def world(tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama
             sampler_path,
             service.holder.get_session_id(),
         )
-
-
-def test_what_is_owed_is_still_missing(world: World) -> None:
-    built = [name for name, missing in OWED_BY_LEAD.items() if not missing(world)]
-    assert not built, f"built now: move {built} from OWED_BY_LEAD into TABLE"
 
 
 def test_retrieve_futures_reports_a_clones_samples_once(world: World) -> None:

@@ -50,6 +50,13 @@ SEQUENCED_JSON_ROUTES: dict[str, Callable[[TinkerFront, dict[str, Any]], str]] =
     "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
     "save_weights_external": external_weights.save_weights_external,
 }
+# Why a custom loss never runs here (client/config says so, and the SDK then runs it itself).
+CUSTOM_LOSS_ON_THE_CLIENT = (
+    "create_custom_loss: this server runs custom losses on the client (client/config "
+    "custom_loss_server_side is false): a traced graph sent by a client is code the server "
+    "would execute; the SDK runs the loss itself on the trainer's logprobs from a forward, and "
+    "the update is a forward_backward weighted by the loss's gradient (the same gradients)"
+)
 DEFAULT_POLL_HOLD_S = 20.0  # under the SDK's 45 s poll timeout
 # forward_backward bodies decoded at once (inflated, parsed, their datums built); the rest wait
 # their turn, holding only the body they sent. Decoding is Python work under the GIL, so more
@@ -149,6 +156,10 @@ def create_app(
             "sample_use_retrieve_futures": True,
             "sample_join_sampling_session": True,
         }
+
+    @app.post(f"{API}/create_custom_loss")
+    async def create_custom_loss() -> None:
+        raise InvalidArgument(CUSTOM_LOSS_ON_THE_CLIENT)
 
     @app.get(f"{API}/healthz")
     async def healthz() -> JSONResponse:

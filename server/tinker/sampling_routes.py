@@ -39,7 +39,9 @@ SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past 
 
 def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     """A snapshot of the live weights for sampling clients, named (``path``) or for a new
-    sampling session; unnamed snapshots past the newest few are removed."""
+    sampling session; unnamed snapshots past the newest few are removed. ``kind`` "inflight":
+    the model's inflight weights move to this snapshot, for the new sampling session and every
+    inflight one of the model made before (``SamplingSessions.snapshot``)."""
     model_id, seq_id = get_str(body, "model_id", "") or "", body.get("seq_id")
     model = front.models.require_model(model_id)
     sampling_seq = get_int(body, "sampling_session_seq_id")
@@ -47,6 +49,7 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
 
     def prepare() -> Submission:
         name = get_str(body, "path")
+        inflight = sampling_kind(body, named=bool(name))
         export = snapshot_export(seq_id if isinstance(seq_id, int) else 0, name)
         check_name(export, "save_weights_for_sampler path")
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
@@ -66,7 +69,9 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
                 saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
                 return {"type": "save_weights_for_sampler", "path": path}
-            pruned = sessions.snapshot(model_id, sampling_id, None, model_name, export, seq_id)
+            pruned = sessions.snapshot(
+                model_id, sampling_id, None, model_name, export, seq_id, inflight=inflight
+            )
             if pruned:
                 discard = DiscardExportsRequest(pruned)
                 front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id)
@@ -78,6 +83,20 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     if not get_str(body, "path"):
         front.sampling_sessions.expect(sampling_id, model_id)  # its samples take model's turns
     return request_id
+
+
+def sampling_kind(body: dict[str, Any], *, named: bool) -> bool:
+    """Whether a ``save_weights_for_sampler`` is of kind ``inflight`` (else ``snapshot``);
+    InvalidArgument for another kind, or for named inflight weights."""
+    kind = get_str(body, "kind", "snapshot") or "snapshot"
+    if kind not in ("snapshot", "inflight"):
+        raise InvalidArgument(f"save_weights_for_sampler: kind {kind!r}: snapshot or inflight")
+    if kind == "inflight" and named:
+        raise InvalidArgument(
+            "save_weights_for_sampler: inflight weights have no name (they move with each "
+            "inflight save); save named weights as a snapshot"
+        )
+    return kind == "inflight"
 
 
 def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -123,7 +142,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         # Looked up when it runs: after a restart, the call that creates it runs first.
         with front.intake.serial:  # samples run beside each other; choosing weights may not
             sampler = front.sampling_sessions.get(request.sampling_session_id)
-            run_id, weights = _weights_of(front, sampler)
+            run_id, weights = _weights_of(front, front.sampling_sessions.target(sampler))
         seed = request.seed
         if seed is None:  # the same loop twice draws the same samples
             seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)

@@ -33,6 +33,7 @@ SNAPSHOT_PREFIX = "sampler-"
 # The kinds of the notes this module keeps in the request store (``NoteRecord``).
 SAMPLER_NOTE = "sampler"  # a sampling session, or (``named``) sampler weights saved under a path
 UNNAMED_SNAPSHOTS_NOTE = "unnamed_snapshots"  # which unnamed snapshot exports exist, oldest first
+INFLIGHT_NOTE = "inflight"  # the snapshot a model's inflight sampling sessions read now
 
 
 def snapshot_export(seq_id: int, name: str | None) -> str:
@@ -50,13 +51,14 @@ class SamplingSession:
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
     model_id: str = ""  # the model that took the snapshot ("": an earlier version's one model)
+    inflight: bool = False  # reads its model's inflight weights, not its own snapshot
 
     def record(self, *, named: bool = False) -> NoteRecord:
         """What the request store keeps of it (the version is this process's only): named sampler
         weights outlive the SDK session that saved them, a sampling session goes with its own."""
         fields = asdict(self)
         del fields["weights_version"]
-        for name in ("export_run", "model_id"):  # written where known, as earlier versions did
+        for name in ("export_run", "model_id", "inflight"):  # written where set, as before
             if not fields[name]:
                 del fields[name]
         if named:
@@ -76,6 +78,8 @@ class SamplingSessions:
         self._unnamed: dict[str, list[str]] = {}  # model id → its unnamed snapshots, oldest first
         # Sampling sessions a snapshot call was accepted for and has not made yet: their model.
         self._expected: dict[str, str] = {}
+        # Each model's inflight weights: the snapshot of its latest inflight save.
+        self._inflight: dict[str, SamplingSession] = {}
 
     def weights_version(self, model_id: str) -> int:
         with self._lock:
@@ -97,10 +101,14 @@ class SamplingSessions:
         base_model: str,
         export: str,
         seq: int,
+        *,
+        inflight: bool = False,
     ) -> list[str]:
         """Register a snapshot ``model_id`` just wrote (a named ``path`` or a sampling
         session); returns that model's unnamed snapshot exports now beyond what is kept, for
-        the caller to remove."""
+        the caller to remove. ``inflight``: the sampling session reads the model's inflight
+        weights, which move to this snapshot (also for its inflight sessions made before: the
+        newest inflight snapshot is always among the unnamed ones kept)."""
         with self._lock:
             version = self._versions.get(model_id, self._first_version)
             sampler = SamplingSession(
@@ -110,6 +118,9 @@ class SamplingSessions:
                 self._named[path] = sampler
                 return []
             assert sampling_id is not None
+            if inflight:
+                self._inflight[model_id] = sampler
+                sampler = replace(sampler, sampling_session_id=sampling_id, inflight=True)
             self._sessions.setdefault(sampling_id, sampler)
             self._expected.pop(sampling_id, None)
             unnamed = self._unnamed.setdefault(model_id, [])
@@ -118,6 +129,15 @@ class SamplingSessions:
             pruned = unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             del unnamed[:-KEEP_UNNAMED_SNAPSHOTS]
             return pruned
+
+    def target(self, sampler: SamplingSession) -> SamplingSession:
+        """The snapshot ``sampler`` reads now: its own, or for an inflight one its model's
+        latest inflight save (never older than its own)."""
+        if not sampler.inflight:
+            return sampler
+        with self._lock:
+            latest = self._inflight.get(sampler.model_id, sampler)
+        return replace(latest, sampling_session_id=sampler.sampling_session_id, inflight=True)
 
     def expect(self, sampling_id: str, model_id: str) -> None:
         """A snapshot call of ``model_id`` that makes ``sampling_id`` was accepted."""
@@ -150,6 +170,7 @@ class SamplingSessions:
             }
             self._named = {k: v for k, v in self._named.items() if v.model_id != model_id}
             self._unnamed.pop(model_id, None)
+            self._inflight.pop(model_id, None)
             self._versions.pop(model_id, None)
             self._expected = {k: v for k, v in self._expected.items() if v != model_id}
 
@@ -240,12 +261,20 @@ class SamplingSessions:
                 NoteRecord(UNNAMED_SNAPSHOTS_NOTE, {"exports": list(exports), "model_id": model})
                 for model, exports in sorted(self._unnamed.items())
             ]
-            return [*named, *sessions, *unnamed]
+            inflight = [
+                NoteRecord(INFLIGHT_NOTE, latest.record().fields)
+                for latest in self._inflight.values()
+            ]
+            return [*named, *sessions, *unnamed, *inflight]
 
     def restore(self, note: NoteRecord) -> None:
         """Take back one of ``records``' notes (or a logged sampling session); ValueError for a
         note of another kind."""
         with self._lock:
+            if note.kind == INFLIGHT_NOTE:
+                latest = SamplingSession(**note.fields)
+                self._inflight[latest.model_id] = latest
+                return
             if note.kind == UNNAMED_SNAPSHOTS_NOTE:
                 model_id = note.fields.get("model_id", "")
                 self._unnamed[model_id] = list(note.fields["exports"])
