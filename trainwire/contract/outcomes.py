@@ -156,6 +156,10 @@ class ExportOutcome(OperationOutcome):
     directory: Path | None = field(default=None, compare=False)
 
 
+# One position's most likely ids with their logprobs, best first: ``((id, logprob), ...)``.
+TopLogprobs = tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True)
 class Sample:
     """One sampled continuation: its new tokens (a stop token kept), the model's own logprob of
@@ -164,3 +168,23 @@ class Sample:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: str
+    # When the request asked for the top k at each sampled position: one ``TopLogprobs`` a token.
+    topk_logprobs: tuple[TopLogprobs, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """What a sample request asked about its prompt, under the weights it sampled. Position
+    ``i`` is prompt token ``i`` given the tokens before it; position 0 has nothing before it and
+    is never scored. Each value is bit for bit what ``forward`` gives for that id there.
+
+    ``logprobs``: one a prompt token, NaN where not scored (position 0, and before the last n
+    when the request limited them); None when not asked. ``topk``: the top k of each position,
+    None where not scored; None when not asked. ``targets``: one row a position after the
+    first (``[len(prompt) - 1, K]``), the logprob of each id the request named there, None where
+    it named none (-1); None when not asked.
+    """
+
+    logprobs: tuple[float, ...] | None = None
+    topk: tuple[TopLogprobs | None, ...] | None = None
+    targets: tuple[tuple[float | None, ...], ...] | None = None
