@@ -209,7 +209,6 @@ def target_tensor(rows: list[list[int]], **layout: Any) -> dict[str, Any]:
             {"target_prompt_logprobs": target_tensor([[4], [5]], sparse_crow_indices=[0, 2])},
             "not a CSR layout",
         ),
-        ({"prompt_alt_tokens_k": 2}, "prompt_alt_tokens_k is not supported"),
     ],
 )
 def test_a_bad_sampling_option_is_a_400_naming_it_and_is_never_logged(
