@@ -15,21 +15,21 @@ import torch
 from test_chunked_logprobs import CHUNK, CHUNK_BYTES, VOCAB, LargestVocabularyRows
 
 from trainwire.client import LoraSettings, TokenExample
-from trainwire.server.engine.sampling.params import PromptScoring
+from trainwire.server.engine.sampling.params import PromptScoring, SamplingLimits
 from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
 from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads, sample_batching
 from trainwire.server.service.requests import SampleRequest
+from trainwire.server.tinker import sample_codec
 
 K = 4
 
 
-@pytest.fixture(params=["full", "lora"])
-def session(request, llama_config) -> TrainingSession:
+def make_session(llama_config, setup: str) -> TrainingSession:
     """Chunks of 3 positions: every prompt and sample here spans several."""
-    lora = LoraSettings(r=4, alpha=8, dropout=0.0) if request.param == "lora" else None
+    lora = LoraSettings(r=4, alpha=8, dropout=0.0) if setup == "lora" else None
     config = llama_config(lora=lora, lr_scheduler="constant")
     return TrainingSession(config, device="cpu", logits_chunk_bytes=CHUNK_BYTES)
 
@@ -60,8 +60,11 @@ def check_top_rows(session, tokens, targets, rows, first: int) -> None:
             assert row[rank] == (top_ids[first + offset][rank], values[first + offset])
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.0])
-def test_each_sampled_positions_top_k_is_forwards_value_for_those_ids(session, temperature):
+@pytest.mark.parametrize(("setup", "temperature"), [("full", 1.0), ("lora", 0.0)])
+def test_each_sampled_positions_top_k_is_forwards_value_for_those_ids(
+    llama_config, setup, temperature
+):
+    session = make_session(llama_config, setup)
     prompt = session.tokenize(["the movie was"])[0]
     samples = session.sample(
         prompt, max_tokens=7, num_samples=2, seed=3, temperature=temperature, topk_sample_logprobs=K
@@ -75,7 +78,9 @@ def test_each_sampled_positions_top_k_is_forwards_value_for_those_ids(session, t
             assert tops == list(zip(sample.tokens, sample.logprobs, strict=True))
 
 
-def test_the_prompts_top_k_last_n_and_targets_are_forwards_values(session):
+@pytest.mark.parametrize("setup", ["full", "lora"])
+def test_the_prompts_top_k_last_n_and_targets_are_forwards_values(llama_config, setup):
+    session = make_session(llama_config, setup)
     prompt = session.tokenize(["the cat sat on the mat and then"])[0]
     length = len(prompt)
     assert length > 3 * CHUNK  # the last n start inside a later chunk
@@ -140,7 +145,8 @@ def alone(session: TrainingSession, request: SampleRequest) -> reads.SampleResul
     return reads.SampleResult(samples, scored)
 
 
-def test_requests_asking_other_logprobs_decode_together_each_as_alone(session):
+def test_requests_asking_other_logprobs_decode_together_each_as_alone(llama_config):
+    session = make_session(llama_config, "full")
     prompt = session.tokenize(["a dog ran in the park"])[0]
     requests = options_requests(prompt)
     expected = [bits(alone(session, r)) for r in requests]
@@ -168,6 +174,11 @@ def bits(result: reads.SampleResult) -> tuple:
     logprobs = None if scored is None or scored.logprobs is None else str(scored.logprobs)
     rest = None if scored is None else (scored.topk, scored.targets)
     return result.samples, logprobs, rest
+
+
+def test_the_fronts_logprob_bound_is_the_engines() -> None:
+    """The Tinker codec bounds the options before it logs a request (it imports no engine)."""
+    assert SamplingLimits().max_logprob_ids == sample_codec.MAX_LOGPROB_IDS
 
 
 @pytest.mark.parametrize(
