@@ -139,7 +139,10 @@ def options_requests(prompt: list[int]) -> list[SampleRequest]:
 
 
 def alone(session: TrainingSession, request: SampleRequest) -> reads.SampleResult:
-    samples = session.sample(request.prompt_tokens, **request.sampling_settings())
+    topk = request.topk_sample_logprobs
+    samples = session.sample(
+        request.prompt_tokens, topk_sample_logprobs=topk, **request.sampling_settings()
+    )
     scoring = reads.prompt_scoring(request)
     scored = session.prompt_scores(request.prompt_tokens, scoring) if scoring.asked else None
     return reads.SampleResult(samples, scored)

@@ -92,7 +92,12 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
     scoring = prompt_scoring(request)
     if scoring.asked:  # refused before any sample is drawn
         scoring.check(request.prompt_tokens, session.sampler.vocab_size, session.sampler.limits)
-    samples = session.sample(request.prompt_tokens, weights=weights, **request.sampling_settings())
+    samples = session.sample(
+        request.prompt_tokens,
+        weights=weights,
+        topk_sample_logprobs=request.topk_sample_logprobs,
+        **request.sampling_settings(),
+    )
     if not scoring.asked:
         return SampleResult(samples)
     scored = session.prompt_scores(request.prompt_tokens, scoring, weights=weights)

@@ -103,8 +103,10 @@ class SampleRequest:
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None
     target_prompt_logprobs: Sequence[Sequence[int]] | None = None
-    # What is asked about the prompt (``reads.prompt_scoring`` reads them), not about samples.
-    PROMPT_FIELDS: ClassVar[tuple[str, ...]] = (
+    # Reported beside the samples, deciding none of their draws: the top k of sampled positions
+    # (``sample``'s own keyword) and what is asked about the prompt (``reads.prompt_scoring``).
+    REPORTS: ClassVar[tuple[str, ...]] = (
+        "topk_sample_logprobs",
         "prompt_logprobs",
         "topk_prompt_logprobs",
         "prompt_logprobs_last_n",
@@ -114,12 +116,13 @@ class SampleRequest:
     cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def sampling_settings(self) -> dict[str, Any]:
-        """The engine's ``sample`` keywords: every field but the prompt and what is asked about
-        it, the weights' choice and the caller's liveness."""
+        """The engine's ``sample`` keywords that decide the draws: every field but the prompt,
+        the reports beside the samples (``REPORTS``), the weights' choice and the caller's
+        liveness."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)}
         for name in ("prompt_tokens", "export", "export_run", "base_model", "cancelled"):
             del settings[name]
-        for name in self.PROMPT_FIELDS:
+        for name in self.REPORTS:
             del settings[name]
         return settings
 

@@ -205,5 +205,5 @@ def params_of(request: SampleRequest) -> SamplingParams:
         tuple(settings["stop_tokens"]),
         settings["seed"],
         stop_strings=tuple(settings["stop_strings"]),
-        topk_sample_logprobs=settings["topk_sample_logprobs"],
+        topk_sample_logprobs=request.topk_sample_logprobs,
     )
