@@ -6,6 +6,7 @@ options decode as one batch, each getting what it gets alone."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -47,17 +48,24 @@ def plain_log_softmax(session: TrainingSession, tokens: Sequence[int]) -> torch.
     return torch.log_softmax(logits, -1)
 
 
-def check_top_rows(session, tokens, targets, rows, first: int) -> None:
-    """``rows[i]`` (the top k at example position ``first + i``) are the plain top k ids, each
-    valued bit for bit as ``forward`` values that id as the target there."""
-    top_ids = plain_log_softmax(session, tokens).topk(K, -1).indices.tolist()
-    for rank in range(K):
+def check_top_rows(forward, tokens, targets, rows, first: int) -> None:
+    """``rows[i]``, the top k at example position ``first + i``: k ids, best first, each valued
+    bit for bit as ``forward(tokens, targets)`` (the trainer's) values it as the target there."""
+    for rank in range(len(rows[0])):
         swapped = list(targets)
         for offset, row in enumerate(rows):
             swapped[first + offset] = row[rank][0]
-        values = forward_values(session, tokens, swapped)
+        values = forward(tokens, swapped)
         for offset, row in enumerate(rows):
-            assert row[rank] == (top_ids[first + offset][rank], values[first + offset])
+            assert row[rank] == (swapped[first + offset], values[first + offset])
+    for row in rows:
+        assert [value for _, value in row] == sorted((value for _, value in row), reverse=True)
+
+
+def check_plain_top_ids(session: TrainingSession, tokens, rows, first: int) -> None:
+    """The ids of ``rows`` are the plain log-softmax's top k there."""
+    top_ids = plain_log_softmax(session, tokens).topk(K, -1).indices.tolist()
+    assert [[token for token, _ in row] for row in rows] == top_ids[first : first + len(rows)]
 
 
 @pytest.mark.parametrize(("setup", "temperature"), [("full", 1.0), ("lora", 0.0)])
@@ -72,7 +80,9 @@ def test_each_sampled_positions_top_k_is_forwards_value_for_those_ids(
     for sample in samples:
         assert len(sample.topk_logprobs) == len(sample.tokens)
         full = [*prompt, *sample.tokens]
-        check_top_rows(session, full[:-1], full[1:], sample.topk_logprobs, len(prompt) - 1)
+        forward = functools.partial(forward_values, session)
+        check_top_rows(forward, full[:-1], full[1:], sample.topk_logprobs, len(prompt) - 1)
+        check_plain_top_ids(session, full[:-1], sample.topk_logprobs, len(prompt) - 1)
         if temperature == 0:  # greedy: the best id is the token drawn, with its own logprob
             tops = [row[0] for row in sample.topk_logprobs]
             assert tops == list(zip(sample.tokens, sample.logprobs, strict=True))
@@ -93,7 +103,9 @@ def test_the_prompts_top_k_last_n_and_targets_are_forwards_values(llama_config, 
     assert all(math.isnan(v) for v in scored.logprobs[:first])
     assert scored.logprobs[first:] == tuple(plain[first:])
     assert scored.topk[:first] == (None,) * first
-    check_top_rows(session, prompt[:-1], prompt[1:], scored.topk[first:], first - 1)
+    forward = functools.partial(forward_values, session)
+    check_top_rows(forward, prompt[:-1], prompt[1:], scored.topk[first:], first - 1)
+    check_plain_top_ids(session, prompt[:-1], scored.topk[first:], first - 1)
     for column in range(2):
         named = [
             row[column] if row[column] >= 0 else prompt[i + 1] for i, row in enumerate(targets)

@@ -9,6 +9,7 @@ bytes."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from sample_requests import held_executor, spy_batches
 from service_fixtures import wait_for
 from test_bounds_tinker import HEADERS, Front, start
+from test_sample_logprob_options import check_top_rows
 from tinker import types
 from tinker.proto.response_conv import deserialize_sample_response
 from tinker_loops import SdkRun, lora_training, tinker_server, train_step
@@ -54,20 +56,6 @@ def forward(run: SdkRun, tokens: Sequence[int], targets: Sequence[int]) -> list[
     return output.loss_fn_outputs[0]["logprobs"].tolist()
 
 
-def check_top_rows(run: SdkRun, tokens, targets, rows, first: int) -> None:
-    """``rows[i]``, the top k at position ``first + i``: k ids, best first, each valued as the
-    trainer's forward values it as the target there."""
-    for rank in range(K):
-        swapped = list(targets)
-        for offset, row in enumerate(rows):
-            swapped[first + offset] = row[rank][0]
-        values = forward(run, tokens, swapped)
-        for offset, row in enumerate(rows):
-            assert row[rank] == (swapped[first + offset], values[first + offset])
-    for row in rows:
-        assert [value for _, value in row] == sorted((value for _, value in row), reverse=True)
-
-
 def test_top_k_last_n_and_target_logprobs_are_the_trainers_forward_bit_for_bit(run) -> None:
     training, sampler = run
     prompt = training.tokenizer.encode("the cat sat on the mat and")
@@ -89,7 +77,8 @@ def test_top_k_last_n_and_target_logprobs_are_the_trainers_forward_bit_for_bit(r
     (sequence,) = response.sequences
     full = [*prompt, *sequence.tokens]
     assert len(sequence.topk_logprobs) == len(sequence.tokens)
-    check_top_rows(training, full[:-1], full[1:], sequence.topk_logprobs, length - 1)
+    trainer = functools.partial(forward, training)
+    check_top_rows(trainer, full[:-1], full[1:], sequence.topk_logprobs, length - 1)
     # greedy: the best id is the token drawn, valued as the sample's own logprob
     assert [row[0] for row in sequence.topk_logprobs] == list(
         zip(sequence.tokens, sequence.logprobs, strict=True)
@@ -100,7 +89,7 @@ def test_top_k_last_n_and_target_logprobs_are_the_trainers_forward_bit_for_bit(r
     assert response.prompt_logprobs == [None] * first + plain[first - 1 :]
     assert response.topk_prompt_logprobs[:first] == [None] * first
     check_top_rows(
-        training, prompt[:-1], prompt[1:], response.topk_prompt_logprobs[first:], first - 1
+        trainer, prompt[:-1], prompt[1:], response.topk_prompt_logprobs[first:], first - 1
     )
 
     answered = response.target_prompt_logprobs
