@@ -78,13 +78,14 @@ def test_each_sampled_positions_top_k_is_forwards_value_for_those_ids(
         prompt, max_tokens=7, num_samples=2, seed=3, temperature=temperature, topk_sample_logprobs=K
     )
     for sample in samples:
-        assert len(sample.topk_logprobs) == len(sample.tokens)
+        rows = sample.topk_logprobs.rows()
+        assert len(rows) == len(sample.tokens)
         full = [*prompt, *sample.tokens]
         forward = functools.partial(forward_values, session)
-        check_top_rows(forward, full[:-1], full[1:], sample.topk_logprobs, len(prompt) - 1)
-        check_plain_top_ids(session, full[:-1], sample.topk_logprobs, len(prompt) - 1)
+        check_top_rows(forward, full[:-1], full[1:], rows, len(prompt) - 1)
+        check_plain_top_ids(session, full[:-1], rows, len(prompt) - 1)
         if temperature == 0:  # greedy: the best id is the token drawn, with its own logprob
-            tops = [row[0] for row in sample.topk_logprobs]
+            tops = [row[0] for row in rows]
             assert tops == list(zip(sample.tokens, sample.logprobs, strict=True))
 
 
@@ -102,10 +103,10 @@ def test_the_prompts_top_k_last_n_and_targets_are_forwards_values(llama_config, 
     first = length - last_n
     assert all(math.isnan(v) for v in scored.logprobs[:first])
     assert scored.logprobs[first:] == tuple(plain[first:])
-    assert scored.topk[:first] == (None,) * first
+    assert scored.first == first and len(scored.topk) == last_n
     forward = functools.partial(forward_values, session)
-    check_top_rows(forward, prompt[:-1], prompt[1:], scored.topk[first:], first - 1)
-    check_plain_top_ids(session, prompt[:-1], scored.topk[first:], first - 1)
+    check_top_rows(forward, prompt[:-1], prompt[1:], scored.topk.rows(), first - 1)
+    check_plain_top_ids(session, prompt[:-1], scored.topk.rows(), first - 1)
     for column in range(2):
         named = [
             row[column] if row[column] >= 0 else prompt[i + 1] for i, row in enumerate(targets)

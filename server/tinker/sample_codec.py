@@ -53,23 +53,22 @@ def _encode_prompt(message: pb.SampleResponse, scored: PromptLogprobs) -> None:
     if scored.logprobs is not None:
         message.prompt_logprobs = np.asarray(scored.logprobs, dtype=np.float32).tobytes()
     if scored.topk is not None:
-        message.topk_prompt_logprobs.CopyFrom(_topk(scored.topk))
+        message.topk_prompt_logprobs.CopyFrom(_topk(scored.topk, scored.first))
     if scored.targets is not None:
         message.target_prompt_logprobs.CopyFrom(_targets(scored.targets))
 
 
-def _topk(rows: Sequence[TopLogprobs | None]) -> pb.TopkLogprobs:
-    """The SDK's ``TopkLogprobs``: two dense ``(length, k)`` matrices, a position not scored
-    filled with its sentinel (id 0, logprob ``MASK_LOGPROB``), which the SDK reads as None."""
-    k = max((len(row) for row in rows if row is not None), default=0)
-    ids = np.zeros((len(rows), k), dtype=np.int32)
-    values = np.full((len(rows), k), MASK_LOGPROB, dtype=np.float32)
-    for index, row in enumerate(rows):
-        if row:
-            ids[index, : len(row)] = [token for token, _ in row]
-            values[index, : len(row)] = [value for _, value in row]
+def _topk(top: TopLogprobs, unscored: int = 0) -> pb.TopkLogprobs:
+    """The SDK's ``TopkLogprobs``: two dense ``(length, k)`` matrices, ``unscored`` positions
+    first filled with its sentinel (id 0, logprob ``MASK_LOGPROB``), which the SDK reads as
+    None."""
+    length = unscored + len(top)
+    ids = np.zeros((length, top.k), dtype=np.int32)
+    values = np.full((length, top.k), MASK_LOGPROB, dtype=np.float32)
+    ids[unscored:] = np.frombuffer(top.ids, dtype=np.int32).reshape(-1, top.k)
+    values[unscored:] = np.frombuffer(top.logprobs, dtype=np.float32).reshape(-1, top.k)
     return pb.TopkLogprobs(
-        token_ids=ids.tobytes(), logprobs=values.tobytes(), k=k, length=len(rows)
+        token_ids=ids.tobytes(), logprobs=values.tobytes(), k=top.k, length=length
     )
 
 

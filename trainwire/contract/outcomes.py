@@ -8,6 +8,7 @@ classes. Neither protobuf nor grpc is imported here.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,8 +157,29 @@ class ExportOutcome(OperationOutcome):
     directory: Path | None = field(default=None, compare=False)
 
 
-# One position's most likely ids with their logprobs, best first: ``((id, logprob), ...)``.
-TopLogprobs = tuple[tuple[int, float], ...]
+@dataclass(frozen=True)
+class TopLogprobs:
+    """The ``k`` most likely ids of consecutive positions, best first, with their logprobs, held
+    flat and compact (a long sample's top 20 are millions of values): position ``i``'s ids are
+    ``ids[i * k : (i + 1) * k]`` (int32) and their logprobs the same slice of ``logprobs``
+    (float32, each value exact)."""
+
+    k: int
+    ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
+
+    def __len__(self) -> int:
+        return len(self.ids) // self.k if self.k else 0
+
+    def rows(self) -> list[list[tuple[int, float]]]:
+        """Each position's ``[(id, logprob), ...]``, as the SDK's lists read."""
+        k = self.k
+        return [
+            list(
+                zip(self.ids[i * k : (i + 1) * k], self.logprobs[i * k : (i + 1) * k], strict=True)
+            )
+            for i in range(len(self))
+        ]
 
 
 @dataclass(frozen=True)
@@ -168,8 +190,8 @@ class Sample:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: str
-    # When the request asked for the top k at each sampled position: one ``TopLogprobs`` a token.
-    topk_logprobs: tuple[TopLogprobs, ...] | None = None
+    # The top k of each sampled position, when the request asked for them: one row a token.
+    topk_logprobs: TopLogprobs | None = None
 
 
 @dataclass(frozen=True)
@@ -178,13 +200,15 @@ class PromptLogprobs:
     ``i`` is prompt token ``i`` given the tokens before it; position 0 has nothing before it and
     is never scored. Each value is bit for bit what ``forward`` gives for that id there.
 
-    ``logprobs``: one a prompt token, NaN where not scored (position 0, and before the last n
-    when the request limited them); None when not asked. ``topk``: the top k of each position,
-    None where not scored; None when not asked. ``targets``: one row a position after the
+    ``first``: the first position whose logprob and top k are reported (1, or where the last n
+    the request limited them to begin). ``logprobs``: one a prompt token, NaN before ``first``;
+    None when not asked. ``topk``: the top k of each position from ``first`` on; None when not
+    asked. ``targets``: one row a position after the
     first (``[len(prompt) - 1, K]``), the logprob of each id the request named there, None where
     it named none (-1); None when not asked.
     """
 
+    first: int = 1
     logprobs: tuple[float, ...] | None = None
-    topk: tuple[TopLogprobs | None, ...] | None = None
+    topk: TopLogprobs | None = None
     targets: tuple[tuple[float | None, ...], ...] | None = None

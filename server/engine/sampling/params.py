@@ -159,9 +159,9 @@ def target_problems(
 ) -> list[str]:
     """``target_prompt_logprobs``: ``rows`` rows of one width in [1, ``max_logprob_ids``], ids
     in the vocabulary or -1, at least one id."""
-    widths = {len(row) for row in targets}
     if not targets:
         return ["target_prompt_logprobs names no id"]
+    widths = {len(row) for row in targets}
     if len(targets) != rows or len(widths) != 1:
         return [f"target_prompt_logprobs must have {rows} rows (the prompt's tokens after the "
                 "first) of one width"]  # fmt: skip

@@ -17,6 +17,7 @@ it is given.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -196,7 +197,7 @@ class Sampler:
             key = tuple(tokens)
             if key not in scored:
                 scores = self.scores(model, prompt, key, device, top_k=top_k)
-                top = _top_lists(scores.top_ids, scores.top_logprobs) if top_k else None
+                top = _top(scores.top_ids, scores.top_logprobs) if top_k else None
                 scored[key] = Sample(key, _floats(scores.picked), reason, top)
             samples.append(replace(scored[key], stop_reason=reason))
         return samples
@@ -234,7 +235,8 @@ class Sampler:
         start = min(starts, default=length - 1)
         if start >= length - 1:  # a one-token prompt: nothing precedes its only token
             logprobs = (math.nan,) if scoring.logprobs else None
-            return PromptLogprobs(logprobs, (None,) if scoring.top_k else None)
+            top = TopLogprobs(scoring.top_k) if scoring.top_k else None
+            return PromptLogprobs(reported, logprobs, top)
         device = next(model.parameters()).device
         chosen = None
         if scoring.targets is not None:
@@ -298,28 +300,30 @@ def _floats(values: torch.Tensor) -> tuple[float, ...]:
     return tuple(values.cpu().tolist())
 
 
-def _top_lists(ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[TopLogprobs, ...]:
-    """Each position's top k as ``((id, logprob), ...)``, best first."""
-    rows = zip(ids.cpu().tolist(), logprobs.cpu().tolist(), strict=True)
-    return tuple(tuple(zip(row, values, strict=True)) for row, values in rows)
+def _top(ids: torch.Tensor, logprobs: torch.Tensor) -> TopLogprobs:
+    """``(n, k)`` top ids and logprobs, flat and compact, their bits as they are."""
+    flat_ids, flat_logprobs = array("i"), array("f")
+    flat_ids.frombytes(ids.to(torch.int32).cpu().numpy().tobytes())
+    flat_logprobs.frombytes(logprobs.to(torch.float32).cpu().numpy().tobytes())
+    return TopLogprobs(ids.shape[-1], flat_ids, flat_logprobs)
 
 
 def _prompt_answer(
     scoring: PromptScoring, reported: int, start: int, scores: HeadScores
 ) -> PromptLogprobs:
     """``scoring``'s answer from the scores of example positions ``start`` on: logprobs and top
-    k from prompt position ``reported`` on (NaN and None before), the targets' from ``start``
+    k from prompt position ``reported`` on (NaN before), the targets' from ``start``
     on (the rows before name no id), None where a target names none."""
     skip = reported - 1 - start  # scored before the first reported (for the targets' rows)
     logprobs = top = targets = None
     if scoring.logprobs:
         logprobs = (math.nan,) * reported + _floats(scores.picked[skip:])
     if scoring.top_k:
-        top = (None,) * reported + _top_lists(scores.top_ids[skip:], scores.top_logprobs[skip:])
+        top = _top(scores.top_ids[skip:], scores.top_logprobs[skip:])
     if scoring.targets is not None:
         values = [[0.0] * len(scoring.targets[0])] * start + scores.chosen.cpu().tolist()
         targets = tuple(
             tuple(value if token >= 0 else None for value, token in zip(row, ids, strict=True))
             for row, ids in zip(values, scoring.targets, strict=True)
         )
-    return PromptLogprobs(logprobs, top, targets)
+    return PromptLogprobs(reported, logprobs, top, targets)

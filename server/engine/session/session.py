@@ -346,10 +346,10 @@ class TrainingSession:
         sample as one TokenExample (under those weights); with ``topk_sample_logprobs`` k, each
         sampled position also reports its k most likely ids with their logprobs
         (``Sample.topk_logprobs``), each the value ``forward`` gives for that id as the target
-        there. Nothing changes: the digest and the
-        training RNG are untouched, and other weights are checked before any live tensor changes
-        and put back bit for bit afterwards; the same weights and arguments give the same
-        samples. A missing export is ``FailedPrecondition``.
+        there. Nothing changes: the digest and the training RNG are untouched, and other weights
+        are checked before any live tensor changes and put back bit for bit afterwards; the same
+        weights and arguments give the same samples. A missing export is
+        ``FailedPrecondition``.
         """
         if isinstance(stop_strings, str):  # tuple() would split it into characters
             raise InvalidArgument("sample: stop_strings is a list of strings; wrap the one given")
