@@ -23,7 +23,7 @@ from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import operations as ops
-from trainwire.server.service import sample_batching
+from trainwire.server.service import reads, sample_batching
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.requests import SampleRequest, TokenizeRequest
 
@@ -41,7 +41,7 @@ def batched(request: SampleRequest, results: dict[int, object], index: int):
 
     params = sample_batching.params_of(request)
     return BatchedSample(
-        list(request.prompt_tokens), params, request.prompt_logprobs, on_result, on_error
+        list(request.prompt_tokens), params, reads.prompt_scoring(request), on_result, on_error
     )
 
 
@@ -68,7 +68,7 @@ def test_a_request_gets_the_same_bits_alone_and_among_others_joining_at_later_st
     first = [batched(r, results, i) for i, r in enumerate(requests[:2])]
     session.sample_many(LIVE_WEIGHTS, first, join)
     assert [results[i][0] for i in range(len(requests))] == expected
-    assert results[2][1] == session.prompt_logprobs(requests[2].prompt_tokens)
+    assert list(results[2][1].logprobs) == session.prompt_logprobs(requests[2].prompt_tokens)
 
 
 def test_each_samples_logprobs_are_the_trainers_forward_bit_for_bit(session):

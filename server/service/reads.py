@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwire.contract import outcomes
+from trainwire.server.engine.sampling.params import PromptScoring
 from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
 from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.errors import InvalidArgument
@@ -52,10 +53,22 @@ def check_detokenize(request: DetokenizeRequest, _root: Path | None) -> None:
 
 @dataclass(frozen=True)
 class SampleResult:
-    """A sample request's samples, and its prompt's logprobs when it asked for them."""
+    """A sample request's samples, and what it asked about its prompt (None: nothing)."""
 
     samples: list[outcomes.Sample]
-    prompt_logprobs: list[float] | None = None
+    prompt_logprobs: outcomes.PromptLogprobs | None = None
+
+
+def prompt_scoring(request: SampleRequest) -> PromptScoring:
+    """What ``request`` asks about its prompt, in the engine's terms (checked there, against
+    the vocabulary and the session's limits)."""
+    targets = request.target_prompt_logprobs
+    return PromptScoring(
+        logprobs=request.prompt_logprobs,
+        top_k=request.topk_prompt_logprobs,
+        last_n=request.prompt_logprobs_last_n,
+        targets=None if targets is None else tuple(tuple(row) for row in targets),
+    )
 
 
 def check_sample(request: SampleRequest, _root: Path | None) -> None:
@@ -76,10 +89,19 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
     swaps other weights in and back itself, inside its guard."""
     session = run.session
     weights = sample_weights(run, request)
-    samples = session.sample(request.prompt_tokens, weights=weights, **request.sampling_settings())
-    if not request.prompt_logprobs:
+    scoring = prompt_scoring(request)
+    if scoring.asked:  # refused before any sample is drawn
+        scoring.check(request.prompt_tokens, session.sampler.vocab_size, session.sampler.limits)
+    samples = session.sample(
+        request.prompt_tokens,
+        weights=weights,
+        topk_sample_logprobs=request.topk_sample_logprobs,
+        **request.sampling_settings(),
+    )
+    if not scoring.asked:
         return SampleResult(samples)
-    return SampleResult(samples, session.prompt_logprobs(request.prompt_tokens, weights=weights))
+    scored = session.prompt_scores(request.prompt_tokens, scoring, weights=weights)
+    return SampleResult(samples, scored)
 
 
 def sample_weights(run: ActiveRun, request: SampleRequest) -> SampleWeights:

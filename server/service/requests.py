@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
 from trainwire.contract import outcomes
 from trainwire.contract.tokens import DEFAULT_LOSS, Examples
@@ -79,7 +79,11 @@ class SampleRequest:
 
     The weights sampled are the live ones, or those of the run's export ``export`` (a snapshot
     the trainer may have moved past), or with ``base_model`` the model before any training.
-    ``prompt_logprobs`` also scores the prompt under the same weights, in the same operation.
+    ``prompt_logprobs`` also scores the prompt under the same weights, in the same operation;
+    ``topk_prompt_logprobs`` reports the k most likely ids of each prompt position, both for
+    the last ``prompt_logprobs_last_n`` tokens only when given, and ``target_prompt_logprobs``
+    the logprobs of the ids it names, one row a prompt position after the first (-1: none).
+    ``topk_sample_logprobs`` reports the k most likely ids of each sampled position.
     """
 
     prompt_tokens: Sequence[int]
@@ -95,16 +99,31 @@ class SampleRequest:
     export_run: str = ""  # the run that wrote ``export``, when not the open one
     base_model: bool = False
     prompt_logprobs: bool = False
+    topk_sample_logprobs: int = 0
+    topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    target_prompt_logprobs: Sequence[Sequence[int]] | None = None
+    # Reported beside the samples, deciding none of their draws: the top k of sampled positions
+    # (``sample``'s own keyword) and what is asked about the prompt (``reads.prompt_scoring``).
+    REPORTS: ClassVar[tuple[str, ...]] = (
+        "topk_sample_logprobs",
+        "prompt_logprobs",
+        "topk_prompt_logprobs",
+        "prompt_logprobs_last_n",
+        "target_prompt_logprobs",
+    )
     # Whether the caller gave up (a cancelled RPC): not part of what is asked, so never compared.
     cancelled: Callable[[], bool] | None = field(default=None, compare=False, repr=False)
 
     def sampling_settings(self) -> dict[str, Any]:
-        """The engine's ``sample`` keywords: every field but the prompt, the weights' choice and
-        the caller's liveness."""
+        """The engine's ``sample`` keywords that decide the draws: every field but the prompt,
+        the reports beside the samples (``REPORTS``), the weights' choice and the caller's
+        liveness."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("prompt_tokens", "export", "export_run", "base_model", "prompt_logprobs"):
+        for name in ("prompt_tokens", "export", "export_run", "base_model", "cancelled"):
             del settings[name]
-        del settings["cancelled"]
+        for name in self.REPORTS:
+            del settings[name]
         return settings
 
 

@@ -14,12 +14,14 @@ ran first anyway) plus at most the one decode step under way.
 
 Requests of one batch read the same weights (the live ones, one export, or the base model):
 requests for other weights wait for the next batch. What a request draws does not depend on its
-company (``batch_decode``), so batching changes no result.
+company (``batch_decode``), and what it asks about its samples and prompt beyond the draws (top-k
+and target logprobs) is scored for it alone after its draws, so batching changes no result and
+requests asking for different logprobs decode together.
 
 A sharded session (``session.shards``) is never batched here: every rank must make each engine
 call rank 0 makes, and what joins a batch is rank 0's timing alone. So each request runs alone,
 in the executor's order, through the session's announced calls (``reads.sample``:
-``session.sample``, then ``prompt_logprobs`` if asked), which every rank makes (``lockstep``).
+``session.sample``, then ``prompt_scores`` if asked), which every rank makes (``lockstep``).
 """
 
 from __future__ import annotations
@@ -31,14 +33,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainwire.contract.outcomes import Sample
+from trainwire.contract.outcomes import PromptLogprobs, Sample
 from trainwire.server.engine.sampling.params import SamplingParams
 from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
 from trainwire.server.service.active_run import ActiveRun
 from trainwire.server.service.executor import SessionExecutor
-from trainwire.server.service.reads import SampleResult, sample_weights
+from trainwire.server.service.reads import SampleResult, prompt_scoring, sample_weights
 from trainwire.server.service.requests import SampleRequest
 
 SETTLE_S = 0.02  # the longest a batch waits for requests still arriving
@@ -175,13 +177,13 @@ def _batched(waiting: _Waiting) -> BatchedSample:
     request = waiting.request
     answer = waiting.answer
 
-    def on_result(samples: list[Sample], prompt_logprobs: list[float] | None) -> None:
+    def on_result(samples: list[Sample], prompt_logprobs: PromptLogprobs | None) -> None:
         answer.set_result(SampleResult(samples, prompt_logprobs))
 
     return BatchedSample(
         list(request.prompt_tokens),
         waiting.params,
-        request.prompt_logprobs,
+        prompt_scoring(request),
         on_result,
         answer.set_exception,
         request.cancelled,
@@ -203,4 +205,5 @@ def params_of(request: SampleRequest) -> SamplingParams:
         tuple(settings["stop_tokens"]),
         settings["seed"],
         stop_strings=tuple(settings["stop_strings"]),
+        topk_sample_logprobs=request.topk_sample_logprobs,
     )

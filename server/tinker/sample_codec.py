@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
+from tinker.types.topk_logprobs import MASK_LOGPROB
 
-from trainwire.contract.outcomes import Sample
+from trainwire.contract.outcomes import PromptLogprobs, Sample, TopLogprobs
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import (
     get_bool,
@@ -29,20 +30,67 @@ from trainwire.server.tinker.fields import (
 
 
 def encode_sample_response(
-    samples: Sequence[Sample], prompt_logprobs: Sequence[float] | None = None
+    samples: Sequence[Sample], prompt_logprobs: PromptLogprobs | None = None
 ) -> bytes:
-    """A protobuf ``SampleResponse``: tokens int32, logprobs float32, the stop reason."""
+    """A protobuf ``SampleResponse``: tokens int32, logprobs float32, the stop reason, and what
+    the request asked about its samples' top k and its prompt, in the SDK's shapes."""
     message = pb.SampleResponse()
     for sample in samples:
         reason = pb.STOP_REASON_STOP if sample.stop_reason == "stop" else pb.STOP_REASON_LENGTH
-        message.sequences.add(
+        sequence = message.sequences.add(
             stop_reason=reason,
             tokens=np.asarray(sample.tokens, dtype=np.int32).tobytes(),
             logprobs=np.asarray(sample.logprobs, dtype=np.float32).tobytes(),
         )
+        if sample.topk_logprobs is not None:
+            sequence.topk_sampled_logprobs.CopyFrom(_topk(sample.topk_logprobs))
     if prompt_logprobs is not None:
-        message.prompt_logprobs = np.asarray(prompt_logprobs, dtype=np.float32).tobytes()
+        _encode_prompt(message, prompt_logprobs)
     return message.SerializeToString()
+
+
+def _encode_prompt(message: pb.SampleResponse, scored: PromptLogprobs) -> None:
+    if scored.logprobs is not None:
+        message.prompt_logprobs = np.asarray(scored.logprobs, dtype=np.float32).tobytes()
+    if scored.topk is not None:
+        message.topk_prompt_logprobs.CopyFrom(_topk(scored.topk, scored.first))
+    if scored.targets is not None:
+        message.target_prompt_logprobs.CopyFrom(_targets(scored.targets))
+
+
+def _topk(top: TopLogprobs, unscored: int = 0) -> pb.TopkLogprobs:
+    """The SDK's ``TopkLogprobs``: two dense ``(length, k)`` matrices, ``unscored`` positions
+    first filled with its sentinel (id 0, logprob ``MASK_LOGPROB``), which the SDK reads as
+    None."""
+    length = unscored + len(top)
+    ids = np.zeros((length, top.k), dtype=np.int32)
+    values = np.full((length, top.k), MASK_LOGPROB, dtype=np.float32)
+    ids[unscored:] = np.frombuffer(top.ids, dtype=np.int32).reshape(-1, top.k)
+    values[unscored:] = np.frombuffer(top.logprobs, dtype=np.float32).reshape(-1, top.k)
+    return pb.TopkLogprobs(
+        token_ids=ids.tobytes(), logprobs=values.tobytes(), k=top.k, length=length
+    )
+
+
+def _targets(rows: Sequence[Sequence[float | None]]) -> pb.Tensor:
+    """``[len(prompt) - 1, K]`` float32, 0.0 where the request named no id: sparse CSR of the
+    named cells where that is smaller (the rule of the SDK's ``TensorData.from_torch_sparse``,
+    so a CSR request built by it gets a CSR answer of its very cells), else dense."""
+    width = len(rows[0]) if rows else 0
+    named = [(r, c, v) for r, row in enumerate(rows) for c, v in enumerate(row) if v is not None]
+    shape = [len(rows), width]
+    if len(rows) + 1 + 2 * len(named) >= len(rows) * width:
+        dense = np.array([[0.0 if v is None else v for v in row] for row in rows], np.float32)
+        return pb.Tensor(dense=dense.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=shape)
+    crow = np.zeros(len(rows) + 1, dtype=np.int64)
+    for r, _, _ in named:
+        crow[r + 1] += 1
+    csr = pb.SparseCsr(
+        values=np.array([v for _, _, v in named], dtype=np.float32).tobytes(),
+        crow_indices=np.cumsum(crow).astype(np.int64).tobytes(),
+        col_indices=np.array([c for _, c, _ in named], dtype=np.int64).tobytes(),
+    )
+    return pb.Tensor(sparse_csr=csr, dtype=pb.DTYPE_FLOAT32, shape=shape)
 
 
 @dataclass(frozen=True)
@@ -61,13 +109,14 @@ class SampleCall:
     seed: int | None
     prompt_logprobs: bool
     stop_strings: tuple[str, ...] = ()
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None
+    # ``[len(prompt) - 1, K]`` ids, -1 where none is asked (a CSR request's unlisted cells).
+    target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None
 
 
-UNSUPPORTED_SAMPLE_OPTIONS = (
-    "topk_prompt_logprobs",
-    "topk_sample_logprobs",
-    "prompt_alt_tokens_k",
-)
+UNSUPPORTED_SAMPLE_OPTIONS = ("prompt_alt_tokens_k",)
 
 
 # What one asample may ask for, checked here because the route logs the request right after
@@ -82,6 +131,7 @@ MAX_STOP_TOKENS = 1024
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
+MAX_LOGPROB_IDS = 20  # a top-k width, target ids a prompt position
 MAX_SEED = 2**63 - 1
 
 
@@ -89,9 +139,6 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
     """A JSON ``SampleRequest`` with every setting within its bound; options this server
     cannot honour are refused, never ignored. InvalidArgument naming every problem at once."""
     problems = [f"{name} is not supported" for name in UNSUPPORTED_SAMPLE_OPTIONS if body.get(name)]
-    for name in ("target_prompt_logprobs", "prompt_logprobs_last_n"):
-        if body.get(name) is not None:
-            problems.append(f"{name} is not supported")
     sampling_session_id = get_str(body, "sampling_session_id") or ""
     if not sampling_session_id:
         problems.append("sampling_session_id is missing: create a sampling session first")
@@ -115,9 +162,14 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
         seed=get_int(params, "seed"),
         prompt_logprobs=get_bool(body, "prompt_logprobs"),
         stop_strings=stop_strings,
+        topk_prompt_logprobs=_int(body, "topk_prompt_logprobs", 0),
+        topk_sample_logprobs=_int(body, "topk_sample_logprobs", 0),
+        prompt_logprobs_last_n=get_int(body, "prompt_logprobs_last_n"),
+        target_prompt_logprobs=_target_ids(body.get("target_prompt_logprobs"), problems),
     )
     if max_tokens is not None:
         problems += _sample_bounds(call, top_k)
+        problems += _logprob_bounds(call)
     if problems:
         raise InvalidArgument("asample: " + "; ".join(problems))
     return call
@@ -156,6 +208,114 @@ def _sample_bounds(call: SampleCall, top_k: int) -> list[str]:
                 f"{MAX_SAMPLE_POSITIONS}: ask for fewer samples, or shorter ones"
             )
     return problems
+
+
+def _logprob_bounds(call: SampleCall) -> list[str]:
+    """The logprob options against their bounds and the prompt (the engine's ``PromptScoring``
+    checks, bar the vocabulary, which only the engine knows)."""
+    problems = [
+        f"{name} must be in [0, {MAX_LOGPROB_IDS}], got {value}"
+        for name, value in (
+            ("topk_prompt_logprobs", call.topk_prompt_logprobs),
+            ("topk_sample_logprobs", call.topk_sample_logprobs),
+        )
+        if not 0 <= value <= MAX_LOGPROB_IDS
+    ]
+    scored = len(call.prompt) - 1  # the prompt's tokens after the first
+    last_n = call.prompt_logprobs_last_n
+    if last_n is not None and not call.prompt_logprobs:
+        problems.append("prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs")
+    if last_n is not None and not 1 <= last_n <= scored:
+        problems.append(f"prompt_logprobs_last_n must be in [1, {scored}], got {last_n}")
+    targets = call.target_prompt_logprobs
+    if targets is not None:
+        if len(targets) != scored:
+            problems.append(
+                f"target_prompt_logprobs has {len(targets)} rows; the prompt's tokens after the "
+                f"first are {scored}"
+            )
+        elif targets and not 1 <= len(targets[0]) <= MAX_LOGPROB_IDS:
+            problems.append(
+                f"target_prompt_logprobs rows must hold 1 to {MAX_LOGPROB_IDS} ids, got "
+                f"{len(targets[0])}"
+            )
+        elif all(token == -1 for row in targets for token in row):
+            problems.append("target_prompt_logprobs names no id (every cell is -1)")
+    return problems
+
+
+def _target_ids(value: Any, problems: list[str]) -> tuple[tuple[int, ...], ...] | None:
+    """``target_prompt_logprobs``, the SDK's ``TensorData`` (int64, ``[rows, K]``, dense or
+    sparse CSR), as dense rows of ids, -1 in a CSR tensor's unlisted cells. What is malformed
+    goes to ``problems``."""
+    if value is None:
+        return None
+    name = "target_prompt_logprobs"
+    if not isinstance(value, dict):
+        problems.append(f"{name} must be a tensor object, got {value!r:.40}")
+        return None
+    shape, data = value.get("shape"), value.get("data")
+    if value.get("dtype") != "int64":
+        problems.append(f"{name} must be an int64 tensor of token ids")
+    elif not (isinstance(shape, list) and len(shape) == 2 and all(_count(n) for n in shape)):
+        problems.append(f"{name} must be 2-D, [len(prompt) - 1, K], got shape {shape!r:.40}")
+    elif shape[0] > MAX_PROMPT_TOKENS or shape[1] > MAX_LOGPROB_IDS:
+        problems.append(
+            f"{name} has shape {shape}; at most [{MAX_PROMPT_TOKENS}, {MAX_LOGPROB_IDS}]"
+        )
+    elif not isinstance(data, list) or not all(_id_or_none(token) for token in data):
+        problems.append(f"{name} must hold token ids in [0, {MAX_TOKEN_ID}] or -1 (none)")
+    else:
+        rows, width = shape
+        if value.get("sparse_crow_indices") is None:
+            if len(data) != rows * width:
+                problems.append(f"{name} holds {len(data)} ids; its shape {shape} needs "
+                                f"{rows * width}")  # fmt: skip
+                return None
+            return tuple(tuple(data[r * width : (r + 1) * width]) for r in range(rows))
+        return _csr_ids(value, rows, width, problems)
+    return None
+
+
+def _csr_ids(
+    value: Mapping[str, Any], rows: int, width: int, problems: list[str]
+) -> tuple[tuple[int, ...], ...] | None:
+    """A sparse CSR ``target_prompt_logprobs`` as dense rows, -1 where no cell is listed."""
+    crow, cols, data = value["sparse_crow_indices"], value.get("sparse_col_indices"), value["data"]
+    if (
+        not isinstance(crow, list)
+        or not isinstance(cols, list)
+        or len(crow) != rows + 1
+        or not all(_count(n) for n in [*crow, *cols])
+        or crow[0] != 0
+        or not crow[-1] == len(cols) == len(data)
+        or any(crow[r] > crow[r + 1] for r in range(rows))
+    ):
+        problems.append(
+            "target_prompt_logprobs: sparse_crow_indices and sparse_col_indices are not a CSR "
+            "layout of its shape and data"
+        )
+        return None
+    dense = [[-1] * width for _ in range(rows)]
+    for r in range(rows):
+        listed = cols[crow[r] : crow[r + 1]]
+        if any(c >= width for c in listed) or listed != sorted(set(listed)):
+            problems.append(
+                f"target_prompt_logprobs: row {r} lists columns {listed!r:.40}; each must be "
+                f"below {width}, once, in order"
+            )
+            return None
+        for c, token in zip(listed, data[crow[r] : crow[r + 1]], strict=True):
+            dense[r][c] = token
+    return tuple(tuple(row) for row in dense)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _id_or_none(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= MAX_TOKEN_ID
 
 
 def _prompt_bounds(prompt: Sequence[int]) -> list[str]:

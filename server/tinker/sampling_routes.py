@@ -157,6 +157,10 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             stop_strings=request.stop_strings,
             seed=seed,
             prompt_logprobs=request.prompt_logprobs,
+            topk_sample_logprobs=request.topk_sample_logprobs,
+            topk_prompt_logprobs=request.topk_prompt_logprobs,
+            prompt_logprobs_last_n=request.prompt_logprobs_last_n,
+            target_prompt_logprobs=request.target_prompt_logprobs,
             **weights,
         )
         result = front.host.apply(ops.SAMPLE, sample, run_id=run_id)

@@ -8,6 +8,7 @@ classes. Neither protobuf nor grpc is imported here.
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,6 +158,31 @@ class ExportOutcome(OperationOutcome):
 
 
 @dataclass(frozen=True)
+class TopLogprobs:
+    """The ``k`` most likely ids of consecutive positions, best first, with their logprobs, held
+    flat and compact (a long sample's top 20 are millions of values): position ``i``'s ids are
+    ``ids[i * k : (i + 1) * k]`` (int32) and their logprobs the same slice of ``logprobs``
+    (float32, each value exact)."""
+
+    k: int
+    ids: array = field(default_factory=lambda: array("i"))
+    logprobs: array = field(default_factory=lambda: array("f"))
+
+    def __len__(self) -> int:
+        return len(self.ids) // self.k if self.k else 0
+
+    def rows(self) -> list[list[tuple[int, float]]]:
+        """Each position's ``[(id, logprob), ...]``, as the SDK's lists read."""
+        k = self.k
+        return [
+            list(
+                zip(self.ids[i * k : (i + 1) * k], self.logprobs[i * k : (i + 1) * k], strict=True)
+            )
+            for i in range(len(self))
+        ]
+
+
+@dataclass(frozen=True)
 class Sample:
     """One sampled continuation: its new tokens (a stop token kept), the model's own logprob of
     each at temperature 1, and why it ended: ``"stop"`` (a stop token or EOS) or ``"length"``."""
@@ -164,3 +190,25 @@ class Sample:
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     stop_reason: str
+    # The top k of each sampled position, when the request asked for them: one row a token.
+    topk_logprobs: TopLogprobs | None = None
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """What a sample request asked about its prompt, under the weights it sampled. Position
+    ``i`` is prompt token ``i`` given the tokens before it; position 0 has nothing before it and
+    is never scored. Each value is bit for bit what ``forward`` gives for that id there.
+
+    ``first``: the first position whose logprob and top k are reported (1, or where the last n
+    the request limited them to begin). ``logprobs``: one a prompt token, NaN before ``first``;
+    None when not asked. ``topk``: the top k of each position from ``first`` on; None when not
+    asked. ``targets``: one row a position after the
+    first (``[len(prompt) - 1, K]``), the logprob of each id the request named there, None where
+    it named none (-1); None when not asked.
+    """
+
+    first: int = 1
+    logprobs: tuple[float, ...] | None = None
+    topk: TopLogprobs | None = None
+    targets: tuple[tuple[float | None, ...], ...] | None = None

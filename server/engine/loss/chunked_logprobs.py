@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -122,6 +123,84 @@ def logit_transform(config: object) -> LogitTransform | None:
     return None
 
 
+@dataclass(frozen=True)
+class HeadScores:
+    """What the head says at positions ``[start, length)`` of one row, in fp32: the target's
+    logprob (``picked``, ``(n,)``), the ``k`` most likely ids best first with their logprobs
+    (``top_ids``, ``top_logprobs``, ``(n, k)``), and the logprobs of the ids ``chosen`` named
+    (``(n, m)``, 0.0 where it named -1)."""
+
+    picked: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+    chosen: torch.Tensor
+
+
+@torch.no_grad()
+def chunked_head_scores(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    length: int,
+    *,
+    top_k: int = 0,
+    chosen: torch.Tensor | None = None,
+    start: int = 0,
+    budget_bytes: int = LOGITS_CHUNK_BYTES,
+) -> HeadScores:
+    """``HeadScores`` of a batch of one row (a sample or a prompt scored alone) from positions
+    ``start`` on; ``chosen`` is ``(length, m)`` ids, -1 for none. For reading only.
+
+    The chunks are ``chunked_target_logprobs``' (cut from the row's first position, those wholly
+    before ``start`` skipped), and every value is a logit minus its chunk's ``logsumexp``, as
+    the target's logprob is there: so a top-k or chosen id's value is bit for bit what
+    ``forward`` gives for that id as the target at that position. The top k is taken per chunk:
+    ``[positions x vocabulary]`` is never held for more than one chunk.
+    """
+    hidden, head = final_hidden_states(model, input_ids, attention_mask)
+    transform = logit_transform(model.config)
+    chunk = positions_per_chunk(_vocab_size(head), budget_bytes)
+    first = start - start % chunk
+    pieces = [
+        _chunk_scores(
+            head,
+            transform,
+            hidden[0, begin : min(begin + chunk, length)],
+            targets[0, begin : min(begin + chunk, length)],
+            top_k,
+            None if chosen is None else chosen[begin : min(begin + chunk, length)],
+        )
+        for begin in range(first, length, chunk)
+    ]
+    picked, top_ids, top_logprobs, alternatives = (
+        torch.cat(parts)[start - first :] for parts in zip(*pieces, strict=True)
+    )
+    return HeadScores(picked, top_ids, top_logprobs, alternatives)
+
+
+def _chunk_scores(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    top_k: int,
+    chosen: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The same operations as ``_chunk_logprobs`` (the same bits for the target); the top k and
+    # the chosen ids take their logits from that chunk and subtract the same logsumexp.
+    logits = _chunk_logits(head, transform, states)
+    normalizer = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - normalizer
+    top_values, top_ids = logits.topk(top_k, dim=-1)
+    top_logprobs = top_values - normalizer.unsqueeze(-1)
+    if chosen is None:
+        return picked, top_ids, top_logprobs, logits.new_zeros((len(states), 0))
+    named = chosen >= 0
+    values = logits.gather(-1, chosen.clamp(min=0)) - normalizer.unsqueeze(-1)
+    return picked, top_ids, top_logprobs, torch.where(named, values, 0.0)
+
+
 def _chunk_logprobs(
     head: torch.nn.Module,
     transform: LogitTransform | None,
@@ -130,12 +209,19 @@ def _chunk_logprobs(
 ) -> torch.Tensor:
     # gather - logsumexp rather than a log_softmax: the same value without a second
     # chunk-by-vocabulary tensor.
+    logits = _chunk_logits(head, transform, states)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logits(
+    head: torch.nn.Module, transform: LogitTransform | None, states: torch.Tensor
+) -> torch.Tensor:
+    """One chunk's logits in fp32, as the architecture's causal-LM forward returns them."""
     logits = head(states)
     if transform is not None:
         logits = transform(logits)
-    logits = logits.float()
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    return logits.float()
 
 
 def _vocab_size(head: torch.nn.Module) -> int:

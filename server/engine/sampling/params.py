@@ -35,6 +35,8 @@ class SamplingLimits:
     max_stop_tokens: int = 1024
     max_stop_strings: int = 32
     max_stop_string_chars: int = 256
+    # Ids a position reports beside its token: the width of a top k, the columns of target ids.
+    max_logprob_ids: int = 20
     model_positions: int | None = None
 
 
@@ -50,6 +52,8 @@ class SamplingParams:
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
     stop_strings: tuple[str, ...] = ()  # see ``stop_strings``: the sample's text ends on one
+    # The top k ids a sampled position reports with their logprobs (0: none); draws ignore it.
+    topk_sample_logprobs: int = 0
 
     def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
         """InvalidArgument naming every bad argument at once."""
@@ -69,6 +73,7 @@ class SamplingParams:
             counts = size_problems(len(prompt), self.max_tokens, self.num_samples, limits)
         problems += counts
         problems += self._draw_problems()
+        problems += width_problems("topk_sample_logprobs", self.topk_sample_logprobs, limits)
         if problems:
             raise InvalidArgument("sample: " + "; ".join(problems))
 
@@ -97,6 +102,79 @@ class SamplingParams:
         if not is_int(self.seed) or not 0 <= self.seed < 2**63:
             problems.append(f"seed must be an int in [0, 2**63), got {self.seed!r}")
         return problems
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What a sample request asks about its prompt (``outcomes.PromptLogprobs`` answers it):
+    each token's logprob (``logprobs``), the top ``top_k`` ids of each position, both for the
+    last ``last_n`` tokens only when given (it needs ``logprobs``), and the logprobs of the ids
+    ``targets`` names: one row a position after the first, ``[len(prompt) - 1, K]``, -1 where
+    it names none (the rows before the first named id are not scored)."""
+
+    logprobs: bool = False
+    top_k: int = 0
+    last_n: int | None = None
+    targets: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def asked(self) -> bool:
+        return self.logprobs or bool(self.top_k) or self.targets is not None
+
+    def check(self, prompt: Sequence[int], vocab_size: int, limits: SamplingLimits) -> None:
+        """InvalidArgument naming every problem at once (the prompt's own included)."""
+        problems = prompt_problems(prompt, vocab_size, limits)
+        problems += width_problems("topk_prompt_logprobs", self.top_k, limits)
+        scored = len(prompt) - 1  # positions with a token before them
+        if self.last_n is not None:
+            if not self.logprobs:
+                problems.append("prompt_logprobs_last_n needs prompt_logprobs")
+            if not is_int(self.last_n) or not 1 <= self.last_n <= scored:
+                problems.append(f"prompt_logprobs_last_n must be in [1, {scored}] (the prompt's "
+                                f"tokens after the first), got {self.last_n!r}")  # fmt: skip
+        if self.targets is not None:
+            problems += target_problems(self.targets, scored, vocab_size, limits)
+        if problems:
+            raise InvalidArgument("sample: " + "; ".join(problems))
+
+    def first_scored(self, prompt_length: int) -> int:
+        """The first prompt position whose logprob and top k are reported (at least 1)."""
+        return prompt_length - self.last_n if self.last_n is not None else 1
+
+    def first_target_row(self) -> int:
+        """The first row of ``targets`` that names an id (the rows before it need no scores)."""
+        rows = self.targets or ()
+        return next((i for i, row in enumerate(rows) if any(id_ >= 0 for id_ in row)), len(rows))
+
+
+def width_problems(name: str, width: object, limits: SamplingLimits) -> list[str]:
+    """A top-k width: 0 (none) up to ``max_logprob_ids``."""
+    if is_int(width) and 0 <= width <= limits.max_logprob_ids:  # type: ignore[operator]
+        return []
+    return [f"{name} must be in [0, {limits.max_logprob_ids}], got {width!r}"]
+
+
+def target_problems(
+    targets: Sequence[Sequence[int]], rows: int, vocab_size: int, limits: SamplingLimits
+) -> list[str]:
+    """``target_prompt_logprobs``: ``rows`` rows of one width in [1, ``max_logprob_ids``], ids
+    in the vocabulary or -1, at least one id."""
+    if not targets:
+        return ["target_prompt_logprobs names no id"]
+    widths = {len(row) for row in targets}
+    if len(targets) != rows or len(widths) != 1:
+        return [f"target_prompt_logprobs must have {rows} rows (the prompt's tokens after the "
+                "first) of one width"]  # fmt: skip
+    (width,) = widths
+    if not 1 <= width <= limits.max_logprob_ids:
+        return [f"target_prompt_logprobs rows must hold 1 to {limits.max_logprob_ids} ids, "
+                f"got {width}"]  # fmt: skip
+    ids = [id_ for row in targets for id_ in row]
+    if any(not is_int(id_) or not -1 <= id_ < vocab_size for id_ in ids):
+        return [f"target_prompt_logprobs must hold ids in [0, {vocab_size}) or -1 (none)"]
+    if all(id_ == -1 for id_ in ids):
+        return ["target_prompt_logprobs names no id (every cell is -1)"]
+    return []
 
 
 def size_problems(

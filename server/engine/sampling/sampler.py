@@ -17,6 +17,7 @@ it is given.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -24,13 +25,22 @@ from typing import Any
 import torch
 
 from trainwire.contract.config import is_int
-from trainwire.contract.outcomes import Sample
+from trainwire.contract.outcomes import PromptLogprobs, Sample, TopLogprobs
 from trainwire.contract.tokens import TokenExample
-from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
-from trainwire.server.engine.loss.token_batches import encode_token_batch, token_logprobs
+from trainwire.server.engine.loss.chunked_logprobs import (
+    LOGITS_CHUNK_BYTES,
+    HeadScores,
+    chunked_head_scores,
+)
+from trainwire.server.engine.loss.token_batches import encode_token_batch
 from trainwire.server.engine.sampling import batch_decode
 from trainwire.server.engine.sampling.batch_decode import DecodeJob, Drawn
-from trainwire.server.engine.sampling.params import SamplingLimits, SamplingParams, prompt_problems
+from trainwire.server.engine.sampling.params import (
+    PromptScoring,
+    SamplingLimits,
+    SamplingParams,
+    prompt_problems,
+)
 from trainwire.server.engine.sampling.stop_strings import StopStringWatch
 from trainwire.server.errors import InvalidArgument
 
@@ -48,15 +58,15 @@ class SampleCall:
 
 @dataclass(frozen=True)
 class BatchedSample:
-    """One request of ``TrainingSession.sample_many``: what ``sample`` takes, whether the prompt
-    is scored too (``prompt_logprobs``), and where its answer goes: ``on_result(samples,
-    prompt_logprobs or None)`` once it is done, or ``on_error`` with why it was refused or
-    failed."""
+    """One request of ``TrainingSession.sample_many``: what ``sample`` takes, what it asks
+    about its prompt (``scoring``: nothing when it asks for nothing), and where its answer goes:
+    ``on_result(samples, the prompt's answer or None)`` once it is done, or ``on_error`` with why
+    it was refused or failed."""
 
     prompt: list[int]
     params: SamplingParams
-    with_prompt_logprobs: bool
-    on_result: Callable[[list[Sample], list[float] | None], None]
+    scoring: PromptScoring
+    on_result: Callable[[list[Sample], PromptLogprobs | None], None]
     on_error: Callable[[Exception], None]
     cancelled: Callable[[], bool] | None = None  # whether the caller gave up (polled per step)
 
@@ -163,7 +173,8 @@ class Sampler:
 
         def job(call: SampleCall) -> DecodeJob:
             def done(drawn: Drawn) -> None:
-                call.on_samples(self._scored(model, call.prompt, drawn, device))
+                top_k = call.params.topk_sample_logprobs
+                call.on_samples(self._scored(model, call.prompt, drawn, device, top_k))
 
             watch = StopStringWatch(call.params.stop_strings, self.decode)
             return DecodeJob(call.prompt, call.params, watch, done, call.cancel)
@@ -171,17 +182,24 @@ class Sampler:
         generate(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
 
     def _scored(
-        self, model: torch.nn.Module, prompt: Sequence[int], drawn: Drawn, device: torch.device
+        self,
+        model: torch.nn.Module,
+        prompt: Sequence[int],
+        drawn: Drawn,
+        device: torch.device,
+        top_k: int = 0,
     ) -> list[Sample]:
         # Equal samples (every greedy one, say) share one exact pass: the same input gives the
         # same bits, and the pass is a full forward per distinct sample.
-        scored: dict[tuple[int, ...], tuple[float, ...]] = {}
+        scored: dict[tuple[int, ...], Sample] = {}
         samples = []
         for tokens, reason in drawn:
             key = tuple(tokens)
             if key not in scored:
-                scored[key] = self.logprobs(model, prompt, key, device)
-            samples.append(Sample(key, scored[key], reason))
+                scores = self.scores(model, prompt, key, device, top_k=top_k)
+                top = _top(scores.top_ids, scores.top_logprobs) if top_k else None
+                scored[key] = Sample(key, _floats(scores.picked), reason, top)
+            samples.append(replace(scored[key], stop_reason=reason))
         return samples
 
     def check_prompt(self, prompt: Sequence[int]) -> None:
@@ -196,10 +214,37 @@ class Sampler:
         ``TokenExample(prompt[:-1], prompt[1:])``. Called as ``sample`` is (lock, eval mode, no
         gradients)."""
         self.check_prompt(prompt)
-        if len(prompt) < 2:
-            return [math.nan]
+        scored = self.prompt_scores(model, prompt, PromptScoring(logprobs=True))
+        return list(scored.logprobs or ())
+
+    def prompt_scores(
+        self, model: torch.nn.Module, prompt: Sequence[int], scoring: PromptScoring
+    ) -> PromptLogprobs:
+        """What ``scoring`` asks about ``prompt`` (checked here), from one pass over the chunks
+        of ``TokenExample(prompt[:-1], prompt[1:])`` from the first position asked for: each
+        value bit for bit what ``forward`` of that example gives for that id at that position.
+        Called as ``sample`` is (lock, eval mode, no gradients)."""
+        scoring.check(prompt, self.vocab_size, self.limits)
+        length = len(prompt)
+        reported = scoring.first_scored(length)  # the first prompt position reported
+        starts = []  # example position p - 1 predicts prompt position p
+        if scoring.logprobs or scoring.top_k:
+            starts.append(reported - 1)
+        if scoring.targets is not None:
+            starts.append(scoring.first_target_row())
+        start = min(starts, default=length - 1)
+        if start >= length - 1:  # a one-token prompt: nothing precedes its only token
+            logprobs = (math.nan,) if scoring.logprobs else None
+            top = TopLogprobs(scoring.top_k) if scoring.top_k else None
+            return PromptLogprobs(reported, logprobs, top)
         device = next(model.parameters()).device
-        return [math.nan, *self.logprobs(model, prompt[:1], prompt[1:], device)]
+        chosen = None
+        if scoring.targets is not None:
+            chosen = torch.tensor(scoring.targets, dtype=torch.long, device=device)
+        scores = self.scores(
+            model, prompt[:1], prompt[1:], device, top_k=scoring.top_k, chosen=chosen, start=start
+        )
+        return _prompt_answer(scoring, reported, start, scores)
 
     def logprobs(
         self,
@@ -210,6 +255,23 @@ class Sampler:
     ) -> tuple[float, ...]:
         """The logprobs of ``tokens`` after ``prompt``, exactly as ``forward`` computes them for
         the one token example ``prompt + tokens`` shifted by one."""
+        return _floats(self.scores(model, prompt, tokens, device).picked)
+
+    def scores(
+        self,
+        model: torch.nn.Module,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        device: torch.device,
+        *,
+        top_k: int = 0,
+        chosen: torch.Tensor | None = None,
+        start: int | None = None,
+    ) -> HeadScores:
+        """``HeadScores`` of the positions that predict ``tokens`` after ``prompt`` (from
+        position ``start`` of the example on, when given), on the chunks ``forward`` runs for
+        the one token example ``prompt + tokens`` shifted by one: the same bits. ``chosen``:
+        ids to score at every position of that example, ``(positions, m)``, -1 for none."""
         full = [*prompt, *tokens]
         example = TokenExample(tuple(full[:-1]), tuple(full[1:]))
         batch = encode_token_batch(
@@ -220,5 +282,48 @@ class Sampler:
             device=device,
             logits_chunk_bytes=self.logits_chunk_bytes,
         )
-        values = batch.split(token_logprobs(model, batch))[0]
-        return tuple(values[len(values) - len(tokens) :])
+        return chunked_head_scores(
+            model,
+            batch.input_ids,
+            batch.attention_mask,
+            batch.targets,
+            len(example),
+            top_k=top_k,
+            chosen=chosen,
+            start=len(example) - len(tokens) if start is None else start,
+            budget_bytes=batch.logits_chunk_bytes,
+        )
+
+
+def _floats(values: torch.Tensor) -> tuple[float, ...]:
+    """fp32 values as Python floats (each exactly the fp32 value)."""
+    return tuple(values.cpu().tolist())
+
+
+def _top(ids: torch.Tensor, logprobs: torch.Tensor) -> TopLogprobs:
+    """``(n, k)`` top ids and logprobs, flat and compact, their bits as they are."""
+    flat_ids, flat_logprobs = array("i"), array("f")
+    flat_ids.frombytes(ids.to(torch.int32).cpu().numpy().tobytes())
+    flat_logprobs.frombytes(logprobs.to(torch.float32).cpu().numpy().tobytes())
+    return TopLogprobs(ids.shape[-1], flat_ids, flat_logprobs)
+
+
+def _prompt_answer(
+    scoring: PromptScoring, reported: int, start: int, scores: HeadScores
+) -> PromptLogprobs:
+    """``scoring``'s answer from the scores of example positions ``start`` on: logprobs and top
+    k from prompt position ``reported`` on (NaN before), the targets' from ``start``
+    on (the rows before name no id), None where a target names none."""
+    skip = reported - 1 - start  # scored before the first reported (for the targets' rows)
+    logprobs = top = targets = None
+    if scoring.logprobs:
+        logprobs = (math.nan,) * reported + _floats(scores.picked[skip:])
+    if scoring.top_k:
+        top = _top(scores.top_ids[skip:], scores.top_logprobs[skip:])
+    if scoring.targets is not None:
+        values = [[0.0] * len(scoring.targets[0])] * start + scores.chosen.cpu().tolist()
+        targets = tuple(
+            tuple(value if token >= 0 else None for value, token in zip(row, ids, strict=True))
+            for row, ids in zip(values, scoring.targets, strict=True)
+        )
+    return PromptLogprobs(reported, logprobs, top, targets)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from trainwire.contract.config import InputExample, TrainingConfig, is_int
-from trainwire.contract.outcomes import Sample
+from trainwire.contract.outcomes import PromptLogprobs, Sample
 from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.device import resolve_device, resolve_dtype
 from trainwire.server.engine.loss.batching import BatchEncoder, check_max_length
@@ -51,7 +51,7 @@ from trainwire.server.engine.optimization import (
     learning_rate_at,
 )
 from trainwire.server.engine.sampling.batch_decode import Cancel
-from trainwire.server.engine.sampling.params import SamplingParams
+from trainwire.server.engine.sampling.params import PromptScoring, SamplingParams
 from trainwire.server.engine.sampling.sample_weights import SampleWeights
 from trainwire.server.engine.sampling.sampler import BatchedSample, SampleCall
 from trainwire.server.engine.sampling.weight_swap import weights_for_reading
@@ -332,6 +332,7 @@ class TrainingSession:
         stop_tokens: Sequence[int] = (),
         stop_strings: Sequence[str] = (),
         seed: int = 0,
+        topk_sample_logprobs: int = 0,
         weights: SampleWeights | str | os.PathLike[str] | None = None,
     ) -> list[Sample]:
         """Continuations of ``prompt_tokens`` from the live weights (LoRA included), or from the
@@ -342,10 +343,13 @@ class TrainingSession:
         once its decoded text contains one of ``stop_strings`` (its tokens up to and including
         the one completing it, ``"stop"``), or after ``max_tokens`` (``"length"``). Its logprobs
         are the model's own at temperature 1, bit for bit what ``forward`` gives for prompt plus
-        sample as one TokenExample (under those weights). Nothing changes: the digest and the
-        training RNG are untouched, and other weights are checked before any live tensor changes
-        and put back bit for bit afterwards; the same weights and arguments give the same
-        samples. A missing export is ``FailedPrecondition``.
+        sample as one TokenExample (under those weights); with ``topk_sample_logprobs`` k, each
+        sampled position also reports its k most likely ids with their logprobs
+        (``Sample.topk_logprobs``), each the value ``forward`` gives for that id as the target
+        there. Nothing changes: the digest and the training RNG are untouched, and other weights
+        are checked before any live tensor changes and put back bit for bit afterwards; the same
+        weights and arguments give the same samples. A missing export is
+        ``FailedPrecondition``.
         """
         if isinstance(stop_strings, str):  # tuple() would split it into characters
             raise InvalidArgument("sample: stop_strings is a list of strings; wrap the one given")
@@ -358,6 +362,7 @@ class TrainingSession:
             tuple(stop_tokens),
             seed,
             stop_strings=tuple(stop_strings),
+            topk_sample_logprobs=topk_sample_logprobs,
         )
         selected = SampleWeights.of(weights)
         prompt = list(prompt_tokens)
@@ -390,6 +395,26 @@ class TrainingSession:
             scored = self.sampler.prompt_logprobs(self.model, prompt)
             return scored if self.shards is None else self.shards.broadcast(scored)
 
+    @collective
+    def prompt_scores(
+        self,
+        prompt_tokens: Sequence[int],
+        scoring: PromptScoring,
+        *,
+        weights: SampleWeights | str | os.PathLike[str] | None = None,
+    ) -> PromptLogprobs:
+        """What ``scoring`` asks about the prompt (its tokens' logprobs, the top k of each
+        position, the logprobs of ids it names), under the weights ``weights`` selects: each
+        value bit for bit what ``forward`` gives for that id as the target at that position of
+        ``TokenExample(prompt[:-1], prompt[1:])``. Changes nothing, as ``sample``."""
+        selected = SampleWeights.of(weights)
+        prompt = list(prompt_tokens)
+        sampler = self.sampler
+        check = functools.partial(scoring.check, prompt, sampler.vocab_size, sampler.limits)
+        with self._reading(selected, check):
+            scored = sampler.prompt_scores(self.model, prompt, scoring)
+            return scored if self.shards is None else self.shards.broadcast(scored)
+
     def sample_many(
         self,
         selected: SampleWeights,
@@ -418,6 +443,8 @@ class TrainingSession:
             for request in batch:
                 try:
                     request.params.check(request.prompt, sampler.vocab_size, sampler.limits)
+                    if request.scoring.asked:
+                        request.scoring.check(request.prompt, sampler.vocab_size, sampler.limits)
                 except InvalidArgument as error:
                     request.on_error(error)
                     continue
@@ -434,8 +461,8 @@ class TrainingSession:
         def _answer(request: BatchedSample) -> Callable[[list[Sample]], None]:
             def answer(samples: list[Sample]) -> None:
                 scored = None
-                if request.with_prompt_logprobs:
-                    scored = sampler.prompt_logprobs(model, request.prompt)
+                if request.scoring.asked:
+                    scored = sampler.prompt_scores(model, request.prompt, request.scoring)
                 request.on_result(samples, scored)
 
             return answer
