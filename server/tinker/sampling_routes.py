@@ -202,9 +202,10 @@ def cancel_sample(front: TinkerFront, request_id: str) -> bool:
 
 
 def held_bytes(request: sample_codec.SampleCall) -> int:
-    """What a decoded sample request holds until it has run: its prompt and stop tokens as
-    objects (``codec.BYTES_PER_DECODED_VALUE`` each), its stop strings, and the call."""
-    values = len(request.prompt) + len(request.stop_tokens)
+    """What a decoded sample request holds until it has run: its prompt, stop tokens and target
+    ids as objects (``codec.BYTES_PER_DECODED_VALUE`` each), its stop strings, and the call."""
+    targets = sum(len(row) for row in request.target_prompt_logprobs or ())
+    values = len(request.prompt) + len(request.stop_tokens) + targets
     strings = sum(len(text) for text in request.stop_strings)
     return values * BYTES_PER_DECODED_VALUE + 4 * strings + SAMPLE_CALL_BYTES
 
