@@ -1,8 +1,11 @@
-"""``cancel_future``: the SDK cancels a sample it abandoned. A sample not answered yet is answered
-as cancelled (a ``user`` failure naming it), written durably before anyone can see it, and is not
-run when its turn comes; one answered already keeps its answer; a training call is refused (it
-holds its place in its model's order); an unknown request is 404. Across a SIGKILL, a cancelled
-sample still answers cancelled and every other sample answers what an uninterrupted server gives.
+"""``cancel_future``, and samples asking for the SDK's logprob options, across a SIGKILL.
+
+The SDK cancels a sample it abandoned. A sample not answered yet is answered as cancelled (a
+``user`` failure naming it), written durably before anyone can see it, and is not run when its
+turn comes; one answered already keeps its answer; a training call is refused (it holds its
+place in its model's order); an unknown request is 404. Across a SIGKILL, a cancelled sample
+still answers cancelled and every other sample (with its top-k and prompt logprobs) answers
+what an uninterrupted server gives.
 """
 
 from __future__ import annotations
@@ -30,12 +33,18 @@ def sampler_of(front: RawFront) -> tuple[str, str]:
 
 
 def sample(front: RawFront, sampler: str, seq_id: int, max_tokens: int = 3) -> str:
+    """A sample asking for the SDK's logprob options too: every answered one is compared with
+    an uninterrupted server's bytes, options included."""
     body = {
         "sampling_session_id": sampler,
         "seq_id": seq_id,
         "num_samples": 2,
-        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3, 4]}]},
         "sampling_params": {"max_tokens": max_tokens, "seed": seq_id, "temperature": 1.0},
+        "prompt_logprobs": True,
+        "prompt_logprobs_last_n": 2,
+        "topk_prompt_logprobs": 2,
+        "topk_sample_logprobs": 3,
     }
     answer = front.post("asample", body)
     assert answer.status_code == 200, answer.text
