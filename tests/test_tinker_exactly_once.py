@@ -163,6 +163,34 @@ def test_a_sample_under_a_used_key_with_another_prompt_is_refused(
         assert api.poll(request_id).content == first
 
 
+def test_a_snapshot_re_sent_with_a_new_sampling_session_seq_id_is_answered_its_first_try(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """The SDK draws ``sampling_session_seq_id`` anew on each try of one unnamed
+    ``save_weights_for_sampler`` (same seq_id): a re-send after a lost answer, before and after
+    a restart, is that request, answered with the first try's sampling session; another change
+    under the same seq_id is still refused (found by the four-run SIGKILL test: the re-send was
+    refused as another payload, and the SDK failed the loop)."""
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        body = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0}
+        request_id = api.post("save_weights_for_sampler", body).json()["request_id"]
+        first = api.poll(request_id).json()
+        assert first["sampling_session_id"].endswith(":sample:0")
+        retry = {**body, "sampling_session_seq_id": 1}
+        assert api.post("save_weights_for_sampler", retry).json()["request_id"] == request_id
+        assert api.poll(request_id).json() == first
+        other = api.post("save_weights_for_sampler", {**body, "kind": "inflight"})
+        assert other.status_code == 400 and "another payload" in other.json()["detail"]
+    with tinker_server(state_dir, model_root) as handle:
+        api = raw(handle)
+        retry = {**body, "sampling_session_seq_id": 2}
+        assert api.post("save_weights_for_sampler", retry).json()["request_id"] == request_id
+        assert api.poll(request_id).json() == first
+
+
 def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:

@@ -1,8 +1,9 @@
 """Many models on one server through the real Tinker SDK (``serve(max_runs=N)``): each
 ``create_lora_training_client`` is a run of its own on the one base model. A run's every result
 (samples, their logprobs, the trainer's logprobs, losses, updates) and its final state digest are
-the same bits alone on a one-run server and beside three other runs (other seeds, ranks, losses,
-learning rates, checkpoints at other steps), in process and in a server process SIGKILLed at a
+the same bits alone on a server and beside three other runs (other seeds, ranks, losses,
+learning rates, checkpoints at other steps; one resumed from a checkpoint of its own while the
+others train), in process and in a server process SIGKILLed at a
 seeded moment and restarted on its state directory (every run restored, every key applied
 once)."""
 
@@ -24,7 +25,8 @@ from tinker_loops import KEY, close_quietly, service_client, tinker_server
 from trainwire.server.tinker.model import run_id_for
 from trainwire.testing import free_port
 
-# Each run: LoRA rank, seed, loss, learning rate, and the step at which it saves its state.
+# Each run: LoRA rank, seed, loss, learning rate, and the step at which it saves its state. Run
+# ``RESUMED`` starts from a checkpoint of a model of its own (one step in), with its optimizer.
 RUNS = [
     (4, 0, "cross_entropy", 1e-2, 1),
     (8, 1, "importance_sampling", 5e-3, 2),
@@ -32,6 +34,8 @@ RUNS = [
     (8, 3, "importance_sampling", 1e-2, 1),
 ]
 STEPS = 3
+RESUMED = 2
+SLOTS = len(RUNS) + 1  # the resumed run's first model stays open beside it
 PROMPTS = ["the cat", "a dog ran", "birds sing", "the mat"]
 
 Between = Callable[[int], None]
@@ -45,6 +49,12 @@ def run_loop(service: tinker.ServiceClient, run: int, between: Between) -> tuple
     tokenizer = training.get_tokenizer()
     prompt = tokenizer.encode(PROMPTS[run])
     seen: list[Any] = []
+    if run == RESUMED:  # one step, a checkpoint, and the run goes on as a new model from it
+        start = datum(prompt, tokenizer.encode(" sat on the mat"), [], "cross_entropy")
+        training.forward_backward([start], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=learning_rate)).result()
+        path = training.save_state("start").result().path
+        training = service.create_training_client_from_state_with_optimizer(path).result()
     for step in range(STEPS):
         if step == save_at:
             seen.append(training.save_state(f"step-{step}").result().path.rsplit("/", 2)[-2:])
@@ -82,10 +92,18 @@ def datum(prompt: list[int], tokens: list[int], logprobs: list[float], loss: str
 
 
 def digests(grpc_port: int, model_ids: list[str], token: str | None = None) -> list[str]:
-    """The state digest of each model's run, as the gRPC side lists the open runs."""
+    """The state digest of each model's run, as the gRPC side lists the open runs (once the
+    server is idle: while anything runs, a run's listing gives its digest only if known)."""
+    runs = [run_id_for(model_id) for model_id in model_ids]
     with connect(grpc_port, token=token) as client:
-        listed = {info.run_id: info.state_digest for info in client.runs()}
-    return [listed[run_id_for(model_id)] for model_id in model_ids]
+        listed: dict[str, str] = {}
+
+        def known() -> bool:
+            listed.update({info.run_id: info.state_digest for info in client.runs()})
+            return all(listed.get(run) for run in runs)
+
+        wait_for(known, 60)
+    return [listed[run] for run in runs]
 
 
 def side_by_side(base_url: str, between: Callable[[int, int], None]) -> tuple[list, list, list]:
@@ -114,9 +132,10 @@ def side_by_side(base_url: str, between: Callable[[int, int], None]) -> tuple[li
 def alone(
     tmp_path_factory: pytest.TempPathFactory, model_root: Path, tiny_llama: Path
 ) -> tuple[list, list]:
-    """Each run alone on a server of one run, one after the other: results and digests."""
+    """Each run alone, one after the other: results and digests."""
     seen, final = [], []
-    with tinker_server(tmp_path_factory.mktemp("alone"), model_root) as handle:
+    # Two slots: the resumed run's first model stays open beside it (no other run trains).
+    with tinker_server(tmp_path_factory.mktemp("alone"), model_root, max_runs=2) as handle:
         for run in range(len(RUNS)):
             service = service_client(handle)
             results, model_id = run_loop(service, run, lambda step: None)
@@ -130,7 +149,7 @@ def alone(
 def test_four_sdk_runs_side_by_side_give_the_bits_each_gives_alone(
     tmp_path: Path, model_root: Path, alone: tuple[list, list]
 ) -> None:
-    with tinker_server(tmp_path / "state", model_root, max_runs=len(RUNS)) as handle:
+    with tinker_server(tmp_path / "state", model_root, max_runs=SLOTS) as handle:
         seen, model_ids, services = side_by_side(handle.tinker.base_url, lambda run, step: None)
         try:
             assert len(set(model_ids)) == len(RUNS)
@@ -156,7 +175,7 @@ def test_four_sdk_runs_through_a_sigkill_end_as_each_alone(
         chooser.random() < 0.5,
     )
     port, state_dir = free_port(), tmp_path / "state"
-    options = ("--max-runs", str(len(RUNS)))
+    options = ("--max-runs", str(SLOTS))
     started = [TinkerServeProcess(tmp_path, state_dir, model_root, port, "first", options=options)]
     killed = threading.Event()
 

@@ -120,6 +120,9 @@ class Intake:
         self.order = host.order  # one order for every transport
         # The transport's routes by the names its stored requests carry (``replay``).
         self.routes: dict[str, Route] = {}
+        # What identifies a route's request, where not its whole body: a client may re-send a
+        # request with a field it draws anew on each try (the SDK's sampling_session_seq_id).
+        self.identities: dict[str, Callable[[Body], Body]] = {}
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
         self._lock = threading.Lock()  # orders request records with their submission
         # Held by the part of a sample that may not run beside another (``stream_order``): choosing
@@ -244,7 +247,8 @@ class Intake:
         failure = Failed(
             f"replaying this request failed: {type(error).__name__}: {error}", category
         )
-        digest, _ = payload(record.body)
+        route = record.route if isinstance(record, CallRecord) else UNORDERED_ROUTE
+        digest, _ = self._payload(route, record.body)
         job = self._job(request_id, failure, digest)
         stream = request_id.rpartition("/")[0]
         with self._lock:
@@ -257,6 +261,12 @@ class Intake:
                         return True
             self.order.run_unordered(job)
             return True
+
+    def _payload(self, route: str, body: Body) -> tuple[str, int]:
+        """The digest that identifies a request of ``route`` (``identities``) and its size."""
+        identity = self.identities.get(route)
+        digest, size = payload(body)
+        return (digest, size) if identity is None else (payload(identity(body))[0], size)
 
     def recovered(self, position_of: Callable[[str], int]) -> None:
         """The host restored its runs, stream ``s``'s at journal position ``position_of(s)``:
@@ -384,7 +394,7 @@ class Intake:
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq!r}")
         request_id = f"{stream}/{seq}"
-        digest, body_size = payload(body)
+        digest, body_size = self._payload(route, body)
         size = size or body_size
         taken = partial(self._resent, request_id, stream, seq, digest, size)
         with self._lock:

@@ -85,6 +85,16 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
     return request_id
 
 
+def snapshot_identity(body: Any) -> Any:
+    """What identifies a ``save_weights_for_sampler``: its body but ``sampling_session_seq_id``,
+    which the SDK draws anew on every try of the same call (same seq_id). A re-send after a
+    lost answer is then answered the first try's sampling session, whose id the SDK takes from
+    the answer."""
+    if not isinstance(body, dict):
+        return body
+    return {k: v for k, v in body.items() if k != "sampling_session_seq_id"}
+
+
 def sampling_kind(body: dict[str, Any], *, named: bool) -> bool:
     """Whether a ``save_weights_for_sampler`` is of kind ``inflight`` (else ``snapshot``);
     InvalidArgument for another kind, or for named inflight weights."""

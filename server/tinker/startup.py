@@ -76,6 +76,7 @@ def start_front(
     front = TinkerFront(host, intake, models, directory, model_root, catalog)
     for name, route in ROUTES.items():
         intake.routes[name] = partial(_take, route, front)
+    intake.identities["save_weights_for_sampler"] = sampling_routes.snapshot_identity
     replay(front)
     threading.Thread(
         target=_await_recovery, args=(front,), name="tinker-recover", daemon=True
