@@ -240,7 +240,10 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
     models = front.models.open_models()
     if sampler.export is None:  # the base model, which every open model's run holds
         if not models:
-            raise NotFound("no model on this server: its sampling clients ended with it")
+            raise NotFound(
+                "no model is open on this server to sample the base model on: create a "
+                "training client of it first"
+            )
         return models[0].run_id, {"base_model": True}
     if not saved_by:  # an earlier version's snapshot, of a model closed since
         raise NotFound("no model on this server: its sampling clients ended with it")
