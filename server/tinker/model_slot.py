@@ -323,7 +323,7 @@ class ModelSlot:
             if run_id is not None and run_id in self.host.open_run_ids:
                 return run_id
             self._end_sampling_runs()
-            if len(self.host.open_run_ids) >= self.host.max_runs:
+            if self.many and len(self.host.open_run_ids) >= self.host.max_runs:
                 raise ResourceExhausted(
                     f"every run slot of this server is taken (--max-runs {self.host.max_runs}): "
                     "these sampler weights are sampled once a model closes"
