@@ -5,6 +5,7 @@ request log keeps. In process, over raw HTTP as the SDK sends it."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from pathlib import Path
@@ -130,6 +131,19 @@ def test_retention_keeps_the_newest_results_within_their_time_count_and_bytes() 
     assert kept == {"day-undelivered"}  # the huge newest one fills the bytes: none after it
     kept = {r.request_id for r in result_store.retained(resolved[:4], now)}
     assert kept == {"recent", "day-undelivered"}
+
+
+def test_a_poller_watching_a_result_does_not_hand_it_out() -> None:
+    """The SDK's sampling poller (``retrieve_futures``) learns a result is there without
+    fetching it: the result keeps the undelivered retention (a day) until ``retrieve_future``
+    hands it out (an hour from then)."""
+    store = result_store.ResultStore()
+    store.add("s/1")
+    store.resolve("s/1", result_store.Done(b"x"))
+    assert asyncio.run(store.wait("s/1", 0, hand_out=False)) is not None
+    assert not store.delivered("s/1")
+    asyncio.run(store.wait("s/1", 0))
+    assert store.delivered("s/1")
 
 
 def test_a_sample_under_a_used_key_with_another_prompt_is_refused(

@@ -243,8 +243,12 @@ class ResultStore:
         with self._lock:
             return len(self._entries)
 
-    async def wait(self, request_id: str, hold_s: float) -> Outcome | None:
+    async def wait(
+        self, request_id: str, hold_s: float, *, hand_out: bool = True
+    ) -> Outcome | None:
         """The outcome once there is one; None after ``hold_s`` (answer ``try_again``).
+        ``hand_out``: the outcome is handed out now (its retention counts from now); False
+        for a watcher that only learns it is there (a poller of completions).
 
         Raises ``KeyError`` for a request id this server never issued.
         """
@@ -266,8 +270,8 @@ class ResultStore:
             entry = self._entries.get(request_id)
             if entry is None:  # forgotten while the fetch was held
                 raise KeyError(request_id)
-            if entry.outcome is not None:  # kept from the last hand-out: it may be lost again
-                entry.delivered_at = self._clock()
+            if hand_out and entry.outcome is not None:  # kept from the last hand-out: it may
+                entry.delivered_at = self._clock()  # be lost again
             return entry.outcome
 
 

@@ -229,7 +229,9 @@ class SamplingFutures:
             await asyncio.sleep(wait_s)
             return []
         results = self.front.intake.results
-        waits = {asyncio.ensure_future(results.wait(r, wait_s)): r for r in request_ids}
+        waits = {  # only watched: each is handed out when the client fetches it
+            asyncio.ensure_future(results.wait(r, wait_s, hand_out=False)): r for r in request_ids
+        }
         done, running = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for task in running:
             task.cancel()
