@@ -193,10 +193,9 @@ def _turns_of(front: TinkerFront, sampling_id: str) -> str:
 def cancel_sample(front: TinkerFront, request_id: str) -> bool:
     """``cancel_future``: a sample not answered yet is answered as cancelled, durably, and is
     not run (or, running, its result is discarded); one answered already keeps its answer
-    (False).
-    A training call is refused (400): it holds its place in its model's seq_ids, and the calls
-    after it expect its effect. NotFound for a request this server does not know (or another
-    tenant's)."""
+    (False). A training call is refused (400): it holds its place in its model's seq_ids, and
+    the calls after it expect its effect. NotFound for a request this server does not know (or
+    another tenant's)."""
     stream = request_id.rpartition("/")[0]
     if not visible(request_id) or not front.intake.results.known(request_id):
         raise NotFound(f"no request {request_id!r} on this server")
