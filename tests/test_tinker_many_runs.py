@@ -9,7 +9,9 @@ once)."""
 
 from __future__ import annotations
 
+import contextlib
 import random
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +22,7 @@ import tinker
 from service_fixtures import connect, wait_for
 from test_tinker_restart import GRPC_TOKEN, TinkerServeProcess, logged
 from tinker import types
-from tinker_loops import KEY, close_quietly, service_client, tinker_server
+from tinker_loops import KEY, RawFront, close_quietly, service_client, tinker_server
 
 from trainwire.server.tinker.model import run_id_for
 from trainwire.testing import free_port
@@ -203,3 +205,49 @@ def test_four_sdk_runs_through_a_sigkill_end_as_each_alone(
     finally:
         for process in started:
             process.kill()
+
+
+@pytest.mark.slow
+def test_a_model_that_floods_the_server_delays_another_models_call_by_one_of_its_own(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Fair share through the SDK's routes: model "flood" has 200 ``forward_backward`` calls
+    released, then model "other" one; "other"'s runs after at most one of the flood's (counted
+    in journal entries, in the order the executor applied them). Before the order took turns
+    by run, it ran after all 200."""
+    calls = 200
+    with tinker_server(tmp_path / "state", model_root, max_runs=2) as handle:
+        front = RawFront(handle.tinker.base_url)
+        models = []
+        for _ in range(2):
+            session_id = front.post("create_session", {}).json()["session_id"]
+            body = {"session_id": session_id, "base_model": "llama", "lora_config": {"rank": 4}}
+            models.append(front.post("create_model", body).json()["model_id"])
+        flood, other = models
+        order, release, holding = (
+            handle.tinker.front.intake.order,
+            threading.Event(),
+            threading.Event(),
+        )
+        order.start_stream("test-hold", 1)  # hold the order while every call is released
+        order.submit("test-hold", 1, "hold", lambda: (holding.set(), release.wait(120)))
+        assert holding.wait(30)
+        flooded = [
+            front.forward_backward(flood, seq).json()["request_id"] for seq in range(1, calls + 1)
+        ]
+        last = front.forward_backward(other, 1).json()["request_id"]
+        release.set()
+        front.poll(last, timeout_s=120)
+        for request_id in flooded:
+            front.poll(request_id, timeout_s=120)
+        applied = {model: recorded(handle, model) for model in models}
+    (other_at,) = applied[other]
+    before = [at for at in applied[flood] if at < other_at]
+    assert len(applied[flood]) == calls and len(before) <= 1
+
+
+def recorded(handle: Any, model_id: str) -> list[float]:
+    """When each of ``model_id``'s run's journal entries was recorded (the executor's order)."""
+    run = handle.session_host.state_dir.run(run_id_for(model_id))
+    with contextlib.closing(sqlite3.connect(run.journal_path)) as journal:
+        return [at for (at,) in journal.execute("SELECT recorded_at FROM operations")]
