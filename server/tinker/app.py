@@ -148,12 +148,15 @@ def create_app(
 
     @app.post(f"{API}/client/config")
     async def client_config() -> dict[str, Any]:
-        # JWT exchange and server-side custom losses off (neither exists here); the sampling
-        # poller (retrieve_futures) and clone ids (join_sampling_session) on: both are served.
+        # JWT exchange and server-side custom losses off (neither exists here). Clone ids from
+        # join_sampling_session on. The sampling poller (retrieve_futures) is served but left
+        # off: each poll looks through every result held for its client's, so per-request
+        # polls (the SDK's default) were no slower with 40 samples and do not grow with what
+        # the server holds.
         return {
             "pjwt_auth_enabled": False,
             "custom_loss_server_side": False,
-            "sample_use_retrieve_futures": True,
+            "sample_use_retrieve_futures": False,
             "sample_join_sampling_session": True,
         }
 

@@ -79,8 +79,10 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
 
         return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
 
+    # A re-send may carry another sampling_session_seq_id: only the first try's session is made.
+    new = not front.intake.results.known(f"{model_id}/{seq_id}")
     request_id = front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
-    if not get_str(body, "path"):
+    if new and not get_str(body, "path"):
         front.sampling_sessions.expect(sampling_id, model_id)  # its samples take model's turns
     return request_id
 
