@@ -1,14 +1,19 @@
 """Sampling clients of kind ``inflight`` (SDK 0.38): every inflight sampling client of a model reads
 the model's latest inflight save (never older weights than when it was made), while a snapshot
-client keeps its own; each reads the trainer-exact logprobs of the weights it reads."""
+client keeps its own; each reads the trainer-exact logprobs of the weights it reads. And which
+sampling sessions a restart's replay is still to make."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import pytest
 from tinker import types
 from tinker_loops import SENTENCES, RawFront, lora_training, train_step
+
+from trainwire.server.errors import NotFound
+from trainwire.server.tinker.sampling_sessions import SamplingSessions
 
 
 def drawn(client: Any, prompt: types.ModelInput) -> list[tuple[list[int], list[float]]]:
@@ -46,3 +51,17 @@ def test_inflight_clients_follow_their_models_inflight_saves_and_snapshots_stay(
             "save_weights_for_sampler", {**body, "seq_id": 100, "kind": "inflight", "path": "x"}
         )
         assert named.status_code == 400 and "inflight weights have no name" in named.text
+
+
+def test_a_sampling_session_a_replayed_call_is_to_make_is_known_while_the_replay_runs() -> None:
+    """After a restart, the SDK keeps polling and sampling a sampling session whose snapshot
+    call is replayed but has not run yet: it is answered while the replay runs (a 404 there is
+    one the SDK does not retry), and unknown once the replay is over and nothing made it."""
+    sessions = SamplingSessions(restarted=True)
+    sessions.expect("tw-a:sample:0", "tw-a:train:0")
+    sessions.require("tw-a:sample:0", replaying=True)
+    with pytest.raises(NotFound):
+        sessions.require("tw-a:sample:0", replaying=False)
+    with pytest.raises(NotFound):
+        sessions.require("tw-a:sample:1", replaying=True)  # nothing is to make this one
+    assert sessions.model_of("tw-a:sample:0") == "tw-a:train:0"  # its samples take its turns
