@@ -221,7 +221,7 @@ def _journal_position(path: Path) -> tuple[int, str]:
     # through it.
     wal = path.with_name(path.name + "-wal")
     mode = "mode=ro" if wal.exists() else "mode=ro&immutable=1"
-    db = sqlite3.connect(f"{path.as_uri()}?{mode}", uri=True)
+    db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True)
     try:
         row = db.execute(
             "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
