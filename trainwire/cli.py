@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainwire import __version__
 from trainwire.client.session.pipeline import DEFAULT_WINDOW
 from trainwire.contract.planning.manifest import (
     load_plan,
@@ -35,6 +36,20 @@ DESCRIPTION = (
     "trainwire demo."
 )
 logger = logging.getLogger(__name__)
+
+
+class PrintConfigAction(argparse.Action):
+    """``trainwire plan --print-config``: every config key with its default and meaning, then exit
+    (as ``--help`` does, before the required options are asked for)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
+        from trainwire.contract.config import TrainingConfig
+
+        sys.stdout.write(TrainingConfig.describe_keys())
+        parser.exit()
 
 
 class UsageError(Exception):
@@ -223,6 +238,7 @@ def command_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trainwire", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument("--version", action="version", version=f"trainwire {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     plan = commands.add_parser("plan", help="plan a run and write its manifest")
@@ -233,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     plan.add_argument("--output", required=True, help="where to write the manifest")
+    plan.add_argument(
+        "--print-config",
+        action=PrintConfigAction,
+        help="print every config key with its default and meaning (a YAML to start from), and exit",
+    )
     plan.set_defaults(handler=command_plan)
 
     inspect = commands.add_parser(

@@ -15,6 +15,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainwire.contract.config_keys import (
+    CONFIG_ALIASES,
+    LORA_ALIASES,
+    describe_config_keys,
+    unknown_keys_message,
+    with_trainwire_names,
+)
+
 TASKS = ("causal-lm", "sequence-classification")
 LR_SCHEDULERS = ("linear", "constant", "cosine")
 PRECISIONS = ("fp32", "bf16")
@@ -137,10 +145,13 @@ class LoraSettings:
     def from_dict(cls, data: Any) -> LoraSettings:
         if not isinstance(data, dict):
             raise ValueError(f"lora: must be an object or null, got {type(data).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
+        data = with_trainwire_names(data, LORA_ALIASES, prefix="lora.")
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"lora: unknown key(s): {', '.join('lora.' + k for k in unknown)}")
+            raise ValueError(
+                unknown_keys_message(unknown, known, LORA_ALIASES, what="lora", prefix="lora.")
+            )
         return cls(**data)
 
 
@@ -308,17 +319,28 @@ class TrainingConfig:
         """Build a config from JSON-like data; unknown keys and bad values raise ``ValueError``."""
         if not isinstance(data, dict):
             raise ValueError(f"a training config must be an object, got {type(data).__name__}")
-        data = _without_refused_compilation(data)
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(data) - known)
+        data = with_trainwire_names(_without_refused_compilation(data), CONFIG_ALIASES)
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = sorted(set(data) - set(known))
         if unknown:
-            raise ValueError(f"unknown config key(s): {', '.join(unknown)}")
+            raise ValueError(unknown_keys_message(unknown, known, CONFIG_ALIASES, what="config"))
         if "model" not in data:
             raise ValueError("model: missing (a local model directory)")
         values = dict(data)
         if values.get("lora") is not None:
             values["lora"] = LoraSettings.from_dict(values["lora"])
         return cls(**values)
+
+    @classmethod
+    def describe_keys(cls) -> str:
+        """Every key with its default and meaning, as a YAML file to start from."""
+        defaults = {
+            f.name: None if f.default is dataclasses.MISSING else f.default
+            for f in dataclasses.fields(cls)
+            if f.init
+        }
+        defaults["labels"] = list(defaults["labels"])
+        return describe_config_keys(defaults, LoraSettings().to_dict())
 
     def replace(self, **changes: Any) -> TrainingConfig:
         return dataclasses.replace(self, **changes)

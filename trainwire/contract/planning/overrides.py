@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from trainwire.contract.config import TrainingConfig
+from trainwire.contract.config_keys import CONFIG_ALIASES, LORA_ALIASES, with_trainwire_names
 
 
 def parse_override_value(text: str) -> Any:
@@ -86,15 +87,21 @@ def config_with_overrides(
 
 
 def apply_overrides(config_dict: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """Apply overrides to a config dict; ``lora.r=4`` reaches into the nested LoRA settings."""
-    merged = dict(config_dict)
+    """Apply overrides to a config dict; ``lora.r=4`` reaches into the nested LoRA settings.
+
+    Hugging Face names count as trainwire's on both sides, so ``--set num_train_epochs=3``
+    replaces a file's ``num_epochs`` rather than clashing with it."""
+    merged = with_trainwire_names(config_dict, CONFIG_ALIASES)
     for key, value in overrides.items():
         head, dot, rest = key.partition(".")
+        head = CONFIG_ALIASES.get(head, head)
         if dot:
             nested = merged.get(head)
             if not isinstance(nested, dict):
                 nested = {}
+            nested = with_trainwire_names(nested, LORA_ALIASES, prefix="lora.")
+            rest = LORA_ALIASES.get(rest, rest) if head == "lora" else rest
             merged[head] = {**nested, rest: value}
         else:
-            merged[key] = value
+            merged[head] = value
     return merged
