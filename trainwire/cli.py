@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -150,6 +151,15 @@ def command_run(args: argparse.Namespace) -> int:
             window=args.window,
         )
         result = controller.run(on_step=reporter)
+    except KeyboardInterrupt:
+        reporter.close()
+        # The cursor on disk covers only what committed, so the same command takes up there.
+        print(
+            "trainwire run: interrupted; run the same command again to resume where it "
+            f"stopped: trainwire {shlex.join(args.argv)}",
+            file=sys.stderr,
+        )
+        return 130
     finally:
         reporter.close()
         client.close_channel()
