@@ -14,19 +14,25 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainwire import __version__
 from trainwire.client.session.pipeline import DEFAULT_WINDOW
+from trainwire.contract.config import InputExample, TrainingConfig
 from trainwire.contract.planning.manifest import (
+    check_numbered_examples,
     load_plan,
     read_config_file,
-    read_examples_jsonl,
+    read_numbered_examples,
     write_plan_manifest,
 )
 from trainwire.contract.planning.overrides import config_with_overrides
 from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.planning.token_lengths import TokenCounter
 from trainwire.serve_command import add_serve_arguments, command_serve
+
+if TYPE_CHECKING:
+    import grpc
 
 USAGE_ERROR = 2
 # What ``trainwire --help`` says first: plain words (the module docstring is for readers of the
@@ -47,8 +53,6 @@ class PrintConfigAction(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> None:
-        from trainwire.contract.config import TrainingConfig
-
         sys.stdout.write(TrainingConfig.describe_keys())
         parser.exit()
 
@@ -82,15 +86,43 @@ def command_plan(args: argparse.Namespace) -> int:
             "--eval-examples: the config's eval_strategy is 'no', so they would never be "
             "evaluated; set eval_strategy to epoch or steps, or leave them out"
         )
-    examples = read_examples_jsonl(args.examples)
-    eval_examples = read_examples_jsonl(args.eval_examples) if args.eval_examples else None
+    counter = plan_token_counter(config, args.model_root)
+    examples = checked_examples(args.examples, config, counter)
+    eval_examples = (
+        checked_examples(args.eval_examples, config, counter) if args.eval_examples else None
+    )
     plan = ManagedTrainingPlan(examples, config, eval_examples=eval_examples)
     write_plan_manifest(args.output, plan)
     print(
         f"wrote {args.output}: {len(plan.examples)} examples, {plan.batch_count} microbatches, "
         f"{plan.max_steps} updates, {plan.fingerprint}"
     )
+    if counter is None and not config.truncation:
+        print(
+            f"example lengths not checked against max_length {config.max_length}: model "
+            f"{config.model!r} has no tokenizer.json here (give --model-root DIR, the folder "
+            "that holds it, to check them now; the session checks each microbatch as it runs)",
+            file=sys.stderr,
+        )
     return 0
+
+
+def checked_examples(
+    path: str, config: TrainingConfig, counter: TokenCounter | None
+) -> list[InputExample]:
+    """The examples of a JSON-lines file, each checked against ``config`` (naming its line)."""
+    numbered = read_numbered_examples(path)
+    check_numbered_examples(path, numbered, config, counter)
+    return [example for _, example in numbered]
+
+
+def plan_token_counter(config: TrainingConfig, model_root: str | None) -> TokenCounter | None:
+    """The counter of the config's model where the planning machine has it: under
+    ``--model-root`` (which must then hold it), else as a path from the working directory."""
+    directory = Path(model_root or ".") / config.model
+    if model_root and not directory.is_dir():
+        raise UsageError(f"--model-root {model_root}: no model {config.model!r} in it")
+    return TokenCounter.from_model_directory(directory, config.task) if directory.is_dir() else None
 
 
 def command_inspect(args: argparse.Namespace) -> int:
@@ -132,6 +164,8 @@ def add_window_option(parser: argparse.ArgumentParser) -> None:
 
 
 def command_run(args: argparse.Namespace) -> int:
+    import grpc
+
     from trainwire.client.control.controller import Controller
     from trainwire.client.control.progress_bar import ProgressReporter
     from trainwire.client.session.session_client import SessionClient
@@ -151,6 +185,10 @@ def command_run(args: argparse.Namespace) -> int:
             window=args.window,
         )
         result = controller.run(on_step=reporter)
+    except grpc.RpcError as error:
+        if error.code() != grpc.StatusCode.INVALID_ARGUMENT:
+            raise
+        raise UsageError(closed_on_bad_data(client, args.run_id, error)) from None
     except KeyboardInterrupt:
         reporter.close()
         # The cursor on disk covers only what committed, so the same command takes up there.
@@ -170,6 +208,23 @@ def command_run(args: argparse.Namespace) -> int:
         f"summary in {Path(args.work_dir) / 'training_summary.json'}"
     )
     return 0
+
+
+def closed_on_bad_data(client: Any, run_id: str, error: grpc.RpcError) -> str:
+    """Close a run that its manifest's data failed (the same manifest fails there again, and an
+    open run would hold a one-run server) and say how to go on."""
+    try:
+        client.close(run_id=run_id)
+    except grpc.RpcError as closing:
+        return (
+            f"{error.details()}; the run could not be closed ({closing.details()}): end it with "
+            f"trainwire close --run-id {run_id}, fix the data, plan again and run it under a new "
+            "--run-id"
+        )
+    return (
+        f"{error.details()}; run {run_id} is closed on the server (this manifest fails there "
+        "again): fix the data, plan again, and run the new manifest under a new --run-id"
+    )
 
 
 def command_close(args: argparse.Namespace) -> int:
@@ -259,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
     plan.add_argument("--output", required=True, help="where to write the manifest")
+    plan.add_argument(
+        "--model-root",
+        help="the folder that holds the config's model (as serve's): checks every example's "
+        "length in tokens now, naming its line",
+    )
     plan.add_argument(
         "--print-config",
         action=PrintConfigAction,

@@ -323,7 +323,8 @@ def refuse_another_run(current: RunSpec, requested: RunSpec) -> None:
     if current.run_id != requested.run_id:
         raise FailedPrecondition(
             f"the server's session is open for run {current.run_id!r}, not {requested.run_id!r}; "
-            "close it first or use another server"
+            f"close it first (trainwire close --server HOST:PORT --run-id {current.run_id}) or "
+            "use another server"
         )
     differences = current.differences(requested)
     if differences:

@@ -7,24 +7,53 @@ import re
 from pathlib import Path
 from typing import Any
 
-from trainwire.contract.config import InputExample
+from trainwire.contract.config import InputExample, TrainingConfig
 from trainwire.contract.files import write_bytes_atomic
-from trainwire.contract.planning.plan import ManagedTrainingPlan
+from trainwire.contract.planning.plan import ManagedTrainingPlan, example_problem
+from trainwire.contract.planning.token_lengths import TokenCounter
 
 
 def read_examples_jsonl(path: str | Path) -> list[InputExample]:
     """One JSON example per line (blank lines skipped); a bad line is refused with its number."""
+    return [example for _, example in read_numbered_examples(path)]
+
+
+def read_numbered_examples(path: str | Path) -> list[tuple[int, InputExample]]:
+    """``(line number, example)`` of every example in a JSON-lines file, so a later check can
+    still name the line it refuses."""
     examples = []
     with open(path, encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             try:
-                examples.append(InputExample.from_dict(json.loads(line)))
+                examples.append((number, InputExample.from_dict(json.loads(line))))
             except ValueError as error:
                 # json.JSONDecodeError is a ValueError too.
                 raise ValueError(f"{path}:{number}: {error}") from None
     return examples
+
+
+def check_numbered_examples(
+    path: str | Path,
+    examples: list[tuple[int, InputExample]],
+    config: TrainingConfig,
+    counter: TokenCounter | None,
+) -> None:
+    """Refuse the first example of ``path`` that cannot train under ``config``, naming its
+    line: a label, an empty text, or (with the model's tokenizer at hand) more tokens than
+    ``max_length`` while truncation is off."""
+    for number, example in examples:
+        problem = example_problem(example, config)
+        if problem is None and counter is not None and not config.truncation:
+            tokens = counter.count(example)
+            if tokens > config.max_length:
+                problem = (
+                    f"{tokens} tokens is over max_length {config.max_length}; shorten it, "
+                    "raise max_length, or set truncation true to cut it"
+                )
+        if problem is not None:
+            raise ValueError(f"{path}:{number}: {problem}")
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -119,25 +119,31 @@ def check_examples(
 ) -> None:
     """Refuse examples that cannot train under ``config``, naming the first bad index."""
     for index, example in enumerate(examples):
-        if not isinstance(example, InputExample):
-            raise ValueError(f"{what} {index}: expected an InputExample, got {type(example)!r}")
-        if not example.text:
-            raise ValueError(f"{what} {index}: empty text")
-        if config.task == "sequence-classification":
-            if example.label is None:
-                raise ValueError(f"{what} {index}: missing label (one of {list(config.labels)})")
-            if example.label not in config.labels:
-                raise ValueError(
-                    f"{what} {index}: unknown label {example.label!r}; "
-                    f"the config's labels are {list(config.labels)}"
-                )
-            if example.completion is not None:
-                raise ValueError(f"{what} {index}: classification examples take no completion")
-        else:
-            if example.label is not None:
-                raise ValueError(f"{what} {index}: causal-lm examples take no label")
-            if example.completion == "":
-                raise ValueError(f"{what} {index}: empty completion (omit it to learn the text)")
+        problem = example_problem(example, config)
+        if problem is not None:
+            raise ValueError(f"{what} {index}: {problem}")
+
+
+def example_problem(example: InputExample, config: TrainingConfig) -> str | None:
+    """Why ``example`` cannot train under ``config`` (None: it can). One rule for the plan, the
+    files it is read from (which name the line) and the session (which names the index)."""
+    if not isinstance(example, InputExample):
+        return f"expected an InputExample, got {type(example)!r}"
+    if not example.text:
+        return "empty text"
+    if config.task == "sequence-classification":
+        if example.label is None:
+            return f"missing label (one of {list(config.labels)})"
+        if example.label not in config.labels:
+            return f"unknown label {example.label!r}; the config's labels are {list(config.labels)}"
+        if example.completion is not None:
+            return "classification examples take no completion"
+    else:
+        if example.label is not None:
+            return "causal-lm examples take no label"
+        if example.completion == "":
+            return "empty completion (omit it to learn the text)"
+    return None
 
 
 class ManagedTrainingPlan:
