@@ -3,9 +3,9 @@
 The checkout is the repository's tracked files copied to a temporary directory (nothing built,
 no models, no state), with ``.venv`` linked to the running one: nothing is installed, and
 ``make`` is told its venv stamp is current (``make -o .venv/.installed``) so it never reinstalls.
-Each fenced block runs as written, in the checkout, with the venv's ``bin`` first on PATH; the
-only changes are the ports (free ones instead of 50051 and 8000, which another process may
-hold), ``kill %1`` (no job control here: the background server gets SIGTERM) and what must not
+Each fenced block runs as written (each Python snippet twice, as a user runs it again), in the
+checkout, with the venv's ``bin`` first on PATH; the only changes are the ports (free ones
+instead of 50051 and 8000, which another process may hold), ``kill %1`` (no job control here: the background server gets SIGTERM) and what must not
 run here: ``pip install`` (the venv has it all), ``make test``/``make test-all`` (dry runs: the
 suite runs the suite), and the cookbook block (its recipe needs a workspace of hub-named model
 and data folders; tests/test_cookbook_recipes.py runs it).
@@ -142,8 +142,8 @@ def test_every_readme_command_and_snippet_runs_as_written_on_a_fresh_checkout(tm
         for language, body in fenced_blocks((root / "README.md").read_text()):
             if SKIPPED_BLOCK_MARK in body:
                 continue
-            if language == "python":
-                outputs.append(walk.python(body))
+            if language == "python":  # twice: a snippet runs again as written
+                outputs.extend(walk.python(body) for _ in range(2))
             else:
                 outputs.extend(walk.shell(line) for line in shell_lines(body))
         assert walk.shell("make help").startswith("make demo")
@@ -157,3 +157,6 @@ def test_every_readme_command_and_snippet_runs_as_written_on_a_fresh_checkout(tm
     assert "run my-run done at step" in text
     assert re.search(r"runs/local: \d+ updates, best \d+\.\d{1,4} at update \d+", text)
     assert '{"status":"ok"}' in text  # the Tinker front's health, before the SDK loop
+    # the snippets, each run twice, each time a run of its own that says what it did
+    assert len(set(re.findall(r"^(my-loop-\w+): loss \d", text, flags=re.M))) == 2
+    assert len(set(re.findall(r"^(my-rl-\w+): 8 samples, mean reward", text, flags=re.M))) == 2

@@ -90,4 +90,5 @@ def test_trainwire_demo_rl_runs_the_rl_demo_on_its_defaults(monkeypatch, tmp_pat
     calls = []
     monkeypatch.setattr("trainwire.rl_demo.run_rl_demo", lambda *a, **kw: calls.append((a, kw)))
     assert main(["demo", "--rl", *flags, "--quiet", "--work-dir", str(tmp_path)]) == 0
-    assert calls == [((tmp_path,), {"server": None, "settings": settings, "quiet": True})]
+    expected = {"server": None, "settings": settings, "quiet": True, "run_id": "rl-demo"}
+    assert calls == [((tmp_path,), expected)]

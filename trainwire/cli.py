@@ -286,17 +286,22 @@ def check_local_model(model: str) -> None:
 
 
 def command_demo(args: argparse.Namespace) -> int:
-    from trainwire.demo import DemoSettings, run_demo
+    from trainwire.demo import RUN_ID, DemoSettings, demo_run_id, run_demo
+    from trainwire.rl_demo import RUN_ID as RL_RUN_ID
     from trainwire.rl_demo import RlDemoSettings, run_rl_demo
 
     # Each demo gets its own directory, so a second demo trains again instead of resuming.
     work_dir = Path(args.work_dir or Path("trainwire-demo") / time.strftime("%Y%m%d-%H%M%S"))
+    fixed = RL_RUN_ID if args.rl else RUN_ID
+    run_id = args.run_id or demo_run_id(fixed, work_dir, server=args.server)
     if args.rl:
         rl_settings = RlDemoSettings.fast() if args.fast else RlDemoSettings()
-        run_rl_demo(work_dir, server=args.server, settings=rl_settings, quiet=args.quiet)
+        run_rl_demo(
+            work_dir, server=args.server, settings=rl_settings, quiet=args.quiet, run_id=run_id
+        )
         return 0
     settings = DemoSettings.fast() if args.fast else DemoSettings()
-    run_demo(work_dir, server=args.server, settings=settings, quiet=args.quiet)
+    run_demo(work_dir, server=args.server, settings=settings, quiet=args.quiet, run_id=run_id)
     return 0
 
 
@@ -396,6 +401,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--server",
         help="drive this server (HOST:PORT) instead of starting a local one; the demo writes "
         "its model under --work-dir, so give a --work-dir under that server's --model-root",
+    )
+    demo.add_argument(
+        "--run-id",
+        help="the run's id on the server (default: 'demo' on the local server; with --server, "
+        "one of the work directory's name, so each demo is a new run there)",
     )
     demo.add_argument("--rl", action="store_true", help="the RL loop: sample, score, update")
     demo.add_argument("--fast", action="store_true", help="a shorter run (for tests)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,6 +150,7 @@ def run_demo(
     server: str | None = None,
     settings: DemoSettings | None = None,
     quiet: bool = False,
+    run_id: str = RUN_ID,
 ) -> TrainingResult:
     """Plan, serve (unless ``server`` is given), train through the controller, report (with
     ``quiet``, no progress: only where the results are)."""
@@ -167,7 +169,7 @@ def run_demo(
     run_dir = dirs.root / "run"
     with demo_client(dirs, server) as client:
         reporter = ProgressReporter(quiet=quiet, metric=plan.config.metric_for_best)
-        controller = Controller(client, plan, run_id=RUN_ID, work_dir=run_dir, checkpoint_every=10)
+        controller = Controller(client, plan, run_id=run_id, work_dir=run_dir, checkpoint_every=10)
         try:
             with model_found_by(server, dirs):  # the run's Open is the Controller's
                 result = controller.run(on_step=reporter)
@@ -175,6 +177,16 @@ def run_demo(
             reporter.close()
     print(describe_result(result, run_dir))
     return result
+
+
+def demo_run_id(fixed: str, work_dir: Path, *, server: str | None) -> str:
+    """A demo's run id: ``fixed`` on its own local server (a fresh state directory each time),
+    and on a ``--server`` one made of the work directory's name, since a closed run id stays
+    closed there and each demo writes a new work directory."""
+    if server is None:
+        return fixed
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", work_dir.resolve().name)[:100]
+    return f"{fixed}-{name}"
 
 
 def describe_result(result: TrainingResult, run_dir: Path) -> str:

@@ -164,6 +164,7 @@ def run_rl_demo(
     server: str | None = None,
     settings: RlDemoSettings = RlDemoSettings(),  # frozen, so one shared default is safe
     quiet: bool = False,
+    run_id: str = RUN_ID,
 ) -> RlResult:
     """Build the tiny model, serve it (unless ``server`` is given), run the loop, report."""
     from trainwire.testing import make_tiny_model
@@ -174,7 +175,7 @@ def run_rl_demo(
     rounds: list[dict[str, Any]] = []
     with demo_client(dirs, server) as client:
         with model_found_by(server, dirs):
-            client.open(RUN_ID, config)
+            client.open(run_id, config)
         prompts = client.tokenize(list(PROMPTS))
         (word,) = client.tokenize([TARGET_WORD], add_special_tokens=False)
         if len(word) != 1:
