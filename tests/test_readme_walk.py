@@ -5,10 +5,11 @@ no models, no state), with ``.venv`` linked to the running one: nothing is insta
 ``make`` is told its venv stamp is current (``make -o .venv/.installed``) so it never reinstalls.
 Each fenced block runs as written (each Python snippet twice, as a user runs it again), in the
 checkout, with the venv's ``bin`` first on PATH; the only changes are the ports (free ones
-instead of 50051 and 8000, which another process may hold), ``kill %1`` (no job control here: the background server gets SIGTERM) and what must not
-run here: ``pip install`` (the venv has it all), ``make test``/``make test-all`` (dry runs: the
-suite runs the suite), and the cookbook block (its recipe needs a workspace of hub-named model
-and data folders; tests/test_cookbook_recipes.py runs it).
+instead of 50051 and 8000, which another process may hold), ``kill %1`` (no job control here:
+the background server gets SIGTERM) and what must not run here: ``pip install`` (the venv has it
+all), ``make test``/``make test-all`` (dry runs: the suite runs the suite), and the cookbook
+block (its recipe needs a workspace of hub-named model and data folders;
+tests/test_cookbook_recipes.py runs it).
 """
 
 from __future__ import annotations

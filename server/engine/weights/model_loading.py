@@ -24,11 +24,23 @@ def resolve_model_dir(config: TrainingConfig, model_root: Path | None) -> Path:
     except OSError as error:  # a name too long for the filesystem, say
         raise InvalidArgument(f"model {config.model[:100]!r}: {error.strerror}") from None
     if not found:
-        where = " under the server's model root" if model_root is not None else ""
+        where = "" if model_root is None else f" under the model root ({models_under(model_root)})"
         raise NotFound(
             f"model {config.model!r}: no {MODEL_CONFIG_FILE} there; name a model directory{where}"
         )
     return path
+
+
+def models_under(model_root: Path, limit: int = 20) -> str:
+    """What a user may name instead: the model directories right under the root, by name."""
+    try:
+        names = sorted(p.name for p in model_root.iterdir() if (p / MODEL_CONFIG_FILE).is_file())
+    except OSError:
+        names = []
+    if not names:
+        return "it holds no model directory"
+    shown = ", ".join(names[:limit])
+    return f"it holds {shown}" + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def model_positions(model_dir: Path) -> int | None:
