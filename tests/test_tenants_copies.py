@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pyrage
 import pytest
 import tinker
 from test_tenants_tinker import ALICE, API, BOB, Front, tenant_server
@@ -23,6 +24,7 @@ from trainwire.server.service.run_owners import OWNERS_FILE
 from trainwire.server.service.state_dir import RUNS_DIR, StateDirectory
 from trainwire.server.tinker.catalog import TinkerPath
 from trainwire.server.tinker.model import run_id_for
+from trainwire.server.tinker.saved_checkpoints import encrypted_dir
 
 
 @contextlib.contextmanager
@@ -142,3 +144,45 @@ def test_a_run_a_copy_was_building_or_removing_when_killed_is_gone_at_the_next_s
         assert sorted(p.name for p in runs.iterdir()) == ["kept"]
     finally:
         state.release()
+
+
+def test_a_copy_of_encrypted_external_weights_serves_only_the_encrypted_files(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    identity = pyrage.x25519.Identity.generate()
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        alice = Front(handle, ALICE)
+        with training_client(handle, ALICE) as training:
+            recipients = [str(identity.to_public())]
+            saving = training.save_weights_external("sealed", age_encryption_recipients=recipients)
+            sealed = saving.result().path
+        source = TinkerPath.parse(sealed)
+        checkpoint = f"{API}/training_runs/{source.model_id}/checkpoints/{source.checkpoint_id}"
+        published = alice.send("POST", f"{checkpoint}/publish")
+        assert published.status_code == 204, published.text
+        state_dir = handle.session_host.state_dir
+        export = state_dir.run(run_id_for(source.model_id)).export("external-sealed")
+        plain = {
+            str(p.relative_to(export)): p.read_bytes() for p in export.rglob("*") if p.is_file()
+        }
+        sources_urls = rest(handle, ALICE).get_external_weights_urls(sealed).result().urls
+        offered = {name: httpx.get(url, timeout=60).content for name, url in sources_urls.items()}
+        assert set(offered) == {f"{name}.age" for name in plain}
+
+        copied = rest(handle, BOB).copy_weights(sealed, "archive").result()
+        urls = rest(handle, BOB).get_external_weights_urls(copied).result().urls
+        assert set(urls) == set(offered)
+        for name, url in urls.items():
+            served = httpx.get(url, timeout=60).content
+            assert served == offered[name]
+            assert served not in plain.values()
+            assert pyrage.decrypt(served, [identity]) == plain[name.removesuffix(".age")]
+        copy_run = state_dir.run(run_id_for(TinkerPath.parse(copied).model_id))
+        kept = [p.read_bytes() for p in copy_run.path.rglob("*") if p.is_file()]
+        assert not any(data in kept for data in plain.values())  # no plaintext in the copy
+
+        rest(handle, BOB).delete_checkpoint_from_tinker_path(copied).result()
+        assert not encrypted_dir(handle.tinker.front, TinkerPath.parse(copied)).exists()
+        again = rest(handle, ALICE).get_external_weights_urls(sealed).result().urls
+        for name, url in again.items():
+            assert httpx.get(url, timeout=60).content == offered[name]  # the source's, as before

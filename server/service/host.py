@@ -335,11 +335,12 @@ class SessionHost:
 
         return self._serialized(discard, refusable=False)
 
-    def copy_saved(self, source_run: str, target: RunSpec, folder: str, name: str) -> None:
+    def copy_saved(self, source_run: str, target: RunSpec, folder: str, name: str | None) -> None:
         """Copy run ``source_run``'s (open or closed) checkpoint (``folder`` "checkpoints") or
         export ("exports") ``name`` into a new run ``target``, recorded closed: it is never
         opened to train, and its checkpoint is read as any closed run's (loaded, sampled,
-        downloaded). The files share the source's
+        downloaded). ``name`` None makes the run with none of the source's files (the Tinker
+        front offers an encrypted export's own files instead). The files share the source's
         storage, and the run appears whole or not at all (``run_checkpoints.copy_into_run``);
         on the executor, as removals are, so nothing removes the source meanwhile. Copying
         again (a retry) finds it done."""

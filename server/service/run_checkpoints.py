@@ -185,10 +185,10 @@ def discard_saved(
 
 
 def copy_into_run(
-    source: RunDirectory, run: RunDirectory, spec: RunSpec, folder: str, name: str
+    source: RunDirectory, run: RunDirectory, spec: RunSpec, folder: str, name: str | None
 ) -> None:
     """Make ``run`` a closed run (``spec``) holding ``source``'s checkpoint (``folder``
-    "checkpoints") or export ("exports") ``name``.
+    "checkpoints") or export ("exports") ``name``; ``name`` None: a closed run of no files.
 
     A new run appears whole or not at all: it is built in a hidden folder beside the runs and
     renamed into place (``atomic_directory``; a crash leaves only the hidden folder, which the
@@ -197,13 +197,15 @@ def copy_into_run(
     if run.exists():
         if run.read_spec().state != RUN_CLOSED:
             raise FailedPrecondition(f"run {spec.run_id!r} is open on this server")
-        copy_saved(source, run, folder, name)
+        if name is not None:
+            copy_saved(source, run, folder, name)
         return
     with atomic_directory(run.path) as staging:
         built = RunDirectory(staging)
         for made in (built.checkpoints, built.exports):
             made.mkdir()
-        copy_saved(source, built, folder, name)
+        if name is not None:
+            copy_saved(source, built, folder, name)
         built.write_spec(dataclasses.replace(spec, state=RUN_CLOSED))
 
 
@@ -237,7 +239,7 @@ def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: st
         raise NotFound(f"{folder[:-1]} {name!r} of this run is no longer on disk")
     partial_copy = destination.with_name(f".{name}{TMP_MARK}copy")
     shutil.rmtree(partial_copy, ignore_errors=True)
-    shutil.copytree(origin, partial_copy, copy_function=_link_or_copy)
+    shutil.copytree(origin, partial_copy, copy_function=link_or_copy)
     for folder_path, _, files in os.walk(partial_copy):  # durable before it is in place
         for file in files:
             fsync_path(Path(folder_path) / file)
@@ -246,7 +248,9 @@ def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: st
     fsync_directory(destination.parent)
 
 
-def _link_or_copy(origin: str, destination: str) -> None:
+def link_or_copy(origin: str, destination: str) -> None:
+    """``shutil.copytree``'s copy function for saved files: a hard link, so the copy shares
+    the file's storage (a copy where the file system has no links)."""
     try:
         os.link(origin, destination)
     except OSError:  # another file system, or one without hard links

@@ -9,9 +9,10 @@ not retry it).
 The copy is a closed run (``SessionHost.copy_saved``): its files share the source's storage
 (hard links), it is never trained on, and its checkpoint is listed, loaded, sampled, started from,
 downloaded and deleted as any run's. The source may be the caller's own checkpoint or one
-published on this server; the copy is the caller's. This server has no projects: a
-``destination_project_id`` is kept in the copy's metadata (``copied_to_project``) and changes
-nothing else.
+published on this server; the copy is the caller's. It offers what its source offers: a copy of
+encrypted external weights holds only their encrypted files (``copy_encrypted``). This server
+has no projects: a ``destination_project_id`` is kept in the copy's metadata
+(``copied_to_project``) and changes nothing else.
 
 The steps run in an order that keeps tenants and stores apart: the run id is claimed for the
 caller first (``RunOwners``: a run written first reads as ``default``'s), then the files are
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import time
 import uuid
 from dataclasses import replace
@@ -39,9 +41,11 @@ from trainwire.server.tinker.catalog import (
     TrainingRunRecord,
     check_ttl,
 )
+from trainwire.server.tinker.external_weights import copy_encrypted
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import run_id_for
+from trainwire.server.tinker.saved_checkpoints import encrypted_dir
 from trainwire.server.tinker.tenancy import caller, session_id_named
 
 COPY_SESSION_MARK = "copy"  # a copy made for a project holds a session id of its own: tw-copy…
@@ -80,11 +84,13 @@ def copy_weights(front: TinkerFront, body: dict[str, Any], key: str | None) -> d
         _claim(front, spec.run_id, tenant)
         written = False
         try:
-            front.host.copy_saved(source.run_id, spec, FOLDERS[path.segment], saved.stored_as)
+            sealed = copy_encrypted(front, path, copied)
+            stored = None if sealed else saved.stored_as  # encrypted: no plaintext in the copy
+            front.host.copy_saved(source.run_id, spec, FOLDERS[path.segment], stored)
             written = True
             front.catalog.add_run(record)
         except BaseException:
-            _take_back(front, spec.run_id, tenant, written=written)
+            _take_back(front, copied, spec.run_id, tenant, written=written)
             raise
     return {"tinker_path": str(copied)}
 
@@ -108,11 +114,14 @@ def _claim(front: TinkerFront, run_id: str, tenant: str | None) -> None:
         front.models.owners.claim(run_id, tenant)
 
 
-def _take_back(front: TinkerFront, run_id: str, tenant: str | None, *, written: bool) -> None:
+def _take_back(
+    front: TinkerFront, copied: TinkerPath, run_id: str, tenant: str | None, *, written: bool
+) -> None:
     """Undo a copy that failed before its record: nobody was answered with it. Its run (when
-    written here or by a try a crash cut short) and its claim go."""
+    written here or by a try a crash cut short), its encrypted files and its claim go."""
     if written:
         front.host.discard_copy(run_id)
+    shutil.rmtree(encrypted_dir(front, copied), ignore_errors=True)
     if front.models.owners is not None and tenant is not None:
         front.models.owners.release(run_id, tenant)  # kept while a run of that id is on disk
 
