@@ -181,8 +181,39 @@ def test_a_copy_of_encrypted_external_weights_serves_only_the_encrypted_files(
         kept = [p.read_bytes() for p in copy_run.path.rglob("*") if p.is_file()]
         assert not any(data in kept for data in plain.values())  # no plaintext in the copy
 
+        again = rest(handle, BOB).copy_weights(copied, "archive").result()  # a copy's copy
+        urls = rest(handle, BOB).get_external_weights_urls(again).result().urls
+        assert {name: httpx.get(url, timeout=60).content for name, url in urls.items()} == offered
+
         rest(handle, BOB).delete_checkpoint_from_tinker_path(copied).result()
         assert not encrypted_dir(handle.tinker.front, TinkerPath.parse(copied)).exists()
         again = rest(handle, ALICE).get_external_weights_urls(sealed).result().urls
         for name, url in again.items():
             assert httpx.get(url, timeout=60).content == offered[name]  # the source's, as before
+
+
+def test_a_copy_whose_record_cannot_be_written_takes_back_its_run_and_encrypted_files(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    recipients = [str(pyrage.x25519.Identity.generate().to_public())]
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        alice = Front(handle, ALICE)
+        with training_client(handle, ALICE) as training:
+            sealed = training.save_weights_external("sealed", age_encryption_recipients=recipients)
+            source = sealed.result().path
+            session = training.model_id.split(":")[0]
+            body = {"source_path": source, "session_id": session, "model_seq_id": 5}
+            copy_run = run_id_for(f"{session}:train:5")
+            # Where the copy's catalog record goes stands a folder: its one write fails once
+            # the files and the run are in place.
+            blocked = handle.tinker.front.directory / "catalog" / f"{copy_run}.json"
+            (blocked / "in-the-way").mkdir(parents=True)
+            before = what_is_kept(handle, [alice])
+            failed = alice.send("POST", f"{API}/copy_weights", json=body)
+            assert failed.status_code == 500, failed.text
+            assert what_is_kept(handle, [alice]) == before
+            assert not handle.session_host.state_dir.run(copy_run).path.exists()
+            shutil.rmtree(blocked)
+            made = alice.send("POST", f"{API}/copy_weights", json=body)
+            assert made.status_code == 200, made.text
+            assert copy_run in what_is_kept(handle, [alice])["runs"]
