@@ -53,7 +53,11 @@ from trainwire.server.service.journal import (
 from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
-from trainwire.server.service.run_checkpoints import copy_saved, discard_saved
+from trainwire.server.service.run_checkpoints import (
+    copy_into_run,
+    discard_run,
+    discard_saved,
+)
 from trainwire.server.service.sample_batching import SampleBatcher
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
@@ -331,25 +335,35 @@ class SessionHost:
 
         return self._serialized(discard, refusable=False)
 
-    def copy_saved(self, source_run: str, target: RunSpec, folder: str, name: str) -> None:
+    def copy_saved(self, source_run: str, target: RunSpec, folder: str, name: str | None) -> None:
         """Copy run ``source_run``'s (open or closed) checkpoint (``folder`` "checkpoints") or
         export ("exports") ``name`` into a new run ``target``, recorded closed: it is never
         opened to train, and its checkpoint is read as any closed run's (loaded, sampled,
-        downloaded). The files share the source's storage (``run_checkpoints.copy_saved``); on
-        the executor, as removals are, so nothing removes the source meanwhile. Copying again
-        (a retry) finds it done."""
+        downloaded). ``name`` None makes the run with none of the source's files (the Tinker
+        front offers an encrypted export's own files instead). The files share the source's
+        storage, and the run appears whole or not at all (``run_checkpoints.copy_into_run``);
+        on the executor, as removals are, so nothing removes the source meanwhile. Copying
+        again (a retry) finds it done."""
         check_name(target.run_id, "run id")
 
         def copy() -> None:
             source = self.state_dir.run(source_run)
-            run = self.state_dir.run(target.run_id)
-            if run.exists() and run.read_spec().state != RUN_CLOSED:
-                raise FailedPrecondition(f"run {target.run_id!r} is open on this server")
-            if not run.exists():
-                run.write_spec(dataclasses.replace(target, state=RUN_CLOSED))
-            copy_saved(source, run, folder, name)
+            copy_into_run(source, self.state_dir.run(target.run_id), target, folder, name)
 
         self._serialized(copy, refusable=False)
+
+    def discard_copy(self, run_id: str) -> None:
+        """Remove run ``run_id``, a copy ``copy_saved`` made that nobody was answered with (its
+        record could not be written), whole; on the executor, as removals are. An open run is
+        refused (``run_checkpoints.discard_run``)."""
+        check_name(run_id, "run id")
+
+        def discard() -> None:
+            if run_id in self._runs or run_id in self._failed_runs:
+                raise FailedPrecondition(f"run {run_id!r} is open on this server")
+            discard_run(self.state_dir.run(run_id))
+
+        self._serialized(discard, refusable=False)
 
     def runs(self) -> list[SessionInfo]:
         """The open runs, by run id, each as ``info`` gives it (a run a restart could not

@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainwire.contract.files import TMP_MARK, fsync_directory, fsync_path
+from trainwire.contract.files import TMP_MARK, atomic_directory, fsync_directory, fsync_path
 from trainwire.server.engine.session.checkpoint import read_extra, verify_checkpoint
-from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service.journal import JournalEntry
-from trainwire.server.service.state_dir import RunDirectory
+from trainwire.server.service.state_dir import RUN_CLOSED, RunDirectory, RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,46 @@ def discard_saved(
     return kept
 
 
+def copy_into_run(
+    source: RunDirectory, run: RunDirectory, spec: RunSpec, folder: str, name: str | None
+) -> None:
+    """Make ``run`` a closed run (``spec``) holding ``source``'s checkpoint (``folder``
+    "checkpoints") or export ("exports") ``name``; ``name`` None: a closed run of no files.
+
+    A new run appears whole or not at all: it is built in a hidden folder beside the runs and
+    renamed into place (``atomic_directory``; a crash leaves only the hidden folder, which the
+    next start removes), so a copy that fails leaves no run behind. A run already there (a
+    retry's) is finished instead; an open run is refused."""
+    if run.exists():
+        if run.read_spec().state != RUN_CLOSED:
+            raise FailedPrecondition(f"run {spec.run_id!r} is open on this server")
+        if name is not None:
+            copy_saved(source, run, folder, name)
+        return
+    with atomic_directory(run.path) as staging:
+        built = RunDirectory(staging)
+        for made in (built.checkpoints, built.exports):
+            made.mkdir()
+        if name is not None:
+            copy_saved(source, built, folder, name)
+        built.write_spec(dataclasses.replace(spec, state=RUN_CLOSED))
+
+
+def discard_run(run: RunDirectory) -> None:
+    """Remove closed run ``run`` whole (a copy nobody was answered with). It leaves its place
+    in one rename, so a crash midway leaves a hidden folder the next start removes, never a
+    half run; an open run is refused."""
+    if not run.exists():
+        return
+    if run.read_spec().state != RUN_CLOSED:
+        raise FailedPrecondition(f"run {run.path.name!r} is open on this server")
+    aside = run.path.with_name(f".{run.path.name}{TMP_MARK}discarded")
+    shutil.rmtree(aside, ignore_errors=True)
+    run.path.rename(aside)
+    fsync_directory(run.path.parent)
+    shutil.rmtree(aside)
+
+
 def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: str) -> None:
     """Copy ``source``'s checkpoint (``folder`` "checkpoints") or export ("exports") ``name``
     into ``target`` under the same name, sharing the files' storage (hard links; a copy where
@@ -199,7 +239,7 @@ def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: st
         raise NotFound(f"{folder[:-1]} {name!r} of this run is no longer on disk")
     partial_copy = destination.with_name(f".{name}{TMP_MARK}copy")
     shutil.rmtree(partial_copy, ignore_errors=True)
-    shutil.copytree(origin, partial_copy, copy_function=_link_or_copy)
+    shutil.copytree(origin, partial_copy, copy_function=link_or_copy)
     for folder_path, _, files in os.walk(partial_copy):  # durable before it is in place
         for file in files:
             fsync_path(Path(folder_path) / file)
@@ -208,7 +248,9 @@ def copy_saved(source: RunDirectory, target: RunDirectory, folder: str, name: st
     fsync_directory(destination.parent)
 
 
-def _link_or_copy(origin: str, destination: str) -> None:
+def link_or_copy(origin: str, destination: str) -> None:
+    """``shutil.copytree``'s copy function for saved files: a hard link, so the copy shares
+    the file's storage (a copy where the file system has no links)."""
     try:
         os.link(origin, destination)
     except OSError:  # another file system, or one without hard links

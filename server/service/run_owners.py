@@ -64,6 +64,16 @@ class RunOwners:
                 self._owners[run_id] = tenant
                 write_text_atomic(self._path, json.dumps(self._owners, sort_keys=True))
 
+    def release(self, run_id: str, tenant: str) -> None:
+        """Give back ``tenant``'s claim on ``run_id`` when no run of that id is on disk (a
+        copy that failed before its run was written): the id is nobody's again. A run on disk
+        keeps its owner for good."""
+        with self._lock:
+            if self._owners.get(run_id) != tenant or self.state_dir.run(run_id).exists():
+                return
+            del self._owners[run_id]
+            write_text_atomic(self._path, json.dumps(self._owners, sort_keys=True))
+
     def holds(self, run_id: str | None, tenant: str) -> bool:
         """Whether ``tenant`` holds ``run_id`` (a run id nobody opened is nobody's)."""
         return run_id is not None and self.owner(run_id) == tenant

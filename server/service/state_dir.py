@@ -229,7 +229,10 @@ class StateDirectory:
     def _clean_leftovers(self) -> None:
         """Finish or remove what interrupted checkpoint and export writes left behind, before
         recovery lists the checkpoints (a replacement cut short may have left the old one
-        hidden)."""
+        hidden), and runs a copy was building or removing when it stopped (hidden beside
+        the runs: a run appears and leaves in one rename)."""
+        for action in clean_leftovers(self.root / RUNS_DIR):
+            logger.warning("%s: %s", RUNS_DIR, action)
         for run_path in sorted((self.root / RUNS_DIR).iterdir()):
             for folder in (run_path / CHECKPOINTS_DIR, run_path / EXPORTS_DIR):
                 if run_path.is_symlink() or folder.is_symlink() or not folder.is_dir():

@@ -206,11 +206,12 @@ class Catalog:
     # -- runs ------------------------------------------------------------------------------------
 
     def add_run(self, record: TrainingRunRecord) -> None:
-        """Record a run as it is created (again: a create retried keeps its first record)."""
+        """Record a run as it is created (again: a create retried keeps its first record);
+        listed only once its file is written, so a record that cannot be written is nowhere."""
         with self._lock:
             if record.model_id not in self._runs:
-                self._runs[record.model_id] = record
                 self._save(record)
+                self._runs[record.model_id] = record
 
     def run(self, model_id: str) -> TrainingRunRecord:
         """Run ``model_id``; NotFound when there is none (for the caller: ``tenancy``)."""

@@ -3,7 +3,8 @@
 ``save_weights_external`` is a training call: it writes the live weights as an export of the run
 (the same directory ``from_pretrained`` or PEFT loads) under ``external_weights/<name>``, with a
 TTL. Given ``age_encryption_recipients``, every file is also written age-encrypted (``.age``)
-into the front's own ``encrypted/`` folder, and only those are offered for download.
+into the front's own ``encrypted/`` folder, and only those are offered for download; a copy
+(``copy_weights``) holds only those too, never the plaintext (``copy_encrypted``).
 
 ``external_weights_urls`` answers one URL per file, served by this server itself: the URL carries
 the checkpoint, the file and an expiry, signed (HMAC-SHA256) with a key the server keeps in its
@@ -27,11 +28,13 @@ from typing import Any
 
 import pyrage
 
+from trainwire.contract.files import atomic_directory, clean_leftovers
 from trainwire.server.errors import InvalidArgument, NotFound, Unauthenticated
 from trainwire.server.paths import resolve_inside
 from trainwire.server.service import operations as ops
 from trainwire.server.service.intake import Submission
 from trainwire.server.service.requests import ExportWeightsRequest
+from trainwire.server.service.run_checkpoints import link_or_copy
 from trainwire.server.service.state_dir import check_name
 from trainwire.server.tinker import saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl, iso
@@ -106,11 +109,26 @@ def encrypt(front: TinkerFront, path: TinkerPath, export: str, recipients: list[
     os.replace(staging, target)
 
 
+def copy_encrypted(front: TinkerFront, source: TinkerPath, copy: TinkerPath) -> bool:
+    """Whether ``source`` offers only its encrypted files; when it does, ``copy`` is given the
+    same files (hard links, whole or not at all), so a copy offers what its source offers and
+    never the plaintext behind it."""
+    origin = encrypted_dir(front, source)
+    if source.segment != "external_weights" or not origin.is_dir():
+        return False
+    target = encrypted_dir(front, copy)
+    if not target.is_dir():  # a retry finds it in place
+        with atomic_directory(target) as staging:
+            shutil.copytree(origin, staging, dirs_exist_ok=True, copy_function=link_or_copy)
+    return True
+
+
 def clean_encrypted_leftovers(directory: Path) -> None:
-    """Remove encryptions a crash cut short (a replay writes them again)."""
+    """Remove encryptions and copies a crash cut short (a replay or a retry writes them again)."""
     for run_dir in sorted((directory / ENCRYPTED_DIR).glob("*")):
         for leftover in run_dir.glob(".*.tmp"):
             shutil.rmtree(leftover, ignore_errors=True)
+        clean_leftovers(run_dir)
 
 
 # -- signed download URLs ----------------------------------------------------------------------
