@@ -21,8 +21,9 @@ from trainwire.contract.files import Pem, read_pem
 from trainwire.server.grpc.auth import BearerTokenInterceptor
 from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
+from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.tenants import Tenants
+from trainwire.server.service.tenants import Tenants, tenants_of
 from trainwire.v1 import session_pb2
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,9 @@ class GrpcListener:
         self.tls = "mTLS" if tls_client_ca else "TLS" if tls_cert else "plaintext"
         self.token_required = bool(token)
         chain = ([BearerTokenInterceptor(token)] if token else []) + list(interceptors)
+        self.max_workers = rpc_threads(max_workers, tenants_of(token))
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainwire-rpc"),
+            futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="trainwire-rpc"),
             interceptors=chain,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -107,6 +109,15 @@ class GrpcListener:
     def stop(self, grace: float | None) -> None:
         """Stop taking calls; the ones running get ``grace`` seconds (None: none)."""
         self.server.stop(grace).wait()
+
+
+def rpc_threads(max_workers: int, tenants: Tenants | None) -> int:
+    """The handler threads of a port: ``max_workers`` for the first tenant (or none), and one
+    executor bound of waiting calls more for each other tenant, so each tenant can fill its own
+    bound (``SessionExecutor.admitted``) and the threads kept free for health and Info stay free
+    (threads are started only when calls need them)."""
+    others = len(tenants) - 1 if tenants is not None else 0
+    return max_workers + others * DEFAULT_MAX_QUEUED
 
 
 def _bind(

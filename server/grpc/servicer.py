@@ -126,10 +126,14 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def _guarded(
         self, context: grpc.ServicerContext, check: Callable[..., None], *args: Any
-    ) -> None:
-        """``check(access, caller, *args)`` when the port has tenants (a keyless one has none)."""
-        if self.access is not None:
-            check(self.access, self.access.caller(context.invocation_metadata()), *args)
+    ) -> str:
+        """``check(access, caller, *args)`` when the port has tenants (a keyless one has none);
+        the caller, whose bound of waiting calls the call counts against ("": no tenants)."""
+        if self.access is None:
+            return ""
+        caller = self.access.caller(context.invocation_metadata())
+        check(self.access, caller, *args)
+        return caller
 
     def _own_info(self, context: grpc.ServicerContext, info: Any) -> Any:
         """``info``, unless it describes another tenant's run (NotFound)."""
@@ -161,9 +165,9 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             check_name(request.run_id, "run id")  # a bad run id is the first thing refused
             config = config_from_json(request.config_json)
             max_steps = max_steps_from_proto(request.max_steps)
-            self._guarded(context, RunAccess.check_open, request.run_id)
+            caller = self._guarded(context, RunAccess.check_open, request.run_id)
             return self.session_host.open(
-                request.run_id, config, max_steps, request.plan_fingerprint
+                request.run_id, config, max_steps, request.plan_fingerprint, account=caller
             )
 
         outcome = self._run(context, "Open", "", call)
@@ -203,8 +207,9 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         def call() -> Any:
             # The run checked is the run applied to: "" names the only open run, bound here.
             target = run_id or self.session_host.open_run_id or ""
-            self._guarded(context, RunAccess.check_run, target)
-            return self.session_host.apply(operation, decode(), op, run_id=target)
+            caller = self._guarded(context, RunAccess.check_run, target)
+            request = decode()
+            return self.session_host.apply(operation, request, op, run_id=target, account=caller)
 
         return self._run(context, operation.kind, key, call)
 

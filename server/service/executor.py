@@ -10,17 +10,20 @@ executor is first in, first out. The rule is ``fair_turns.FairTurns``'s, the sam
 order takes its turns by, so a run's numbered requests reach the executor in fair turns too.
 
 Bounded, because every gRPC handler that waits for the session holds one of the server's
-threads: past ``max_queued`` waiting calls a new one is refused (RESOURCE_EXHAUSTED) rather than
-kept, so threads stay free for health checks and ``Info``, which answer at once whatever waits.
-A call counts from the moment it is ``admitted`` (a keyed call held in position order for
-its predecessor counts as much as one queued here) until it ends: one bound for every wait.
+threads: past ``max_queued`` waiting calls of one *account* (a tenant; "" on a server without
+tenants) a new one of that account is refused (RESOURCE_EXHAUSTED) rather than kept, so threads
+stay free for health checks, ``Info`` and the other tenants (the listener has threads for each
+tenant's bound). A call counts from the moment it is ``admitted`` (a keyed call held in position
+order for its predecessor counts as much as one queued here) until it ends. A request accepted
+already (a Tinker request at its turn, bounded when its transport took it) is counted as waiting
+but never refused here: a call accepted is a promise, whatever other tenants send.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any, TypeVar
@@ -55,6 +58,7 @@ class SessionExecutor:
         self._barriers: deque[Job] = deque()  # run once every call queued before has run
         self._arrivals = 0  # calls and barriers queued so far (their arrival numbers)
         self.waiting = 0  # admitted calls: held in position order, queued or running
+        self._waiting_of: Counter[str] = Counter()  # of them, each account's bounded ones
         self._on_worker = 0  # queued on the worker thread or running there
         self._released = False
         self._stopping = False
@@ -68,23 +72,33 @@ class SessionExecutor:
         return self._on_worker > 0
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Count the caller against the bound until the block ends; refused when ``max_queued``
-        calls already wait (an operation, a read; lifecycle calls are never refused)."""
+    def admitted(self, account: str | None = "") -> Iterator[None]:
+        """Count the caller as waiting until the block ends (an operation, a read; lifecycle
+        calls are never counted). Refused when ``max_queued`` calls of ``account`` already
+        wait, whatever other accounts hold; ``account`` None: a request accepted already, at
+        its turn, never refused for what waits."""
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
-            if self.waiting >= self.max_queued:
-                raise ResourceExhausted(
-                    f"{self.waiting} calls are already waiting for the session (the limit is "
-                    f"{self.max_queued}); wait for their results before sending more"
-                )
+            if account is not None:
+                held = self._waiting_of[account]
+                if held >= self.max_queued:
+                    raise ResourceExhausted(
+                        f"{held} calls of this key are already waiting for the session (the "
+                        f"limit is {self.max_queued} per key); wait for their results before "
+                        "sending more"
+                    )
+                self._waiting_of[account] += 1
             self.waiting += 1
         try:
             yield
         finally:
             with self._lock:
                 self.waiting -= 1
+                if account is not None:
+                    self._waiting_of[account] -= 1
+                    if not self._waiting_of[account]:
+                        del self._waiting_of[account]
 
     def run(self, call: Callable[[], T], *, joinable: bool = False, lane: str = "") -> T:
         """``call()`` on the executor thread, after everything queued before it in ``lane``

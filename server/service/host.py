@@ -200,13 +200,16 @@ class SessionHost:
         config: TrainingConfig,
         max_steps: int | None = None,
         plan_fingerprint: str = "",
+        *,
+        account: str = "",
     ) -> outcomes.OpenOutcome:
-        """Open the session for a run, or confirm the open one (None/"" accept the open run's)."""
+        """Open the session for a run, or confirm the open one (None/"" accept the open run's);
+        it waits as one of ``account``'s calls (see ``apply``)."""
         check_name(run_id, "run id")
         if max_steps is not None and max_steps < 1:
             raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps}")
         spec = RunSpec(run_id, config.to_dict(), config.fingerprint(), max_steps, plan_fingerprint)
-        return self._serialized(self._open_run, spec, config)
+        return self._serialized(self._open_run, spec, config, account=account)
 
     def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
         run_id = spec.run_id
@@ -477,6 +480,7 @@ class SessionHost:
         op: OperationSpec | None = None,
         *,
         run_id: str = "",
+        account: str | None = "",
     ) -> Any:
         """Run ``operation`` (an entry of ``operations.OPERATIONS``) on ``request``: the one way
         every transport reaches the engine.
@@ -486,10 +490,14 @@ class SessionHost:
         of it once its journal entry is on disk. A read takes no ``op`` and runs on the
         executor behind everything queued before it, so it never sees weights mid-update.
         ``run_id`` names the run the call is for (NOT_FOUND when it is not the open one, checked
-        when the call's turn comes); "" is the open run.
+        when the call's turn comes); "" is the open run. ``account`` is whose handler thread
+        waits for the call (a tenant; "" on a server without tenants): refused at once
+        (RESOURCE_EXHAUSTED) when that account's calls are at the executor's bound, whatever
+        other accounts wait; None for a request accepted already (a Tinker call at its turn),
+        which is never refused for what others send.
         """
         self.check(operation, request)
-        return self.apply_checked(operation, request, op, run_id=run_id)
+        return self.apply_checked(operation, request, op, run_id=run_id, account=account)
 
     def check(self, operation: Operation[RequestT], request: RequestT) -> None:
         """Refuse ``request`` (InvalidArgument, naming what is wrong) before anything is queued:
@@ -509,8 +517,10 @@ class SessionHost:
         *,
         body_digest: str | None = None,
         run_id: str = "",
+        account: str | None = None,
     ) -> Any:
-        """``apply`` for a request ``check``ed already, when the intake accepted it.
+        """``apply`` for a request ``check``ed already, when the intake accepted it (so by
+        default never refused for what waits: ``account`` None, see ``apply``).
 
         ``body_digest``: the digest the intake took of the request as it was received; the
         journal binds the key to it (``journal.KeyDigest``), so the request is hashed once.
@@ -518,16 +528,18 @@ class SessionHost:
         if operation.keyed:
             if op is None:
                 raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
-            return self._keyed(operation, request, op, body_digest, run_id)
+            return self._keyed(operation, request, op, body_digest, run_id, account)
         if op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
         run_id = self._require_active(run_id).spec.run_id  # bound to it from here on
+        lane = self.lane_of(run_id)
         if operation is SAMPLE:  # decoded beside its run's samples waiting with it
-            queue = partial(self._serialized, joinable=True, lane=self.lane_of(run_id))
+            queue = partial(self._serialized, joinable=True, lane=lane, account=account)
             return self._batchers[run_id].submit(request, queue)
         return self._serialized(
             lambda: operation.apply(self._require_active(run_id), request, None),
-            lane=self.lane_of(run_id),
+            lane=lane,
+            account=account,
         )
 
     # -- the executor ------------------------------------------------------------------------------
@@ -539,16 +551,17 @@ class SessionHost:
         refusable: bool = True,
         joinable: bool = False,
         lane: str = "",
+        account: str | None = "",
     ) -> T:
         """``call(*args)`` on the executor thread, after everything queued before it.
 
-        A ``refusable`` call (an operation, a read) counts against the executor's one bound and
-        is UNAVAILABLE while the server restores or shuts down; Info, Close and the restore
-        itself always run.
+        A ``refusable`` call (an operation, a read) counts against ``account``'s bound of
+        waiting calls (``SessionExecutor.admitted``) and is UNAVAILABLE while the server
+        restores or shuts down; Info, Close and the restore itself always run.
         """
         if not refusable:
             return self._executor.run(lambda: call(*args), lane=lane)
-        with self._executor.admitted():
+        with self._executor.admitted(account):
             return self._run_refusable(call, *args, joinable=joinable, lane=lane)
 
     def _run_refusable(
@@ -570,6 +583,7 @@ class SessionHost:
         op: OperationSpec,
         body_digest: str | None,
         run_id: str,
+        account: str | None,
     ) -> Any:
         """``keyed_path.apply_keyed`` on the executor, in the order of the run's positions
         (pipelined calls may arrive out of order); the payload is digested before queueing,
@@ -597,7 +611,7 @@ class SessionHost:
 
         # Admitted before the order: a call held there for its predecessor holds a server thread
         # as much as one queued on the executor, so both count against the one bound.
-        with self._executor.admitted():
+        with self._executor.admitted(account):
             stream = run_id = self._require_active(run_id).spec.run_id
             if op.expected_position is None:  # numbered by no one (or by the intake's stream)
                 with self.order.running_beside(stream):

@@ -107,13 +107,21 @@ class Intake:
             it has restored its run.
         owner_of: the client session a request id belongs to.
         noun: what the intake's streams are called in refusals (a Tinker ``model``).
+        account_of: the tenant a stream or request id belongs to, whose bounds in the order
+            (``StreamOrder``) its requests fill ("": one account for all).
     """
 
     def __init__(
-        self, directory: Path, host: SessionHost, owner_of: Callable[[str], str], noun: str
+        self,
+        directory: Path,
+        host: SessionHost,
+        owner_of: Callable[[str], str],
+        noun: str,
+        account_of: Callable[[str], str] = lambda identifier: "",
     ) -> None:
         self.host = host
         self.owner_of = owner_of
+        self.account_of = account_of
         self.noun = noun
         self.results = ResultStore()
         self.store = RequestStore(directory, owner_of)
@@ -188,8 +196,8 @@ class Intake:
         ``next_seq``; they take that run's turns in the order (``host.lane_of``)."""
         with self._lock:
             self._streams.add(stream)
-        lane = self.host.lane_of(run_id)
-        self.order.start_stream(stream, next_seq, noun=self.noun, lane=lane)
+        lane, account = self.host.lane_of(run_id), self.account_of(stream)
+        self.order.start_stream(stream, next_seq, noun=self.noun, lane=lane, account=account)
 
     def resume_at(self, stream: str, record: ResumeRecord, *, run_id: str = "") -> None:
         """``stream``'s compacted records go on at ``record``'s seq_id and journal position."""
@@ -259,7 +267,7 @@ class Intake:
                 with contextlib.suppress(TrainwireError):  # its seq_id cannot be taken
                     if self.order.submit(stream, record.seq, digest, job, bounded=False):
                         return True
-            self.order.run_unordered(job)
+            self.order.run_unordered(job, account=self.account_of(request_id))
             return True
 
     def _payload(self, route: str, body: Body) -> tuple[str, int]:
@@ -442,19 +450,21 @@ class Intake:
         """Queue ``call`` outside any stream's order (a sample) as ``request_id``, once the
         request is durable, in run ``run_id``'s turns; False for a re-send (its ticket already
         exists). The same ``request_id`` with another body is refused (``AlreadyExists``).
-        ``size``: the bytes the request holds until it has run (default: the body's)."""
+        ``size``: the bytes the request holds until it has run (default: the body's). It waits
+        within its tenant's bound of samples (``account_of``), whatever other tenants send."""
         digest, body_size = payload(body)
         size = size or body_size
         job = self._job(request_id, call, digest)
+        account, lane = self.account_of(request_id), self.host.lane_of(run_id)
         with self._lock:
             self.admit(request_id)
             if self.results.resent(request_id, digest):
                 return False
             if self._replayed is None:  # a restart takes back all it accepted before
-                self.order.check_room(size)
+                self.order.check_room(size, account=account)
             ticket = self._append(SampleRecord(request_id, body))
             self.results.add(request_id, digest)
-            self.order.run_unordered(job, size, lane=self.host.lane_of(run_id))
+            self.order.run_unordered(job, size, lane=lane, account=account)
         if ticket is not None:
             self.store.sync(ticket)
         return True

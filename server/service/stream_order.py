@@ -4,7 +4,10 @@ client's calls with ``seq_id`` from 1 and may send them out of order (a big batc
 parallel, the first one last).
 
 What is taken and has not run yet is bounded, per stream (and for the unordered requests, the
-samples) in requests waiting and in bytes, and in bytes over all of them together. The bytes are
+samples, per *account*) in requests waiting and in bytes, and in bytes over all of an account's
+together. An account is a tenant (each stream and each sample names its own; "" for a server
+without tenants): one tenant's flood of samples or requests fills its own bounds only, and
+another's requests are taken as if it were alone. The bytes are
 what a request holds in memory once decoded (its transport estimates them before it is taken: a
 decoded id or float is an object, several times its bytes on the wire), counted from the moment
 the request is taken until its job has run, so the one running now counts too. Past a bound a
@@ -56,21 +59,20 @@ from trainwire.server.service.fair_turns import FairTurns
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_HELD = 1024  # requests waiting to run, per stream and unordered; more are refused
+DEFAULT_MAX_HELD = 1024  # requests waiting to run, per stream and account's samples; more refused
 # Bytes of decoded requests taken and not yet run, per stream and unordered. A maximal
 # forward_backward holds about 240 MiB decoded (1,048,576 positions x 6 per-token values x 40
 # bytes, ``codec.held_bytes``); the SDK sends a batch as chunks of 5 MB of wire, at most 50 MB in
 # flight, about 600 MiB once decoded. 1 GiB takes the SDK's whole window, or four maximal calls,
 # behind the one running: a pipelining loop is not refused, and 30 maximal calls (7 GiB) are.
 DEFAULT_MAX_HELD_BYTES = 1024 * 1024 * 1024
-# The same over every stream and the unordered requests together: one stream's bound and half of
-# it again for the samples beside it, so what requests hold stays a small part of a training
-# host's memory.
+# The same over every stream and the samples of one account together: one stream's bound and half
+# of it again for the samples beside it, so what one tenant's requests hold stays a small part of
+# a training host's memory.
 DEFAULT_MAX_TOTAL_BYTES = 1536 * 1024 * 1024
 
 Job = Callable[[], None]
-UNORDERED = None  # the waiting count of the jobs outside any stream's order
-# Samples running at once: below the executor's bound of waiting calls (executor.py's 24).
+# Samples running at once, each a call waiting on the executor (for its batch: sample_batching).
 SAMPLES_BESIDE = 16
 
 
@@ -95,18 +97,30 @@ class _Positions:
 
 
 @dataclass(frozen=True)
-class _Released:
-    """A released job: its stream (``UNORDERED`` for none), the bytes it holds, the job."""
+class Samples:
+    """What one account's jobs outside any stream's order (its samples) wait under."""
 
-    key: str | None
+    account: str
+
+
+Key = str | Samples  # a stream, or an account's samples
+
+
+@dataclass(frozen=True)
+class _Released:
+    """A released job: its stream (or its account's ``Samples``), the bytes it holds, the job,
+    and the account those bytes count against."""
+
+    key: Key
     size: int
     job: Job
+    account: str
 
 
 @dataclass
 class _Waiting:
-    """The jobs of one stream (or unordered): ``calls`` not yet running, ``ready`` of them
-    released, and the ``size`` in bytes of every one taken whose job has not ended."""
+    """The jobs of one stream (or one account's samples): ``calls`` not yet running, ``ready``
+    of them released, and the ``size`` in bytes of every one taken whose job has not ended."""
 
     calls: int = 0
     size: int = 0
@@ -130,8 +144,9 @@ class StreamOrder:
         noun: str = "stream",
         weight_of: Callable[[str], float] | None = None,
     ) -> None:
-        """``max_held`` requests and ``max_bytes`` bytes per stream (and unordered), and
-        ``max_total_bytes`` over all, may be held (None: the defaults). ``noun`` names a stream
+        """``max_held`` requests and ``max_bytes`` bytes per stream (and per account's samples),
+        and ``max_total_bytes`` over all of one account's, may be held (None: the defaults).
+        ``noun`` names a stream
         in refusals (a Tinker stream is a ``model``). ``weight_of(lane)``: a lane's share of the
         turns (the executor's, see ``FairTurns``)."""
         self._run = run
@@ -145,12 +160,14 @@ class StreamOrder:
         self._positions: dict[str, _Positions] = {}  # the streams numbered by a run's position
         self._nouns: dict[str, str] = {}  # what a stream is called in refusals, when not noun
         self._lanes: dict[str, str] = {}  # the lane of each stream whose is not ""
+        self._accounts: dict[str, str] = {}  # the account of each stream whose is not ""
         self._beside = 0  # calls moving a run outside this order now (``running_beside``)
         self._closing = False  # the server is shutting down: nothing is held for a position
         self._active_at = time.monotonic()  # when a job last started or ended
         self._seen: dict[tuple[str, int], str] = {}  # (stream, seq) → payload digest
-        self._waiting: defaultdict[str | None, _Waiting] = defaultdict(_Waiting)
-        self._total = 0  # bytes of every job taken and not ended, of all streams and unordered
+        self._waiting: defaultdict[Key, _Waiting] = defaultdict(_Waiting)
+        # Bytes of every job taken and not ended, by account (its streams and samples together).
+        self._totals: defaultdict[str, int] = defaultdict(int)
         self._ready: FairTurns[_Released] = FairTurns(weight_of)
         self._stopped = False
         self._samples = _Beside(run, SAMPLES_BESIDE)
@@ -158,15 +175,23 @@ class StreamOrder:
         self._thread.start()
 
     def start_stream(
-        self, stream: str, next_seq: int = 1, *, noun: str | None = None, lane: str = ""
+        self,
+        stream: str,
+        next_seq: int = 1,
+        *,
+        noun: str | None = None,
+        lane: str = "",
+        account: str = "",
     ) -> None:
         """A stream whose requests are numbered from ``next_seq`` by their client (a Tinker
         model's ``seq_id``); ``noun`` names it in refusals (the order's own by default); its
-        released jobs take ``lane``'s turns."""
+        released jobs take ``lane``'s turns; its bytes count against ``account``'s."""
         with self._lock:
             self._next[stream] = max(self._next.get(stream, next_seq), next_seq)
             self._held.setdefault(stream, {})
             self._set_lane(stream, lane)
+            if account:
+                self._accounts[stream] = account
             if noun is not None:
                 self._nouns[stream] = noun
 
@@ -231,6 +256,7 @@ class StreamOrder:
             self._next.pop(stream, None)
             self._positions.pop(stream, None)
             self._lanes.pop(stream, None)
+            self._accounts.pop(stream, None)
             self._seen = {key: value for key, value in self._seen.items() if key[0] != stream}
             self._lock.notify_all()
 
@@ -242,7 +268,8 @@ class StreamOrder:
 
         Raises ``AlreadyExists`` for the same ``seq`` with another payload,
         ``FailedPrecondition`` for a stream not started, ``ResourceExhausted`` (when
-        ``bounded``) when the stream's requests or bytes, or the bytes of all, are at their bound.
+        ``bounded``) when the stream's requests or bytes, or the bytes of all its account's, are
+        at their bound.
         """
         with self._lock:
             if stream not in self._next:
@@ -287,18 +314,19 @@ class StreamOrder:
             self._release(stream)
             return True
 
-    def check_room(self, size: int = 0) -> None:
-        """ResourceExhausted when the jobs outside any order (samples) are at their bound, in
-        calls or bytes, or the bytes of all are."""
+    def check_room(self, size: int = 0, *, account: str = "") -> None:
+        """ResourceExhausted when ``account``'s jobs outside any order (its samples) are at
+        their bound, in calls or bytes, or the bytes of all of ``account``'s are; what other
+        accounts hold does not count."""
         with self._lock:
-            self._check_room(UNORDERED, size, needed=False)
+            self._check_room(Samples(account), size, needed=False)
 
-    def run_unordered(self, job: Job, size: int = 0, *, lane: str = "") -> None:
-        """Queue a job outside any stream's order (a sample), behind what ``lane`` has ready
-        now."""
+    def run_unordered(self, job: Job, size: int = 0, *, lane: str = "", account: str = "") -> None:
+        """Queue a job outside any stream's order (a sample) of ``account``, behind what
+        ``lane`` has ready now."""
         with self._lock:
-            self._take(UNORDERED, size)
-            self._queue(UNORDERED, size, job, lane)
+            self._take(Samples(account), size)
+            self._queue(Samples(account), size, job, lane)
             self._lock.notify_all()
 
     def release_positions(self) -> None:
@@ -319,17 +347,20 @@ class StreamOrder:
             self._stopped = True
             self._lock.notify_all()
 
-    def _check_room(self, key: str | None, size: int, *, needed: bool) -> None:
-        """Refuse a call past the bounds, unless nothing waits before it (of ``key``; of all,
-        for the total) or it is ``needed``: the next ``seq`` while the stream's jobs are held
-        and none is ready to run."""
+    def _account(self, key: Key) -> str:
+        return key.account if isinstance(key, Samples) else self._accounts.get(key, "")
+
+    def _check_room(self, key: Key, size: int, *, needed: bool) -> None:
+        """Refuse a call past the bounds, unless nothing waits before it (of ``key``; of its
+        account's, for the total) or it is ``needed``: the next ``seq`` while the stream's jobs
+        are held and none is ready to run."""
         waiting = self._waiting[key]
-        what = "samples" if key is UNORDERED else f"{self._nouns.get(key, self._noun)} {key!r}"
+        what = f"{self._nouns.get(key, self._noun)} {key!r}" if isinstance(key, str) else "samples"
         needed = needed and waiting.ready == 0
         full = waiting.calls >= self._max_held or waiting.size + size > self._max_bytes
         if full and waiting.calls and not needed:
             held = f"({waiting.size} bytes of decoded requests held)"
-            if key is not UNORDERED and key not in self._positions and waiting.ready == 0:
+            if isinstance(key, str) and key not in self._positions and waiting.ready == 0:
                 raise ResourceExhausted(
                     f"{what}: {waiting.calls} calls wait for seq_id {self._next[key]}; send it "
                     f"first {held}"
@@ -337,23 +368,26 @@ class StreamOrder:
             raise ResourceExhausted(
                 f"{what}: {waiting.calls} calls wait to run; retry later {held}"
             )
-        over = self._total + size > self._max_total
-        if over and not (needed and waiting.calls) and any(w.calls for w in self._waiting.values()):
+        account = self._account(key)
+        total = self._totals[account]
+        over = total + size > self._max_total and not (needed and waiting.calls)
+        if over and any(w.calls for k, w in self._waiting.items() if self._account(k) == account):
             raise ResourceExhausted(
-                f"{what}: the server holds {self._total} bytes of decoded requests waiting or "
-                f"running, its bound is {self._max_total}; retry later"
+                f"{what}: this key holds {total} bytes of decoded requests waiting or running, "
+                f"its bound is {self._max_total}; retry later"
             )
 
-    def _take(self, key: str | None, size: int) -> None:
+    def _take(self, key: Key, size: int) -> None:
         waiting = self._waiting[key]
         waiting.calls, waiting.size = waiting.calls + 1, waiting.size + size
-        self._total += size
+        self._totals[self._account(key)] += size
 
-    def _ended(self, key: str | None, size: int) -> None:
+    def _ended(self, released: _Released) -> None:
         """A job has run: its bytes are free, and a run's position may have moved."""
         with self._lock:
-            self._waiting[key].size -= size
-            self._total -= size
+            key = released.key
+            self._waiting[key].size -= released.size
+            self._totals[released.account] -= released.size
             if key in self._positions:
                 self._release(key)
 
@@ -363,12 +397,12 @@ class StreamOrder:
         else:
             self._lanes.pop(stream, None)
 
-    def _queue(self, key: str | None, size: int, job: Job, lane: str = "") -> None:
+    def _queue(self, key: Key, size: int, job: Job, lane: str = "") -> None:
         """Release ``job``: it runs in its lane's turn (a stream's own lane; ``lane`` for an
         unordered job)."""
-        if key is not UNORDERED:
+        if isinstance(key, str):
             lane = self._lanes.get(key, "")
-        self._ready.put(lane, _Released(key, size, job))
+        self._ready.put(lane, _Released(key, size, job, self._account(key)))
         self._waiting[key].ready += 1
 
     def _floor(self, stream: str) -> int:
@@ -421,7 +455,7 @@ class StreamOrder:
                 turn = self._ready.peek()
                 assert turn is not None
                 lane, first = turn
-            if first.key is not UNORDERED:
+            if isinstance(first.key, str):
                 # Waits for the samples started before it, still counted as waiting (only this
                 # thread takes from the queue, and what is put meanwhile queues behind this
                 # turn, so the turn and its first job stay the same).
@@ -447,21 +481,21 @@ class StreamOrder:
             for released in taken:
                 waiting = self._waiting[released.key]
                 waiting.calls, waiting.ready = waiting.calls - 1, waiting.ready - 1
-        return [partial(self._counted, r.key, r.size, r.job) for r in taken]
+        return [partial(self._counted, released) for released in taken]
 
-    def _counted(self, key: str | None, size: int, job: Job) -> None:
-        """``job``, its bytes held until it has ended. A job answers its own caller; one that
-        raises anyway is logged, and the order goes on with the next."""
+    def _counted(self, released: _Released) -> None:
+        """A released job, its bytes held until it has ended. A job answers its own caller; one
+        that raises anyway is logged, and the order goes on with the next."""
         try:
-            job()
+            released.job()
         except Exception:
             logger.exception("a job of the order raised")
         finally:
-            self._ended(key, size)
+            self._ended(released)
 
 
 def _is_unordered(released: _Released) -> bool:
-    return released.key is UNORDERED
+    return isinstance(released.key, Samples)
 
 
 class _Beside:

@@ -21,6 +21,7 @@ logger = logging.getLogger(__name__)
 KEY_PREFIX = "tml-"
 MISSING_KEY = "missing API key: send it as X-API-Key (TINKER_API_KEY for the SDK)"
 WRONG_KEY = "wrong API key"
+CLOSE = {"Connection": "close"}
 
 
 def check_token(token: str | Tenants | None) -> None:
@@ -62,8 +63,8 @@ def refusal(supplied: str | None, tenants: Tenants | None) -> tuple[str | None, 
 
 
 class RequireKey:
-    """ASGI middleware: 401 with the reason for an HTTP request without a tenant's key; the
-    request runs as that tenant's (``tenancy.calling``).
+    """ASGI middleware: 401 with the reason for an HTTP request without a tenant's key (and the
+    connection closed with it); the request runs as that tenant's (``tenancy.calling``).
 
     The ``exempt`` routes check a credential of their own (a signed download URL: urllib, which
     the cookbook downloads with, sends no key); a key sent there anyway must be a tenant's, and
@@ -89,7 +90,10 @@ class RequireKey:
         exempt = self.exempt is not None and scope.get("path", "").startswith(self.exempt)
         why, tenant = refusal(key, self.tenants)
         if why is not None and not (exempt and key is None):
-            await JSONResponse({"detail": why}, status_code=401)(scope, receive, send)
+            # The connection closes with the answer: a stranger keeps no connection by asking
+            # again and again (``connections``' budget for connections without a key).
+            refused = JSONResponse({"detail": why}, status_code=401, headers=CLOSE)
+            await refused(scope, receive, send)
             return
         with calling(tenant.name if tenant is not None else None):
             await self.app(scope, receive, send)

@@ -14,7 +14,7 @@ from trainwire.server.service.run_owners import RunOwners
 from trainwire.server.service.tenants import Tenants, tenants_of
 from trainwire.server.tinker.app import create_app
 from trainwire.server.tinker.auth import check_token
-from trainwire.server.tinker.connections import BoundedH11Protocol
+from trainwire.server.tinker.connections import bounded_protocol
 from trainwire.server.tinker.startup import start_front, stop_front
 
 logger = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ class TinkerListener:
             port=int(port),
             log_level="warning",
             lifespan="off",
-            http=BoundedH11Protocol,  # bounded connections, a deadline for each request's head
+            # Bounded connections (strangers' apart), a deadline for each request's head.
+            http=bounded_protocol(tenants_of(token)),
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="tinker-http", daemon=True)

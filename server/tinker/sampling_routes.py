@@ -74,7 +74,8 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
             )
             if pruned:
                 discard = DiscardExportsRequest(pruned)
-                front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id)
+                # At the snapshot's turn: accepted already, never refused for what waits.
+                front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id, account=None)
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
         return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
@@ -175,7 +176,9 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             target_prompt_logprobs=request.target_prompt_logprobs,
             **weights,
         )
-        result = front.host.apply(ops.SAMPLE, sample, run_id=run_id)
+        # At its turn: bounded when it was accepted (``intake.submit_unordered``), so never
+        # refused here for what other tenants keep waiting.
+        result = front.host.apply(ops.SAMPLE, sample, run_id=run_id, account=None)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
     turns = _turns_of(front, request.sampling_session_id)

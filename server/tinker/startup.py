@@ -32,7 +32,7 @@ from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_slot import ModelSlot
 from trainwire.server.tinker.sdk_sessions import session_of
-from trainwire.server.tinker.tenancy import calling, sender_of
+from trainwire.server.tinker.tenancy import calling, sender_of, tenant_of
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def start_front(
     """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed
     (``tenants``' limits and the ``owners`` of run ids: ``ModelSlot``)."""
     directory = Path(state_dir) / FRONT_DIR
-    intake = Intake(directory, host, owner_of=session_of, noun="model")
+    intake = Intake(directory, host, owner_of=session_of, noun="model", account_of=tenant_of)
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
     models = ModelSlot(
