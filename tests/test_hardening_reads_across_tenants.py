@@ -5,8 +5,9 @@ checkpoint of its own: the replay reads the checkpoint again, as its sender. So 
 neither unpublish it under another tenant's load (the replay would find it private) nor save
 over it, nor let retention remove it (the replay would read other files, or none): each is
 refused (409, as a delete is) or waits until the reader no longer needs it, and a reader
-SIGKILLed and restarted ends with the bits it had. The real SDK drives every model; the
-refusals are read off the wire."""
+SIGKILLed and restarted ends with the bits it had. Sampler weights unpublished stop serving
+another tenant's sampling client at its next sample (404, as for a path that is not there).
+The real SDK drives every model; the refusals are read off the wire."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import httpx
 import pytest
 import tinker
 from service_fixtures import connect, wait_for
-from test_tenants_tinker import ALICE, BOB
+from test_tenants_tinker import ALICE, BOB, tenant_server
 from test_tinker_restart import stored_calls
 from tinker import types
 from tinker_loops import SENTENCES, close_quietly, service_client, supervised_datum, tinker_server
@@ -231,3 +232,55 @@ def test_retention_spares_a_checkpoint_another_models_replayed_load_reads(
         x.save_state("last").result(timeout=120)
         assert not folder(x.model_id, "ck").exists()
         assert not folder(x.model_id, "next").exists()
+
+
+def test_unpublished_sampler_weights_stop_serving_another_tenants_sampling_client(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Alice's sampling client, made on bob's published sampler weights, samples; once bob
+    unpublishes them, its next sample is 404 with the answer a path that is not there gets,
+    and bob's own sampling client of them still samples."""
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        url = handle.tinker.base_url
+        bob = tinker.ServiceClient(base_url=url, api_key=BOB)
+        alice = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        try:
+            bobs = lora(bob, seed=1)
+            step(bobs, SENTENCES[0])
+            path = bobs.save_weights_for_sampler("snap").result(timeout=120).path
+            publish(url, BOB, path)
+            prompt = types.ModelInput.from_ints(bobs.get_tokenizer().encode("the cat"))
+            params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=5)
+            hers = alice.create_sampling_client(model_path=path).result(timeout=120)
+            his = bob.create_sampling_client(model_path=path).result(timeout=120)
+            assert hers.sample(prompt, 1, params).result(timeout=120).sequences
+
+            unpublished = send(url, BOB, "DELETE", f"{checkpoint_route(path)}/publish")
+            assert unpublished.status_code == 204, unpublished.text
+            with pytest.raises(tinker.NotFoundError, match="no checkpoint"):
+                hers.sample(prompt, 1, params).result(timeout=120)
+            body = {
+                "sampling_session_id": hers._sampling_session_id,
+                "seq_id": 99,
+                "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]},
+                "sampling_params": {"max_tokens": 2, "seed": 7},
+            }
+            refused = send(url, ALICE, "POST", "asample", json=body)
+            missing = send(
+                url,
+                ALICE,
+                "POST",
+                "create_sampling_session",
+                json={
+                    "session_id": alice.holder.get_session_id(),
+                    "sampling_session_seq_id": 99,
+                    "model_path": path,
+                },
+            )
+            assert refused.status_code == missing.status_code == 404, (refused.text, missing.text)
+            assert refused.json() == missing.json()
+            assert his.sample(prompt, 1, params).result(timeout=120).sequences
+        finally:
+            close_quietly(alice)
+            close_quietly(bob)
