@@ -187,7 +187,7 @@ def test_a_save_over_a_checkpoint_another_model_loaded_is_refused_and_the_reader
         digest = servers[0].state_digest(y.model_id, ALICE)
 
         step(x, SENTENCES[2])
-        with pytest.raises(tinker.TinkerError, match="cannot be saved over yet"):
+        with pytest.raises(tinker.RequestFailedError, match="cannot be saved over yet"):
             x.save_state("ck").result(timeout=120)
         with connect(servers[0].grpc_port, token=ALICE) as client:
             client.run_id = run_id_for(x.model_id)
