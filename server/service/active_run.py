@@ -8,6 +8,7 @@ operation takes through it is ``keyed_path``'s. ``Applying`` tells the operation
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +77,10 @@ class ActiveRun:
         self.restored_checkpoint = ""
         self.damaged_checkpoints: tuple[str, ...] = ()  # passed over by the restart's recovery
         self.keep_checkpoints: int | None = None  # retention: None keeps every checkpoint
+        # The requests of other runs that a restart would replay from this run's checkpoint
+        # ``name`` (as a refusal names them): a SaveState does not write over it while any
+        # does. The host asks its transports (``SessionHost.checkpoint_readers``).
+        self.checkpoint_readers: Callable[[str], list[str]] = lambda name: []
 
     @property
     def model_root(self) -> Path | None:

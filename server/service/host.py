@@ -132,6 +132,11 @@ class SessionHost:
         # sets it to the run's tenant's weight); read as a run's turn begins.
         self.run_weight: Callable[[str], float] = lambda run_id: 1.0
         self._executor = SessionExecutor(weight_of=lambda lane: self.run_weight(lane))
+        # Who still reads a run's checkpoint folder, by (run id, folder): the requests of other
+        # runs a restart would replay from it (the Tinker front sets it: its loads name other
+        # runs' checkpoints). A SaveState of any transport refuses to write over a folder
+        # while any does; asked on the executor, where loads and saves take turns.
+        self.checkpoint_readers: Callable[[str, str], list[str]] = lambda run_id, folder: []
         self._runs: dict[str, ActiveRun] = {}  # the open runs, by run id
         self._batchers: dict[str, SampleBatcher] = {}  # each open run's samples decode together
         self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
@@ -249,6 +254,7 @@ class SessionHost:
     def _add_run(self, active: ActiveRun, *, info: SessionInfo) -> None:
         run_id = active.spec.run_id
         active.keep_checkpoints = self.keep_checkpoints
+        active.checkpoint_readers = lambda folder: self.checkpoint_readers(run_id, folder)
         self._runs[run_id] = active
         self._snapshots[run_id] = info
         self._batchers[run_id] = SampleBatcher(

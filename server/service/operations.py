@@ -36,7 +36,7 @@ from trainwire.contract.run.selection import BEST_CHECKPOINT
 from trainwire.contract.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.optimization import UpdateSettings
 from trainwire.server.engine.session.results import TokenOutput
-from trainwire.server.errors import InvalidArgument, NotFound
+from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import reads
 from trainwire.server.service.active_run import ActiveRun, Applying
@@ -210,11 +210,12 @@ def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -
 def _save_state(run: ActiveRun, request: CheckpointRequest, applying: Applying | None) -> Fields:
     """The checkpoint carries its own journal entry: recovery restores it and re-commits it."""
     assert applying is not None
+    path = run.run.checkpoint(request.name)
+    _refuse_writing_over_a_read(run, request.name, path)
     run.wait_for_journal()  # the checkpoint holds no operation the journal might still lose
     session, name = run.session, request.name
     fields = {"state_digest": session.state_digest(), "name": name, "step": session.step}
     entry = applying.entry(applying.outcome(fields))
-    path = run.run.checkpoint(name)
     try:
         session.save_state(path, extra=checkpoint_extra(run.spec.run_id, entry))
     except Exception:
@@ -225,8 +226,27 @@ def _save_state(run: ActiveRun, request: CheckpointRequest, applying: Applying |
         logger.exception("save_state %r failed after its checkpoint was in place", name)
     if run.keep_checkpoints:
         protected = {name, *KEPT_CHECKPOINT_NAMES}
-        prune_checkpoints(run.run, run.spec.run_id, run.keep_checkpoints, protected)
+        prune_checkpoints(
+            run.run,
+            run.spec.run_id,
+            run.keep_checkpoints,
+            protected,
+            read_elsewhere=lambda folder: bool(run.checkpoint_readers(folder)),
+        )
     return fields
+
+
+def _refuse_writing_over_a_read(run: ActiveRun, name: str, path: Path) -> None:
+    """A save over a checkpoint that another run read, with a replay of that read still to
+    come after a restart, would make the replay read other files than the run was answered
+    from: a removal of what was read, refused as a delete is (InUse, 409)."""
+    readers = run.checkpoint_readers(name) if path.is_dir() else []
+    if readers:
+        raise InUse(
+            f"checkpoint {name!r} cannot be saved over yet: {readers[0]} of an open run read "
+            "it, and a restart replays that call from these files; save under another name, "
+            "or again once that run has saved a checkpoint (save_state) or closed"
+        )
 
 
 def _load_state(run: ActiveRun, request: CheckpointRequest, _: Applying | None) -> Fields:

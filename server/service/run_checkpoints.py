@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,17 +144,27 @@ def restore_points(run: RunDirectory, run_id: str) -> list[RestorePoint]:
     return points
 
 
-def prune_checkpoints(run: RunDirectory, run_id: str, keep: int, protected: set[str]) -> list[str]:
+def prune_checkpoints(
+    run: RunDirectory,
+    run_id: str,
+    keep: int,
+    protected: set[str],
+    *,
+    read_elsewhere: Callable[[str], bool] = lambda name: False,
+) -> list[str]:
     """Remove this run's checkpoints beyond the ``keep`` newest (by recorded position), sparing
-    ``protected`` names; returns the names removed.
+    ``protected`` names and those ``read_elsewhere`` (another run's replay reads them); returns
+    the names removed.
 
     Right after a SaveState nothing journaled comes after the newest checkpoint, so no replay
-    needs an older one; older intact ones are only the fallback for a damaged newest (keep 2 or
-    more for that). Other runs' checkpoints and unreadable folders are left alone.
+    of this run needs an older one; older intact ones are only the fallback for a damaged newest
+    (keep 2 or more for that). Another run that loaded an older one replays that load until it
+    saves a checkpoint of its own, so that one stays until then. Other runs' checkpoints and
+    unreadable folders are left alone.
     """
     removed = []
     for point in sorted(restore_points(run, run_id), key=lambda p: -p.position)[keep:]:
-        if point.path.name not in protected:
+        if point.path.name not in protected and not read_elsewhere(point.path.name):
             shutil.rmtree(point.path)
             removed.append(point.path.name)
     if removed:

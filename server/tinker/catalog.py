@@ -308,6 +308,19 @@ class Catalog:
                 record.checkpoints[path.checkpoint_id] = replace(saved, public=public)
                 self._save(record)
 
+    def stored_in(self, run_id: str, folder: str) -> list[TinkerPath]:
+        """The training checkpoints of run ``run_id`` whose files are its checkpoint folder
+        ``folder``, whoever holds them: for the server's own checks (what a save under that
+        name would write over), never to answer a caller with."""
+        with self._lock:
+            return [
+                TinkerPath(record.model_id, *checkpoint_id.split("/", 1))
+                for record in self._runs.values()
+                if record.run_id == run_id
+                for checkpoint_id, saved in record.checkpoints.items()
+                if saved.segment == "weights" and saved.stored_as == folder
+            ]
+
     def expired(self) -> list[TinkerPath]:
         """Every checkpoint past its TTL, to remove."""
         now = self.clock()

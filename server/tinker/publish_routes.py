@@ -7,6 +7,8 @@ its owner's: only the owner publishes or unpublishes it, deletes it, or lists it
 The flag lives in the catalog beside the checkpoint, so it outlives a restart, and goes with the
 checkpoint when it is deleted or expires. Publishing twice (or unpublishing a private one)
 changes nothing and succeeds: a retried call whose first answer was lost must not fail.
+Unpublishing is refused (409) while another tenant's load of it is one a restart replays
+(``saved_checkpoints.unpublish``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ def set_published(front: TinkerFront, model_id: str, checkpoint_id: str, public:
     """Publish or unpublish checkpoint ``checkpoint_id`` (``<kind>/<name>``) of ``model_id``;
     NotFound for one that is not there or is another tenant's."""
     saved_checkpoints.sweep(front)  # one past its TTL is gone, not published
-    front.catalog.set_public(checkpoint_path(model_id, checkpoint_id), public)
+    path = checkpoint_path(model_id, checkpoint_id)
+    if public:
+        front.catalog.set_public(path, True)
+    else:
+        saved_checkpoints.unpublish(front, path)  # refused while another tenant's replay reads it
 
 
 def register(app: FastAPI, front: TinkerFront) -> None:

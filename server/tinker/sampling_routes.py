@@ -150,6 +150,8 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     # Unknown: 404 at once (after a restart, unless a replayed call is to make it again).
     replaying = front.intake.replay_pending()
     front.sampling_sessions.require(request.sampling_session_id, replaying=replaying)
+    if not front.intake.taking_back:  # accepted before: it reads what it read then
+        require_readable(front, request.sampling_session_id)
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.
@@ -184,6 +186,19 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     turns = _turns_of(front, request.sampling_session_id)
     front.intake.submit_unordered(request_id, body, call, size=held_bytes(request), run_id=turns)
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
+
+
+def require_readable(front: TinkerFront, sampling_id: str) -> None:
+    """NotFound, as for a path that is not there, when ``sampling_id`` samples another
+    tenant's sampler weights that the caller may no longer read: unpublished (or deleted, or
+    past their TTL) since the sampling client was made. The files stay while the owner's run
+    keeps them, so samples accepted before still run; a new one is refused at once."""
+    try:
+        sampler = front.sampling_sessions.get(sampling_id)
+    except NotFound:  # one a replayed snapshot call is to make: its own model's weights
+        return
+    if sampler.model_path and not visible(sampler.model_path):
+        front.catalog.find(TinkerPath.parse(sampler.model_path))
 
 
 def _turns_of(front: TinkerFront, sampling_id: str) -> str:

@@ -4,6 +4,13 @@ delete them (at the SDK's request or past their TTL) and finish removals that ha
 The files are the host's: ``SessionHost.discard_saved`` removes them on its executor, so no
 operation is reading them, and keeps the open run's recovery point until a newer checkpoint
 supersedes it (the catalog remembers those, and the next save asks again).
+
+What a run read stays readable to its replay as it was read: while an open model's logged
+``load_state`` of a checkpoint is one a restart replays (``replay_readers``), the checkpoint's
+owner may not delete it, unpublish it under another tenant's load (that replay runs as its
+sender and would find it private), nor save over it (``checkpoint_readers``, which the host asks
+before a SaveState writes over a folder): each is refused (409) until the reader has saved a
+checkpoint of its own or closed.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import TYPE_CHECKING
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
 from trainwire.server.tinker.model import run_id_for
-from trainwire.server.tinker.tenancy import unrestricted
+from trainwire.server.tinker.tenancy import tenant_of, unrestricted
 
 if TYPE_CHECKING:
     from trainwire.server.tinker.front import TinkerFront
@@ -77,6 +84,31 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
     ]
 
 
+def checkpoint_readers(front: TinkerFront, run_id: str, folder: str) -> list[str]:
+    """The logged loads a restart would replay that read run ``run_id``'s checkpoint folder
+    ``folder`` under any name the catalog gives it, as a refusal names them: a save over that
+    folder would change what they read. The saving model's own loads are not among them: they
+    come before its save in its order, and its restart restores the new checkpoint, from which
+    its journal answers them."""
+    readers: list[str] = []
+    for path in front.catalog.stored_in(run_id, folder):
+        own = f"{path.model_id}/"
+        readers += [
+            named_reader(reader, path)
+            for reader in replay_readers(front, path)
+            if not reader.startswith(own)
+        ]
+    return readers
+
+
+def named_reader(request_id: str, path: TinkerPath) -> str:
+    """A reader of checkpoint ``path`` as a refusal to its owner names it: by its request id
+    when it is the owner's own, else without any id (another tenant's ids are not shown)."""
+    if tenant_of(request_id) == tenant_of(path.model_id):
+        return f"load_state {request_id!r}"
+    return "a load_state of another tenant's model"
+
+
 def _names(given: object, path: TinkerPath) -> bool:
     try:
         return TinkerPath.parse(given) == path
@@ -95,11 +127,34 @@ def delete(front: TinkerFront, path: TinkerPath) -> None:
         readers = replay_readers(front, path)
         if readers:
             raise InUse(
-                f"checkpoint {str(path)!r} cannot be deleted yet: the open run's "
-                f"load_state {readers[0]!r} read it, and a restart replays that call from it; "
-                "delete it once that run has saved a checkpoint (save_state) or closed"
+                f"checkpoint {str(path)!r} cannot be deleted yet: "
+                f"{named_reader(readers[0], path)} of an open run read it, and a restart "
+                "replays that call from it; delete it once that run has saved a checkpoint "
+                "(save_state) or closed"
             )
         _delete(front, path)
+
+
+def unpublish(front: TinkerFront, path: TinkerPath) -> None:
+    """Make ``path`` its owner's alone again (its owner's call: another tenant's is NotFound).
+
+    Refused (``InUse``, HTTP 409) while another tenant's request that a restart replays read
+    it: that replay runs as its sender, would find the checkpoint private and fail, and the
+    reader's run would end on other bits than those it was answered. The owner's own loads
+    read it private as well, so they never hold it."""
+    front.catalog.run(path.model_id)  # another tenant's run: not found, its readers unnamed
+    front.catalog.find(path)
+    with front.catalog.removal_guard:  # see ``delete``: a load runs, or is refused, whole
+        owner = tenant_of(path.model_id)
+        readers = [r for r in replay_readers(front, path) if tenant_of(r) != owner]
+        if readers:
+            raise InUse(
+                f"checkpoint {str(path)!r} cannot be unpublished yet: "
+                f"{named_reader(readers[0], path)} of an open run read it while it was "
+                "published, and a restart replays that call from it as that tenant; unpublish "
+                "it once that run has saved a checkpoint (save_state) or closed"
+            )
+        front.catalog.set_public(path, False)
 
 
 def _delete(front: TinkerFront, path: TinkerPath) -> None:

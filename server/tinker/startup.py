@@ -27,7 +27,12 @@ from trainwire.server.service.request_records import (
 )
 from trainwire.server.service.run_owners import RunOwners
 from trainwire.server.service.tenants import Tenants
-from trainwire.server.tinker import external_weights, sampling_routes, training_routes
+from trainwire.server.tinker import (
+    external_weights,
+    sampling_routes,
+    saved_checkpoints,
+    training_routes,
+)
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_slot import ModelSlot
@@ -77,6 +82,8 @@ def start_front(
     for name, route in ROUTES.items():
         intake.routes[name] = partial(_take, route, front)
     intake.identities["save_weights_for_sampler"] = sampling_routes.snapshot_identity
+    # Before the replay: a replayed load reads what it read, so no save may write over it.
+    host.checkpoint_readers = partial(saved_checkpoints.checkpoint_readers, front)
     replay(front)
     threading.Thread(
         target=_await_recovery, args=(front,), name="tinker-recover", daemon=True

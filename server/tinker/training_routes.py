@@ -32,6 +32,7 @@ from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import adam_settings
+from trainwire.server.tinker.tenancy import calling, tenant_of
 
 
 def _model_id(body: dict[str, Any]) -> str:
@@ -124,8 +125,12 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         run_id = "" if source.model_id == model_id else source.run_id
 
         def around(run: Callable[[], Any]) -> Any:
-            with front.catalog.removal_guard:  # see saved_checkpoints.delete
-                front.catalog.find(path, expired_ok=True)  # not deleted since it was accepted
+            # Under the guard of removals and unpublishing (saved_checkpoints): found as the
+            # sender finds it, neither deleted nor unpublished since it was accepted, so its
+            # replay, which runs as the sender, reads it too.
+            with front.catalog.removal_guard:
+                with calling(tenant_of(model_id)):
+                    front.catalog.find(path, expired_ok=True)
                 return run()
 
         def finish(_: Any) -> dict[str, Any]:
