@@ -149,12 +149,14 @@ def command_run(args: argparse.Namespace) -> int:
 
 def command_close(args: argparse.Namespace) -> int:
     """``trainwire close``: end a run on the server (a finished ``trainwire run`` does it itself),
-    so the server takes the next one; the run's files stay in the state directory."""
+    so the server takes the next one; the run's files stay in the state directory. ``--run-id``
+    may be a Tinker model id as the SDK printed it: its run is closed, for both ports."""
     from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.model_ids import run_id_for
 
     client = SessionClient(args.server, **client_options(args))
     try:
-        info = client.close(run_id=args.run_id)
+        info = client.close(run_id=run_id_for(args.run_id) if args.run_id else None)
     finally:
         client.close_channel()
     closed = info.run_id or "no run"
@@ -258,7 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     close.add_argument("--server", required=True, help="the server's HOST:PORT")
     close.add_argument(
-        "--run-id", help="close only this run: a no-op if it is closed, refused if another is open"
+        "--run-id",
+        help="close only this run (or a Tinker model, by the id the SDK printed): a no-op if it "
+        "is closed, refused if another is open",
     )
     add_client_arguments(close)
     close.set_defaults(handler=command_close)

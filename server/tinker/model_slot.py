@@ -14,6 +14,12 @@ A call belongs to the run it was sent to: it runs only while that run is open (`
 which closing that model waits for), and fails with nothing applied once its model was closed,
 never on another model's run.
 
+A model's run may also be closed through the other port (a gRPC ``Close``: ``trainwire close``).
+The host is not told about the front (calls go one way), so the front asks it: a model whose run
+the host closed is closed here too, answered as a model closed through the SDK (404), listed
+nowhere, and never resumed at a restart (``forget_closed``, run at start, before each new model
+and when a session finishes).
+
 Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still asked
 for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the known
 sessions, its futures, its sampling sessions and its records in the request store (deleted at once).
@@ -190,6 +196,7 @@ class ModelSlot:
         queued answer that their model was closed)."""
         self.require_session(session_id)
         with self._lock:
+            self._forget_closed()
             self.sessions.close(session_id)
             own = self.models_of(session_id)
             for model in own:
@@ -212,6 +219,7 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, lora_switches(body), body)  # checked before opening
         with self._lock:
+            self._forget_closed()  # a model closed through the gRPC port holds no slot either
             if model_id in self._models:
                 return self._resolve_create(model_id)  # a retry of a finished create
             self._make_room(session_id)
@@ -240,6 +248,7 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, start.source.switches, body)  # checked first
         with self._lock:
+            self._forget_closed()  # a model closed through the gRPC port holds no slot either
             if model_id in self._models:
                 return self._resolve_from_state(model_id, start)  # a retry of a finished create
             self._make_room(session_id)
@@ -314,8 +323,9 @@ class ModelSlot:
         closes it. On a server of one run, FailedPrecondition while a model is open (its own
         run samples); on a server of many, ResourceExhausted while every slot is taken."""
         with self._lock:
-            if not self.many and self._models:
-                model = next(iter(self._models.values()))
+            models = self.open_models()
+            if not self.many and models:
+                model = models[0]
                 raise FailedPrecondition(
                     f"this server trains {model.base_model!r} now (one server, one model)"
                 )
@@ -364,13 +374,34 @@ class ModelSlot:
         self._busy[record.run_id] = threading.Lock()
 
     def _close_model(self, model: ModelRecord) -> None:
-        """Close ``model``'s run (its files stay) once its running call ended, and forget what
-        the request store kept for it; its calls still queued fail when their turn comes
-        (``while_open``). Under ``_lock``."""
+        """Close ``model``'s run (its files stay) once its running call ended, and forget the
+        model (``_forget_model``). Under ``_lock``."""
         with self._busy[model.run_id]:
             self.host.close(model.run_id)
-            model.remove(self.directory)
-            del self._models[model.model_id], self._busy[model.run_id]
+            self._forget_model(model)
+
+    def forget_closed(self) -> None:
+        """Forget every model whose run the host closed through another port (a gRPC Close),
+        as closing it here would have: at start, once the stored calls were taken back, so a
+        closed run's model is not resumed (nor its calls held for a position it never
+        reaches)."""
+        with self._lock:
+            self._forget_closed()
+
+    def _forget_closed(self) -> None:
+        """``forget_closed``, under ``_lock``."""
+        for model in list(self._models.values()):
+            if self.host.was_closed(model.run_id):
+                logger.info("Tinker front: model %s closed through the gRPC port", model.model_id)
+                with self._busy[model.run_id]:
+                    self._forget_model(model)
+
+    def _forget_model(self, model: ModelRecord) -> None:
+        """Forget ``model``, whose run is closed, and what the request store kept for it: its
+        record, its sampling sessions and its stream; its calls still queued fail when their
+        turn comes (``while_open``). Under ``_lock`` and the model's busy lock."""
+        model.remove(self.directory)
+        del self._models[model.model_id], self._busy[model.run_id]
         self.sampling_sessions.end_model(model.model_id)  # its sampling clients end with it
         self.intake.end_stream(model.model_id)
         self.intake.forget_stream(model.model_id, self.head_records)
@@ -386,8 +417,8 @@ class ModelSlot:
         if busy is None:
             raise closed
         with busy:
-            if self._busy.get(run_id) is not busy:  # closed while this call waited
-                raise closed
+            if self._busy.get(run_id) is not busy or self.host.was_closed(run_id):
+                raise closed  # closed while this call waited, here or through the gRPC port
             return call()
 
     def _resolve_create(self, model_id: str) -> str:
@@ -397,14 +428,17 @@ class ModelSlot:
         return request_id
 
     def require_model(self, model_id: str) -> ModelRecord:
+        """The open model ``model_id``; NotFound for one not known, another tenant's, or one
+        whose run was closed (here or through the gRPC port: the same answer)."""
         model = self._models.get(model_id)
-        if model is None or not visible(model_id):
+        if model is None or not visible(model_id) or self.host.was_closed(model.run_id):
             raise NotFound(f"no model {model_id!r} on this server; create_model first")
         return model
 
     def open_models(self) -> list[ModelRecord]:
-        """The open models, by model id."""
-        return sorted(self._models.values(), key=lambda model: model.model_id)
+        """The open models, by model id (none whose run was closed through the gRPC port)."""
+        models = [m for m in self._models.values() if not self.host.was_closed(m.run_id)]
+        return sorted(models, key=lambda model: model.model_id)
 
     def models_of(self, session_id: str) -> list[ModelRecord]:
         """The open models ``session_id`` created."""
