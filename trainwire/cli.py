@@ -84,6 +84,13 @@ def command_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_runs(args: argparse.Namespace) -> int:
+    from trainwire.open_runs import describe_open_runs
+
+    print(describe_open_runs(Path(args.state_dir)))
+    return 0
+
+
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """How a command reaches its server(s): token, TLS, mutual TLS."""
     parser.add_argument("--token-file", help="a file holding the server's bearer token")
@@ -242,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.add_argument("path")
     inspect.set_defaults(handler=command_inspect)
+
+    runs = commands.add_parser(
+        "runs",
+        help="list a server's open runs (owner, age, last operation) from its state directory",
+    )
+    runs.add_argument("state_dir", metavar="STATE_DIR", help="the server's --state-dir")
+    runs.set_defaults(handler=command_runs)
 
     run = commands.add_parser("run", help="replay a manifest against a server, crash-proof")
     run.add_argument("--server", required=True, help="the server's HOST:PORT")

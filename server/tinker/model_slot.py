@@ -7,8 +7,11 @@ runs (their files stay) and ends their sampling sessions. A server of one run (`
 holds one model: a model whose client sent nothing for ``SESSION_LAPSE_S`` (three missed
 heartbeats: the script died) gives way to another client's ``create_model`` instead of holding
 the server until a restart. A server of many runs holds up to ``--max-runs`` models side by side,
-of any client (past that, the host's refusal, which the SDK retries); a run opened only to
-sample a closed run's saved weights gives its slot to a new model.
+of any client; when they fill it, a run opened only to sample a closed run's saved weights gives
+its slot to a new model, then the model whose client has been silent longest, once past
+``SESSION_LAPSE_S`` (a model restored at a restart counts from the restart, so one from before
+``--tenants`` goes the same way). With none silent, the new model is refused (429, which the SDK
+retries) until one closes or lapses.
 
 A call belongs to the run it was sent to: it runs only while that run is open (``while_open``,
 which closing that model waits for), and fails with nothing applied once its model was closed,
@@ -287,8 +290,39 @@ class ModelSlot:
             for model in self.open_models():
                 self._give_way(model, asking)
             self._end_sampling_runs()
-        elif len(self.host.open_run_ids) >= self.host.max_runs:
+            return
+        if self._full():
             self._end_sampling_runs()
+        if self._full():
+            self._give_way_to(asking)
+
+    def _full(self) -> bool:
+        """Every run slot of this server of many runs is taken."""
+        return len(self.host.open_run_ids) >= self.host.max_runs
+
+    def _give_way_to(self, asking: str) -> None:
+        """On a full server of many runs, close the model whose client has been silent longest
+        (past ``SESSION_LAPSE_S``) for session ``asking``'s new model; ResourceExhausted (429,
+        which the SDK retries), closing nothing, while every model's client is alive. A tenant
+        at its own ``max_runs`` is refused first: no model is closed for a create that would
+        then be refused."""
+        if self.owners is not None:
+            self._check_run_limit(tenant_of(asking))
+        lapsed = [m for m in self.open_models() if self._lapsed(m.session_id)]
+        if not lapsed:
+            raise ResourceExhausted(
+                f"every run slot of this server is taken (--max-runs {self.host.max_runs}); a "
+                f"model whose client has sent nothing for {SESSION_LAPSE_S:.0f} s (a script "
+                "that exited without closing) gives way to a new one, else close a model "
+                "(ServiceClient, or trainwire close) or use another server"
+            )
+        oldest = max(lapsed, key=lambda m: (self.sessions.silent_for(m.session_id), m.model_id))
+        logger.warning(
+            "Tinker front: model %s closed for a new model: its client sent nothing for %.0f s",
+            oldest.model_id,
+            self.sessions.silent_for(oldest.session_id),
+        )
+        self._close_model(oldest)
 
     def _give_way(self, model: ModelRecord, asking: str) -> None:
         """Close ``model`` for session ``asking``'s new one, if its own client went silent.
@@ -350,16 +384,27 @@ class ModelSlot:
         ``max_runs``; and ``run_id`` becomes the tenant's (``RunOwners``)."""
         if self.owners is None:
             return
-        held = [r for r in self.host.open_run_ids if not r.startswith(SAMPLING_RUN_PREFIX)]
+        held = self._held_runs()
         if not self.many and any(not self.owners.holds(r, tenant) for r in held):
             raise FailedPrecondition(
                 "another client's run is open on this server (one server, one model): "
                 "create yours once it has closed, or use another server"
             )
-        if training and self.tenants is not None and tenant in self.tenants:
-            own = sum(1 for r in held if self.owners.holds(r, tenant))
-            self.tenants.check_run_limit(tenant, own)
+        if training:
+            self._check_run_limit(tenant)
         self.owners.claim(run_id, tenant)
+
+    def _held_runs(self) -> list[str]:
+        """The open runs that train (a model's or a gRPC client's), not those opened only to
+        sample saved weights."""
+        return [r for r in self.host.open_run_ids if not r.startswith(SAMPLING_RUN_PREFIX)]
+
+    def _check_run_limit(self, tenant: str) -> None:
+        """The tenant's ``max_runs``, counted over the training runs it holds open (with
+        ``owners``)."""
+        if self.owners is not None and self.tenants is not None and tenant in self.tenants:
+            own = sum(1 for r in self._held_runs() if self.owners.holds(r, tenant))
+            self.tenants.check_run_limit(tenant, own)
 
     def _end_sampling_runs(self) -> None:
         """Close the runs opened only for sampling (also those a restart restored): a model's
