@@ -419,11 +419,9 @@ class ModelSlot:
         self._busy[record.run_id] = threading.Lock()
 
     def _close_model(self, model: ModelRecord) -> None:
-        """Close ``model``'s run (its files stay) once its running call ended, and forget the
-        model (``_forget_model``). Under ``_lock``."""
-        with self._busy[model.run_id]:
-            self.host.close(model.run_id)
-            self._forget_model(model)
+        """Close ``model``'s run (its files stay) and forget the model (``_forget_model``).
+        Under ``_lock``."""
+        self._forget_model(model, close_run=True)
 
     def forget_closed(self) -> None:
         """Forget every model whose run the host closed through another port (a gRPC Close),
@@ -438,15 +436,18 @@ class ModelSlot:
         for model in list(self._models.values()):
             if self.host.was_closed(model.run_id):
                 logger.info("Tinker front: model %s closed through the gRPC port", model.model_id)
-                with self._busy[model.run_id]:
-                    self._forget_model(model)
+                self._forget_model(model, close_run=False)
 
-    def _forget_model(self, model: ModelRecord) -> None:
-        """Forget ``model``, whose run is closed, and what the request store kept for it: its
-        record, its sampling sessions and its stream; its calls still queued fail when their
-        turn comes (``while_open``). Under ``_lock`` and the model's busy lock."""
-        model.remove(self.directory)
-        del self._models[model.model_id], self._busy[model.run_id]
+    def _forget_model(self, model: ModelRecord, *, close_run: bool) -> None:
+        """Once its running call ended, close ``model``'s run (``close_run``; else it is closed
+        already) and forget the model and what the request store kept for it: its record, its
+        sampling sessions and its stream; its calls still queued fail when their turn comes
+        (``while_open``). Under ``_lock``."""
+        with self._busy[model.run_id]:
+            if close_run:
+                self.host.close(model.run_id)
+            model.remove(self.directory)
+            del self._models[model.model_id], self._busy[model.run_id]
         self.sampling_sessions.end_model(model.model_id)  # its sampling clients end with it
         self.intake.end_stream(model.model_id)
         self.intake.forget_stream(model.model_id, self.head_records)
