@@ -9,7 +9,7 @@ import pytest
 from trainwire.cli import build_parser
 from trainwire.serve_command import SERVE_SETTINGS, SERVE_SETTINGS_HELP
 
-COMMANDS = ("plan", "inspect", "run", "close", "dispatch", "train", "serve", "demo")
+COMMANDS = ("plan", "inspect", "runs", "run", "close", "dispatch", "train", "serve", "demo")
 
 
 def help_text(*argv: str) -> str:

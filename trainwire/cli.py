@@ -132,6 +132,13 @@ def command_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def command_runs(args: argparse.Namespace) -> int:
+    from trainwire.open_runs import describe_open_runs
+
+    print(describe_open_runs(Path(args.state_dir)))
+    return 0
+
+
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """How a command reaches its server(s): token, TLS, mutual TLS."""
     parser.add_argument("--token-file", help="a file holding the server's bearer token")
@@ -229,12 +236,14 @@ def closed_on_bad_data(client: Any, run_id: str, error: grpc.RpcError) -> str:
 
 def command_close(args: argparse.Namespace) -> int:
     """``trainwire close``: end a run on the server (a finished ``trainwire run`` does it itself),
-    so the server takes the next one; the run's files stay in the state directory."""
+    so the server takes the next one; the run's files stay in the state directory. ``--run-id``
+    may be a Tinker model id as the SDK printed it: its run is closed, for both ports."""
     from trainwire.client.session.session_client import SessionClient
+    from trainwire.contract.model_ids import run_id_for
 
     client = SessionClient(args.server, **client_options(args))
     try:
-        info = client.close(run_id=args.run_id)
+        info = client.close(run_id=run_id_for(args.run_id) if args.run_id else None)
     finally:
         client.close_channel()
     closed = info.run_id or "no run"
@@ -337,6 +346,13 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path")
     inspect.set_defaults(handler=command_inspect)
 
+    runs = commands.add_parser(
+        "runs",
+        help="list a server's open runs (owner, age, last operation) from its state directory",
+    )
+    runs.add_argument("state_dir", metavar="STATE_DIR", help="the server's --state-dir")
+    runs.set_defaults(handler=command_runs)
+
     run = commands.add_parser("run", help="replay a manifest against a server, crash-proof")
     run.add_argument("--server", required=True, help="the server's HOST:PORT")
     run.add_argument("--manifest", required=True, help="the manifest from trainwire plan")
@@ -354,7 +370,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     close.add_argument("--server", required=True, help="the server's HOST:PORT")
     close.add_argument(
-        "--run-id", help="close only this run: a no-op if it is closed, refused if another is open"
+        "--run-id",
+        help="close only this run (or a Tinker model, by the id the SDK printed): a no-op if it "
+        "is closed, refused if another is open",
     )
     add_client_arguments(close)
     close.set_defaults(handler=command_close)

@@ -10,6 +10,7 @@ directory: inspecting a manifest stays torch-free.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,8 @@ def describe_state_dir(path: Path) -> str:
         run = RunDirectory(folder)
         spec = run.read_spec()
         config = spec.config
-        position, last_key = _journal_position(folder / JOURNAL_FILE)
+        journal = journal_summary(folder / JOURNAL_FILE)
+        position, last_key = journal.position, journal.last_key
         checkpoints = sorted(p.name for p in run.checkpoint_paths())
         found = run.exports.iterdir() if run.exports.is_dir() else []
         exports = sorted(p.name for p in found if not p.name.startswith("."))  # none half written
@@ -210,12 +212,23 @@ def describe_state_dir(path: Path) -> str:
     return "\n".join(lines)
 
 
-def _journal_position(path: Path) -> tuple[int, str]:
-    """The position of a journal's last live entry and its key ((0, "") without one)."""
+@dataclass(frozen=True)
+class JournalSummary:
+    """A journal's last live entry: its position, key, kind and when it was recorded (position
+    0, "" and None without one)."""
+
+    position: int = 0
+    last_key: str = ""
+    last_kind: str = ""
+    last_at: float | None = None
+
+
+def journal_summary(path: Path) -> JournalSummary:
+    """What a run's journal says of its last live entry, read without writing anything."""
     import sqlite3
 
     if not path.is_file():
-        return 0, ""
+        return JournalSummary()
     # Without a write-ahead log beside it the file holds every entry: read it as immutable, so
     # not even SQLite's shared-memory index is created. With one (a server has it open), read
     # through it.
@@ -224,12 +237,14 @@ def _journal_position(path: Path) -> tuple[int, str]:
     db = sqlite3.connect(f"{path.resolve().as_uri()}?{mode}", uri=True)
     try:
         row = db.execute(
-            "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
-            "ORDER BY position DESC LIMIT 1"
+            "SELECT position, operation_key, kind, recorded_at FROM operations "
+            "WHERE rolled_back = 0 ORDER BY position DESC LIMIT 1"
         ).fetchone()
     finally:
         db.close()
-    return (0, "") if row is None else (int(row[0]), str(row[1]))
+    if row is None:
+        return JournalSummary()
+    return JournalSummary(int(row[0]), str(row[1]), str(row[2]), float(row[3]))
 
 
 def _abbreviated_names(names: list[str], limit: int = 8) -> str:

@@ -460,6 +460,16 @@ class SessionHost:
         no cost: ``info()`` would hash the whole state to give its digest too."""
         return 0 if self._active is None else self._active.position
 
+    def was_closed(self, run_id: str) -> bool:
+        """Whether run ``run_id`` was closed on this server (through any transport): neither
+        open, nor still to be restored, nor holding its slot after a failed restore, and
+        recorded closed. At no cost while the run is open; a transport that keeps its own
+        table of runs (the Tinker front's models) asks this rather than being told."""
+        if run_id in self._runs or run_id in self._failed_runs or run_id in self._pending_run_ids:
+            return False
+        run = self.state_dir.run(run_id)
+        return run.exists() and run.read_spec().state == RUN_CLOSED
+
     def position_of(self, run_id: str) -> int:
         """Run ``run_id``'s position (0 when it is not open), at no cost."""
         active = self._runs.get(run_id)

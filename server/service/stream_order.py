@@ -23,8 +23,11 @@ it were released, or the run is at its position already (a retried key is then a
 journal, a stale position refused by the position check); its predecessor may never come (never
 sent, or the server restarted and restored an older state), so once nothing has run for the
 stream's ``idle_release_s`` the first one held goes ahead and the position check refuses it with
-the real position. A refused request does not move the position, so the ones released behind it
-are refused the same way: nothing after a failure runs.
+the real position. A request held counts as activity when it arrives: after a quiet spell (a run
+opening, a client evaluating) a pipelined call that overtook its predecessor by a moment waits
+for it, instead of being let go at once because nothing had run for a while before it came. A
+refused request does not move the position, so the ones released behind it are refused the same
+way: nothing after a failure runs.
 
 Released jobs run in fair turns by *lane* (a run's id on a server of many runs, "" on a server
 of one), with the executor's rule (``fair_turns.FairTurns``, weighted by ``weight_of``): within a
@@ -239,6 +242,7 @@ class StreamOrder:
                 self._lock.notify_all()
                 return
             self._held[stream].setdefault(position, []).append((0, job))
+            self._active_at = time.monotonic()  # its predecessor may be a moment behind it
             self._release(stream)
 
     def started(self, stream: str) -> bool:

@@ -16,6 +16,7 @@ from typing import Any
 
 from trainwire.contract.config import LoraSettings, TrainingConfig
 from trainwire.contract.files import write_text_atomic
+from trainwire.contract.model_ids import run_id_for
 from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
@@ -86,11 +87,6 @@ class ModelRecord:
             "is_lora": self.lora_rank is not None,
             "lora_rank": self.lora_rank,
         }
-
-
-def run_id_for(model_id: str) -> str:
-    """The trainwire run id of an SDK model id (run ids take no colons)."""
-    return model_id.replace(":", "-")
 
 
 def training_config(body: dict[str, Any]) -> TrainingConfig:

@@ -7,12 +7,21 @@ runs (their files stay) and ends their sampling sessions. A server of one run (`
 holds one model: a model whose client sent nothing for ``SESSION_LAPSE_S`` (three missed
 heartbeats: the script died) gives way to another client's ``create_model`` instead of holding
 the server until a restart. A server of many runs holds up to ``--max-runs`` models side by side,
-of any client (past that, the host's refusal, which the SDK retries); a run opened only to
-sample a closed run's saved weights gives its slot to a new model.
+of any client; when they fill it, a run opened only to sample a closed run's saved weights gives
+its slot to a new model, then the model whose client has been silent longest, once past
+``SESSION_LAPSE_S`` (a model restored at a restart counts from the restart, so one from before
+``--tenants`` goes the same way). With none silent, the new model is refused (429, which the SDK
+retries) until one closes or lapses.
 
 A call belongs to the run it was sent to: it runs only while that run is open (``while_open``,
 which closing that model waits for), and fails with nothing applied once its model was closed,
 never on another model's run.
+
+A model's run may also be closed through the other port (a gRPC ``Close``: ``trainwire close``).
+The host is not told about the front (calls go one way), so the front asks it: a model whose run
+the host closed is closed here too, answered as a model closed through the SDK (404), listed
+nowhere, and never resumed at a restart (``forget_closed``, run at start, before each new model
+and when a session finishes).
 
 Sessions are not kept forever: one silent for ``SESSION_KEEP_S`` with nothing of its own still asked
 for (no open model, no future left to fetch) is forgotten everywhere (``forget_lapsed``): the known
@@ -190,6 +199,7 @@ class ModelSlot:
         queued answer that their model was closed)."""
         self.require_session(session_id)
         with self._lock:
+            self._forget_closed()
             self.sessions.close(session_id)
             own = self.models_of(session_id)
             for model in own:
@@ -212,6 +222,7 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, lora_switches(body), body)  # checked before opening
         with self._lock:
+            self._forget_closed()  # a model closed through the gRPC port holds no slot either
             if model_id in self._models:
                 return self._resolve_create(model_id)  # a retry of a finished create
             self._make_room(session_id)
@@ -240,6 +251,7 @@ class ModelSlot:
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, start.source.switches, body)  # checked first
         with self._lock:
+            self._forget_closed()  # a model closed through the gRPC port holds no slot either
             if model_id in self._models:
                 return self._resolve_from_state(model_id, start)  # a retry of a finished create
             self._make_room(session_id)
@@ -278,8 +290,39 @@ class ModelSlot:
             for model in self.open_models():
                 self._give_way(model, asking)
             self._end_sampling_runs()
-        elif len(self.host.open_run_ids) >= self.host.max_runs:
+            return
+        if self._full():
             self._end_sampling_runs()
+        if self._full():
+            self._give_way_to(asking)
+
+    def _full(self) -> bool:
+        """Every run slot of this server of many runs is taken."""
+        return len(self.host.open_run_ids) >= self.host.max_runs
+
+    def _give_way_to(self, asking: str) -> None:
+        """On a full server of many runs, close the model whose client has been silent longest
+        (past ``SESSION_LAPSE_S``) for session ``asking``'s new model; ResourceExhausted (429,
+        which the SDK retries), closing nothing, while every model's client is alive. A tenant
+        at its own ``max_runs`` is refused first: no model is closed for a create that would
+        then be refused."""
+        if self.owners is not None:
+            self._check_run_limit(tenant_of(asking))
+        lapsed = [m for m in self.open_models() if self._lapsed(m.session_id)]
+        if not lapsed:
+            raise ResourceExhausted(
+                f"every run slot of this server is taken (--max-runs {self.host.max_runs}); a "
+                f"model whose client has sent nothing for {SESSION_LAPSE_S:.0f} s (a script "
+                "that exited without closing) gives way to a new one, else close a model "
+                "(ServiceClient, or trainwire close) or use another server"
+            )
+        oldest = max(lapsed, key=lambda m: (self.sessions.silent_for(m.session_id), m.model_id))
+        logger.warning(
+            "Tinker front: model %s closed for a new model: its client sent nothing for %.0f s",
+            oldest.model_id,
+            self.sessions.silent_for(oldest.session_id),
+        )
+        self._close_model(oldest)
 
     def _give_way(self, model: ModelRecord, asking: str) -> None:
         """Close ``model`` for session ``asking``'s new one, if its own client went silent.
@@ -314,8 +357,9 @@ class ModelSlot:
         closes it. On a server of one run, FailedPrecondition while a model is open (its own
         run samples); on a server of many, ResourceExhausted while every slot is taken."""
         with self._lock:
-            if not self.many and self._models:
-                model = next(iter(self._models.values()))
+            models = self.open_models()
+            if not self.many and models:
+                model = models[0]
                 raise FailedPrecondition(
                     f"this server trains {model.base_model!r} now (one server, one model)"
                 )
@@ -340,16 +384,27 @@ class ModelSlot:
         ``max_runs``; and ``run_id`` becomes the tenant's (``RunOwners``)."""
         if self.owners is None:
             return
-        held = [r for r in self.host.open_run_ids if not r.startswith(SAMPLING_RUN_PREFIX)]
+        held = self._held_runs()
         if not self.many and any(not self.owners.holds(r, tenant) for r in held):
             raise FailedPrecondition(
                 "another client's run is open on this server (one server, one model): "
                 "create yours once it has closed, or use another server"
             )
-        if training and self.tenants is not None and tenant in self.tenants:
-            own = sum(1 for r in held if self.owners.holds(r, tenant))
-            self.tenants.check_run_limit(tenant, own)
+        if training:
+            self._check_run_limit(tenant)
         self.owners.claim(run_id, tenant)
+
+    def _held_runs(self) -> list[str]:
+        """The open runs that train (a model's or a gRPC client's), not those opened only to
+        sample saved weights."""
+        return [r for r in self.host.open_run_ids if not r.startswith(SAMPLING_RUN_PREFIX)]
+
+    def _check_run_limit(self, tenant: str) -> None:
+        """The tenant's ``max_runs``, counted over the training runs it holds open (with
+        ``owners``)."""
+        if self.owners is not None and self.tenants is not None and tenant in self.tenants:
+            own = sum(1 for r in self._held_runs() if self.owners.holds(r, tenant))
+            self.tenants.check_run_limit(tenant, own)
 
     def _end_sampling_runs(self) -> None:
         """Close the runs opened only for sampling (also those a restart restored): a model's
@@ -364,11 +419,33 @@ class ModelSlot:
         self._busy[record.run_id] = threading.Lock()
 
     def _close_model(self, model: ModelRecord) -> None:
-        """Close ``model``'s run (its files stay) once its running call ended, and forget what
-        the request store kept for it; its calls still queued fail when their turn comes
+        """Close ``model``'s run (its files stay) and forget the model (``_forget_model``).
+        Under ``_lock``."""
+        self._forget_model(model, close_run=True)
+
+    def forget_closed(self) -> None:
+        """Forget every model whose run the host closed through another port (a gRPC Close),
+        as closing it here would have: at start, once the stored calls were taken back, so a
+        closed run's model is not resumed (nor its calls held for a position it never
+        reaches)."""
+        with self._lock:
+            self._forget_closed()
+
+    def _forget_closed(self) -> None:
+        """``forget_closed``, under ``_lock``."""
+        for model in list(self._models.values()):
+            if self.host.was_closed(model.run_id):
+                logger.info("Tinker front: model %s closed through the gRPC port", model.model_id)
+                self._forget_model(model, close_run=False)
+
+    def _forget_model(self, model: ModelRecord, *, close_run: bool) -> None:
+        """Once its running call ended, close ``model``'s run (``close_run``; else it is closed
+        already) and forget the model and what the request store kept for it: its record, its
+        sampling sessions and its stream; its calls still queued fail when their turn comes
         (``while_open``). Under ``_lock``."""
         with self._busy[model.run_id]:
-            self.host.close(model.run_id)
+            if close_run:
+                self.host.close(model.run_id)
             model.remove(self.directory)
             del self._models[model.model_id], self._busy[model.run_id]
         self.sampling_sessions.end_model(model.model_id)  # its sampling clients end with it
@@ -386,8 +463,8 @@ class ModelSlot:
         if busy is None:
             raise closed
         with busy:
-            if self._busy.get(run_id) is not busy:  # closed while this call waited
-                raise closed
+            if self._busy.get(run_id) is not busy or self.host.was_closed(run_id):
+                raise closed  # closed while this call waited, here or through the gRPC port
             return call()
 
     def _resolve_create(self, model_id: str) -> str:
@@ -397,14 +474,17 @@ class ModelSlot:
         return request_id
 
     def require_model(self, model_id: str) -> ModelRecord:
+        """The open model ``model_id``; NotFound for one not known, another tenant's, or one
+        whose run was closed (here or through the gRPC port: the same answer)."""
         model = self._models.get(model_id)
-        if model is None or not visible(model_id):
+        if model is None or not visible(model_id) or self.host.was_closed(model.run_id):
             raise NotFound(f"no model {model_id!r} on this server; create_model first")
         return model
 
     def open_models(self) -> list[ModelRecord]:
-        """The open models, by model id."""
-        return sorted(self._models.values(), key=lambda model: model.model_id)
+        """The open models, by model id (none whose run was closed through the gRPC port)."""
+        models = [m for m in self._models.values() if not self.host.was_closed(m.run_id)]
+        return sorted(models, key=lambda model: model.model_id)
 
     def models_of(self, session_id: str) -> list[ModelRecord]:
         """The open models ``session_id`` created."""

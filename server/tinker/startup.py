@@ -96,7 +96,10 @@ def stop_front(front: TinkerFront) -> None:
 
 
 def replay(front: TinkerFront) -> None:
-    """Take back the front's own state, then let the intake submit every unanswered request."""
+    """Take back the front's own state, then let the intake submit every unanswered request.
+    A model whose run was closed through the gRPC port (and the server stopped before the front
+    heard of it) is forgotten then, before the host's recovery is checked against the
+    positions its stored calls were compacted at: a closed run is not resumed."""
     with front.intake.replaying() as records:
         for record in records:
             _take_back(front, record)
@@ -104,6 +107,7 @@ def replay(front: TinkerFront) -> None:
         if len(models) == 1:  # an earlier version's samplers named no model: it had one
             front.sampling_sessions.adopt(models[0].model_id)
         front.intake.replay(records)
+    front.models.forget_closed()
 
 
 def _take_back(front: TinkerFront, record: Record) -> None:
