@@ -134,7 +134,7 @@ def fresh_checkout(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # the cookbook block adds a recipe run: about two minutes on two cores
 def test_every_readme_command_and_snippet_runs_as_written_on_a_fresh_checkout(tmp_path):
     root = fresh_checkout(tmp_path)
     walk = Walk(root)
