@@ -1,10 +1,15 @@
 # syntax=docker/dockerfile:1
 #
-# The trainwire GPU worker: one `trainwire serve` process, one training session, port 50051.
+# The trainwire GPU worker: one `trainwire serve` process, one training session, on two ports:
+# 50051 the gRPC API, 8000 the Tinker SDK front (trainwire[tinker], installed).
 #
 #   docker build -t trainwire-worker:0.1.0 .
 #   docker run --gpus 1 -p 50051:50051 -v trainwire-state:/var/lib/trainwire \
 #       -v /path/to/models:/models:ro trainwire-worker:0.1.0
+#
+# The default command serves gRPC only: the front refuses to listen beyond loopback without keys,
+# so it starts with them (--tinker-listen 0.0.0.0:8000 --tinker-token-file or --tenants; see
+# deploy/README.md, "The image on its own").
 #
 # torch's Linux wheels bring their own CUDA user-space libraries (cuBLAS, cuDNN, NCCL, ...) as pip
 # packages, so the base only has to be the CUDA *base* flavour whose version matches torch's build:
@@ -44,11 +49,11 @@ COPY src/ src/
 COPY trainwire/ trainwire/
 COPY client/ client/
 COPY server/ server/
-# Build the wheel, install it with its dependencies (pip byte-compiles them, so the read-only image
-# needs no bytecode cache), then drop pip: nothing that builds or installs packages reaches the
-# runtime image, only /opt/venv does.
+# Build the wheel, install it with its dependencies and the Tinker front's extra (pip
+# byte-compiles them, so the read-only image needs no bytecode cache), then drop pip: nothing that
+# builds or installs packages reaches the runtime image, only /opt/venv does.
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels . \
-    && pip install --no-cache-dir /wheels/trainwire-*.whl \
+    && pip install --no-cache-dir "$(echo /wheels/trainwire-*.whl)[tinker]" \
     && pip uninstall --yes pip
 
 # ---- runtime ---------------------------------------------------------------------------------------
@@ -88,7 +93,8 @@ USER 10001:10001
 WORKDIR /var/lib/trainwire
 # The session's checkpoints and operation journal: keep it on a volume that outlives the container.
 VOLUME ["/var/lib/trainwire"]
-EXPOSE 50051
+# gRPC, and the Tinker SDK front (--tinker-listen).
+EXPOSE 50051 8000
 
 # The standard gRPC health service (grpc.health.v1) answers SERVING once a restart has restored its
 # checkpoint; it is NOT_SERVING while loading or restoring, hence the long start period. Plaintext

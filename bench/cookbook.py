@@ -34,14 +34,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))  # the recipe test's workspace, server and arguments
+sys.path.insert(0, str(TESTS))  # the recipe test's server and arguments
 
-from cookbook_workspace import (  # noqa: E402
+from test_cookbook_recipes import RecipeServer, driver, recipe_env  # noqa: E402
+
+from trainwire.cookbook_workspace import (  # noqa: E402
     make_workspace,
     write_no_robots,
     write_preference_file,
 )
-from test_cookbook_recipes import RecipeServer, driver, recipe_env  # noqa: E402
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 POLL_S = 0.005

@@ -1,6 +1,6 @@
 """The tinker-cookbook's library entry points, driven the way its docs show: build the recipe's
 ``Config`` and call its ``main``. Run as a process from a cookbook workspace
-(``tests/cookbook_workspace.py``): ``python cookbook_drivers.py <recipe> <base_url> <log_path>``.
+(``trainwire.cookbook_workspace``): ``python cookbook_drivers.py <recipe> <base_url> <log_path>``.
 
 Only what a user with a local model and local data would set differs from the recipes' own
 examples: the server's address (the key comes from ``TINKER_API_KEY``), the model (the workspace's
@@ -13,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from cookbook_workspace import CHAT_FILE, MODEL_NAME, PREFERENCE_FILE
 from tinker_cookbook import model_info
 from tinker_cookbook.renderers import TrainOnWhat
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+from trainwire.cookbook_workspace import CHAT_FILE, MODEL_NAME, PREFERENCE_FILE
 
 RENDERER = model_info.get_recommended_renderer_name(MODEL_NAME)
 

@@ -40,8 +40,10 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 TLS_PROBE = DEPLOY / "components" / "tls" / "tls_probe.py"
 
 PORT = 50051
+TINKER_PORT = 8000  # the Tinker SDK front (--tinker-listen)
 WORKER_SELECTOR = {"app.kubernetes.io/name": "trainwire", "app.kubernetes.io/component": "worker"}
 DISPATCHER_LABELS = {"app.kubernetes.io/component": "dispatcher"}
+TINKER_CLIENT_LABELS = {"app.kubernetes.io/component": "tinker-client"}
 STATEFULSET = ("StatefulSet", "trainwire-worker")
 
 
@@ -121,6 +123,20 @@ def parse_serve(arguments: list[str]) -> argparse.Namespace:
 
 def listen_port(listen: str) -> int:
     return int(listen.rsplit(":", 1)[1])
+
+
+def container_ports(running: dict) -> dict[str, int]:
+    """A container's ports by name."""
+    return {port["name"]: port["containerPort"] for port in running["ports"]}
+
+
+def secret_file(pod: dict, running: dict, path: str) -> tuple[dict, dict]:
+    """The read-only mount that holds ``path`` in ``running`` and its Secret volume's source."""
+    directory = str(Path(path).parent)
+    (mount,) = [m for m in running["volumeMounts"] if m["mountPath"] == directory]
+    assert mount["readOnly"] is True, f"{directory} is writable"
+    volumes = {volume["name"]: volume for volume in pod["volumes"]}
+    return mount, volumes[mount["name"]]["secret"]
 
 
 @contextlib.contextmanager

@@ -13,16 +13,25 @@ import yaml
 from deploy_files import DEPLOY, STATEFULSET, deploy_kustomization, load_documents
 
 
+class PatchTestFailed(AssertionError):
+    """A JSON patch's `test` found another value: kustomize fails the build there too."""
+
+
 def json_patch(document: dict, operations: list[dict]) -> dict:
-    """RFC 6902 `add` and `replace`, which is all the components use."""
+    """RFC 6902 `add`, `replace` and `test`, which is all the components use."""
     result = copy.deepcopy(document)
     for operation in operations:
-        assert operation["op"] in ("add", "replace"), operation
+        assert operation["op"] in ("add", "replace", "test"), operation
         *parents, last = operation["path"].lstrip("/").split("/")
         target = result
         for part in parents:
             target = target[int(part)] if isinstance(target, list) else target[part]
         value = copy.deepcopy(operation["value"])
+        if operation["op"] == "test":
+            found = target[int(last)] if isinstance(target, list) else target.get(last)
+            if found != value:
+                raise PatchTestFailed(f"{operation['path']} is {found!r}, not {value!r}")
+            continue
         if isinstance(target, list):
             if last == "-":
                 target.append(value)

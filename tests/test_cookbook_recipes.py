@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cookbook_workspace import MODEL_NAME, make_workspace
 from service_fixtures import wait_for
 from test_tinker_restart import TinkerServeProcess, logged
 from tinker_loops import KEY
 
+from trainwire.cookbook_workspace import MODEL_NAME, make_workspace
 from trainwire.testing import free_port
 
 pytestmark = pytest.mark.slow
@@ -75,14 +75,16 @@ def base_url(server: RecipeServer) -> str:
 
 def recipe_env(workspace: Path) -> dict[str, str]:
     """The key, offline, and a datasets cache of the workspace's own (a shared cache may hold
-    another workspace's rows under the same local name)."""
+    another workspace's rows under the same local name). The drivers import from tests/ and
+    from the trainwire this suite imports (the caller's PYTHONPATH kept)."""
+    import_path = [str(TESTS), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     return {
         **os.environ,
         "TINKER_API_KEY": KEY,
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "HF_DATASETS_CACHE": str(workspace / ".datasets-cache"),
-        "PYTHONPATH": str(TESTS),
+        "PYTHONPATH": os.pathsep.join(import_path),
     }
 
 

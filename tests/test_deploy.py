@@ -14,7 +14,10 @@ from deploy_files import (
     DISPATCHER_LABELS,
     PORT,
     STATEFULSET,
+    TINKER_CLIENT_LABELS,
+    TINKER_PORT,
     WORKER_SELECTOR,
+    container_ports,
     deploy_kustomization,
     exec_form,
     listen_port,
@@ -42,7 +45,7 @@ def test_the_kustomization_lists_every_manifest(kustomization):
     assert not [r for r in resources if "example" in r]
 
 
-@pytest.mark.parametrize("component", ["tls", "tls-client-auth"])
+@pytest.mark.parametrize("component", ["tls", "tls-client-auth", "lab"])
 def test_every_component_lists_its_files(component):
     directory = DEPLOY / "components" / component
     kustomization = yaml.safe_load((directory / "kustomization.yaml").read_text())
@@ -79,7 +82,7 @@ def validated_documents() -> list[tuple[str, dict]]:
         for path in sorted((DEPLOY / "examples").glob("*.example.yaml"))
         for index, document in enumerate(load_documents(path))
     ]
-    for components in ((), ("tls",), ("tls", "tls-client-auth")):
+    for components in ((), ("tls",), ("tls", "tls-client-auth"), ("lab",)):
         name = "rendered" + "".join(f" + components/{c}" for c in components)
         documents += [
             (f"{name}: {d['kind']} {d['metadata']['name']}", d) for d in rendered(*components)
@@ -108,17 +111,16 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(document):
     validate_against_schemas(document)
 
 
-def test_the_headless_service_names_every_worker_on_the_grpc_port(
+def test_the_headless_service_names_every_worker_on_the_grpc_and_tinker_ports(
     deploy_objects, statefulset, container
 ):
     service = deploy_objects[("Service", statefulset["spec"]["serviceName"])]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
     assert service["spec"]["selector"] == WORKER_SELECTOR
-    (port,) = service["spec"]["ports"]
-    (container_port,) = container["ports"]
-    assert port["port"] == container_port["containerPort"] == PORT
-    assert port["targetPort"] == container_port["name"]
+    published = {port["targetPort"]: port["port"] for port in service["spec"]["ports"]}
+    assert published == container_ports(container) == {"grpc": PORT, "tinker": TINKER_PORT}
+    assert {port["protocol"] for port in service["spec"]["ports"]} == {"TCP"}
 
 
 def test_the_statefulset_selects_its_own_pods(statefulset):
@@ -133,8 +135,8 @@ def test_the_statefulset_selects_its_own_pods(statefulset):
 
 
 def test_every_probe_asks_grpc_health_on_the_served_port(container, runtime):
-    (container_port,) = container["ports"]
-    assert container_port["containerPort"] == PORT == int(only(runtime, "EXPOSE"))
+    assert container_ports(container)["grpc"] == PORT
+    assert str(PORT) in only(runtime, "EXPOSE").split()
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": PORT}, probe
     settings = parse_serve(container["args"])
@@ -208,15 +210,20 @@ def test_the_token_comes_from_a_secret_file(statefulset, container, example_secr
     assert "token" not in {e.get("name") for e in container.get("env", [])}
 
 
-def test_the_network_policy_admits_only_the_dispatcher(deploy_objects, container):
+def test_the_network_policy_admits_the_dispatcher_on_grpc_and_tinker_clients_on_the_front(
+    deploy_objects, container
+):
     (policy,) = [d for (kind, _), d in deploy_objects.items() if kind == "NetworkPolicy"]
     spec = policy["spec"]
     assert spec["podSelector"]["matchLabels"] == WORKER_SELECTOR
     assert "Ingress" in spec["policyTypes"]
-    (rule,) = spec["ingress"]
-    assert rule["from"] == [{"podSelector": {"matchLabels": DISPATCHER_LABELS}}]
-    (container_port,) = container["ports"]
-    assert rule["ports"] == [{"port": container_port["containerPort"], "protocol": "TCP"}]
+    dispatcher, tinker_clients = spec["ingress"]
+    ports = container_ports(container)
+    assert dispatcher["from"] == [{"podSelector": {"matchLabels": DISPATCHER_LABELS}}]
+    assert dispatcher["ports"] == [{"port": ports["grpc"], "protocol": "TCP"}]
+    # The SDK's clients reach the front only, never the gRPC port (nor the reverse).
+    assert tinker_clients["from"] == [{"podSelector": {"matchLabels": TINKER_CLIENT_LABELS}}]
+    assert tinker_clients["ports"] == [{"port": ports["tinker"], "protocol": "TCP"}]
     assert spec.get("egress", []) == [] and "Egress" in spec["policyTypes"]
 
 
@@ -238,6 +245,10 @@ def test_the_service_account_and_the_image_are_the_ones_referenced(
 
 def test_the_example_secrets_hold_placeholders_only(example_secrets):
     for secret in example_secrets.values():
-        for value in secret["stringData"].values():
-            assert value.startswith("REPLACE-ME"), "examples hold placeholders only"
+        for name, value in secret["stringData"].items():
             assert "BEGIN" not in value, "no PEM blocks, not even fake ones"
+            if name == "tenants.yaml":  # a map whose every key is a placeholder
+                keys = [tenant["key"] for tenant in yaml.safe_load(value)["tenants"]]
+                assert keys and all(key.startswith("tml-REPLACE-ME") for key in keys)
+            else:
+                assert value.startswith("REPLACE-ME"), "examples hold placeholders only"

@@ -17,7 +17,15 @@ import pytest
 from deploy_files import DEPLOY, by_kind_and_name, kubectl_kustomize, needs_kubectl
 from kustomize_render import rendered
 
-COMBINATIONS = [(), ("tls",), ("tls", "tls-client-auth"), ("gpus",), ("tls", "gpus")]
+COMBINATIONS = [
+    (),
+    ("tls",),
+    ("tls", "tls-client-auth"),
+    ("gpus",),
+    ("tls", "gpus"),
+    ("lab",),
+    ("tls", "lab"),
+]
 NAME_HASH = re.compile(r"-[a-z0-9]{10}$")  # kustomize's suffix on a generated name
 
 

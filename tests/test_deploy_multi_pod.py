@@ -25,14 +25,18 @@ from deploy_files import (
     PORT,
     SHARDED_SELECTOR,
     STATE_CLAIM_FILE,
+    TINKER_CLIENT_LABELS,
+    TINKER_PORT,
     TLS_PROBE,
     TORCHRUN_MASTER_PORT,
     by_kind_and_name,
+    container_ports,
     deploy_kustomization,
     env_values,
     gibibytes,
     gpus,
     kubectl_kustomize,
+    listen_port,
     lws_environment,
     manifest_files,
     multi_pod_kustomization,
@@ -40,6 +44,7 @@ from deploy_files import (
     parse_serve,
     pod_command,
     pod_templates,
+    secret_file,
     serve_settings,
     state_claim,
     torchrun_parser,
@@ -178,7 +183,7 @@ def test_the_torchrun_mirror_reads_the_command_as_torchrun_does():
         assert str(getattr(real, field)) == str(getattr(mirrored, field)), field
 
 
-def test_the_leader_service_selects_only_the_leader_on_its_grpc_port():
+def test_the_leader_service_selects_only_the_leader_on_its_grpc_and_tinker_ports():
     objects = render_multi_pod()
     service, leader_worker_set = objects[LEADER_SERVICE], objects[LEADER_WORKER_SET]
     selector = service["spec"]["selector"]
@@ -191,10 +196,12 @@ def test_the_leader_service_selects_only_the_leader_on_its_grpc_port():
     assert service["metadata"]["name"] != leader_worker_set["metadata"]["name"]
     assert service["spec"]["clusterIP"] == "None"
     assert service["spec"]["publishNotReadyAddresses"] is True
-    (port,) = service["spec"]["ports"]
+    published = {port["targetPort"]: port["port"] for port in service["spec"]["ports"]}
     leader = only_container(pod_templates(leader_worker_set)[0])
-    grpc_port = next(p for p in leader["ports"] if p["name"] == port["targetPort"])
-    assert port["port"] == grpc_port["containerPort"] == PORT
+    assert published == {"grpc": PORT, "tinker": TINKER_PORT}
+    # torchrun's store stays unpublished: only the group's own pods dial it.
+    assert container_ports(leader) == {**published, "rendezvous": TORCHRUN_MASTER_PORT}
+    assert listen_port(serve_settings(leader).tinker_listen) == TINKER_PORT
 
 
 def test_only_the_leader_is_probed_by_grpc_health():
@@ -258,16 +265,23 @@ def test_every_pod_has_the_workers_security_and_token(statefulset):
         assert volumes[token["name"]] == worker_volumes[token["name"]]
         tmp = next(m for m in running["volumeMounts"] if m["mountPath"] == "/tmp")
         assert volumes[tmp["name"]] == worker_volumes[tmp["name"]]
+        # The Tinker front's tenants map: the same file from the same Secret as deploy/'s.
+        tenants_file = serve_settings(running).tinker_token_file
+        assert tenants_file == parse_serve(worker_container["args"]).tinker_token_file
+        mount, secret = secret_file(pod, running, tenants_file)
+        assert secret == worker_volumes[mount["name"]]["secret"]
 
 
-def test_the_network_policy_admits_the_dispatcher_and_the_sessions_own_pods():
+def test_the_network_policy_admits_the_dispatcher_tinker_clients_and_the_sessions_pods():
     objects = render_multi_pod()
     spec = objects[("NetworkPolicy", "trainwire-sharded")]["spec"]
     assert spec["podSelector"]["matchLabels"] == SHARDED_SELECTOR
     assert set(spec["policyTypes"]) == {"Ingress", "Egress"}
-    dispatcher, ranks = spec["ingress"]
+    dispatcher, tinker_clients, ranks = spec["ingress"]
     assert dispatcher["from"] == [{"podSelector": {"matchLabels": DISPATCHER_LABELS}}]
     assert dispatcher["ports"] == [{"port": PORT, "protocol": "TCP"}]
+    assert tinker_clients["from"] == [{"podSelector": {"matchLabels": TINKER_CLIENT_LABELS}}]
+    assert tinker_clients["ports"] == [{"port": TINKER_PORT, "protocol": "TCP"}]
     # torchrun's store and NCCL's ports, between the session's pods only.
     assert ranks == {"from": [{"podSelector": {"matchLabels": SHARDED_SELECTOR}}]}
     peers, dns = spec["egress"]

@@ -21,6 +21,7 @@ from deploy_files import (
     DOCKERIGNORE,
     PORT,
     ROOT,
+    TINKER_PORT,
     env_values,
     exec_form,
     listen_port,
@@ -93,7 +94,8 @@ def test_the_image_runs_trainwire_serve_on_the_exposed_port_as_a_non_root_user(r
     assert [s.value for s in scripts if s.name == entrypoint[0]] == ["trainwire.cli:main"]
     settings = parse_serve(exec_form(only(runtime, "CMD")))
     exposed = only(runtime, "EXPOSE")
-    assert exposed == str(PORT) == str(listen_port(settings.listen))
+    assert exposed == f"{PORT} {TINKER_PORT}"
+    assert str(listen_port(settings.listen)) == str(PORT)
     assert settings.listen == f"0.0.0.0:{PORT}"
     assert exec_form(only(runtime, "VOLUME")) == [settings.state_dir]
     user = only(runtime, "USER").split(":")[0]

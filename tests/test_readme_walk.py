@@ -5,11 +5,10 @@ no models, no state), with ``.venv`` linked to the running one: nothing is insta
 ``make`` is told its venv stamp is current (``make -o .venv/.installed``) so it never reinstalls.
 Each fenced block runs as written (each Python snippet twice, as a user runs it again), in the
 checkout, with the venv's ``bin`` first on PATH; the only changes are the ports (free ones
-instead of 50051 and 8000, which another process may hold), ``kill %1`` (no job control here:
+instead of the README's fixed ones, which another process may hold), ``kill %1`` (no job control:
 the background server gets SIGTERM) and what must not run here: ``pip install`` (the venv has it
-all), ``make test``/``make test-all`` (dry runs: the suite runs the suite), and the cookbook
-block (its recipe needs a workspace of hub-named model and data folders;
-tests/test_cookbook_recipes.py runs it).
+all) and ``make test``/``make test-all`` (dry runs: the suite runs the suite). The cookbook
+block runs too: it writes its own workspace of hub-named folders and trains a real recipe.
 """
 
 from __future__ import annotations
@@ -28,7 +27,8 @@ from trainwire.testing import free_port, wait_for_listener
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_TIMEOUT_S = 240
-SKIPPED_BLOCK_MARK = "tinker_cookbook.recipes"  # the cookbook block: see the docstring
+# The README's fixed ports: its servers' gRPC and Tinker ports, and the cookbook server's.
+README_PORTS = ("50051", "8000", "50052", "8001")
 
 
 def fenced_blocks(readme: str) -> list[tuple[str, str]]:
@@ -47,7 +47,7 @@ class Walk:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.ports = {"50051": str(free_port()), "8000": str(free_port())}
+        self.ports = {port: str(free_port()) for port in README_PORTS}
         self.env = dict(os.environ, PATH=f"{root / '.venv' / 'bin'}:{os.environ['PATH']}")
         self.env.pop("PYTHONPATH", None)
         # A new user's shell, not a recipe of the make that may run this suite (`make test-all`):
@@ -134,15 +134,13 @@ def fresh_checkout(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1200)  # the cookbook block adds a recipe run: about two minutes on two cores
 def test_every_readme_command_and_snippet_runs_as_written_on_a_fresh_checkout(tmp_path):
     root = fresh_checkout(tmp_path)
     walk = Walk(root)
     outputs: list[str] = []
     try:
         for language, body in fenced_blocks((root / "README.md").read_text()):
-            if SKIPPED_BLOCK_MARK in body:
-                continue
             if language == "python":  # twice: a snippet runs again as written
                 outputs.extend(walk.python(body) for _ in range(2))
             else:
@@ -158,6 +156,9 @@ def test_every_readme_command_and_snippet_runs_as_written_on_a_fresh_checkout(tm
     assert "run my-run done at step" in text
     assert re.search(r"runs/local: \d+ updates, best \d+\.\d{1,4} at update \d+", text)
     assert '{"status":"ok"}' in text  # the Tinker front's health, before the SDK loop
+    # the cookbook's sl_loop, unchanged, on the workspace the package writes: its final checkpoint
+    assert "wrote cookbook: model Qwen/Qwen3.5-9B-Base" in text
+    assert re.search(r'^\{"name": "final", "batch": 4, "state_path": "tinker://', text, flags=re.M)
     # the snippets, each run twice, each time a run of its own that says what it did
     assert len(set(re.findall(r"^(my-loop-\w+): loss \d", text, flags=re.M))) == 2
     assert len(set(re.findall(r"^(my-rl-\w+): 8 samples, mean reward", text, flags=re.M))) == 2

@@ -5,11 +5,18 @@ file and a preference file for the entry points that take a file.
 
 The same directory is the server's ``--model-root``, so the recipe's ``model_name`` is the
 ``base_model`` the server opens. Everything is deterministic: the same bytes every run.
+
+    python -m trainwire.cookbook_workspace DIR
+
+writes it into DIR, so a recipe can be tried against a local server in minutes, with no hub
+download (README.md, "The tinker-cookbook's recipes"); the recipe tests build theirs the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from trainwire.tiny_chat import make_tiny_chat_model
@@ -114,3 +121,30 @@ def make_workspace(root: Path) -> Path:
     write_chat_file(root)
     write_preference_file(root)
     return root
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainwire.cookbook_workspace DIR``: write the workspace, say what is in it."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainwire.cookbook_workspace",
+        description="Write a directory the tinker-cookbook's recipes run in offline: the tiny "
+        f"chat model as {MODEL_NAME}, HuggingFaceH4/no_robots and openai/gsm8k as small local "
+        "datasets, a chat file and a preference file. Serve it as --model-root and run a recipe "
+        "from it.",
+    )
+    parser.add_argument("directory", type=Path, help="where to write it (created if needed)")
+    directory = parser.parse_args(argv).directory
+    if directory.exists() and not directory.is_dir():
+        parser.error(
+            f"{directory} is a file, not a directory: name a directory to write the workspace into"
+        )
+    root = make_workspace(directory)
+    sys.stdout.write(
+        f"wrote {root}: model {MODEL_NAME}, datasets HuggingFaceH4/no_robots and openai/gsm8k, "
+        f"{CHAT_FILE}, {PREFERENCE_FILE}\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
