@@ -22,6 +22,7 @@ from tensorboard.util import tensor_util
 from training_runs import write_manifest
 
 from trainwire.cli import main
+from trainwire.server.training import TrainCheckpointRecord
 
 # metrics.jsonl's keys by record kind, and the tag each is shown under (Hugging Face's names).
 TAGS = {
@@ -180,11 +181,12 @@ def test_train_killed_past_its_checkpoint_resumes_appending_and_writes_no_step_t
         held.wait()
     before = board(output / "tensorboard")
     assert [step for step, _ in before["train/loss"]] == list(range(1, plan.steps_after(hold) + 1))
+    # Its last checkpoint is the first epoch's end (step 6): the resume runs steps 7 to 10 again.
+    assert TrainCheckpointRecord.read(output / "checkpoints" / "last.ckpt").cursor == 12
+    assert plan.steps_after(11) == 6
     code = main(["train", "--manifest", str(manifest), "--output", str(output),
                  "--device", "cpu", "--ckpt-path", "last", "--tensorboard"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    # The resume started at the first epoch's end: it ran steps 7 to 10 again, and skipped them.
-    assert plan.steps_after(11) == 6 < plan.steps_after(hold)
     assert board(output / "tensorboard") == metrics_by_tag(output / "metrics.jsonl")
     assert len(event_files(output / "tensorboard")) == 2
 
