@@ -1,8 +1,9 @@
 """``--tensorboard`` on ``trainwire run`` and ``trainwire train``: event files that TensorBoard's
-own reader reads back to exactly what ``metrics.jsonl`` holds (every update's loss, learning rate
-and gradient norm, every evaluation's metrics, at the update count), bit for bit; a run killed and
-resumed appends to them and writes no step twice; without the package the flag is one line naming
-the extra, before anything starts."""
+own reader, and ``tensorboard --logdir`` itself, read back to what ``metrics.jsonl`` holds (every
+update's loss, learning rate and gradient norm, every evaluation's metrics, at the update count),
+each value the float32 nearest the log's, compared exactly; a run killed and resumed appends to
+them and writes no step twice; without the package the flag is one line naming the extra, before
+anything starts."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from plans import sentiment_plan
 from process_cluster import Cluster, wait_for_controller, wait_until
@@ -23,6 +27,7 @@ from training_runs import write_manifest
 
 from trainwire.cli import main
 from trainwire.server.training import TrainCheckpointRecord
+from trainwire.testing import free_port
 
 # metrics.jsonl's keys by record kind, and the tag each is shown under (Hugging Face's names).
 TAGS = {
@@ -47,13 +52,45 @@ def board(directory: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def metrics_by_tag(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """What ``metrics.jsonl`` holds, as ``board`` reads the event files."""
+    """What ``metrics.jsonl`` holds, as ``board`` reads the event files: TensorBoard keeps a
+    scalar as a float32, so each value is the float32 nearest the log's."""
     expected: dict[str, list[tuple[int, float]]] = {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
         for key, tag in TAGS[record["kind"]].items():
-            expected.setdefault(tag, []).append((record["step"], record[key]))
+            expected.setdefault(tag, []).append((record["step"], float(np.float32(record[key]))))
     return expected
+
+
+def served_by_tensorboard(logdir: Path, tags: list[str]) -> dict[str, list[tuple[int, float]]]:
+    """The scalars ``tensorboard --logdir`` serves its web page (its default loader: the data
+    server where it is installed), once it has read them all."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir),
+         "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    served: dict[str, list[tuple[int, float]]] = {}
+
+    def read_all() -> bool:
+        for tag in tags:
+            query = urllib.parse.urlencode({"run": ".", "tag": tag})
+            url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?{query}"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as answer:
+                    points = json.loads(answer.read())
+            except OSError:  # not listening yet, or the tag not loaded yet (404)
+                return False
+            served[tag] = [(step, value) for _, step, value in points]
+        return all(served.values())
+
+    try:
+        assert wait_until(read_all, timeout_s=300), "tensorboard served no scalars"
+    finally:
+        server.kill()
+        server.wait()
+    return served
 
 
 def event_files(directory: Path) -> list[Path]:
@@ -79,6 +116,8 @@ def test_run_writes_event_files_holding_what_metrics_jsonl_holds(
     assert len(expected["train/loss"]) == plan.max_steps and len(expected["eval/loss"]) == 2
     assert board(work / "tensorboard") == expected
     assert len(event_files(work / "tensorboard")) == 1
+    # What people look at: the values TensorBoard's own page is served.
+    assert served_by_tensorboard(work / "tensorboard", sorted(expected)) == expected
 
 
 @pytest.mark.slow
@@ -253,5 +292,8 @@ def test_the_flag_keeps_the_client_free_of_torch(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "True"]
-    assert board(tmp_path) == {"train/loss": [(1, 0.5)], "train/learning_rate": [(1, 0.1)],
-                               "train/grad_norm": [(1, 1.0)]}  # fmt: skip
+    assert board(tmp_path) == {
+        "train/loss": [(1, 0.5)],
+        "train/learning_rate": [(1, float(np.float32(0.1)))],  # a float32, as TensorBoard keeps
+        "train/grad_norm": [(1, 1.0)],
+    }

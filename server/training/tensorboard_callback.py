@@ -1,9 +1,9 @@
 """``trainwire train --tensorboard``: the run's history as TensorBoard event files, as it trains.
 
-The figures are the history's (``trainwire.contract.report.tensorboard_log``), the same files
-and tags ``trainwire run --tensorboard`` writes, not what the module hands Lightning's loggers:
-those are logged at the microbatch index and as float32, while the history is indexed by the
-update count and is what ``metrics.jsonl`` holds.
+The figures are the history's (``trainwire.contract.report.tensorboard_log``): the same files
+and tags ``trainwire run --tensorboard`` writes, at the update count, as ``metrics.jsonl`` holds
+them. What the module hands Lightning's loggers is indexed by the microbatch instead, and a
+resume would write its steps again.
 """
 
 from __future__ import annotations

@@ -6,8 +6,9 @@ learning rate and gradient norm, each evaluation's metrics, under the tags Huggi
 Trainer uses (``train/loss``, ``train/learning_rate``, ``train/grad_norm``, ``eval/loss``,
 ``eval/accuracy``), at the update count the record carries (its ``step``).
 
-Values are written as float64 tensors (TensorBoard's own scalar summary format), so what a reader
-gets equals ``metrics.jsonl`` bit for bit; the older ``simple_value`` field is a float32.
+Values are written by the package's own ``tensorboard.summary.Writer``, as float32: TensorBoard's
+data server (what ``tensorboard --logdir`` loads with by default) shows no float64 scalar, so each
+value is ``metrics.jsonl``'s rounded to the nearest float32, and nothing else.
 
 A resumed run opens a new event file in the same directory (TensorBoard reads a directory's files
 in order) and writes only steps the files do not hold yet: a replay after a crash runs records
@@ -20,7 +21,6 @@ Torch-free (the controller uses it); the ``tensorboard`` package is imported onl
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ class TensorBoardNotInstalled(ValueError):
 def require_tensorboard() -> None:
     """Refuse at once, naming the extra to install, when the ``tensorboard`` package is missing."""
     try:
-        import tensorboard.summary.writer.event_file_writer  # noqa: F401
+        import tensorboard.summary  # noqa: F401
     except ImportError:
         raise TensorBoardNotInstalled(
             f"--tensorboard needs the tensorboard package: {EXTRA}"
@@ -95,35 +95,19 @@ class TensorBoardLog:
         self.close()
 
     def _write(self, record: dict[str, Any]) -> int:
-        from tensorboard.compat.proto import event_pb2, summary_pb2, types_pb2
-        from tensorboard.plugins.scalar import metadata
-        from tensorboard.util import tensor_util
-
-        step = record["step"]
-        values = [
-            summary_pb2.Summary.Value(
-                tag=tag,
-                tensor=tensor_util.make_tensor_proto(value, dtype=types_pb2.DT_DOUBLE),
-                metadata=metadata.create_summary_metadata(display_name=tag, description=""),
-            )
-            for tag, value in scalar_tags(record).items()
-            if step > self._last_steps.get(tag, -1)
-        ]
-        if not values:
-            return 0
-        for value in values:
-            self._last_steps[value.tag] = step
-        event = event_pb2.Event(
-            wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=values)
-        )
-        self._open().add_event(event)
-        return len(values)
+        step, written = record["step"], 0
+        for tag, value in scalar_tags(record).items():
+            if step > self._last_steps.get(tag, -1):
+                self._open().add_scalar(tag, value, step)
+                self._last_steps[tag] = step
+                written += 1
+        return written
 
     def _open(self) -> Any:
         if self._writer is None:
-            from tensorboard.summary.writer.event_file_writer import EventFileWriter
+            from tensorboard.summary import Writer
 
-            self._writer = EventFileWriter(str(self.directory))
+            self._writer = Writer(str(self.directory))
         return self._writer
 
 
