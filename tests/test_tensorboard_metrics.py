@@ -8,6 +8,7 @@ anything starts."""
 from __future__ import annotations
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -155,7 +156,7 @@ def test_a_run_killed_with_its_server_resumes_appending_and_writes_no_step_twice
 
 
 def test_tensorboard_given_only_when_a_finished_run_is_run_again_writes_its_whole_history(
-    plan, model_root, tmp_path, capsys
+    plan, model_root, tmp_path, capsys, caplog
 ):
     manifest = write_manifest(tmp_path, plan)
     work = tmp_path / "work"
@@ -165,7 +166,16 @@ def test_tensorboard_given_only_when_a_finished_run_is_run_again_writes_its_whol
         assert main(args) == 0
         assert not (work / "tensorboard").exists()
         assert main([*args, "--tensorboard"]) == 0, capsys.readouterr().err
-    assert board(work / "tensorboard") == metrics_by_tag(work / "metrics.jsonl")
+        written = board(work / "tensorboard")
+        # Once more: the files are read back to nothing new, and their reader's INFO lines
+        # (where each file ended) stay off the terminal.
+        caplog.set_level(logging.DEBUG)
+        assert main([*args, "--tensorboard"]) == 0
+        logged = [r.getMessage() for r in caplog.records if r.name.startswith("tensorboard")]
+    assert logged == []
+    assert written == metrics_by_tag(work / "metrics.jsonl")
+    assert board(work / "tensorboard") == written
+    assert len(event_files(work / "tensorboard")) == 1
 
 
 def test_train_writes_event_files_holding_what_metrics_jsonl_holds(plan, tmp_path, capsys):

@@ -21,6 +21,7 @@ Torch-free (the controller uses it); the ``tensorboard`` package is imported onl
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,7 +122,14 @@ def last_steps(directory: Path) -> dict[str, int]:
     reader = event_accumulator.EventAccumulator(
         str(directory), size_guidance={event_accumulator.TENSORS: 0}
     )
-    reader.Reload()
+    # The reader logs at INFO where each file ended: noise on a resume's terminal.
+    library = logging.getLogger("tensorboard")
+    level = library.level
+    library.setLevel(max(level, logging.WARNING))
+    try:
+        reader.Reload()
+    finally:
+        library.setLevel(level)
     return {
         tag: max(event.step for event in reader.Tensors(tag)) for tag in reader.Tags()["tensors"]
     }
