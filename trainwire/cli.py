@@ -170,6 +170,15 @@ def add_window_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_tensorboard_option(parser: argparse.ArgumentParser, directory: str) -> None:
+    parser.add_argument(
+        "--tensorboard",
+        action="store_true",
+        help=f"also write TensorBoard event files as it trains, in {directory}'s tensorboard/ "
+        "(tensorboard --logdir there; needs trainwire[tensorboard])",
+    )
+
+
 def command_run(args: argparse.Namespace) -> int:
     import grpc
 
@@ -190,6 +199,7 @@ def command_run(args: argparse.Namespace) -> int:
             work_dir=args.work_dir,
             checkpoint_every=args.checkpoint_every,
             window=args.window,
+            tensorboard=args.tensorboard,
         )
         result = controller.run(on_step=reporter)
     except grpc.RpcError as error:
@@ -363,6 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_client_arguments(run)
     run.add_argument("--quiet", action="store_true", help="no progress output")
     run.add_argument("--log-every", type=int, default=10, help="updates per log line (no tty)")
+    add_tensorboard_option(run, "--work-dir")
     run.set_defaults(handler=command_run)
 
     close = commands.add_parser(
@@ -407,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key"
     )
+    add_tensorboard_option(train, "--output")
     train.set_defaults(handler=command_train)
 
     serve = commands.add_parser("serve", help="serve one training session over gRPC")

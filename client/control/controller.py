@@ -11,10 +11,11 @@ nothing of it back and the next run opens; resuming it again only makes sure it 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,11 @@ from trainwire.client.session.retry import RETRYABLE_CODES, RetryPolicy
 from trainwire.contract.planning.plan import ManagedTrainingPlan
 from trainwire.contract.report.artifacts import SUMMARY_JSON, write_run_artifacts
 from trainwire.contract.report.progress_text import duration_text
+from trainwire.contract.report.tensorboard_log import (
+    TENSORBOARD_DIR,
+    TensorBoardLog,
+    require_tensorboard,
+)
 from trainwire.contract.run.progress import Progress
 from trainwire.contract.run.replay import (
     RunState,
@@ -68,6 +74,8 @@ class Controller:
             directory records) is waited for; one never reached fails at once
             (``ServerUnreachable``), since an address nobody serves is a mistake, not an outage.
         window: operations kept in flight (pipelined); any window ends with window 1's bits.
+        tensorboard: also write the history as TensorBoard event files, in the work directory's
+            ``tensorboard/`` as each microbatch is done (needs the ``tensorboard`` extra).
     """
 
     def __init__(
@@ -80,6 +88,7 @@ class Controller:
         checkpoint_every: int = 10,
         recovery_timeout_s: float = DEFAULT_RECOVERY_TIMEOUT_S,
         window: int = DEFAULT_WINDOW,
+        tensorboard: bool = False,
     ) -> None:
         if not run_id or "/" in run_id:
             raise ValueError(f"run_id must be non-empty and free of '/', got {run_id!r}")
@@ -87,6 +96,8 @@ class Controller:
             raise ValueError(f"checkpoint_every must be positive, got {checkpoint_every}")
         if not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be a positive integer, got {window!r}")
+        if tensorboard:
+            require_tensorboard()
         if isinstance(manifest, ManagedTrainingPlan):
             self.plan = manifest
         else:
@@ -102,6 +113,8 @@ class Controller:
         self.work.bind()
         self.state = RunState.start(self.plan)
         self._resumed: dict[str, float] | None = None  # where and when the run last started
+        self.tensorboard = tensorboard
+        self._board: TensorBoardLog | None = None  # open while the run runs, with tensorboard
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -166,13 +179,35 @@ class Controller:
         resumable at any point (a run that finished only makes sure its session is closed)."""
         finished = self._finished_result()
         if finished is not None:
+            with self._tensorboard_log():
+                self._follow_history(finished.history)  # a flag given only now writes it all
             self.client.close(run_id=self.run_id)  # a no-op if it closed before
             return finished
         fingerprint = self.plan.fingerprint
-        with KeyedSession(
-            self.client, run_id=self.run_id, fingerprint=fingerprint, window=self.window
-        ) as session:
+        with (
+            KeyedSession(
+                self.client, run_id=self.run_id, fingerprint=fingerprint, window=self.window
+            ) as session,
+            self._tensorboard_log(),
+        ):
             return self._run(session, on_step)
+
+    @contextlib.contextmanager
+    def _tensorboard_log(self) -> Iterator[None]:
+        """The event files' writer, open for the block when the run writes them."""
+        if not self.tensorboard:
+            yield
+            return
+        with TensorBoardLog(self.work.path / TENSORBOARD_DIR) as board:
+            self._board = board
+            try:
+                yield
+            finally:
+                self._board = None
+
+    def _follow_history(self, history: list[dict[str, Any]]) -> None:
+        if self._board is not None:
+            self._board.follow(history)
 
     def _run(
         self, session: KeyedSession, on_step: Callable[[Progress], None] | None
@@ -180,7 +215,7 @@ class Controller:
         """``run``: resynchronize after a moved position, wait out an outage."""
         outage_started: float | None = None
         attempt = 0
-        report = self._marking_resumes(on_step)
+        report = self._reporting(on_step)
         while True:
             try:
                 self._synchronize(session, outage_started)
@@ -233,15 +268,20 @@ class Controller:
             raise error
         return started
 
-    def _marking_resumes(
+    def _reporting(
         self, on_step: Callable[[Progress], None] | None
     ) -> Callable[[Progress], None] | None:
-        """``on_step``, told (``progress.extra["resumed"]``) where and when the run last
-        (re)started, with the first microbatch after each start."""
-        if on_step is None:
+        """What the replay calls after each microbatch: the history goes to the event files
+        (their first call after a start writes what the restored history holds and they do not),
+        then ``on_step`` hears it, told (``progress.extra["resumed"]``) where and when the run
+        last (re)started with the first microbatch after each start."""
+        if on_step is None and not self.tensorboard:
             return None
 
         def report(progress: Progress) -> None:
+            self._follow_history(self.state.history)
+            if on_step is None:
+                return
             if self._resumed is not None:
                 progress.extra["resumed"] = self._resumed
                 self._resumed = None
@@ -268,6 +308,8 @@ class Controller:
         result = training_result(
             self.plan, self.state, state_digest=outcome.state_digest, last_checkpoint_path=None
         )
+        # A run resumed past its last microbatch replays none, so nothing wrote its history yet.
+        self._follow_history(result.history)
         write_run_artifacts(
             self.work.path,
             result,

@@ -25,6 +25,11 @@ from trainwire.contract.planning.overrides import checked_config_overrides, conf
 from trainwire.contract.planning.plan import ManagedTrainingPlan
 from trainwire.contract.report.artifacts import write_run_artifacts
 from trainwire.contract.report.progress_text import format_value
+from trainwire.contract.report.tensorboard_log import (
+    TENSORBOARD_DIR,
+    TensorBoardLog,
+    require_tensorboard,
+)
 from trainwire.contract.run.replay import RunState, training_result
 from trainwire.contract.run.results import TrainingResult
 from trainwire.contract.run.selection import BEST_CHECKPOINT
@@ -55,6 +60,7 @@ from trainwire.server.training.hardware import (
 )
 from trainwire.server.training.module import ManifestModule, PlanProgressBar
 from trainwire.server.training.settings import constructor_settings, run_settings
+from trainwire.server.training.tensorboard_callback import TensorBoardHistory
 from trainwire.server.training.trainer import create_trainer
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,7 @@ def train(
     overrides: Sequence[str] = (),
     callbacks: Sequence[Callback] = (),
     enable_progress_bar: bool = False,
+    tensorboard: bool = False,
 ) -> TrainingResult:
     """Run (or resume, with ``ckpt_path``) a manifest into ``output_dir``; returns the result.
 
@@ -80,20 +87,32 @@ def train(
     ``output_dir/export`` and writes its artifacts (``training_summary.json``/``.yaml`` with
     the final ``state_digest``, ``metrics.jsonl``, ``loss_curve.png``); a run stopped before
     (a callback asked the trainer to stop) resumes from ``last.ckpt``. Resuming a run whose
-    plan is spent trains nothing and writes nothing. The config's ``model`` resolves under
+    plan is spent trains nothing and writes nothing but the event files ``tensorboard`` asks
+    for and the directory does not hold yet. The config's ``model`` resolves under
     ``model_root`` when given (as on a server), else as a path from the working directory.
+    With ``tensorboard``, the history also goes to TensorBoard event files in
+    ``output_dir/tensorboard`` as the run trains (needs the ``tensorboard`` extra).
     """
+    if tensorboard:
+        require_tensorboard()
     manifest_path = os.path.realpath(manifest)
     plan = load_run_plan(manifest, overrides)
     # Real paths throughout: a run reached through a symlink keeps its checkpoints' identity.
     output = Path(os.path.realpath(output_dir))
     hardware = run_hardware(plan.config, device)
     resume = check_start(plan, output, hardware, ckpt_path)
+    if tensorboard and resume is None:
+        # Its files would hold another run's steps, which this run's would then skip.
+        refuse_a_fresh_start_into_a_used_directory(output / TENSORBOARD_DIR)
     if resume is not None and resume.cursor >= plan.batch_count:
         logger.info("%s: the plan is spent; nothing to train", resume.path)
+        state = RunState.from_dict(resume.record["run_state"])
+        if tensorboard:  # given only now, it writes the whole history
+            with TensorBoardLog(output / TENSORBOARD_DIR) as board:
+                board.follow(state.history)
         return training_result(
             plan,
-            RunState.from_dict(resume.record["run_state"]),
+            state,
             state_digest=resume.state_digest or "",
             last_checkpoint_path=str(resume.path),
             config_path=manifest_path,
@@ -105,11 +124,15 @@ def train(
         plan.config, device=hardware.accelerator, max_steps=plan.max_steps, model_root=model_root
     )
     module = ManifestModule(plan, session, run_record=run_record(plan, output, hardware))
+    # The event files are written first at each microbatch's end, before a caller's callback
+    # may stop the run there.
+    run_callbacks = [TensorBoardHistory(output / TENSORBOARD_DIR)] if tensorboard else []
+    run_callbacks += [*callbacks, PlanProgressBar()] if enable_progress_bar else list(callbacks)
     trainer, checkpoint, _ = create_trainer(
         plan.config,
         hardware,
         output / CHECKPOINT_DIR,
-        [*callbacks, PlanProgressBar()] if enable_progress_bar else list(callbacks),
+        run_callbacks,
         plugins=[SessionCheckpointIO(session)],
         enable_progress_bar=enable_progress_bar,
     )
@@ -259,6 +282,7 @@ def run_train_command(args: argparse.Namespace) -> int:
         overrides=args.set,
         callbacks=[interrupt],
         enable_progress_bar=True,
+        tensorboard=args.tensorboard,
     )
     updates = sum(1 for record in result.history if record["kind"] == "update")
     if interrupt.requested:

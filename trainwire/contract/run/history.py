@@ -11,6 +11,8 @@ from typing import Any
 
 UPDATE = "update"
 EVALUATION = "evaluation"
+# Where a record falls, the first keys of both kinds; the rest are what it measured.
+_WHERE = ("kind", "microbatch", "epoch", "step")
 
 
 def update_record(
@@ -35,8 +37,18 @@ def evaluation_record(
     return _record(EVALUATION, microbatch, epoch, step, {**metrics, "is_best": is_best})
 
 
+def record_figures(record: dict[str, Any]) -> dict[str, float]:
+    """What a record measured (loss, learning rate, gradient norm, an evaluation's metrics),
+    without where it falls (kind, microbatch, epoch, step) or the ``is_best`` verdict."""
+    return {
+        name: value
+        for name, value in record.items()
+        if name not in _WHERE and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
+
+
 def _record(
     kind: str, microbatch: int, epoch: int, step: int, fields: dict[str, Any]
 ) -> dict[str, Any]:
     # Where the record falls comes first, in the same keys for both kinds.
-    return {"kind": kind, "microbatch": microbatch, "epoch": epoch, "step": step, **fields}
+    return dict(zip(_WHERE, (kind, microbatch, epoch, step), strict=True), **fields)
