@@ -171,6 +171,8 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         def call() -> outcomes.SessionInfo:
+            if request.run_id:  # another tenant's answers as a run id nobody opened
+                self._guarded(context, RunAccess.check_named, request.run_id)
             return self._own_info(context, self.session_host.info(request.run_id))
 
         info = self._run(context, "Info", "", call)
@@ -203,7 +205,7 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         def call() -> Any:
             # The run checked is the run applied to: "" names the only open run, bound here.
             target = run_id or self.session_host.open_run_id or ""
-            self._guarded(context, RunAccess.check_run, target)
+            self._guarded(context, RunAccess.check_run, run_id, target)
             return self.session_host.apply(operation, decode(), op, run_id=target)
 
         return self._run(context, operation.kind, key, call)
