@@ -131,6 +131,16 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         if self.access is not None:
             check(self.access, self.access.caller(context.invocation_metadata()), *args)
 
+    def _admission(
+        self, context: grpc.ServicerContext, check: Callable[..., None], *args: Any
+    ) -> Callable[[], None] | None:
+        """``check(access, caller, *args)`` for the host to run where it must be atomic with
+        what it admits (None on a port without tenants); the caller is read here, from the
+        call's metadata."""
+        if self.access is None:
+            return None
+        return partial(check, self.access, self.access.caller(context.invocation_metadata()), *args)
+
     def _own_info(self, context: grpc.ServicerContext, info: Any) -> Any:
         """``info``, unless it describes another tenant's run (NotFound)."""
         if self.access is None:
@@ -161,9 +171,12 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             check_name(request.run_id, "run id")  # a bad run id is the first thing refused
             config = config_from_json(request.config_json)
             max_steps = max_steps_from_proto(request.max_steps)
-            self._guarded(context, RunAccess.check_open, request.run_id)
             return self.session_host.open(
-                request.run_id, config, max_steps, request.plan_fingerprint
+                request.run_id,
+                config,
+                max_steps,
+                request.plan_fingerprint,
+                admit=self._admission(context, RunAccess.check_open, request.run_id),
             )
 
         outcome = self._run(context, "Open", "", call)
