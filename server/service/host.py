@@ -203,9 +203,9 @@ class SessionHost:
 
         ``admit`` (a tenant's checks: its ``max_runs``, who holds the run id) runs on the
         executor right before the open, so no other open or close lands between what it
-        counted and the open it admits; what it raises refuses the open, nothing changed.
-        Checked on the caller's thread instead, concurrent opens all counted the runs open
-        before any of them landed, and all opened."""
+        counted and the open it admits; what it raises refuses the open, nothing changed. (On
+        the callers' threads, opens sent together would each count the runs open before any of
+        them landed, and all open.)"""
         check_name(run_id, "run id")
         if max_steps is not None and max_steps < 1:
             raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps}")
