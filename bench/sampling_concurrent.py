@@ -111,6 +111,7 @@ def sdk_case(work: Path, models: Path, prompt: list[int], setup: Setup) -> dict[
         state_dir=work / "sdk-state",
         model_root=models,
         device=setup.device,
+        token=KEY,  # both ports keyed: never a keyed front beside an open gRPC port
         tinker_listen="127.0.0.1:0",
         tinker_token=KEY,
     )

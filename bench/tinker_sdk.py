@@ -44,7 +44,9 @@ RATE = 1e-3
 
 @contextlib.contextmanager
 def server(state: Path, models: Path, *, tinker_front: bool) -> Iterator[ServerHandle]:
-    options = {"tinker_listen": "127.0.0.1:0", "tinker_token": KEY} if tinker_front else {}
+    # Both ports keyed, as a front always is beside a keyed gRPC port.
+    front = {"tinker_listen": "127.0.0.1:0", "tinker_token": KEY, "token": KEY}
+    options = front if tinker_front else {}
     handle = serve(
         listen="127.0.0.1:0", state_dir=state, model_root=models, device="cpu", **options
     )
@@ -70,7 +72,7 @@ def server_process(state: Path, models: Path, *, tinker_front: bool) -> Iterator
         key_file.write_text(KEY + "\n")
         tinker_port = free_port()
         command += ["--tinker-listen", f"127.0.0.1:{tinker_port}", "--tinker-token-file"]
-        command.append(str(key_file))
+        command += [str(key_file), "--token-file", str(key_file)]
         base_url = f"http://127.0.0.1:{tinker_port}"
     env = dict(os.environ)
     if torch.get_num_threads() != (os.cpu_count() or 1):  # --threads: the server's torch too

@@ -1,7 +1,8 @@
 """Supervised fine-tuning with the Tinker SDK, against a self-hosted trainwire server.
 
     trainwire serve --listen 127.0.0.1:50051 --state-dir state --model-root models \\
-        --tinker-listen 127.0.0.1:8000 --tinker-token-file key.txt   # key.txt holds tml-...
+        --token-file key.txt --tinker-listen 127.0.0.1:8000 --tinker-token-file key.txt
+    # key.txt holds tml-...; it keys both ports (a keyed front beside an open gRPC port is refused)
     TINKER_API_KEY=tml-... python examples/tinker_sl.py http://127.0.0.1:8000 llama
 
 The loop is the SDK docs' own; only base_url (and the key) point at trainwire. A rank-8 LoRA

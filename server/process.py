@@ -11,7 +11,6 @@ UNAVAILABLE.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from trainwire.server.grpc.listener import (
 )
 from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.library_warnings import quiet_library_warnings
+from trainwire.server.port_keys import is_loopback, port_keys
 from trainwire.server.service.host import SessionFactory, SessionHost
 from trainwire.server.service.run_owners import RunOwners
 from trainwire.server.service.tenants import Tenants, tenants_of
@@ -114,7 +114,8 @@ def serve(
     (``trainwire[tinker]``); ``tinker_token`` is the ``tml-`` key its clients must send;
     ``tenants`` guards both ports with one map of tenants (``server/service/tenants.py``), each
     seeing only its own runs; ``token`` and ``tinker_token`` may be such a map too, each for its
-    own port (tenants are then matched by name across the two);
+    own port (tenants are then matched by name across the two); beside a front, both ports
+    have keys or neither does (``server/port_keys.py``: ValueError before anything starts);
     ``tinker_tokenizer_id`` is what ``get_tokenizer()`` loads on the client's side (a hub id or
     a path the client can read; None: the model's directory on this host).
     ``sample_batching`` False decodes each sample request alone (see ``SessionHost``).
@@ -124,9 +125,9 @@ def serve(
     ``max_runs`` above 1 holds up to that many LoRA runs of one base model at once (gRPC; not
     yet beside the Tinker front, whose SDK clients share one model, nor in a sharded group).
     """
-    token, tinker_token = keys_of_ports(tenants, token, tinker_token)
+    keys = port_keys(tinker_listen, tenants, token, tinker_token)
+    token, tinker_token = keys.grpc, keys.tinker
     refuse_open_model_paths(model_root, listen, tinker_listen)
-    refuse_an_unkeyed_front(tinker_listen, tinker_token, token)
     refuse_many_runs_where_not_served(max_runs, session_factory)
     quiet_library_warnings()
     listener = GrpcListener(
@@ -213,21 +214,6 @@ def _start_tinker(
         raise
 
 
-def keys_of_ports(
-    tenants: Tenants | None, token: str | Tenants | None, tinker_token: str | Tenants | None
-) -> tuple[str | Tenants | None, str | Tenants | None]:
-    """The keys of the gRPC port and of the Tinker front: ``tenants`` for both, or each its own
-    (one map for both and a key of one port's own would leave which one counts unclear)."""
-    if tenants is None:
-        return token, tinker_token
-    if token is not None or tinker_token is not None:
-        raise ValueError(
-            "--tenants gives the keys of both ports: leave out --token-file and "
-            "--tinker-token-file (or put the tenants map in those files instead)"
-        )
-    return tenants, tenants
-
-
 def tenant_weight(tenants: Tenants, owners: RunOwners, run_id: str) -> float:
     """The share of the executor's turns of ``run_id``: its tenant's weight (1.0 for a run of
     no tenant in the map, as one the single key opened)."""
@@ -245,17 +231,6 @@ def run_owners_of(
     if not any(isinstance(keys, Tenants) for keys in (token, tinker_token)):
         return None
     return RunOwners(host.state_dir)
-
-
-def is_loopback(listen: str) -> bool:
-    """``HOST:PORT`` names a loopback host (``localhost``, 127.0.0.0/8, ``::1``)."""
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name or a wildcard: reachable from elsewhere
 
 
 def refuse_open_model_paths(model_root: str | Path | None, *listens: str | None) -> None:
@@ -280,26 +255,4 @@ def refuse_many_runs_where_not_served(
         raise ValueError(
             f"--max-runs {max_runs} with --nproc: a sharded group runs one session across its "
             "ranks; leave --max-runs out there"
-        )
-
-
-def refuse_an_unkeyed_front(
-    tinker_listen: str | None, tinker_token: str | None, token: str | None
-) -> None:
-    """A Tinker front without a key may only serve loopback, and never beside a gRPC port that
-    has one: the front trains the same run, so a keyless front would open that run to anyone
-    the gRPC token keeps out (a review saw a tokenless client take the server's one run)."""
-    if tinker_listen is None or tinker_token is not None:
-        return
-    if token:
-        raise ValueError(
-            "--tinker-listen needs --tinker-token-file when the gRPC port needs --token-file: "
-            "the Tinker front trains the same run, so without its own key it would let anyone "
-            "in. Give the front a key (a file holding a 'tml-' key; it may differ from the "
-            "gRPC token)"
-        )
-    if not is_loopback(tinker_listen):
-        raise ValueError(
-            f"--tinker-listen {tinker_listen} reaches beyond loopback without a key: give "
-            "--tinker-token-file (a file holding a 'tml-' key), or listen on 127.0.0.1"
         )

@@ -253,12 +253,12 @@ def test_a_served_two_rank_group_samples_for_tinker_and_grpc_and_trains_on(
         [sys.executable, "-m", "trainwire", "serve", "--listen", grpc_target,
          "--state-dir", str(tmp_path / "state"), "--model-root", str(model_root),
          "--device", "cpu", "--tinker-listen", f"127.0.0.1:{tinker_port}",
-         "--tinker-token-file", str(key_file), "--nproc", "2"],
+         "--tinker-token-file", str(key_file), "--token-file", str(key_file), "--nproc", "2"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     service = None
     try:
-        client = SessionClient(grpc_target)
+        client = SessionClient(grpc_target, token=KEY)
         client.wait_until_serving(timeout_s=120)
         service = tinker.ServiceClient(base_url=f"http://127.0.0.1:{tinker_port}", api_key=KEY)
         training = service.create_lora_training_client(base_model="llama", rank=4).result()

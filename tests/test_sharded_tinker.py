@@ -61,11 +61,11 @@ def test_the_sdk_on_two_ranks_gives_the_in_process_two_rank_bits(tmp_path, model
         [sys.executable, "-m", "trainwire", "serve", "--listen", grpc_target,
          "--state-dir", str(state), "--model-root", str(model_root), "--device", "cpu",
          "--tinker-listen", f"127.0.0.1:{tinker_port}", "--tinker-token-file", str(key_file),
-         "--nproc", "2"],
+         "--token-file", str(key_file), "--nproc", "2"],
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     try:
-        client = SessionClient(grpc_target)
+        client = SessionClient(grpc_target, token=KEY)
         client.wait_until_serving(timeout_s=120)
         losses = _sdk_loop(f"http://127.0.0.1:{tinker_port}")
         info = client.info()

@@ -367,7 +367,7 @@ def test_a_tenant_named_default_owns_what_a_single_key_server_saved(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
     state_dir = tmp_path / "state"
-    with tenant_server(state_dir, model_root, tinker_token=ALICE) as handle:
+    with tenant_server(state_dir, model_root, token=ALICE, tinker_token=ALICE) as handle:
         before = Front(handle, ALICE)
         session = before.post("create_session", {})["session_id"]
         created = before.post("create_model", {"session_id": session, "base_model": "llama"})

@@ -53,7 +53,7 @@ def test_half_sent_requests_are_bounded_and_cut_off_and_the_owner_goes_on(
             wait_for(lambda: sum(closed_by_peer(sock) for sock in sockets) >= 20, 30)
             wait_for(lambda: len(held) == 20, 30)
             assert sum(closed_by_peer(sock) for sock in sockets) == 20  # exactly the excess
-            with connect(handle) as owner:  # the gRPC side is untouched
+            with connect(handle, token=KEY) as owner:  # the gRPC side is untouched
                 owner.open("run", llama_config(), max_steps=4)
                 owner.forward_backward(TEXTS[:3], operation_key="fb")
                 assert owner.save_state("c", operation_key="save").position == 2

@@ -142,7 +142,7 @@ def alone(
             service = service_client(handle)
             results, model_id = run_loop(service, run, lambda step: None)
             seen.append(results)
-            final.extend(digests(handle.port, [model_id]))
+            final.extend(digests(handle.port, [model_id], KEY))
             close_quietly(service)  # its model closes: the next one takes the server
     return seen, final
 
@@ -156,7 +156,7 @@ def test_four_sdk_runs_side_by_side_give_the_bits_each_gives_alone(
         try:
             assert len(set(model_ids)) == len(RUNS)
             assert seen == alone[0]
-            assert digests(handle.port, model_ids) == alone[1]
+            assert digests(handle.port, model_ids, KEY) == alone[1]
         finally:
             for service in services:
                 close_quietly(service)

@@ -25,13 +25,14 @@ _OPEN_CLIENTS: dict[int, list[tinker.ServiceClient]] = {}  # per server handle
 
 @contextlib.contextmanager
 def tinker_server(state_dir: Path, model_root: Path, **options: Any) -> Iterator[ServerHandle]:
-    """A server with the Tinker front; the SDK clients made by ``service_client`` are closed
-    before it stops."""
+    """A server with the Tinker front, both ports keyed by ``KEY``; the SDK clients made by
+    ``service_client`` are closed before it stops."""
     handle = serve(
         listen="127.0.0.1:0",
         state_dir=state_dir,
         model_root=model_root,
         device="cpu",
+        token=KEY,
         tinker_listen="127.0.0.1:0",
         tinker_token=KEY,
         **options,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
+from trainwire.server.port_keys import PortKeys, port_keys
 from trainwire.server.service.tenants import Tenants, read_keys
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
@@ -56,7 +57,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--token-file",
         help="a file holding the bearer token clients must send, or a tenants map as --tenants "
-        "takes (then for the gRPC port only)",
+        "takes (then for the gRPC port only). Beside --tinker-listen the front needs a key too "
+        "(--tinker-token-file; it may be the same file): a keyed port never stands beside an "
+        "open one",
     )
     serve.add_argument(
         "--tenants",
@@ -93,9 +96,10 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--tinker-token-file",
         help="a file holding the key Tinker SDK clients must send (it must start with 'tml-'), "
-        "or a tenants map as --tenants takes (then for the front only). Required when "
-        "--token-file is given or the front listens beyond loopback: the two keys guard the "
-        "same run, each on its own port (they may differ)",
+        "or a tenants map as --tenants takes (then for the front only). Goes with "
+        "--token-file, and is required with it or beyond loopback: the two keys guard the same "
+        "runs, each on its own port (they may differ), and a keyed port never stands beside "
+        "an open one (one map for both: --tenants)",
     )
     serve.add_argument(
         "--no-sample-batching",
@@ -158,11 +162,11 @@ def command_serve(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"
         )
-    board = start_rank_watch(args.rank_stall_timeout_s)  # first: before torch is imported
+    keys = read_port_keys(args)  # a keyed port beside an open one: refused before torch loads
+    board = start_rank_watch(args.rank_stall_timeout_s)  # before torch is imported
     from trainwire.server.group.ranks import Launch, join_group, leave_group, leave_group_and_exit
 
     settings = serve_settings(args)
-    token = read_keys(args.token_file, "--token-file") if args.token_file else None
     launch = Launch.from_environment()
     check_nproc(args.nproc, launch)
     if args.max_runs < 1:
@@ -177,7 +181,7 @@ def command_serve(args: argparse.Namespace) -> int:
 
         return supervise(args.argv, args.nproc, settings["stop_grace_s"], args.rank_stall_timeout_s)
     if launch is None:
-        return _serve_until_stopped(args, settings, token, None)
+        return _serve_until_stopped(args, settings, keys, None)
     group = join_group(launch, args.device)
     try:
         if not launch.leads:
@@ -188,11 +192,23 @@ def command_serve(args: argparse.Namespace) -> int:
         else:
             from trainwire.server.group.leader import GroupLeader
 
-            code = _serve_until_stopped(args, settings, token, GroupLeader(group), board)
+            code = _serve_until_stopped(args, settings, keys, GroupLeader(group), board)
     except BaseException:
         leave_group()
         raise
     leave_group_and_exit(code)
+
+
+def read_port_keys(args: argparse.Namespace) -> PortKeys:
+    """The keys of both ports from ``--tenants``, ``--token-file`` and ``--tinker-token-file``:
+    read and checked before anything starts (``port_keys``: one map keys both ports, and a
+    keyed port never stands beside an open one)."""
+    tenants = Tenants.load(args.tenants) if args.tenants else None
+    token = read_keys(args.token_file, "--token-file") if args.token_file else None
+    tinker_token = (
+        read_keys(args.tinker_token_file, "--tinker-token-file") if args.tinker_token_file else None
+    )
+    return port_keys(args.tinker_listen, tenants, token, tinker_token)
 
 
 def _follow_until_stopped(group: RankGroup) -> int:
@@ -224,7 +240,7 @@ def check_nproc(nproc: int, launch: Launch | None) -> None:
 def _serve_until_stopped(
     args: argparse.Namespace,
     settings: dict[str, Any],
-    token: str | Tenants | None,
+    keys: PortKeys,
     leader: GroupLeader | None,
     board: GroupBoard | None = None,
 ) -> int:
@@ -251,7 +267,7 @@ def _serve_until_stopped(
         state_dir=args.state_dir,
         model_root=args.model_root,
         device=args.device if leader is None else str(leader.group.device),
-        token=token,
+        token=keys.grpc,
         tls_cert=args.tls_cert and Path(args.tls_cert),
         tls_key=args.tls_key and Path(args.tls_key),
         tls_client_ca=args.tls_client_ca and Path(args.tls_client_ca),
@@ -259,12 +275,7 @@ def _serve_until_stopped(
         max_workers=settings["max_workers"],
         keep_checkpoints=settings["keep_checkpoints"],
         tinker_listen=args.tinker_listen,
-        tinker_token=(
-            read_keys(args.tinker_token_file, "--tinker-token-file")
-            if args.tinker_token_file
-            else None
-        ),
-        tenants=Tenants.load(args.tenants) if args.tenants else None,
+        tinker_token=keys.tinker,
         tinker_tokenizer_id=args.tinker_tokenizer_id,
         sample_batching=not args.no_sample_batching,
         session_factory=None if leader is None else leader.open_session,

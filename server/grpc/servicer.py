@@ -129,11 +129,26 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
     ) -> str:
         """``check(access, caller, *args)`` when the port has tenants (a keyless one has none);
         the caller, whose bound of waiting calls the call counts against ("": no tenants)."""
+        caller = self._caller(context)
+        if self.access is not None:
+            check(self.access, caller, *args)
+        return caller
+
+    def _caller(self, context: grpc.ServicerContext) -> str:
+        """The tenant whose key the call shows ("" on a port without tenants)."""
         if self.access is None:
             return ""
-        caller = self.access.caller(context.invocation_metadata())
-        check(self.access, caller, *args)
-        return caller
+        return self.access.caller(context.invocation_metadata())
+
+    def _admission(
+        self, context: grpc.ServicerContext, check: Callable[..., None], *args: Any
+    ) -> Callable[[], None] | None:
+        """``check(access, caller, *args)`` for the host to run where it must be atomic with
+        what it admits (None on a port without tenants); the caller is read here, from the
+        call's metadata."""
+        if self.access is None:
+            return None
+        return partial(check, self.access, self._caller(context), *args)
 
     def _own_info(self, context: grpc.ServicerContext, info: Any) -> Any:
         """``info``, unless it describes another tenant's run (NotFound)."""
@@ -165,9 +180,13 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
             check_name(request.run_id, "run id")  # a bad run id is the first thing refused
             config = config_from_json(request.config_json)
             max_steps = max_steps_from_proto(request.max_steps)
-            caller = self._guarded(context, RunAccess.check_open, request.run_id)
             return self.session_host.open(
-                request.run_id, config, max_steps, request.plan_fingerprint, account=caller
+                request.run_id,
+                config,
+                max_steps,
+                request.plan_fingerprint,
+                admit=self._admission(context, RunAccess.check_open, request.run_id),
+                account=self._caller(context),
             )
 
         outcome = self._run(context, "Open", "", call)
@@ -175,6 +194,8 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
 
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.InfoResponse:
         def call() -> outcomes.SessionInfo:
+            if request.run_id:  # another tenant's answers as a run id nobody opened
+                self._guarded(context, RunAccess.check_named, request.run_id)
             return self._own_info(context, self.session_host.info(request.run_id))
 
         info = self._run(context, "Info", "", call)
@@ -207,9 +228,8 @@ class TrainingSessionServicer(pb_grpc.TrainingSessionServiceServicer):
         def call() -> Any:
             # The run checked is the run applied to: "" names the only open run, bound here.
             target = run_id or self.session_host.open_run_id or ""
-            caller = self._guarded(context, RunAccess.check_run, target)
-            request = decode()
-            return self.session_host.apply(operation, request, op, run_id=target, account=caller)
+            caller = self._guarded(context, RunAccess.check_run, run_id, target)
+            return self.session_host.apply(operation, decode(), op, run_id=target, account=caller)
 
         return self._run(context, operation.kind, key, call)
 

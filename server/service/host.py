@@ -206,17 +206,28 @@ class SessionHost:
         max_steps: int | None = None,
         plan_fingerprint: str = "",
         *,
+        admit: Callable[[], None] | None = None,
         account: str = "",
     ) -> outcomes.OpenOutcome:
         """Open the session for a run, or confirm the open one (None/"" accept the open run's);
-        it waits as one of ``account``'s calls (see ``apply``)."""
+        it waits as one of ``account``'s calls (see ``apply``).
+
+        ``admit`` (a tenant's checks: its ``max_runs``, who holds the run id) runs on the
+        executor right before the open, so no other open or close lands between what it
+        counted and the open it admits; what it raises refuses the open, nothing changed. (On
+        the callers' threads, opens sent together would each count the runs open before any of
+        them landed, and all open.)"""
         check_name(run_id, "run id")
         if max_steps is not None and max_steps < 1:
             raise InvalidArgument(f"max_steps must be a positive integer or None, got {max_steps}")
         spec = RunSpec(run_id, config.to_dict(), config.fingerprint(), max_steps, plan_fingerprint)
-        return self._serialized(self._open_run, spec, config, account=account)
+        return self._serialized(self._open_run, spec, config, admit, account=account)
 
-    def _open_run(self, spec: RunSpec, config: TrainingConfig) -> outcomes.OpenOutcome:
+    def _open_run(
+        self, spec: RunSpec, config: TrainingConfig, admit: Callable[[], None] | None = None
+    ) -> outcomes.OpenOutcome:
+        if admit is not None:  # first: what it refuses learns nothing of the runs open
+            admit()
         run_id = spec.run_id
         if run_id in self._failed_runs:
             self._require_active(run_id)  # answers why it could not be restored

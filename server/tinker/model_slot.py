@@ -44,6 +44,7 @@ import math
 import threading
 import uuid
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -228,8 +229,8 @@ class ModelSlot:
             self._make_room(session_id)
             tokenizer_id = self.tokenizer_id or str(model_dir)
             record = ModelRecord.new(model_id, session_id, config, tokenizer_id)
-            self._claim(record.run_id, tenant_of(session_id))
-            self.host.open(record.run_id, config)
+            admit = partial(self._claim, record.run_id, tenant_of(session_id))
+            self.host.open(record.run_id, config, admit=admit)
             self.catalog.add_run(listed)
             record.save(self.directory)
             self._add(record)
@@ -259,8 +260,8 @@ class ModelSlot:
             record = ModelRecord.new(
                 model_id, session_id, config, self.tokenizer_id or str(model_dir)
             )
-            self._claim(record.run_id, tenant_of(session_id))
-            self.host.open(record.run_id, config)
+            admit = partial(self._claim, record.run_id, tenant_of(session_id))
+            self.host.open(record.run_id, config, admit=admit)
             try:
                 start.apply(self.host, model_id, record.run_id)
                 first = CheckpointRequest(START_CHECKPOINT)
@@ -373,15 +374,18 @@ class ModelSlot:
                     "these sampler weights are sampled once a model closes"
                 )
             run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
-            self._claim(run_id, tenant, training=False)
-            self.host.open(run_id, config)
+            self.host.open(
+                run_id, config, admit=partial(self._claim, run_id, tenant, training=False)
+            )
             self._sampling_run = {config.fingerprint(): run_id}
             return run_id
 
     def _claim(self, run_id: str, tenant: str, *, training: bool = True) -> None:
-        """Before a run of ``tenant`` opens: on a server of one run, a run another tenant opened
-        (over gRPC) is refused without naming it; a training run counts against the tenant's
-        ``max_runs``; and ``run_id`` becomes the tenant's (``RunOwners``)."""
+        """A run of ``tenant``'s admission, run by the host atomically with the open
+        (``SessionHost.open``'s ``admit``: no gRPC Open lands between this count and the open):
+        on a server of one run, a run another tenant opened (over gRPC) is refused without
+        naming it; a training run counts against the tenant's ``max_runs``; and ``run_id``
+        becomes the tenant's (``RunOwners``)."""
         if self.owners is None:
             return
         held = self._held_runs()
