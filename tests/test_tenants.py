@@ -70,6 +70,11 @@ def test_a_map_names_each_key_its_tenant_with_its_limits_and_weight(tmp_path: Pa
             r"entry 2 \('b'\): the key is also entry 1's",
         ),
         ("tenants: [{name: a, key: k}", r"not valid YAML \(line 1\)"),
+        ("tenants:\n  - {name: a, key: k, key: j}", "line 2: 'key' is given twice"),
+        (
+            "tenants:\n  - name: a\n    key: k\n    max_runs: 1\n    max_runs: 5",
+            "line 5: 'max_runs'",
+        ),
     ],
 )
 def test_every_mistake_is_one_line_naming_the_entry(
@@ -86,6 +91,9 @@ def test_a_token_file_holds_one_key_as_before_or_the_same_map(tmp_path: Path) ->
     assert read_keys(tmp_path / "token", "--token-file") == "plain-token"
     keys = read_keys(write(tmp_path, GOOD), "--token-file")
     assert isinstance(keys, Tenants) and keys.names == ["alice", "bob", "ro"]
+    (tmp_path / "twice").write_text("tenants: [{name: a, key: tml-a, key: tml-b}]\n")
+    with pytest.raises(ValueError, match=r"--token-file .*twice: line 1: 'key' is given twice"):
+        read_keys(tmp_path / "twice", "--token-file")
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match=r"--token-file .*empty is empty"):
         read_keys(tmp_path / "empty", "--token-file")

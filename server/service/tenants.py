@@ -151,7 +151,7 @@ def read_keys(path: str | Path, option: str) -> str | Tenants:
     except yaml.YAMLError:
         data = None  # not YAML at all: a key
     if isinstance(data, dict) and "tenants" in data:
-        return Tenants.from_data(data, f"{option} {path}")
+        return Tenants.load(path, option)  # read again, refusing what a plain load lets by
     token = text.strip()
     if not token:
         raise ValueError(f"{option} {path} is empty")
@@ -165,11 +165,37 @@ def tenants_of(keys: str | Tenants | None) -> Tenants | None:
     return Tenants.single(keys)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping: a plain loader keeps the
+    last one silently, so ``{name: alice, key: a, key: b}`` would quietly change alice's key."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise DuplicateKey(key, key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A mapping's key given twice, with where (``problem_mark``, as PyYAML's errors carry)."""
+
+    def __init__(self, key: Any, mark: yaml.Mark) -> None:
+        super().__init__(f"{key!r} given twice")
+        self.key = key
+        self.problem_mark = mark
+
+
 def _yaml_of(path: Path, source: str) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)
     except OSError as error:
         raise ValueError(f"{source}: cannot read it ({error.strerror or error})") from None
+    except DuplicateKey as error:
+        line = error.problem_mark.line + 1
+        raise ValueError(f"{source}: line {line}: {error.key!r} is given twice") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         line = f" (line {mark.line + 1})" if mark is not None else ""
