@@ -36,8 +36,6 @@ from trainwire.server.service.tenants import Tenants, tenants_of
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_STOP_GRACE_S = 60.0
-
 
 class ServerHandle:
     """A running server: ``port``, ``session_host``, ``stop()`` and ``wait()``."""

@@ -1,10 +1,13 @@
 """`trainwire serve --set`: server tunables from the command line, unknown ones refused."""
 
+import subprocess
+import sys
+
 import pytest
 
 from trainwire.cli import build_parser, main
 from trainwire.serve_command import serve_settings
-from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES
+from trainwire.server.serve_defaults import DEFAULT_MAX_MESSAGE_BYTES
 
 
 def parse(*extra):
@@ -47,3 +50,28 @@ def test_a_model_root_that_does_not_exist_is_refused_in_one_line(tmp_path, capsy
     err = capsys.readouterr().err
     assert code == 2 and f"--model-root {missing}: no such directory" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--max-runs", "0"], "--max-runs must be at least 1, got 0"),
+        (["--nproc", "0"], "--nproc must be at least 1, got 0"),
+        (["--device", "tpu"], "--device 'tpu': use cpu, cuda or cuda:N"),
+        (["--set", "nope=1"], "--set nope: unknown"),
+        (["--tls-cert", "missing.pem"], "--tls-cert missing.pem: no such file"),
+        (["--model-root", "missing"], "--model-root missing: no such directory"),
+    ],
+)
+def test_every_argument_mistake_is_refused_before_torch_is_imported(tmp_path, extra, message):
+    """Issue 46.9: serve's argument errors came after torch's import, 5-11 s after the command."""
+    script = (
+        "import sys\nfrom trainwire.cli import main\n"
+        f"code = main(['serve', '--listen', '127.0.0.1:0', '--state-dir', 'state', *{extra!r}])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.stdout.split() == ["2", "False"], done.stderr
+    assert message in done.stderr and done.stderr.count("\n") == 1

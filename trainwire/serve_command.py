@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import errno
 import logging
+import re
 import signal
 import socket
 import threading
@@ -18,13 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
+from trainwire.server.group.launch import Launch
 from trainwire.server.port_keys import PortKeys, port_keys
+from trainwire.server.serve_defaults import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_STOP_GRACE_S,
+)
 from trainwire.server.service.tenants import Tenants, read_keys
+
+DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
     from trainwire.server.group.board import GroupBoard
     from trainwire.server.group.leader import GroupLeader
-    from trainwire.server.group.ranks import Launch, RankGroup
+    from trainwire.server.group.ranks import RankGroup
 
 logger = logging.getLogger(__name__)
 
@@ -133,9 +142,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def serve_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The server tunables: the defaults, then ``--set`` overrides (unknown keys are refused)."""
-    from trainwire.server.grpc.listener import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
-    from trainwire.server.process import DEFAULT_STOP_GRACE_S
-
     settings: dict[str, Any] = {
         "max_message_bytes": DEFAULT_MAX_MESSAGE_BYTES,
         "max_workers": DEFAULT_MAX_WORKERS,
@@ -162,11 +168,11 @@ def command_serve(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"
         )
-    keys = read_port_keys(args)  # a keyed port beside an open one: refused before torch loads
-    board = start_rank_watch(args.rank_stall_timeout_s)  # before torch is imported
-    from trainwire.server.group.ranks import Launch, join_group, leave_group, leave_group_and_exit
-
+    # Every argument is checked before torch is imported (seconds): a mistake is one line at once.
+    keys = read_port_keys(args)  # a keyed port beside an open one is refused here too
     settings = serve_settings(args)
+    check_device_name(args.device)
+    check_files(args)
     launch = Launch.from_environment()
     check_nproc(args.nproc, launch)
     if args.max_runs < 1:
@@ -176,6 +182,9 @@ def command_serve(args: argparse.Namespace) -> int:
             f"--max-runs {args.max_runs} with --nproc: a sharded group runs one session across "
             "its ranks; leave --max-runs out there"
         )
+    board = start_rank_watch(args.rank_stall_timeout_s)  # before torch is imported
+    from trainwire.server.group.ranks import join_group, leave_group, leave_group_and_exit
+
     if launch is None and args.nproc > 1:
         from trainwire.server.group.supervisor import supervise
 
@@ -224,6 +233,24 @@ def _follow_until_stopped(group: RankGroup) -> int:
         logger.error("rank %d left the group: %s", group.launch.rank, reason)
         return GROUP_LOST_EXIT
     return 0
+
+
+def check_device_name(device: str | None) -> None:
+    """``--device`` names a device trainwire runs on (whether it is there is the session's to
+    say, once torch is loaded)."""
+    if device is not None and not DEVICE_NAME.fullmatch(device):
+        raise ValueError(f"--device {device!r}: use cpu, cuda or cuda:N")
+
+
+def check_files(args: argparse.Namespace) -> None:
+    """The files serve reads at start exist and are files (read later, after torch loads)."""
+    for option in ("tls_cert", "tls_key", "tls_client_ca"):
+        value = getattr(args, option)
+        if value is not None and not Path(value).is_file():
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(f"{flag} {value}: no such file")
+    if args.model_root is not None and not Path(args.model_root).is_dir():
+        raise ValueError(f"--model-root {args.model_root}: no such directory")
 
 
 def check_nproc(nproc: int, launch: Launch | None) -> None:

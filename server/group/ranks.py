@@ -18,7 +18,6 @@ import datetime
 import logging
 import os
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -27,49 +26,11 @@ import torch.distributed as dist
 
 from trainwire.server.engine.device import resolve_device
 from trainwire.server.group.channel import BroadcastChannel
+from trainwire.server.group.launch import Launch
 
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # How long the other ranks may wait for rank 0's next announcement: an idle server's ranks
 # wait here, so it bounds nothing a user would notice (a dead rank is heard of at once).
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """This process's place in the group, as its launcher set it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Launch | None:
-        """None when no launcher started this process (a plain ``trainwire serve``; a lone
-        ``WORLD_SIZE=1``, which some environments set, is no launcher either)."""
-        if "RANK" not in environ and environ.get("WORLD_SIZE", "").strip() in ("", "1"):
-            return None
-        missing = [name for name in LAUNCH_VARIABLES if not environ.get(name)]
-        if missing:
-            raise ValueError(
-                f"a launcher set RANK/WORLD_SIZE but not {', '.join(missing)}; start the ranks "
-                "with torchrun or trainwire serve --nproc N"
-            )
-        try:
-            launch = cls(
-                int(environ["RANK"]), int(environ["WORLD_SIZE"]), int(environ["LOCAL_RANK"])
-            )
-        except ValueError as error:
-            raise ValueError(
-                f"RANK, WORLD_SIZE and LOCAL_RANK must be integers ({error})"
-            ) from None
-        if not 0 <= launch.rank < launch.world_size or launch.local_rank < 0:
-            raise ValueError(f"RANK {launch.rank} is outside WORLD_SIZE {launch.world_size}")
-        return launch
-
-    @property
-    def leads(self) -> bool:
-        """Rank 0 serves: listeners, journal, state directory, recovery."""
-        return self.rank == 0
 
 
 def rank_device(requested: str | None, launch: Launch) -> torch.device:

@@ -1,7 +1,7 @@
 """``trainwire serve --nproc N``: start N rank processes on this node and keep them a group.
 
 Each rank is ``python -m trainwire`` with the same arguments and the environment torchrun would
-give it (``ranks.LAUNCH_VARIABLES``), so a node served this way and one started by torchrun run
+give it (``launch.LAUNCH_VARIABLES``), so a node served this way and one started by torchrun run
 the same code. The supervisor itself holds nothing of the session: no port, no state directory.
 
 A rank that exits while the server is not stopping takes the group down: the supervisor kills

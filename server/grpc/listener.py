@@ -21,6 +21,7 @@ from trainwire.contract.files import Pem, read_pem
 from trainwire.server.grpc.auth import BearerTokenInterceptor
 from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
+from trainwire.server.serve_defaults import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
 from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.tenants import Tenants, tenants_of
@@ -29,8 +30,6 @@ from trainwire.v1 import session_pb2
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = session_pb2.DESCRIPTOR.services_by_name["TrainingSessionService"].full_name
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-DEFAULT_MAX_WORKERS = 32
 # A connection that has not finished its HTTP/2 handshake by then is closed: strangers cannot
 # hold the process's descriptors with half-open connections (a client finishes in milliseconds).
 HANDSHAKE_TIMEOUT_S = 10.0
