@@ -68,7 +68,7 @@ def _problem(path: Path, table: str, created: bool) -> str | None:
             "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)
         ).fetchone()
     except sqlite3.DatabaseError as error:
-        return f"is not a SQLite database SQLite can read ({error})"
+        return f"cannot be read as a SQLite database ({error})"
     finally:
         db.close()
     if has_table is None and created:
