@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
+from trainwire.server.memory_release import release_freed_memory
 from trainwire.server.service.tenants import Tenants, read_keys
 
 if TYPE_CHECKING:  # torch behind them: imported where a command needs them
@@ -154,6 +155,7 @@ def command_serve(args: argparse.Namespace) -> int:
     With ``--nproc N`` this process supervises N rank processes (``server/group``); under a
     launcher (torchrun, or that supervisor) it is one rank: rank 0 serves, the others follow.
     """
+    release_freed_memory()  # before any thread allocates: the heaps are bounded from the first
     if not args.rank_stall_timeout_s > 0:
         raise ValueError(
             f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"
