@@ -36,7 +36,8 @@ def check_store(path: Path, *, what: str, table: str, afresh: str) -> None:
     """Refuse the store at ``path`` (``what`` it is, in words) when its marker is there and it is
     missing, lacks its ``table``, or fails ``PRAGMA quick_check``; a file that is no SQLite
     database is refused with or without a marker. ``afresh`` says what moving it aside starts
-    (and loses). Reads only: the caller opens the store afterwards."""
+    (and loses). It only reads the store (though closing its connection checkpoints a -wal, as
+    any last connection does); the caller opens it afterwards."""
     created = marker_of(path).is_file()
     if not path.exists():
         if created:
