@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
 from trainwire.server.group.launch import Launch
+from trainwire.server.memory_release import release_freed_memory
 from trainwire.server.port_keys import PortKeys, port_keys
 from trainwire.server.serve_defaults import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -164,6 +165,7 @@ def command_serve(args: argparse.Namespace) -> int:
     With ``--nproc N`` this process supervises N rank processes (``server/group``); under a
     launcher (torchrun, or that supervisor) it is one rank: rank 0 serves, the others follow.
     """
+    release_freed_memory()  # before any thread allocates: the heaps are bounded from the first
     if not args.rank_stall_timeout_s > 0:
         raise ValueError(
             f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"

@@ -46,6 +46,7 @@ from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import (
     Journal,
     KeyDigest,
+    check_journal,
     check_operation_key,
     payload_digest,
     request_digest,
@@ -66,6 +67,7 @@ from trainwire.server.service.state_dir import (
     check_name,
     refuse_another_run,
 )
+from trainwire.server.service.store_check import DamagedStore
 from trainwire.server.service.stream_order import StreamOrder
 
 logger = logging.getLogger(__name__)
@@ -154,6 +156,8 @@ class SessionHost:
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
         self._pending: list[RunSpec] = open_runs if len(open_runs) <= max_runs else []
+        if max_runs == 1 and self._pending:
+            self._check_journal_before_serving(self._pending[0])
         if self._pending:
             self.lifecycle.phase = outcomes.RESTORING
         elif open_runs:
@@ -162,6 +166,21 @@ class SessionHost:
                 f"more than --max-runs {max_runs}: start the server with --max-runs "
                 f"{len(open_runs)} to restore them"
             )
+
+    def _check_journal_before_serving(self, spec: RunSpec) -> None:
+        """A server of one run whose journal is damaged stops at start (``DamagedStore``, one
+        line naming the file): it has nothing else to serve, and a failed restore would only
+        have a supervisor restart it again and again. On a server of many, that run's restore
+        fails alone (the journal's own check) and the others serve."""
+        try:
+            journal_path = self.state_dir.run(spec.run_id).journal_path
+        except FailedPrecondition:
+            return  # a folder swapped for a link: its restore refuses it, as for many runs
+        try:
+            check_journal(journal_path)
+        except DamagedStore:
+            self.state_dir.release()
+            raise
 
     @property
     def phase(self) -> str:

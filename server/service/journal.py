@@ -9,6 +9,10 @@ each applied operation with its position. An entry's ``result`` is the operation
 JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back. An entry's ``kind``
 is its operation's (``operations.OPERATIONS``); the journal stores it and never interprets it.
 
+A journal cut short or damaged behind the server's back is never opened as a new, empty one
+(``store_check``): the run's restore fails with the reason, instead of answering every key as
+never applied.
+
 A restart rolls the session back to its latest checkpoint; the entries after it are marked
 ``rolled_back`` rather than deleted, so their keys run again when the controller replays them (the
 new run replaces the rolled-back row) while the log of what happened stays readable.
@@ -31,6 +35,7 @@ from typing import Any, TypeVar
 from trainwire.contract.config import canonical_json, sha256_fingerprint
 from trainwire.contract.outcomes import ExportedFile, OperationOutcome
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.service.store_check import check_store, mark_created
 
 JOURNAL_FILE = "journal.sqlite3"
 MAX_KEY_CHARS = 1024
@@ -49,6 +54,17 @@ CREATE TABLE IF NOT EXISTS operations (
 );
 CREATE INDEX IF NOT EXISTS operations_by_position ON operations (position);
 """
+
+
+def check_journal(path: Path) -> None:
+    """``DamagedStore`` naming the journal at ``path`` (in its run's folder) and what to do,
+    when the state directory created it and it is now missing, empty or damaged."""
+    check_store(
+        path,
+        what=f"run {path.parent.name!r}'s journal",
+        table="operations",
+        afresh="restore that run with no record of the keys it applied (a re-sent key runs again)",
+    )
 
 
 @dataclass(frozen=True)
@@ -73,6 +89,7 @@ class Journal:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        check_journal(self.path)
         self._lock = threading.Lock()  # the writing connection
         # isolation_level=None: no implicit transactions; each write is one explicit transaction.
         self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -80,6 +97,7 @@ class Journal:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        mark_created(self.path)  # from here on, the journal missing or empty is damage
         # Lookups read through their own connection, so a commit's fsync never holds them up.
         self._read_lock = threading.Lock()
         self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)

@@ -12,7 +12,9 @@ The store is SQLite, kept as the journal is kept (WAL, ``synchronous=FULL``): on
 (``request_records``: its JSON as the record gives it), in the order written, with the client
 session it belongs to in a column of its own. A commit is all or nothing, so a crash never leaves
 half a record; requests written by many threads share one commit (``sync``), so they share one
-fsync. Forgetting a client session is one DELETE of its rows (``forget``). ``compact`` replaces the
+fsync. A store cut short or damaged behind the server's back stops it at start (``store_check``:
+SQLite would open an emptied file as a new store and forget every request id it answered).
+Forgetting a client session is one DELETE of its rows (``forget``). ``compact`` replaces the
 records by the ones a restart still needs (``compacted``: the requests since the latest checkpoint,
 the samples not yet answered, and the results a client can still ask for, which ``results``'s
 retention bounds in time, count and bytes), in one transaction: a crash leaves the old records or
@@ -47,6 +49,7 @@ from trainwire.server.service.request_records import (
     record_from_json,
 )
 from trainwire.server.service.results import Done, Failed, Outcome
+from trainwire.server.service.store_check import check_store, mark_created
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +142,12 @@ class RequestStore:
     def __init__(self, directory: Path, owner_of: Callable[[str], str]) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / STORE_FILE
+        check_store(
+            self.path,
+            what="the request store",
+            table="records",
+            afresh="start its front afresh, losing the requests and results it held",
+        )
         self.owner_of = owner_of
         self._lock = threading.Lock()  # the connection and the records in memory
         self._sync_lock = threading.Lock()  # one commit at a time; a waiter may find it done
@@ -148,6 +157,7 @@ class RequestStore:
         self._db.execute("PRAGMA synchronous=FULL")
         self._db.executescript(_SCHEMA)
         self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        mark_created(self.path)  # from here on, the store missing or empty is damage
         self._written = 0  # records appended (the tickets handed out)
         self._synced = 0  # tickets settled: committed, or lost with a failed commit
         self._lost: list[tuple[int, int]] = []  # ticket ranges (after, through) a commit lost
