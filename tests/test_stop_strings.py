@@ -70,8 +70,9 @@ def test_a_stop_string_spanning_two_tokens_ends_the_sample_on_the_second(session
     assert stopped.stop_reason == "stop"
     assert stop in session.tokenizer.decode(list(stopped.tokens))
     assert stop not in session.tokenizer.decode(list(stopped.tokens[:-1]))
+    # The forward of this sample alone (the contract), not the longer sample's prefix: a forward
+    # over fewer positions may round otherwise in its last bits on some CPUs.
     assert list(stopped.logprobs) == forward_logprobs(session, prompt, stopped.tokens)
-    assert stopped.logprobs == free.logprobs[:kept]  # one forward per sample: the same bits
     assert fresh_digest(session) == before
 
 
@@ -166,7 +167,7 @@ def test_the_sdks_asample_with_stop_strings_ends_on_them(tmp_path, model_root, t
             assert stopped.tokens == free.tokens[: len(stopped.tokens)]
             assert decode(stopped.tokens).count(stop) == 1  # the response splits into two
             assert stop not in decode(stopped.tokens[:-1])
-            assert stopped.logprobs == free.logprobs[: len(stopped.tokens)]
+            assert len(stopped.logprobs) == len(stopped.tokens)  # the values: the engine tests
 
 
 def test_an_asample_with_bad_stop_strings_is_a_400_and_is_never_logged(
