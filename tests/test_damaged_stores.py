@@ -61,6 +61,8 @@ def start_serve(
             "127.0.0.1:0",
             "--tinker-token-file",
             str(tmp / "tinker-key"),
+            "--token-file",  # a keyed front never stands beside an open gRPC port
+            str(tmp / "tinker-key"),
         ]
     with open(log, "wb") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)

@@ -97,8 +97,9 @@ def test_the_longest_silent_model_gives_way_on_a_full_server_and_operators_see_e
 
         # The operator closes a model by the id the SDK printed: closed for both ports.
         closing = newcomer.training.model_id
+        (tmp_path / "key").write_text(KEY + "\n")  # both ports share the key
         closed = ["close", "--server", f"127.0.0.1:{handle.port}", "--run-id", closing]
-        assert cli.main(closed) == 0
+        assert cli.main([*closed, "--token-file", str(tmp_path / "key")]) == 0
         assert f"{run_id_for(closing)}: closed at position 2" in capsys.readouterr().out
         assert api.post("get_info", {"model_id": closing}).status_code == 404
         assert closing not in listed_runs(state_dir, capsys)

@@ -35,9 +35,14 @@ def trained(api: RawFront, model_id: str, seq_id: int) -> None:
     assert answer.status_code == 200, answer.text
 
 
-def trainwire_close(handle: ServerHandle, run: str) -> None:
-    """``trainwire close --run-id RUN`` against the server's gRPC port, as an operator runs it."""
-    assert cli.main(["close", "--server", f"127.0.0.1:{handle.port}", "--run-id", run]) == 0
+def trainwire_close(handle: ServerHandle, run: str, key_file: Path) -> None:
+    """``trainwire close --run-id RUN`` against the server's gRPC port, as an operator runs it
+    (with the key both ports share)."""
+    key_file.write_text(KEY + "\n")
+    target = f"127.0.0.1:{handle.port}"
+    assert (
+        cli.main(["close", "--server", target, "--run-id", run, "--token-file", str(key_file)]) == 0
+    )
 
 
 def test_a_grpc_close_of_a_tinker_models_run_closes_the_model_for_the_front(
@@ -54,7 +59,7 @@ def test_a_grpc_close_of_a_tinker_models_run_closes_the_model_for_the_front(
         closed_by_its_client = api.post("get_info", {"model_id": other})
         assert closed_by_its_client.status_code == 404
 
-        client = connect(run.handle)
+        client = connect(run.handle, token=KEY)
         client.close(run_id=run_id_for(model_id))
         client.close_channel()
 
@@ -79,7 +84,7 @@ def test_a_closed_models_run_is_closed_for_grpc_too(
     with lora_training(tmp_path / "state", model_root, max_runs=2) as run:
         train_step(run, SENTENCES[0])
         run_id = run_id_for(run.training.model_id)
-        client = connect(run.handle)
+        client = connect(run.handle, token=KEY)
         assert [info.run_id for info in client.runs()] == [run_id]
         run.service.close("success").result(timeout=30)
         assert client.runs() == []
@@ -101,7 +106,7 @@ def test_a_tinker_model_closed_with_trainwire_close_is_not_resumed_at_a_restart(
         trained(api, closing, 1)
         assert "path" in save(api, closing, 2, "saved")  # compacts the closing model's calls
         trained(api, staying, 1)
-        trainwire_close(handle, closing)
+        trainwire_close(handle, closing, tmp_path / "key")
     caplog.clear()
     with caplog.at_level(logging.INFO), tinker_server(state_dir, model_root, max_runs=2) as handle:
         api = RawFront(handle.tinker.base_url)
