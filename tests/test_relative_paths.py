@@ -50,3 +50,25 @@ def test_inspect_takes_a_relative_state_dir_checkpoint_and_export(
         relative = found[0].relative_to(state_dir.parent)
         assert main(["inspect", str(relative)]) == 0, relative
         assert capsys.readouterr().out.strip()
+
+
+def test_output_piped_into_head_ends_quietly(tmp_path, monkeypatch):
+    """``trainwire inspect manifest.json | head -1``: the reader leaving is no error of ours (it
+    printed "error: [Errno 32] Broken pipe")."""
+    import subprocess
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"text": "hello"}\n' * 4)
+    (tmp_path / "config.json").write_text(json.dumps({"model": "llama", "batch_size": 1}))
+    args = ["--examples", "train.jsonl", "--config", "config.json", "--output", "m.json"]
+    assert main(["plan", *args]) == 0
+    # ``true`` leaves before trainwire writes (it reads nothing), as ``head`` does once it has
+    # its lines: the write always meets a closed pipe.
+    done = subprocess.run(
+        ["bash", "-c", f"set -o pipefail; {sys.executable} -m trainwire inspect m.json | true"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stderr

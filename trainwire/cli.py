@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 import sys
 import time
@@ -457,6 +458,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
+    except BrokenPipeError:
+        # The reader of our output left (``trainwire inspect ... | head``): nothing went wrong.
+        # Point stdout at /dev/null so the interpreter's own flush at exit stays quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (UsageError, ValueError, OSError) as error:
         print(f"trainwire {args.command}: error: {error}", file=sys.stderr)
         return USAGE_ERROR
