@@ -29,6 +29,9 @@ from trainwire.server.service.request_store import STORE_FILE
 from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.testing import tiny_text_examples
 
+# Real serve processes started on damaged state directories: with the crash and restart tests.
+pytestmark = pytest.mark.slow
+
 START_TIMEOUT_S = 180.0
 TEXTS = tiny_text_examples(2)
 

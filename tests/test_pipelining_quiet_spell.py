@@ -63,6 +63,7 @@ def test_a_call_arriving_before_its_predecessor_after_a_quiet_spell_waits_for_it
     assert digest == local.state_digest()
 
 
+@pytest.mark.slow
 def test_uninterrupted_controller_runs_never_resynchronize(
     tmp_path: Path, model_root: Path, tiny_llama: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

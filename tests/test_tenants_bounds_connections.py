@@ -10,10 +10,14 @@ import threading
 import time
 
 import httpx
+import pytest
 from test_tinker_connections import closed_by_peer
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.tinker.connections import MAX_CONNECTIONS, MAX_UNKEYED_CONNECTIONS
+
+# A bounded flood of 300 connections: with the slow tests.
+pytestmark = pytest.mark.slow
 
 KEYLESS_REQUEST = b"GET /api/v1/healthz HTTP/1.1\r\nHost: stranger\r\n\r\n"
 FLOOD_CONNECTIONS = MAX_CONNECTIONS + 44  # more than the front takes in all

@@ -26,6 +26,9 @@ from trainwire.server.tinker.catalog import TinkerPath
 from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.saved_checkpoints import encrypted_dir
 
+# Real SDK runs copied across tenants on servers of many runs: with the slow tests.
+pytestmark = pytest.mark.slow
+
 
 @contextlib.contextmanager
 def training_client(handle: ServerHandle, key: str) -> Iterator[Any]:

@@ -25,6 +25,9 @@ from trainwire.server.process import ServerHandle
 from trainwire.server.service.tenants import Tenant, Tenants
 from trainwire.server.tinker.model_slot import SESSION_LAPSE_S
 
+# A real SDK script in a process of its own, and servers of many runs: with the slow tests.
+pytestmark = pytest.mark.slow
+
 # A training script that creates its model, trains nothing more and exits without close().
 ABANDONING_SCRIPT = """
 import os, sys, tinker

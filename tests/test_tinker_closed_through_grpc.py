@@ -18,6 +18,9 @@ from trainwire import cli
 from trainwire.contract.model_ids import run_id_for
 from trainwire.server.process import ServerHandle
 
+# Servers of many runs, closed through both ports and restarted: with the slow tests.
+pytestmark = pytest.mark.slow
+
 LORA = {"base_model": "llama", "lora_config": {"rank": 4}}
 
 
