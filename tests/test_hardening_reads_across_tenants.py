@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -282,5 +283,48 @@ def test_unpublished_sampler_weights_stop_serving_another_tenants_sampling_clien
             assert refused.json() == missing.json()
             assert his.sample(prompt, 1, params).result(timeout=120).sequences
         finally:
+            close_quietly(alice)
+            close_quietly(bob)
+
+
+@pytest.mark.slow
+def test_sampler_weights_under_another_tenants_accepted_samples_are_not_deleted(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Bob's published sampler weights, sampled by alice: while her accepted samples wait for
+    their turn (the one engine thread is held), bob's delete is 409 and removes nothing; once
+    they ran (with sequences), the delete goes through."""
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        url = handle.tinker.base_url
+        bob = tinker.ServiceClient(base_url=url, api_key=BOB)
+        alice = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        gate = threading.Event()
+        try:
+            bobs = lora(bob, seed=1)
+            step(bobs, SENTENCES[0])
+            path = bobs.save_weights_for_sampler("snap").result(timeout=120).path
+            publish(url, BOB, path)
+            hers = alice.create_sampling_client(model_path=path).result(timeout=120)
+            prompt = types.ModelInput.from_ints(bobs.get_tokenizer().encode("the cat"))
+            params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=5)
+
+            # Holding the engine's one thread: every sample accepted now waits for its turn.
+            holder = threading.Thread(target=handle.session_host._executor.run, args=(gate.wait,))
+            holder.start()
+            results = handle.tinker.front.intake.results
+            known = len(results)
+            waiting = [hers.sample(prompt, 1, params) for _ in range(3)]
+            wait_for(lambda: len(results) >= known + 3, 60)  # accepted: each has its ticket
+            refused = send(url, BOB, "DELETE", checkpoint_route(path))
+            assert refused.status_code == 409, refused.text
+            assert "accepted sample" in refused.json()["detail"], refused.text
+
+            gate.set()
+            holder.join(timeout=120)
+            assert all(future.result(timeout=120).sequences for future in waiting)
+            deleted = send(url, BOB, "DELETE", checkpoint_route(path))
+            assert deleted.status_code in (200, 204), deleted.text
+        finally:
+            gate.set()
             close_quietly(alice)
             close_quietly(bob)

@@ -211,6 +211,15 @@ class ResultStore:
             ]
         return {r.request_id: r for r in retained(results, self._clock())}
 
+    def pending_among(self, chosen: Callable[[str], bool]) -> list[str]:
+        """The requests not answered yet whose id ``chosen`` picks (a checkpoint's readers)."""
+        with self._lock:
+            return [
+                request_id
+                for request_id, entry in self._entries.items()
+                if entry.outcome is None and chosen(request_id)
+            ]
+
     def unfetched_owners(self, owner_of: Callable[[str], str]) -> set[str]:
         """The owners (``owner_of(request_id)``) of the requests a client may still fetch: pending
         ones, and results never handed out that ``KEEP_UNDELIVERED`` still keeps in time."""

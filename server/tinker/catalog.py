@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -194,6 +195,9 @@ class Catalog:
         # then either sees the load's logged request (and is refused) or comes first (and the
         # load fails, as it will again on replay), never between the two.
         self.removal_guard = threading.Lock()
+        # Samples being accepted now, by the canonical path of the sampler weights they read
+        # (under ``removal_guard``): a delete sees them as it sees accepted ones.
+        self.samples_accepting: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._runs: dict[str, TrainingRunRecord] = {}
         for path in sorted(self.directory.glob("*.json")):

@@ -11,7 +11,8 @@ the request before answering its id and the result before a poll sees it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from trainwire.contract.config import TrainingConfig
@@ -150,8 +151,6 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     # Unknown: 404 at once (after a restart, unless a replayed call is to make it again).
     replaying = front.intake.replay_pending()
     front.sampling_sessions.require(request.sampling_session_id, replaying=replaying)
-    if not front.intake.taking_back:  # accepted before: it reads what it read then
-        require_readable(front, request.sampling_session_id)
 
     def call() -> bytes:
         # Looked up when it runs: after a restart, the call that creates it runs first.
@@ -184,8 +183,35 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
     turns = _turns_of(front, request.sampling_session_id)
-    front.intake.submit_unordered(request_id, body, call, size=held_bytes(request), run_id=turns)
+    with accepting_sample(front, request.sampling_session_id):
+        front.intake.submit_unordered(
+            request_id, body, call, size=held_bytes(request), run_id=turns
+        )
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
+
+
+@contextlib.contextmanager
+def accepting_sample(front: TinkerFront, sampling_id: str) -> Iterator[None]:
+    """Around a sample's acceptance: its sampler weights must be readable to its sender
+    (``require_readable``; not for a request accepted before a restart: it reads what it read
+    then), and count as read by it until it is accepted, when a delete sees it waiting
+    (``saved_checkpoints.sample_readers``). Under the catalog's removal guard, so a delete
+    comes wholly before the check or sees the sample."""
+    try:
+        path = str(TinkerPath.parse(front.sampling_sessions.get(sampling_id).model_path))
+    except (NotFound, InvalidArgument):  # one a replayed call makes, or base/unnamed weights
+        path = ""
+    with front.catalog.removal_guard:
+        if not front.intake.taking_back:
+            require_readable(front, sampling_id)
+        front.catalog.samples_accepting[path] += 1
+    try:
+        yield
+    finally:
+        with front.catalog.removal_guard:
+            front.catalog.samples_accepting[path] -= 1
+            if not front.catalog.samples_accepting[path]:
+                del front.catalog.samples_accepting[path]
 
 
 def require_readable(front: TinkerFront, sampling_id: str) -> None:

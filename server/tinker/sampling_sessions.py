@@ -187,6 +187,15 @@ class SamplingSessions:
         with self._lock:
             return path in self._named and visible(path)
 
+    def reading(self, reads: Callable[[str], bool]) -> set[str]:
+        """Every sampling session, whoever's, whose sampler weights' path ``reads`` picks."""
+        with self._lock:
+            return {
+                sampling_id
+                for sampling_id, sampler in self._sessions.items()
+                if sampler.model_path is not None and reads(sampler.model_path)
+            }
+
     def forget_named(self, path: str) -> None:
         """Named sampler weights deleted: no new sampling client can be made on them."""
         with self._lock:

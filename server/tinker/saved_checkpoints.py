@@ -84,6 +84,18 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
     ]
 
 
+def sample_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
+    """The samples of sampler weights ``path`` accepted and not answered yet, and those being
+    accepted now (as ``"a sample being accepted"``): their turn reads its files, so they must
+    stay until each has run. Every tenant's: a published checkpoint serves them all."""
+    sessions = front.sampling_sessions.reading(lambda model_path: _names(model_path, path))
+    waiting = front.intake.results.pending_among(
+        lambda request_id: request_id.rpartition("/")[0] in sessions
+    )
+    accepting = front.catalog.samples_accepting[str(path)]
+    return [*sorted(waiting), *["a sample being accepted"] * accepting]
+
+
 def checkpoint_readers(front: TinkerFront, run_id: str, folder: str) -> list[str]:
     """The logged loads a restart would replay that read run ``run_id``'s checkpoint folder
     ``folder`` under any name the catalog gives it, as a refusal names them: a save over that
@@ -131,6 +143,12 @@ def delete(front: TinkerFront, path: TinkerPath) -> None:
                 f"{named_reader(readers[0], path)} of an open run read it, and a restart "
                 "replays that call from it; delete it once that run has saved a checkpoint "
                 "(save_state) or closed"
+            )
+        samples = sample_readers(front, path) if path.segment == "sampler_weights" else []
+        if samples:
+            raise InUse(
+                f"sampler weights {str(path)!r} cannot be deleted yet: {len(samples)} accepted "
+                "sample(s) of them have not run; delete them once those samples are answered"
             )
         _delete(front, path)
 
