@@ -1,5 +1,5 @@
 """What ``create_model`` becomes: the SDK's model request as a trainwire ``TrainingConfig``, and
-the record the front keeps of the one model it serves.
+the record the front keeps of each model it serves.
 
 The run's optimizer settings are Tinker's ``AdamParams`` defaults (beta1 0.9, beta2 0.95, eps
 1e-12, no weight decay, no clipping); every SDK ``optim_step`` names its own values, and each
@@ -30,7 +30,6 @@ ROLE_PREFIX = "role:"
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
 MAX_LENGTH = 32768  # tokens per datum, or the model's positions where it has fewer
 MODELS_DIR = "models"  # one file per open model, by its run id
-LEGACY_MODEL_FILE = "model.json"  # where an earlier version kept its one model
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,7 @@ class ModelRecord:
 
     @classmethod
     def load_all(cls, directory: Path) -> list[ModelRecord]:
-        """The open models recorded under ``directory``, by model id; an earlier version's one
-        model file is taken in (and moved) first."""
-        legacy = directory / LEGACY_MODEL_FILE
-        if legacy.is_file():
-            cls(**json.loads(legacy.read_text())).save(directory)
-            legacy.unlink()
+        """The open models recorded under ``directory``, by model id."""
         folder = directory / MODELS_DIR
         paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
         models = [cls(**json.loads(path.read_text())) for path in paths]

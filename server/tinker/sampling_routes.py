@@ -264,8 +264,6 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
                 "training client of it first"
             )
         return models[0].run_id, {"base_model": True}
-    if not saved_by:  # an earlier version's snapshot, of a model closed since
-        raise NotFound("no model on this server: its sampling clients ended with it")
     weights = {"export": sampler.export, "export_run": saved_by}
     if not models:
         source = front.catalog.run(TinkerPath.parse(sampler.model_path or "").model_id)

@@ -103,9 +103,6 @@ def replay(front: TinkerFront) -> None:
     with front.intake.replaying() as records:
         for record in records:
             _take_back(front, record)
-        models = front.models.open_models()
-        if len(models) == 1:  # an earlier version's samplers named no model: it had one
-            front.sampling_sessions.adopt(models[0].model_id)
         front.intake.replay(records)
     front.models.forget_closed()
 
@@ -117,10 +114,8 @@ def _take_back(front: TinkerFront, record: Record) -> None:
         front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord):
         models = {model.model_id: model.run_id for model in front.models.open_models()}
-        # An earlier version's record names no stream: it had one model.
-        stream = record.stream if record.stream is not None else "".join(list(models)[:1])
-        if stream in models:
-            front.intake.resume_at(stream, record, run_id=models[stream])
+        if record.stream in models:
+            front.intake.resume_at(record, run_id=models[record.stream])
 
 
 def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:
