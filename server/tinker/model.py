@@ -17,8 +17,8 @@ from typing import Any
 from trainwire.contract.config import LoraSettings, TrainingConfig
 from trainwire.contract.files import write_text_atomic
 from trainwire.contract.model_ids import run_id_for
-from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.service.capabilities import LORA_ROLES, lora_role_targets
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
 
 # Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
@@ -98,7 +98,7 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
         rank = get_int(lora, "rank")
         if rank is None or rank < 1:
             raise InvalidArgument(f"create_model: lora_config.rank must be >= 1, got {rank!r}")
-        roles = [role for role in ROLES if get_bool(lora, f"train_{role}", True)]
+        roles = [role for role in LORA_ROLES if get_bool(lora, f"train_{role}", True)]
         if not roles:
             raise InvalidArgument("create_model: train at least one of attn, mlp, unembed")
         # Each role's layers are the model's own (GPT-2 names its attention c_attn, a mixture
@@ -139,7 +139,7 @@ def fit_lora_roles(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
     if model_config(model_dir) is None:
         return config  # no model there: opening it says so (NotFound), before any adapter
     roles = [target.removeprefix(ROLE_PREFIX) for target in lora.target_modules]
-    found = model_role_targets(model_dir, roles)
+    found = lora_role_targets(model_dir, roles)
     chosen = replace(lora, target_modules=found.modules, target_parameters=found.parameters)
     return replace(config, lora=chosen)
 
