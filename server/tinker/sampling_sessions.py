@@ -257,7 +257,7 @@ class SamplingSessions:
             return [*named, *sessions, *unnamed, *inflight]
 
     def restore(self, note: NoteRecord) -> None:
-        """Take back one of ``records``' notes (or a logged sampling session); ValueError for a
+        """Restore one of ``records``' notes (or a logged sampling session); ValueError for a
         note of another kind."""
         with self._lock:
             if note.kind == INFLIGHT_NOTE:

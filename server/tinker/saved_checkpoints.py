@@ -80,7 +80,7 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
         for call in calls
         if call.request_id not in answered
         and isinstance(call.body, dict)
-        and _names(call.body.get("path"), path)
+        and _path_is(call.body.get("path"), path)
     ]
 
 
@@ -109,7 +109,7 @@ def named_reader(request_id: str, path: TinkerPath) -> str:
     return "a load_state of another tenant's model"
 
 
-def _names(given: object, path: TinkerPath) -> bool:
+def _path_is(given: object, path: TinkerPath) -> bool:
     try:
         return TinkerPath.parse(given) == path
     except InvalidArgument:
@@ -182,10 +182,10 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
 def sweep(front: TinkerFront) -> None:
     """Delete every checkpoint past its TTL, every tenant's (whichever request asks)."""
     with unrestricted():
-        _sweep(front)
+        _delete_expired(front)
 
 
-def _sweep(front: TinkerFront) -> None:
+def _delete_expired(front: TinkerFront) -> None:
     for path in front.catalog.expired():
         try:
             delete(front, path)

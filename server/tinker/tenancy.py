@@ -12,9 +12,9 @@ without tenants is ``default``'s.
 The caller is request-scoped: ``RequireKey`` sets it from the key (``calling``) for everything
 the request runs, its worker threads included, and each lookup of an id (a session, the model,
 a sampling session, a future, the catalog) asks ``visible``: another tenant's id is not found,
-with the same answer as an id that does not exist. A request the intake takes back after a
+with the same answer as an id that does not exist. A request the intake submits again after a
 restart is decoded again as its sender's (``sender_of``). A call that runs when its turn comes
-was checked when it was taken, and runs with no caller, which means no restriction; so does a
+was checked when it was accepted, and runs with no caller, which means no restriction; so does a
 front without keys.
 """
 
