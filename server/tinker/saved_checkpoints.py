@@ -80,7 +80,7 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
         for call in calls
         if call.request_id not in answered
         and isinstance(call.body, dict)
-        and _path_is(call.body.get("path"), path)
+        and _names(call.body.get("path"), path)
     ]
 
 
@@ -109,7 +109,9 @@ def named_reader(request_id: str, path: TinkerPath) -> str:
     return "a load_state of another tenant's model"
 
 
-def _path_is(given: object, path: TinkerPath) -> bool:
+def _names(given: object, path: TinkerPath) -> bool:
+    """Whether ``given`` (a request's path field, whatever it holds) is a tinker path naming
+    ``path``."""
     try:
         return TinkerPath.parse(given) == path
     except InvalidArgument:
