@@ -164,7 +164,7 @@ def compare(
         service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
         training = service.create_lora_training_client(base_model=model, rank=4).result()
         tokenizer = training.get_tokenizer()
-        # The config the front builds for the SDK's model (``ModelSlot.create_model``).
+        # The config the front builds for the SDK's model (``ModelTable.create_model``).
         config = training_config({"base_model": model, "lora_config": {"rank": 4}})
         config = fit_lora_roles(fit_max_length(config, models / model), models / model)
         own = SessionClient(f"127.0.0.1:{own_port}", timeout_s=120)

@@ -1,7 +1,8 @@
 """The contract is the only thing the two sides share: the server imports the contract, never the
-client; the contract imports neither side, nor torch. Checked on the source tree's imports (every
-``import`` statement, at any depth, and every ``importlib.import_module`` of a literal name), so a
-lazy import inside a function counts too."""
+client; the contract imports neither side, nor torch. Calls go one way, transport -> service ->
+engine: no transport (gRPC, Tinker) imports an engine module. Checked on the source tree's imports
+(every ``import`` statement, at any depth, relative ones resolved, and every
+``importlib.import_module`` of a literal name), so a lazy import inside a function counts too."""
 
 from __future__ import annotations
 
@@ -17,17 +18,42 @@ from trainwire.contract.planning import manifest, overrides, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 HEAVY = ("torch", "numpy", "transformers")
+ENGINE = "trainwire.server.engine"
+TRANSPORTS = ("grpc", "tinker")  # the folders under server/ that a client's request enters by
+# The import package each source folder is (pyproject's package-dir mapping).
+PACKAGE_OF_FOLDER = {"server": "trainwire.server", "client": "trainwire.client"}
+TINKER_PACKAGE = "trainwire.server.tinker"
 
 
-def imported_names(path: Path) -> list[tuple[int, str]]:
+def package_of(path: Path) -> str:
+    """The dotted package a source file under ``ROOT`` belongs to (``server/tinker/app.py``:
+    ``trainwire.server.tinker``), which its relative imports start from."""
+    top, *folders = path.resolve().relative_to(ROOT).parent.parts
+    return ".".join([PACKAGE_OF_FOLDER.get(top, top), *folders])
+
+
+def absolute_module(package: str, level: int, module: str | None) -> str:
+    """The module a ``from`` import names: ``module`` itself when absolute (``level`` 0), else
+    counted up from ``package`` (level 1 is ``package``, 2 its parent, ...)."""
+    if level == 0:
+        return module or ""
+    parts = package.split(".")
+    base = parts[: len(parts) - level + 1]
+    return ".".join([*base, module] if module else base)
+
+
+def imported_names(path: Path, package: str | None = None) -> list[tuple[int, str]]:
     """(line, dotted name) of everything ``path`` imports: modules, and ``from`` imports as
-    ``module.name`` (so ``from trainwire import client`` reads ``trainwire.client``)."""
+    ``module.name`` (so ``from trainwire import client`` reads ``trainwire.client``), relative
+    ones resolved from ``package`` (by default the file's own, ``package_of``)."""
+    package = package if package is not None else package_of(path)
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found += [(node.lineno, f"{node.module}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(package, node.level, node.module)
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names]
         elif (
             isinstance(node, ast.Call)
             and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
@@ -53,6 +79,38 @@ def imports_under(folder: Path, forbidden: tuple[str, ...]) -> list[str]:
 
 def test_no_server_module_imports_the_client():
     assert imports_under(ROOT / "server", ("trainwire.client",)) == []
+
+
+def test_no_transport_module_imports_the_engine():
+    """The gRPC servicer and the Tinker front reach the engine through the service only (the
+    Tinker front's losses and LoRA roles: ``service/capabilities.py``)."""
+    for transport in TRANSPORTS:
+        assert imports_under(ROOT / "server" / transport, (ENGINE,)) == [], transport
+
+
+def test_the_import_check_sees_every_way_of_naming_the_engine(tmp_path):
+    """Each form an import of the engine can take is read as the engine (the file is read as a
+    module of the Tinker front, so its relative imports resolve from
+    ``trainwire.server.tinker``)."""
+    forms = [
+        "import trainwire.server.engine.loss.losses",
+        "from trainwire.server.engine.loss.losses import LOSSES",
+        "from trainwire.server import engine",
+        "from ..engine.weights import module_roles",
+        "from .. import engine",
+        "def lazy():\n    from trainwire.server.engine.weights.module_roles import ROLES",
+        "importlib.import_module('trainwire.server.engine.session.session')",
+    ]
+    probe = tmp_path / "probe.py"
+    for form in forms:
+        probe.write_text(form + "\n", encoding="utf-8")
+        found = [name for _, name in imported_names(probe, TINKER_PACKAGE)]
+        assert any(name.startswith(ENGINE) for name in found), (form, found)
+    probe.write_text("from .front import TinkerFront\n", encoding="utf-8")
+    assert [name for _, name in imported_names(probe, TINKER_PACKAGE)] == [
+        "trainwire.server.tinker.front.TinkerFront"
+    ]
+    assert package_of(ROOT / "server" / "tinker" / "app.py") == TINKER_PACKAGE
 
 
 def test_the_contract_imports_neither_side_nor_torch():

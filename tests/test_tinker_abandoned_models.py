@@ -23,7 +23,7 @@ from trainwire import cli
 from trainwire.contract.model_ids import run_id_for
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.tenants import Tenant, Tenants
-from trainwire.server.tinker.model_slot import SESSION_LAPSE_S
+from trainwire.server.tinker.model_table import SESSION_LAPSE_S
 
 # A real SDK script in a process of its own, and servers of many runs: with the slow tests.
 pytestmark = pytest.mark.slow

@@ -32,7 +32,7 @@ from trainwire.server.service.request_records import (
     SessionRecord,
 )
 from trainwire.server.service.request_store import RequestStore, read_records
-from trainwire.server.tinker import codec, model_slot
+from trainwire.server.tinker import codec, model_table
 from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.server.tinker.sdk_sessions import session_of
 
@@ -328,7 +328,7 @@ def test_a_compacted_log_keeps_the_sessions_still_alive_not_every_one_ever_made(
 ) -> None:
     """Item 14: sessions created and abandoned are not rewritten into each compacted log (nor
     read back at each restart); the model's own session and live ones are."""
-    monkeypatch.setattr(model_slot, "SESSION_KEEP_S", 1.0)
+    monkeypatch.setattr(model_table, "SESSION_KEEP_S", 1.0)
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)

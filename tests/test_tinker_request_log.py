@@ -251,9 +251,9 @@ def test_a_model_whose_client_went_silent_gives_way_to_a_new_one(
 ) -> None:
     import time
 
-    from trainwire.server.tinker import model_slot
+    from trainwire.server.tinker import model_table
 
-    monkeypatch.setattr(model_slot, "SESSION_LAPSE_S", 2.0)
+    monkeypatch.setattr(model_table, "SESSION_LAPSE_S", 2.0)
     with tinker_server(tmp_path / "state", model_root) as handle:
         api = FrontApi(handle)
         _, old_model = api.model()

@@ -114,6 +114,8 @@ def rest_capabilities(w: World, call: Call) -> None:
     assert answer.supported_models[0].trainable
     raw = w.raw("GET", "get_server_capabilities").json()
     assert raw["custom_loss"] == "client" and "cross_entropy" in raw["loss_functions"]
+    assert "stable_reinforce" not in raw["loss_functions"]
+    assert "ppo" in raw["refused_loss_functions"]["stable_reinforce"]  # what to train with
 
 
 def console_url(w: World, call: Call) -> None:

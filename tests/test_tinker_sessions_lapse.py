@@ -20,7 +20,7 @@ from trainwire.server.service.host import SessionHost
 from trainwire.server.service.intake import Intake
 from trainwire.server.service.request_records import SessionRecord, owner_of_record
 from trainwire.server.tinker.codec import PROTOBUF
-from trainwire.server.tinker.model_slot import SESSION_KEEP_S
+from trainwire.server.tinker.model_table import SESSION_KEEP_S
 from trainwire.server.tinker.sdk_sessions import session_of
 
 

@@ -199,10 +199,10 @@ class Intake:
         lane, account = self.host.lane_of(run_id), self.account_of(stream)
         self.order.start_stream(stream, next_seq, noun=self.noun, lane=lane, account=account)
 
-    def resume_at(self, stream: str, record: ResumeRecord, *, run_id: str = "") -> None:
-        """``stream``'s compacted records go on at ``record``'s seq_id and journal position."""
-        self.start_stream(stream, record.next_seq, run_id=run_id)
-        self._resumes[stream] = ResumeRecord(record.next_seq, record.position, stream)
+    def resume_at(self, record: ResumeRecord, *, run_id: str = "") -> None:
+        """``record``'s stream's compacted records go on at its seq_id and journal position."""
+        self.start_stream(record.stream, record.next_seq, run_id=run_id)
+        self._resumes[record.stream] = record
 
     def end_stream(self, stream: str) -> None:
         """``stream`` ended (its model closed): it takes no request any more, its held calls

@@ -2,8 +2,7 @@
 
 Each record is a frozen dataclass; ``to_json`` gives the one JSON object a row of the store holds
 (its ``kind`` names the record type, and is written here only) and ``record_from_json`` reads it
-back. The JSON form is the store's format (and was the line of earlier versions' log): it stays
-readable across versions.
+back.
 
 - ``SessionRecord``: a client session the server created (a Tinker SDK session); the requests
   made under it are its own (``Intake.owner_of``).
@@ -11,7 +10,7 @@ readable across versions.
   requests that use it (the Tinker front's sampling sessions): its kind and fields are the
   transport's, and its ``owner`` the client session it goes with (None: the server's).
 - ``ResumeRecord``: where a compacted stream resumes: its next seq and the journal position of
-  the checkpoint it was compacted at (``stream`` None: an earlier version's, of its one stream).
+  the checkpoint it was compacted at.
 - ``CallRecord``: an accepted ordered request, as its route takes it again.
 - ``SampleRecord``: an accepted unordered request (a sample).
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
@@ -68,11 +67,15 @@ class NoteRecord:
 class ResumeRecord:
     next_seq: int
     position: int
-    stream: str | None = None
+    stream: str
 
     def to_json(self) -> dict[str, Any]:
-        record = {"kind": "resume", "next_seq": self.next_seq, "position": self.position}
-        return record if self.stream is None else {**record, "stream": self.stream}
+        return {
+            "kind": "resume",
+            "next_seq": self.next_seq,
+            "position": self.position,
+            "stream": self.stream,
+        }
 
 
 @dataclass(frozen=True)
@@ -160,7 +163,7 @@ def record_from_json(data: dict[str, Any]) -> Record:
     if kind == "session":
         return SessionRecord(data["session_id"])
     if kind == "resume":
-        return ResumeRecord(data["next_seq"], data["position"], data.get("stream"))
+        return ResumeRecord(data["next_seq"], data["position"], data["stream"])
     if kind == "call":
         body, encoding = decode_body(data["body"]), data.get("encoding")
         return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)

@@ -25,8 +25,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
-from trainwire.server.engine.loss.losses import LOSSES, NOT_SERVED
 from trainwire.server.errors import FailedPrecondition, InvalidArgument
+from trainwire.server.service.capabilities import refused_losses, served_losses
 from trainwire.server.tinker import saved_checkpoints
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import supported_models
@@ -77,8 +77,8 @@ def capabilities(front: TinkerFront) -> dict[str, Any]:
     server serves, for a reader of the JSON (the SDK ignores fields it does not know)."""
     return {
         "supported_models": supported_models(front.model_root),
-        "loss_functions": sorted(LOSSES),
-        "refused_loss_functions": dict(NOT_SERVED),
+        "loss_functions": served_losses(),
+        "refused_loss_functions": refused_losses(),
         "custom_loss": CUSTOM_LOSS_RUNS_ON,
         "optimizers": ["adamw"],
         "max_runs": front.host.max_runs,

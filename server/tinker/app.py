@@ -1,5 +1,5 @@
 """The HTTP routes the Tinker SDK calls: each reads the body and calls its route function
-(``training_routes``, ``sampling_routes``) or the model slot.
+(``training_routes``, ``sampling_routes``) or the model table.
 
 Every route that writes the front's request store (an fsync) runs on a worker thread, never on
 the event loop that answers polls. Errors: a caller's mistake is 400 (the SDK does not retry it)
@@ -213,7 +213,9 @@ def create_app(
             route = training_routes.forward_backward
             return future(await run_in_threadpool(route, front, raw, encoding))
 
-    def sequenced(route: Callable[[TinkerFront, dict[str, Any]], str]) -> Callable[..., Any]:
+    def queued_json_route(
+        route: Callable[[TinkerFront, dict[str, Any]], str],
+    ) -> Callable[..., Any]:
         """A training call with a JSON body: its route queues it and answers its request id."""
 
         async def call(request: Request) -> dict[str, Any]:
@@ -222,7 +224,7 @@ def create_app(
         return call
 
     for name, route in SEQUENCED_JSON_ROUTES.items():
-        app.post(f"{API}/{name}", name=name)(sequenced(route))
+        app.post(f"{API}/{name}", name=name)(queued_json_route(route))
 
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict[str, Any]:

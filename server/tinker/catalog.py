@@ -174,13 +174,13 @@ class TrainingRunRecord:
             "corrupted": False,
             "lora_rank": self.lora_rank,
             "last_request_time": iso(self.last_request_s),
-            "last_checkpoint": _sdk(latest["weights"], self.model_id),
-            "last_sampler_checkpoint": _sdk(latest["sampler_weights"], self.model_id),
+            "last_checkpoint": _checkpoint_to_sdk(latest["weights"], self.model_id),
+            "last_sampler_checkpoint": _checkpoint_to_sdk(latest["sampler_weights"], self.model_id),
             "user_metadata": self.user_metadata or None,
         }
 
 
-def _sdk(checkpoint: SavedCheckpoint | None, model_id: str) -> dict[str, Any] | None:
+def _checkpoint_to_sdk(checkpoint: SavedCheckpoint | None, model_id: str) -> dict[str, Any] | None:
     return None if checkpoint is None else checkpoint.to_sdk(model_id)
 
 
@@ -225,7 +225,7 @@ class Catalog:
             raise NotFound(f"no training run {model_id!r} on this server")
         return record
 
-    def held(self, model_id: str) -> TrainingRunRecord | None:
+    def run_of_any_tenant(self, model_id: str) -> TrainingRunRecord | None:
         """Run ``model_id`` whoever holds it (None: none): for the server's own checks, such as
         whether a model id is taken, never to answer a caller with."""
         with self._lock:

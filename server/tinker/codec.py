@@ -145,15 +145,21 @@ def forward_backward_call(message: pb.ForwardBackwardRequest) -> ForwardBackward
 
 
 def _loss_config(message: pb.ForwardBackwardRequest) -> dict[str, float]:
-    """The v2 map when it is set (the SDK dual-writes numbers into both), else the legacy one."""
-    if message.loss_fn_config_v2:
-        config = {}
-        for key, value in message.loss_fn_config_v2.items():
-            if value.WhichOneof("value") == "text":
-                raise InvalidArgument(f"loss_fn_config[{key!r}]: text values are not supported")
-            config[key] = value.number
-        return config
-    return dict(message.loss_fn_config.items())
+    """The loss config from ``loss_fn_config_v2``, where the SDK writes every key (it copies the
+    numbers into ``loss_fn_config`` too); a key sent only in that second map is refused, never
+    silently dropped."""
+    config = {}
+    for key, value in message.loss_fn_config_v2.items():
+        if value.WhichOneof("value") == "text":
+            raise InvalidArgument(f"loss_fn_config[{key!r}]: text values are not supported")
+        config[key] = value.number
+    unread = sorted(set(message.loss_fn_config) - set(config))
+    if unread:
+        raise InvalidArgument(
+            f"loss_fn_config: {', '.join(unread)} sent only in the number map; send every key "
+            "in loss_fn_config_v2, as the tinker SDK does"
+        )
+    return config
 
 
 def _example(index: int, datum: pb.Datum) -> TokenExample:

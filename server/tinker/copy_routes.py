@@ -18,7 +18,7 @@ The steps run in an order that keeps tenants and stores apart: the run id is cla
 caller first (``RunOwners``: a run written first reads as ``default``'s), then the files are
 written (each whole or not at all), then one catalog record holds the run and its checkpoint.
 The record is the answer: a retry that finds it answers at once; a copy that fails before it
-takes back every step it made (files, run, claim), so nothing is left on disk or in a listing.
+undoes every step it made (files, run, claim), so nothing is left on disk or in a listing.
 A copy killed before its record is finished by its retry.
 """
 
@@ -67,7 +67,7 @@ def copy_weights(front: TinkerFront, body: dict[str, Any], key: str | None) -> d
     model_id, project = _destination(front, body, tenant, key)
     copied = TinkerPath(model_id, path.segment, path.name)
     with front.catalog.removal_guard:  # the source is not removed while its files are linked
-        held = front.catalog.held(model_id)
+        held = front.catalog.run_of_any_tenant(model_id)
         if held is not None:
             _check_retry(held, model_id, key, digest)
             return {"tinker_path": str(copied)}
@@ -90,7 +90,7 @@ def copy_weights(front: TinkerFront, body: dict[str, Any], key: str | None) -> d
             written = True
             front.catalog.add_run(record)
         except BaseException:
-            _take_back(front, copied, spec.run_id, tenant, written=written)
+            _undo_copy(front, copied, spec.run_id, tenant, written=written)
             raise
     return {"tinker_path": str(copied)}
 
@@ -114,7 +114,7 @@ def _claim(front: TinkerFront, run_id: str, tenant: str | None) -> None:
         front.models.owners.claim(run_id, tenant)
 
 
-def _take_back(
+def _undo_copy(
     front: TinkerFront, copied: TinkerPath, run_id: str, tenant: str | None, *, written: bool
 ) -> None:
     """Undo a copy that failed before its record: nobody was answered with it. Its run (when

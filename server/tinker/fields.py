@@ -14,25 +14,30 @@ from typing import Any
 from trainwire.server.errors import InvalidArgument
 
 
-def _refuse(name: str, expected: str, value: Any) -> InvalidArgument:
+def _wrong_type(name: str, expected: str, value: Any) -> InvalidArgument:
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
     return InvalidArgument(f"{name} must be {expected}, got {shown}")
 
 
-def _read(
+def _typed_field(
     body: Mapping[str, Any], name: str, default: Any, accepts: Callable[[Any], bool], what: str
 ) -> Any:
     value = body.get(name)
     if value is None:
         return default
     if not accepts(value):
-        raise _refuse(name, what, value)
+        raise _wrong_type(name, what, value)
     return value
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_non_negative_int(value: Any) -> bool:
+    """An integer >= 0 (a count, a cursor, a clone id), never a bool."""
+    return _is_int(value) and value >= 0
 
 
 def _is_number(value: Any) -> bool:
@@ -45,33 +50,33 @@ def _is_number(value: Any) -> bool:
 
 
 def get_str(body: Mapping[str, Any], name: str, default: str | None = None) -> str | None:
-    return _read(body, name, default, lambda v: isinstance(v, str), "a string")
+    return _typed_field(body, name, default, lambda v: isinstance(v, str), "a string")
 
 
 def get_int(body: Mapping[str, Any], name: str, default: int | None = None) -> int | None:
-    return _read(body, name, default, _is_int, "an integer")
+    return _typed_field(body, name, default, _is_int, "an integer")
 
 
 def get_float(body: Mapping[str, Any], name: str, default: float | None = None) -> float | None:
-    value = _read(body, name, default, _is_number, "a finite number")
+    value = _typed_field(body, name, default, _is_number, "a finite number")
     return None if value is None else float(value)
 
 
 def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:
-    return _read(body, name, default, lambda v: isinstance(v, bool), "true or false")
+    return _typed_field(body, name, default, lambda v: isinstance(v, bool), "true or false")
 
 
 def get_dict(body: Mapping[str, Any], name: str) -> dict[str, Any] | None:
-    return _read(body, name, None, lambda v: isinstance(v, dict), "an object")
+    return _typed_field(body, name, None, lambda v: isinstance(v, dict), "an object")
 
 
 def get_list(body: Mapping[str, Any], name: str) -> list[Any] | None:
-    return _read(body, name, None, lambda v: isinstance(v, list), "a list")
+    return _typed_field(body, name, None, lambda v: isinstance(v, list), "a list")
 
 
 def int_list(values: list[Any], name: str) -> list[int]:
     """Every item an integer (token ids)."""
     for value in values:
         if not _is_int(value):
-            raise _refuse(f"every item of {name}", "an integer", value)
+            raise _wrong_type(f"every item of {name}", "an integer", value)
     return values

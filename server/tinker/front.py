@@ -1,5 +1,5 @@
 """The Tinker front's parts, as the routes see them: the session host, the service's intake and
-the model slot (``startup`` builds them and reads the request store back).
+the model table (``startup`` builds them and reads the request store back).
 
 The front owns no engine and no state directory of its own: it reaches the session only through
 the host's operation table and lifecycle (``open``, ``close``, ``recover``), keeps its own files
@@ -19,7 +19,7 @@ from trainwire.server.service.host import SessionHost
 from trainwire.server.service.intake import Intake, Submission
 from trainwire.server.service.request_records import Body
 from trainwire.server.tinker.catalog import Catalog
-from trainwire.server.tinker.model_slot import ModelSlot
+from trainwire.server.tinker.model_table import ModelTable
 from trainwire.server.tinker.sampling_sessions import SamplingSessions
 
 FRONT_DIR = "tinker"  # the front's own files, beside the runs in the state directory
@@ -33,7 +33,7 @@ class TinkerFront:
 
     host: SessionHost
     intake: Intake
-    models: ModelSlot
+    models: ModelTable
     directory: Path
     model_root: Path | None
     catalog: Catalog  # every run's named checkpoints, kept after the run closes

@@ -1,5 +1,5 @@
 """What ``create_model`` becomes: the SDK's model request as a trainwire ``TrainingConfig``, and
-the record the front keeps of the one model it serves.
+the record the front keeps of each model it serves.
 
 The run's optimizer settings are Tinker's ``AdamParams`` defaults (beta1 0.9, beta2 0.95, eps
 1e-12, no weight decay, no clipping); every SDK ``optim_step`` names its own values, and each
@@ -17,8 +17,8 @@ from typing import Any
 from trainwire.contract.config import LoraSettings, TrainingConfig
 from trainwire.contract.files import write_text_atomic
 from trainwire.contract.model_ids import run_id_for
-from trainwire.server.engine.weights.module_roles import ROLES, model_role_targets
 from trainwire.server.errors import InvalidArgument
+from trainwire.server.service.capabilities import LORA_ROLES, lora_role_targets
 from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
 
 # Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
@@ -30,7 +30,6 @@ ROLE_PREFIX = "role:"
 ADAM_DEFAULTS = {"beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0}
 MAX_LENGTH = 32768  # tokens per datum, or the model's positions where it has fewer
 MODELS_DIR = "models"  # one file per open model, by its run id
-LEGACY_MODEL_FILE = "model.json"  # where an earlier version kept its one model
 
 
 @dataclass(frozen=True)
@@ -62,12 +61,7 @@ class ModelRecord:
 
     @classmethod
     def load_all(cls, directory: Path) -> list[ModelRecord]:
-        """The open models recorded under ``directory``, by model id; an earlier version's one
-        model file is taken in (and moved) first."""
-        legacy = directory / LEGACY_MODEL_FILE
-        if legacy.is_file():
-            cls(**json.loads(legacy.read_text())).save(directory)
-            legacy.unlink()
+        """The open models recorded under ``directory``, by model id."""
         folder = directory / MODELS_DIR
         paths = sorted(folder.glob("*.json")) if folder.is_dir() else []
         models = [cls(**json.loads(path.read_text())) for path in paths]
@@ -104,7 +98,7 @@ def training_config(body: dict[str, Any]) -> TrainingConfig:
         rank = get_int(lora, "rank")
         if rank is None or rank < 1:
             raise InvalidArgument(f"create_model: lora_config.rank must be >= 1, got {rank!r}")
-        roles = [role for role in ROLES if get_bool(lora, f"train_{role}", True)]
+        roles = [role for role in LORA_ROLES if get_bool(lora, f"train_{role}", True)]
         if not roles:
             raise InvalidArgument("create_model: train at least one of attn, mlp, unembed")
         # Each role's layers are the model's own (GPT-2 names its attention c_attn, a mixture
@@ -145,7 +139,7 @@ def fit_lora_roles(config: TrainingConfig, model_dir: Path) -> TrainingConfig:
     if model_config(model_dir) is None:
         return config  # no model there: opening it says so (NotFound), before any adapter
     roles = [target.removeprefix(ROLE_PREFIX) for target in lora.target_modules]
-    found = model_role_targets(model_dir, roles)
+    found = lora_role_targets(model_dir, roles)
     chosen = replace(lora, target_modules=found.modules, target_parameters=found.parameters)
     return replace(config, lora=chosen)
 

@@ -26,6 +26,7 @@ from trainwire.server.tinker.fields import (
     get_list,
     get_str,
     int_list,
+    is_non_negative_int,
 )
 
 
@@ -257,13 +258,15 @@ def _target_ids(value: Any, problems: list[str]) -> tuple[tuple[int, ...], ...] 
     shape, data = value.get("shape"), value.get("data")
     if value.get("dtype") != "int64":
         problems.append(f"{name} must be an int64 tensor of token ids")
-    elif not (isinstance(shape, list) and len(shape) == 2 and all(_count(n) for n in shape)):
+    elif not (
+        isinstance(shape, list) and len(shape) == 2 and all(is_non_negative_int(n) for n in shape)
+    ):
         problems.append(f"{name} must be 2-D, [len(prompt) - 1, K], got shape {shape!r:.40}")
     elif shape[0] > MAX_PROMPT_TOKENS or shape[1] > MAX_LOGPROB_IDS:
         problems.append(
             f"{name} has shape {shape}; at most [{MAX_PROMPT_TOKENS}, {MAX_LOGPROB_IDS}]"
         )
-    elif not isinstance(data, list) or not all(_id_or_none(token) for token in data):
+    elif not isinstance(data, list) or not all(_is_token_id_or_none(token) for token in data):
         problems.append(f"{name} must hold token ids in [0, {MAX_TOKEN_ID}] or -1 (none)")
     else:
         rows, width = shape
@@ -286,7 +289,7 @@ def _csr_ids(
         not isinstance(crow, list)
         or not isinstance(cols, list)
         or len(crow) != rows + 1
-        or not all(_count(n) for n in [*crow, *cols])
+        or not all(is_non_negative_int(n) for n in [*crow, *cols])
         or crow[0] != 0
         or not crow[-1] == len(cols) == len(data)
         or any(crow[r] > crow[r + 1] for r in range(rows))
@@ -310,11 +313,7 @@ def _csr_ids(
     return tuple(tuple(row) for row in dense)
 
 
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _id_or_none(value: Any) -> bool:
+def _is_token_id_or_none(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and -1 <= value <= MAX_TOKEN_ID
 
 

@@ -37,6 +37,7 @@ from starlette.concurrency import run_in_threadpool
 
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service.results import Done, Failed, Outcome, outcome_size
+from trainwire.server.tinker.fields import is_non_negative_int
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.tenancy import unrestricted
 
@@ -66,7 +67,7 @@ class CompletionQueue:
         self.events.append((self.last_cursor, request_id, outcome))
         self.reported.add(request_id)
 
-    def after(self, cursor: int) -> list[tuple[int, str, Outcome]]:
+    def completions_after(self, cursor: int) -> list[tuple[int, str, Outcome]]:
         """The completions past ``cursor``, dropping the ones it covers."""
         self.events = [event for event in self.events if event[0] > cursor]
         return self.events[:MAX_COMPLETIONS]
@@ -85,7 +86,7 @@ def check_target(body: dict[str, Any]) -> tuple[Target, int, float | None, list[
     retrieved = body.get("retrieved_request_ids") or []
     if not isinstance(sampling_id, str) or not sampling_id:
         raise InvalidArgument("retrieve_futures: target.sampling_session_id is required")
-    if not _count(clone) or not _count(cursor):
+    if not is_non_negative_int(clone) or not is_non_negative_int(cursor):
         raise InvalidArgument("retrieve_futures: cloned_sampler_id and prev_cursor are ints >= 0")
     if hold is not None and (isinstance(hold, bool) or not isinstance(hold, int | float)):
         raise InvalidArgument(f"retrieve_futures: timeout must be seconds or null, got {hold!r}")
@@ -97,10 +98,6 @@ def check_target(body: dict[str, Any]) -> tuple[Target, int, float | None, list[
             f"{MAX_RETRIEVED_IDS}: report the rest with the next poll"
         )
     return (sampling_id, clone), cursor, hold, retrieved
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def in_target(request_id: str, target: Target) -> bool:
@@ -149,12 +146,14 @@ class SamplingFutures:
         self.front.sampling_sessions.require(sampling_id, replaying=replaying)
         results = self.front.intake.results
         with self._lock:
-            taken = self._clones.setdefault(sampling_id, set())
+            handed_out = self._clones.setdefault(sampling_id, set())
             while True:
                 clone = secrets.randbelow(CLONE_BLOCK - 1) + 1
-                if clone not in taken and not results.known(f"{sampling_id}/{clone * CLONE_BLOCK}"):
+                if clone not in handed_out and not results.known(
+                    f"{sampling_id}/{clone * CLONE_BLOCK}"
+                ):
                     break
-            taken.add(clone)
+            handed_out.add(clone)
         return {"type": "join_sampling_session", "client_counter": clone}
 
     # -- retrieve_futures ------------------------------------------------------------------------
@@ -170,9 +169,9 @@ class SamplingFutures:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + hold_s
         while True:
-            pending = await run_in_threadpool(self._scan, target, queue)
+            pending = await run_in_threadpool(self._report_finished, target, queue)
             with self._lock:
-                events = queue.after(cursor)
+                events = queue.completions_after(cursor)
             remaining = deadline - loop.time()
             if events or remaining <= 0:
                 break
@@ -196,11 +195,11 @@ class SamplingFutures:
         sessions = self.front.sampling_sessions
         with unrestricted():
             ended = {s for s, _ in self._queues} | set(self._clones)
-            ended = {s for s in ended if not _exists(sessions, s)}
+            ended = {s for s in ended if not _sampling_session_exists(sessions, s)}
         self._queues = {t: q for t, q in self._queues.items() if t[0] not in ended}
         self._clones = {s: c for s, c in self._clones.items() if s not in ended}
 
-    def _scan(self, target: Target, queue: CompletionQueue) -> list[str]:
+    def _report_finished(self, target: Target, queue: CompletionQueue) -> list[str]:
         """Report ``target``'s finished requests not reported yet; its pending ones, oldest
         first."""
         results = self.front.intake.results
@@ -247,7 +246,7 @@ class SamplingFutures:
         return int(self.clock() * 1_000_000)
 
 
-def _exists(sessions: Any, sampling_id: str) -> bool:
+def _sampling_session_exists(sessions: Any, sampling_id: str) -> bool:
     try:
         sessions.get(sampling_id)
     except FileNotFoundError:  # NotFound

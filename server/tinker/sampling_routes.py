@@ -182,7 +182,7 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
         result = front.host.apply(ops.SAMPLE, sample, run_id=run_id, account=None)
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
-    turns = _turns_of(front, request.sampling_session_id)
+    turns = _run_whose_turns_it_takes(front, request.sampling_session_id)
     with accepting_sample(front, request.sampling_session_id):
         front.intake.submit_unordered(
             request_id, body, call, size=held_bytes(request), run_id=turns
@@ -227,7 +227,7 @@ def require_readable(front: TinkerFront, sampling_id: str) -> None:
         front.catalog.find(TinkerPath.parse(sampler.model_path))
 
 
-def _turns_of(front: TinkerFront, sampling_id: str) -> str:
+def _run_whose_turns_it_takes(front: TinkerFront, sampling_id: str) -> str:
     """The run whose turns a sample of ``sampling_id`` takes: its model's while that is open
     (after a restart, the model whose replayed call makes the sampling session: the sample
     waits behind it), else none ("": which run samples it is chosen when it runs)."""
@@ -290,8 +290,6 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
                 "training client of it first"
             )
         return models[0].run_id, {"base_model": True}
-    if not saved_by:  # an earlier version's snapshot, of a model closed since
-        raise NotFound("no model on this server: its sampling clients ended with it")
     weights = {"export": sampler.export, "export_run": saved_by}
     if not models:
         source = front.catalog.run(TinkerPath.parse(sampler.model_path or "").model_id)

@@ -50,7 +50,7 @@ class SamplingSession:
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
     weights_version: int | None = None  # the trainer's version it holds (None: unknown)
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
-    model_id: str = ""  # the model that took the snapshot ("": an earlier version's one model)
+    model_id: str = ""  # the model that took the snapshot ("": none, it samples the base model)
     inflight: bool = False  # reads its model's inflight weights, not its own snapshot
 
     def record(self, *, named: bool = False) -> NoteRecord:
@@ -58,9 +58,6 @@ class SamplingSession:
         weights outlive the SDK session that saved them, a sampling session goes with its own."""
         fields = asdict(self)
         del fields["weights_version"]
-        for name in ("export_run", "model_id", "inflight"):  # written where set, as before
-            if not fields[name]:
-                del fields[name]
         if named:
             return NoteRecord(SAMPLER_NOTE, {**fields, "named": True})
         return NoteRecord(SAMPLER_NOTE, fields, session_of(self.sampling_session_id))
@@ -174,14 +171,6 @@ class SamplingSessions:
             self._versions.pop(model_id, None)
             self._expected = {k: v for k, v in self._expected.items() if v != model_id}
 
-    def adopt(self, model_id: str) -> None:
-        """What an earlier version's store kept without a model (it had one) is ``model_id``'s."""
-        with self._lock:
-            self._sessions = {k: _adopted(v, model_id) for k, v in self._sessions.items()}
-            self._named = {k: _adopted(v, model_id) for k, v in self._named.items()}
-            if "" in self._unnamed:
-                self._unnamed.setdefault(model_id, []).extend(self._unnamed.pop(""))
-
     def named(self, path: str) -> bool:
         """Whether sampler weights ``path`` of the open model exist (and the caller's)."""
         with self._lock:
@@ -277,7 +266,7 @@ class SamplingSessions:
             return [*named, *sessions, *unnamed, *inflight]
 
     def restore(self, note: NoteRecord) -> None:
-        """Take back one of ``records``' notes (or a logged sampling session); ValueError for a
+        """Restore one of ``records``' notes (or a logged sampling session); ValueError for a
         note of another kind."""
         with self._lock:
             if note.kind == INFLIGHT_NOTE:
@@ -285,8 +274,7 @@ class SamplingSessions:
                 self._inflight[latest.model_id] = latest
                 return
             if note.kind == UNNAMED_SNAPSHOTS_NOTE:
-                model_id = note.fields.get("model_id", "")
-                self._unnamed[model_id] = list(note.fields["exports"])
+                self._unnamed[note.fields["model_id"]] = list(note.fields["exports"])
                 return
             if note.kind != SAMPLER_NOTE:
                 raise ValueError(f"a request-store note of unknown kind {note.kind!r}")
@@ -297,7 +285,3 @@ class SamplingSessions:
                 self._named[sampler.model_path or ""] = sampler
             else:
                 self._sessions[sampler.sampling_session_id] = sampler
-
-
-def _adopted(sampler: SamplingSession, model_id: str) -> SamplingSession:
-    return sampler if sampler.model_id else replace(sampler, model_id=model_id)

@@ -122,6 +122,8 @@ def named_reader(request_id: str, path: TinkerPath) -> str:
 
 
 def _names(given: object, path: TinkerPath) -> bool:
+    """Whether ``given`` (a request's path field, whatever it holds) is a tinker path naming
+    ``path``."""
     try:
         return TinkerPath.parse(given) == path
     except InvalidArgument:
@@ -200,10 +202,10 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
 def sweep(front: TinkerFront) -> None:
     """Delete every checkpoint past its TTL, every tenant's (whichever request asks)."""
     with unrestricted():
-        _sweep(front)
+        _delete_expired(front)
 
 
-def _sweep(front: TinkerFront) -> None:
+def _delete_expired(front: TinkerFront) -> None:
     for path in front.catalog.expired():
         try:
             delete(front, path)

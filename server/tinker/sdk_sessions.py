@@ -3,8 +3,8 @@
 Every ``ServiceClient`` creates a session and heartbeats it every ``SDK_HEARTBEAT_S`` for as long
 as it lives (tinker's ``InternalClientHolder._session_heartbeat``), whatever else it is doing; its
 calls name the session too (its models' and sampling sessions' ids start with it,
-``session_of``). So a session's silence is its client's: how long is the model slot's decision
-(``model_slot``). Times are this process's clock (``clock``, monotonic unless a test gives
+``session_of``). So a session's silence is its client's: how long is the model table's decision
+(``model_table``). Times are this process's clock (``clock``, monotonic unless a test gives
 another): a session read back after a restart counts as heard from at the restart. A session its
 client closed stays known while something of its own may still be fetched, but is never heard
 from again (``close``).

@@ -151,7 +151,7 @@ class SessionDirectory:
             runs.setdefault(session_of(run.model_id), []).append(run)
         known = self.front.models.sessions
         ids = {s for s in known if visible(s)} | set(runs)
-        samplers = self._samplers()
+        samplers = self._sampling_sessions_by_session()
         now = self.clock()
         with self._lock:
             self._first_listed = {s: self._first_listed.get(s, now) for s in ids if s not in runs}
@@ -188,7 +188,7 @@ class SessionDirectory:
             "no training run left in the catalog)"
         )
 
-    def _samplers(self) -> dict[str, list[str]]:
+    def _sampling_sessions_by_session(self) -> dict[str, list[str]]:
         """The sampling sessions of the open model, by SDK session."""
         found: dict[str, list[str]] = {}
         for note in self.front.sampling_sessions.records():
@@ -241,7 +241,7 @@ def search_filter(
     if not isinstance(owner, dict) or owner.get("type") not in OWNERS:
         raise InvalidArgument(f"search_sessions: owner.type is one of {', '.join(OWNERS)}")
     owners = set(owner.get("owner_urns") or []) if owner["type"] == "user" else None
-    statuses = _statuses(body.get("statuses"))
+    statuses = _parse_statuses(body.get("statuses"))
     limit = body.get("limit", 50)
     if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_SEARCH_PAGE:
         raise InvalidArgument(f"search_sessions: limit is 1 to {MAX_SEARCH_PAGE}, got {limit!r}")
@@ -256,10 +256,10 @@ def search_filter(
             return False
         return statuses is None or (view.status or "") in statuses
 
-    return match, limit, _cursor(body.get("cursor"))
+    return match, limit, _parse_cursor(body.get("cursor"))
 
 
-def _statuses(value: Any) -> set[str] | None:
+def _parse_statuses(value: Any) -> set[str] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not value:
@@ -270,7 +270,7 @@ def _statuses(value: Any) -> set[str] | None:
     return {str(kind) for kind in kinds}
 
 
-def _cursor(value: Any) -> tuple[float, str] | None:
+def _parse_cursor(value: Any) -> tuple[float, str] | None:
     if value is None:
         return None
     try:

@@ -35,7 +35,7 @@ from trainwire.server.tinker import (
 )
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
-from trainwire.server.tinker.model_slot import ModelSlot
+from trainwire.server.tinker.model_table import ModelTable
 from trainwire.server.tinker.sdk_sessions import session_of
 from trainwire.server.tinker.tenancy import calling, sender_of, tenant_of
 
@@ -63,12 +63,12 @@ def start_front(
     owners: RunOwners | None = None,
 ) -> TinkerFront:
     """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed
-    (``tenants``' limits and the ``owners`` of run ids: ``ModelSlot``)."""
+    (``tenants``' limits and the ``owners`` of run ids: ``ModelTable``)."""
     directory = Path(state_dir) / FRONT_DIR
     intake = Intake(directory, host, owner_of=session_of, noun="model", account_of=tenant_of)
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
-    models = ModelSlot(
+    models = ModelTable(
         host,
         intake,
         directory,
@@ -80,7 +80,7 @@ def start_front(
     )
     front = TinkerFront(host, intake, models, directory, model_root, catalog)
     for name, route in ROUTES.items():
-        intake.routes[name] = partial(_take, route, front)
+        intake.routes[name] = partial(_submit_again, route, front)
     intake.identities["save_weights_for_sampler"] = sampling_routes.snapshot_identity
     # Before the replay: a replayed load reads what it read, so no save may write over it.
     host.checkpoint_readers = partial(saved_checkpoints.checkpoint_readers, front)
@@ -96,34 +96,31 @@ def stop_front(front: TinkerFront) -> None:
 
 
 def replay(front: TinkerFront) -> None:
-    """Take back the front's own state, then let the intake submit every unanswered request.
+    """Restore the front's own state, then let the intake submit every unanswered request.
     A model whose run was closed through the gRPC port (and the server stopped before the front
     heard of it) is forgotten then, before the host's recovery is checked against the
     positions its stored calls were compacted at: a closed run is not resumed."""
     with front.intake.replaying() as records:
         for record in records:
-            _take_back(front, record)
-        models = front.models.open_models()
-        if len(models) == 1:  # an earlier version's samplers named no model: it had one
-            front.sampling_sessions.adopt(models[0].model_id)
+            _restore_front_state(front, record)
         front.intake.replay(records)
     front.models.forget_closed()
 
 
-def _take_back(front: TinkerFront, record: Record) -> None:
+def _restore_front_state(front: TinkerFront, record: Record) -> None:
     if isinstance(record, SessionRecord):
         front.models.sessions.add(record.session_id)
     elif isinstance(record, NoteRecord):
         front.sampling_sessions.restore(record)
     elif isinstance(record, ResumeRecord):
         models = {model.model_id: model.run_id for model in front.models.open_models()}
-        # An earlier version's record names no stream: it had one model.
-        stream = record.stream if record.stream is not None else "".join(list(models)[:1])
-        if stream in models:
-            front.intake.resume_at(stream, record, run_id=models[stream])
+        if record.stream in models:
+            front.intake.resume_at(record, run_id=models[record.stream])
 
 
-def _take(route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None) -> Any:
+def _submit_again(
+    route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None
+) -> Any:
     """A stored request given to its route again, as the listener gave it the first time: as
     its tenant's, so what it was refused then (another tenant's checkpoint) it is refused now."""
     with calling(sender_of(body)):

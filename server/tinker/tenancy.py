@@ -1,20 +1,20 @@
 """Tenants on the Tinker front: every id the front hands out names its tenant, and a call sees
 only the ids of its own.
 
-An SDK session's id carries its tenant (``tw-<hex>.<tenant>``; ``default``'s is ``tw-<hex>``, as
-every id was before tenants), and every other id starts with the session that made it: a model
-``<session>:train:<n>``, a sampling session ``<session>:sample:<n>``, a request (a future)
+An SDK session's id carries its tenant (``tw-<hex>.<tenant>``; ``default``'s is ``tw-<hex>``, the
+id a server without tenants hands out), and every other id starts with the session that made it:
+a model ``<session>:train:<n>``, a sampling session ``<session>:sample:<n>``, a request (a future)
 ``<model or sampling session>/<seq_id>``, a checkpoint ``tinker://<model>/<kind>/<name>`` and a
 download URL, which signs that path. So who owns anything is read off its id (``tenant_of``):
-nothing more to keep, nothing to lose at a restart, and whatever a server saved before it had
-tenants is ``default``'s.
+nothing more to keep, nothing to lose at a restart, and whatever a server saved while it ran
+without tenants is ``default``'s.
 
 The caller is request-scoped: ``RequireKey`` sets it from the key (``calling``) for everything
 the request runs, its worker threads included, and each lookup of an id (a session, the model,
 a sampling session, a future, the catalog) asks ``visible``: another tenant's id is not found,
-with the same answer as an id that does not exist. A request the intake takes back after a
+with the same answer as an id that does not exist. A request the intake submits again after a
 restart is decoded again as its sender's (``sender_of``). A call that runs when its turn comes
-was checked when it was taken, and runs with no caller, which means no restriction; so does a
+was checked when it was accepted, and runs with no caller, which means no restriction; so does a
 front without keys.
 """
 
@@ -37,7 +37,7 @@ _caller: ContextVar[str | None] = ContextVar("trainwire_tinker_caller", default=
 
 
 def new_session_id(tenant: str | None) -> str:
-    """A new SDK session's id, naming ``tenant`` (None or ``default``: the id as before)."""
+    """A new SDK session's id, naming ``tenant`` (None or ``default``: no suffix)."""
     return session_id_named(uuid.uuid4().hex[:16], tenant)
 
 

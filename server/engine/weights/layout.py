@@ -3,8 +3,9 @@
 Why: transformers 5 keeps some weights in memory in another layout than on disk. A Qwen3-MoE's
 experts are one fused tensor per layer (``mlp.experts.gate_up_proj``) in memory and one tensor per
 expert and projection in its files; ``from_pretrained`` converts on the way in and
-``save_pretrained`` converts back on the way out. Old checkpoints carry legacy names
-(``LayerNorm.gamma``), and a base model's files may lack or add the ``base_model_prefix``. So a
+``save_pretrained`` converts back on the way out. Hub checkpoints may name a weight as
+transformers still accepts it (``LayerNorm.gamma`` for ``LayerNorm.weight``), and a base model's
+files may lack or add the ``base_model_prefix``. So a
 ``load_weights`` that matched file names literally against live names could not load an MoE
 export back, nor seed a run from any hub MoE checkpoint.
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from trainwire.server.errors import InvalidArgument
 
-if TYPE_CHECKING:  # torch is imported where a model is read: the Tinker front names ROLES
+if TYPE_CHECKING:  # torch is imported only where a model is read
     import torch
 
 ATTENTION, MLP, UNEMBED = "attn", "mlp", "unembed"

@@ -92,8 +92,9 @@ def plan_native_load(
     """Pair each live non-adapter parameter with its source tensor, or refuse the whole load.
 
     ``source`` is a native directory's tensors as its files name them; they are brought into the
-    live layout first, by the mapping ``from_pretrained`` uses (fused experts, legacy names,
-    the base model prefix), so every layout ``from_pretrained`` accepts loads here too.
+    live layout first, by the mapping ``from_pretrained`` uses (fused experts, renamed weights
+    such as ``LayerNorm.gamma``, the base model prefix), so every layout ``from_pretrained``
+    accepts loads here too.
     """
     live = {name: p for name, p in model.named_parameters() if native_name(name) is not None}
     by_native: dict[str, list[torch.Tensor]] = {}

@@ -1,4 +1,4 @@
-"""The model slots: which run each of the SDK's models is, and the SDK sessions that may use
+"""The table of the SDK's models: which run each model is, and the SDK sessions that may use
 them.
 
 Each ``create_model`` opens a run of the host for its model (``ModelRecord`` keeps what
@@ -94,9 +94,9 @@ SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sa
 T = TypeVar("T")
 
 
-class ModelSlot:
-    """The SDK sessions, the open models (by model id) and the sampling sessions
-    (``sampling_sessions``)."""
+class ModelTable:
+    """The open models (by model id), the SDK sessions that may use them and the sampling
+    sessions (``sampling_sessions``)."""
 
     def __init__(
         self,
@@ -127,7 +127,7 @@ class ModelSlot:
         self._busy: dict[str, threading.Lock] = {}
         self._sampling_run: dict[str, str] = {}  # config fingerprint → its sampling run
         for record in ModelRecord.load_all(directory):
-            self._add(record)
+            self._add_model(record)
             self.sessions.add(record.session_id)
             self._resolve_create(record.model_id)
         intake.admit = self._admit
@@ -233,7 +233,7 @@ class ModelSlot:
             self.host.open(record.run_id, config, admit=admit)
             self.catalog.add_run(listed)
             record.save(self.directory)
-            self._add(record)
+            self._add_model(record)
         self.sessions.heard_from(session_id)  # loading the model took a while
         return self._resolve_create(model_id)
 
@@ -272,7 +272,7 @@ class ModelSlot:
                 raise
             self.catalog.add_run(listed)
             record.save(self.directory)
-            self._add(record)
+            self._add_model(record)
         self.sessions.heard_from(session_id)
         return self._resolve_from_state(model_id, start)
 
@@ -418,7 +418,7 @@ class ModelSlot:
                 self.host.close(run_id)
         self._sampling_run = {}
 
-    def _add(self, record: ModelRecord) -> None:
+    def _add_model(self, record: ModelRecord) -> None:
         self._models[record.model_id] = record
         self._busy[record.run_id] = threading.Lock()
 
@@ -429,7 +429,7 @@ class ModelSlot:
 
     def forget_closed(self) -> None:
         """Forget every model whose run the host closed through another port (a gRPC Close),
-        as closing it here would have: at start, once the stored calls were taken back, so a
+        as closing it here would have: at start, once the stored calls were submitted again, so a
         closed run's model is not resumed (nor its calls held for a position it never
         reaches)."""
         with self._lock:
