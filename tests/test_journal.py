@@ -82,9 +82,9 @@ def test_writes_committed_together_fail_alone(ledger):
     savepoint), and the others commit."""
 
     def record(place):
-        return lambda db: db.execute(
-            "INSERT INTO records VALUES (?, 'session', NULL, '{}')", (place,)
-        ).rowcount
+        return lambda db: (
+            db.execute("INSERT INTO records VALUES (?, 'session', NULL, '{}')", (place,)).rowcount
+        )
 
     batch = [Write(record(1), "first"), Write(record(1), "again"), Write(record(2), "after")]
     ledger._settle(batch)  # as the writer does with what it gathered
