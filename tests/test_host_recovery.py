@@ -16,6 +16,7 @@ from trainwire.server.errors import (
 )
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.ledger import ledger_path
 from trainwire.server.service.requests import (
     CheckpointRequest,
     ForwardBackwardRequest,
@@ -56,9 +57,9 @@ def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_
     run_ops(host, 0, 1)
     saved = host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))
     host.release()
-    db = sqlite3.connect(host.state_dir.run("run").journal_path)
+    db = sqlite3.connect(ledger_path(host.state_dir.root))
     with db:  # as if the server died between the checkpoint's rename and the journal commit
-        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
+        db.execute("DELETE FROM operations WHERE run = 'run' AND operation_key = 'save'")
     db.close()
 
     restarted = make_host()
