@@ -63,7 +63,7 @@ def test_requests_and_journal_entries_written_together_share_one_commit(tmp_path
         store.sync(first)
         store.sync(ticket)
         entry.result(timeout=30)
-        assert batches == [["session"], ["sample", "m/1"]]
+        assert batches == [["record session"], ["record sample", "m/1"]]
         assert journal.lookup("m/1") is not None and len(read_records(tmp_path)) == 2
 
 

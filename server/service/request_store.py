@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 # checkpoint would otherwise hold every forward_backward body it was sent in memory until the
 # next compaction. Requests' small fields (ids, seq_ids, a load's path) stay in memory.
 HEAVY_RECORD_BYTES = 4096
+RECORD_LABEL = "record"  # how the ledger's log names a record's write (``record <kind>``)
 INSERT = "INSERT INTO records (place, kind, owner, record) VALUES (?, ?, ?, ?)"
 
 
@@ -211,7 +212,8 @@ class RequestStore:
         with self._lock:
             place = self._next_place
             self._next_place += 1
-            written = self.ledger.write(partial(_insert, place, kind, owner, text), kind)
+            label = f"{RECORD_LABEL} {kind}"
+            written = self.ledger.write(partial(_insert, place, kind, owner, text), label)
             self._records.append(_light(record, place, len(text)))
             self._places.append(place)
             self._unsettled[place] = written
