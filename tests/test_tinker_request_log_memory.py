@@ -22,9 +22,13 @@ def heavy_call(seq: int) -> CallRecord:
 
 
 def stored_rows(directory: Path) -> list[str]:
+    return [text for _, text in placed_rows(directory)]
+
+
+def placed_rows(directory: Path) -> list[tuple[int, str]]:
     db = sqlite3.connect(ledger_path(directory))
     try:
-        return [text for (text,) in db.execute("SELECT record FROM records ORDER BY place")]
+        return db.execute("SELECT place, record FROM records ORDER BY place").fetchall()
     finally:
         db.close()
 
@@ -44,12 +48,13 @@ def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_pa
         assert [call.body for call in whole] == [BODY + b"\x01", BODY + b"\x02"]
         assert answered == {"m/2"}
 
-        before = stored_rows(tmp_path)
+        before = placed_rows(tmp_path)
         assert store.compact(
             lambda records: [r for r in records if getattr(r, "request_id", "") != "m/1"]
         )
-        after = stored_rows(tmp_path)
-        assert after == [row for row in before if '"m/1"' not in row]  # copied as written
+        after = placed_rows(tmp_path)
+        # m/1's row deleted; the others kept where they were, as written (never rewritten)
+        assert after == [(place, row) for place, row in before if '"m/1"' not in row]
         assert all(not isinstance(getattr(r, "body", None), bytes) for r in store.records)
 
     with opened_store(tmp_path) as reopened:  # a restart reads every body back whole
@@ -63,5 +68,12 @@ def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_pa
         first = next(r for r in reopened.records if isinstance(r, CallRecord))
         assert isinstance(first.body, Stored)
         assert reopened.compact(list)  # and compacts from there, still whole
+        requests = placed_rows(tmp_path)[1:]
+        head = [SessionRecord("t"), *reopened.records[1:]]  # a new head, the requests kept
+        assert reopened.compact(lambda records: head)
+        (first_place, first_row), *rest = placed_rows(tmp_path)
+        assert rest == requests  # in place, untouched; the new head written below them
+        assert first_place < requests[0][0] and '"session_id":"t"' in first_row
+        assert reopened.records[0] == SessionRecord("t")
     with opened_store(tmp_path) as again:
         assert next(r.body for r in again.records if isinstance(r, CallRecord)) == BODY + b"\x02"

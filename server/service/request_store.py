@@ -291,30 +291,36 @@ class RequestStore:
     def compact(self, choose: Callable[[list[Record]], list[Record] | None]) -> bool:
         """Replace the records by ``choose(records)`` (None: keep them as they are), durably and
         atomically: a crash leaves the old records or the new. No record is appended meanwhile,
-        so none is lost between choosing and replacing. A kept record's row is copied as it was
-        written (its body is never decoded). True when they were replaced."""
+        so none is lost between choosing and replacing. True when they were replaced.
+
+        The records ``choose`` keeps in their order at its end (the requests a restart still
+        needs) keep their rows: the others are DELETEd. What comes before them (a head of
+        sessions, notes, where streams resume, carried results) is written below every row, a
+        kept record's row copied as it was written (its body is never decoded)."""
         with self._lock:
             self._wait_for_writes()
             kept = choose(list(self._records))
             if kept is None:
                 return False
             place_of = {id(r): p for r, p in zip(self._records, self._places, strict=True)}
-            last = self._next_place - 1
-            places = list(range(self._next_place, self._next_place + len(kept)))
+            staying = _staying(kept, place_of)
+            head = kept[: len(kept) - len(staying)]
+            lowest = min(self._places, default=self._next_place)
+            head_places = list(range(lowest - len(head), lowest))
             rows = [
-                (place, place_of.get(id(record)) or self._row(record))
-                for record, place in zip(kept, places, strict=True)
+                (place, self._row(record) if id(record) not in place_of else place_of[id(record)])
+                for record, place in zip(head, head_places, strict=True)
             ]
+            gone = sorted(set(self._places) - {place_of[id(r)] for r in staying})
             try:
-                lengths = self.ledger.write_now(partial(_replace_records, rows, last))
+                lengths = self.ledger.write_now(partial(_compact_rows, rows, gone))
             except sqlite3.Error as error:
                 raise _refusal(error) from None
-            self._next_place += len(kept)
             self._records = [
-                _light(record, place, lengths[place])
-                for record, place in zip(kept, places, strict=True)
+                *(_light(r, p, lengths[p]) for r, p in zip(head, head_places, strict=True)),
+                *staying,
             ]
-            self._places = places
+            self._places = [*head_places, *(place_of[id(r)] for r in staying)]
         logger.debug("%s compacted to %d records", self.path, len(kept))
         return True
 
@@ -334,12 +340,26 @@ def _insert(place: int, kind: str, owner: str | None, text: str, db: sqlite3.Con
     db.execute(INSERT, (place, kind, owner, text))
 
 
-def _replace_records(
-    rows: list[tuple[int, int | tuple[str, str | None, str]]], last: int, db: sqlite3.Connection
+def _staying(kept: list[Record], place_of: dict[int, int]) -> list[Record]:
+    """The longest run at the end of ``kept`` of stored records in their stored order: they keep
+    their rows."""
+    staying: list[Record] = []
+    for record in reversed(kept):
+        place = place_of.get(id(record))
+        if place is None or (staying and place >= place_of[id(staying[-1])]):
+            break
+        staying.append(record)
+    return staying[::-1]
+
+
+def _compact_rows(
+    head: list[tuple[int, int | tuple[str, str | None, str]]],
+    gone: list[int],
+    db: sqlite3.Connection,
 ) -> dict[int, int]:
-    """The records' rows become ``rows`` (each a new place and the old place whose row it
-    copies, or a new row), deleting every row up to ``last``; each new row's length."""
-    for place, row in rows:
+    """Write ``head`` (each a new place and the old place whose row it copies, or a new row),
+    then DELETE the rows at ``gone``; the length of each head row."""
+    for place, row in head:
         if isinstance(row, int):
             db.execute(
                 "INSERT INTO records (place, kind, owner, record) "
@@ -348,8 +368,11 @@ def _replace_records(
             )
         else:
             db.execute(INSERT, (place, *row))
-    db.execute("DELETE FROM records WHERE place <= ?", (last,))
-    return dict(db.execute("SELECT place, length(record) FROM records").fetchall())
+    db.executemany("DELETE FROM records WHERE place = ?", [(place,) for place in gone])
+    places = [place for place, _ in head]
+    marks = ",".join("?" * len(places))
+    query = f"SELECT place, length(record) FROM records WHERE place IN ({marks})"
+    return dict(db.execute(query, places).fetchall())
 
 
 def read_records(state_dir: Path) -> list[Record]:
