@@ -1,4 +1,4 @@
-"""What the service costs: remote vs in-process steps, the journal's commit, export streaming.
+"""What the service costs: remote vs in-process steps, the ledger's commit, export streaming.
 
     python bench/service.py [--quick] [--threads N]
 
@@ -6,7 +6,7 @@ Measured side by side in one run, in one process (the server on a loopback port,
 the same interpreter), alternating the two sides round by round so machine noise hits both:
 
 1. ForwardBackward + OptimStep on the tiny model (overhead-dominated): µs added per operation,
-   the journal's durable commits (SQLite WAL, synchronous=FULL) timed inside the server during
+   the ledger's durable commits (SQLite WAL, synchronous=FULL) timed inside the server during
    those steps, and a replayed call's round trip (the service without the engine). Then blocks
    of steps in a row, in-process vs pipelined (``*_async``, 4 in flight). Goal: ≤ 1.10.
 2. The same on a small llama (4 layers × 256 hidden, batch 8 × ~128 tokens). Goal: remote /
@@ -36,7 +36,7 @@ import grpc
 from trainwire.client import InputExample, SessionClient, TrainingConfig
 from trainwire.contract import chunks
 from trainwire.server import TrainingSession, serve
-from trainwire.server.service.journal import Journal
+from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.state_dir import CHUNK_BYTES
 from trainwire.testing import make_tiny_model, tiny_text_examples
 from trainwire.v1 import session_pb2 as pb
@@ -87,7 +87,7 @@ def _timed(call: Callable[[int], None], i: int) -> float:
 @dataclass
 class StepFigures:
     """Seconds per (ForwardBackward + OptimStep) in-process and remote, per replayed call, and
-    per journal commit during the remote steps."""
+    per ledger commit during the remote steps."""
 
     local_s: float
     remote_s: float
@@ -106,7 +106,7 @@ def compare_steps(config: TrainingConfig, examples, model_root: Path, state_dir:
     client = SessionClient(f"127.0.0.1:{handle.port}")
     client.wait_until_serving()
     client.open("bench", config, max_steps=max_steps)
-    commits = timed_commits(handle.session_host.journal)
+    commits = timed_commits(handle.session_host.ledger)
     batches = [examples[(i * batch) % len(examples) :][:batch] for i in range(len(examples))]
 
     def local_step(i: int) -> None:
@@ -179,18 +179,19 @@ def compare_steps(config: TrainingConfig, examples, model_root: Path, state_dir:
     )
 
 
-def timed_commits(journal: Journal) -> list[float]:
-    """Times every durable write ``journal`` makes from now on (the server's own journal): one
-    transaction, one fsync, for however many entries the group commit gathered."""
+def timed_commits(ledger: Ledger) -> list[float]:
+    """Times every durable write the server's ``ledger`` makes from now on: one transaction,
+    one fsync, for however many writes the group commit gathered."""
     commits: list[float] = []
-    write = journal._write
+    transact = ledger._transact
 
-    def timed_write(entries) -> None:
+    def timed_transact(writes) -> list:
         started = time.perf_counter()
-        write(entries)
+        outcomes = transact(writes)
         commits.append(time.perf_counter() - started)
+        return outcomes
 
-    journal._write = timed_write  # an instance attribute: this journal only
+    ledger._transact = timed_transact  # an instance attribute: this ledger only
     return commits
 
 
@@ -303,7 +304,7 @@ def main() -> None:
          f"{tiny.remote_s * 1e3:.2f}", f"{tiny.remote_s / tiny.local_s:.2f}",
          f"best of {rounds} rounds"),
         ("  added per operation (µs)", "", f"{added_us:.0f}", "", ""),
-        ("  of which the journal's commit (µs; share)", "", f"{tiny.commit_s * 1e6:.0f}",
+        ("  of which the ledger's commit (µs; share)", "", f"{tiny.commit_s * 1e6:.0f}",
          f"{tiny.commit_s * 1e6 / added_us:.0%}", "WAL, synchronous=FULL"),
         ("  a replayed call's round trip, for scale (µs; share)", "",
          f"{tiny.replay_s * 1e6:.0f}", f"{tiny.replay_s * 1e6 / added_us:.0%}",

@@ -20,6 +20,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ledger_files import journal_lineage, journal_position
+
 from trainwire.testing import free_port, wait_for_listener
 
 RUN_ID = "chaos"
@@ -105,17 +107,7 @@ class Cluster:
             process.wait()
 
     def journal_position(self) -> int:
-        path = self.state / "runs" / RUN_ID / "journal.sqlite3"
-        if not path.exists():
-            return 0
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            try:
-                row = db.execute(
-                    "SELECT MAX(position) FROM operations WHERE rolled_back = 0"
-                ).fetchone()
-            except sqlite3.Error:
-                return 0
-        return row[0] or 0
+        return journal_position(self.state, RUN_ID)
 
     def cursor_position(self) -> int:
         try:
@@ -132,12 +124,7 @@ class Cluster:
             return set()
 
     def journal_lineage(self) -> list[tuple[int, str]]:
-        path = self.state / "runs" / RUN_ID / "journal.sqlite3"
-        with contextlib.closing(sqlite3.connect(path)) as db:
-            return db.execute(
-                "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
-                "ORDER BY position"
-            ).fetchall()
+        return journal_lineage(self.state, RUN_ID)
 
     def logs_text(self) -> str:
         return "\n".join(

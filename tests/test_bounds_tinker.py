@@ -21,15 +21,15 @@ from typing import Any
 import httpx
 import pytest
 import zstandard
+from ledger_files import opened_store
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.engine.sampling.params import SamplingLimits
 from trainwire.server.process import ServerHandle
 from trainwire.server.service.request_records import Record, SampleRecord
-from trainwire.server.service.request_store import STORE_FILE, RequestStore, read_records
+from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker import app, sample_codec
 from trainwire.server.tinker.codec import INFLATE_CHUNK_BYTES, MAX_FORWARD_BACKWARD_BYTES
-from trainwire.server.tinker.sdk_sessions import session_of
 
 HEADERS = {"X-API-Key": KEY}
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]}
@@ -44,8 +44,7 @@ class Front:
 
     def log_bytes(self) -> list[Record]:
         """The request store as it stands (it holds every request the front accepted)."""
-        paths = sorted(self.state_dir.rglob(STORE_FILE))
-        return [record for path in paths for record in read_records(path.parent)]
+        return read_records(self.state_dir)
 
     def sample(self, number: int, **settings: Any) -> httpx.Response:
         """An asample with seq_id ``number``, a short prompt and 4 tokens, unless ``settings``
@@ -175,10 +174,8 @@ def test_a_logged_asample_past_its_bounds_does_not_keep_the_server_from_starting
         "prompt": PROMPT,
         "sampling_params": {"max_tokens": 4},
     }
-    (log_dir,) = {path.parent for path in state_dir.rglob(STORE_FILE)}
-    log = RequestStore(log_dir, session_of)
-    log.write(SampleRecord(f"{sampling_session_id}/7", body))
-    log.close()
+    with opened_store(state_dir) as log:
+        log.write(SampleRecord(f"{sampling_session_id}/7", body))
     caplog.set_level(logging.INFO, logger="trainwire.server.tinker")
     with tinker_server(state_dir, model_root) as handle:
         healthz = f"{handle.tinker.base_url}/api/v1/healthz"

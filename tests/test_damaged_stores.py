@@ -1,9 +1,9 @@
-"""A SQLite store the state directory created is never opened as a new one: a request store cut
-to zero bytes (its -wal gone too) or with an index page overwritten stops ``trainwire serve`` at
-start, in one line naming the file and what to do; moving it aside as that line says starts the
-front afresh (real ``trainwire serve`` processes on a state directory a real SDK run wrote). A
-run's journal cut to zero bytes stops a server of one run the same way; on a server of many, that
-run fails alone and the others serve."""
+"""The ledger the state directory created is never opened as a new one: cut to zero bytes (its
+-wal gone too), missing, or with an index page overwritten, it stops ``trainwire serve`` at start,
+in one line naming the file and what to do; moving it aside as that line says starts afresh (real
+``trainwire serve`` processes on a state directory a real SDK run wrote). It holds every run's
+journal, so a server of gRPC runs, of one run or of many, stops the same way: no run is restored
+with no record of the keys it applied."""
 
 from __future__ import annotations
 
@@ -17,16 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from service_fixtures import connect, running_server, wait_for
 from tinker import types
 from tinker_loops import KEY, SENTENCES, service_client, supervised_datum, tinker_server
 
-from trainwire.client import LoraSettings, SessionError
-from trainwire.server.service.journal import JOURNAL_FILE
-from trainwire.server.service.request_store import STORE_FILE
-from trainwire.server.tinker.front import FRONT_DIR
+from trainwire.client import LoraSettings
+from trainwire.server.service.ledger import LEDGER_FILE, ledger_path
 from trainwire.testing import tiny_text_examples
 
 # Real serve processes started on damaged state directories: with the crash and restart tests.
@@ -46,17 +43,18 @@ class ServeOutcome:
 
 
 def start_serve(
-    tmp: Path, state_dir: Path, model_root: Path, *, tinker: bool = True
+    tmp: Path, state_dir: Path, model_root: Path, *, tinker: bool = True, max_runs: int = 1
 ) -> ServeOutcome:
-    """Start ``trainwire serve`` on ``state_dir`` (with the Tinker front, or gRPC only); once it
-    serves, stop it (SIGTERM). What it wrote to stderr comes back either way."""
+    """Start ``trainwire serve`` on ``state_dir`` (with the Tinker front, or gRPC only, holding
+    ``max_runs``); once it serves, stop it (SIGTERM). What it wrote to stderr comes back either
+    way."""
     (tmp / "tinker-key").write_text(KEY + "\n")
     port_file, log = tmp / "serve.port", tmp / "serve.stderr"
     port_file.unlink(missing_ok=True)
     command = [
         sys.executable, "-m", "trainwire", "serve", "--listen", "127.0.0.1:0",
         "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
-        "--port-file", str(port_file),
+        "--port-file", str(port_file), "--max-runs", str(max_runs),
     ]  # fmt: skip
     if tinker:
         command += [
@@ -93,8 +91,7 @@ def trained_state(
         datum = supervised_datum(training.get_tokenizer(), SENTENCES[0])
         training.forward_backward([datum], "cross_entropy").result(timeout=60)
         training.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=60)
-    store = state_dir / FRONT_DIR / STORE_FILE
-    db = sqlite3.connect(store)  # everything in the main file, so a page there is the page
+    db = sqlite3.connect(ledger_path(state_dir))  # all in the main file: a page there is the page
     db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
     db.close()
     return state_dir
@@ -125,7 +122,7 @@ def overwrite_an_index_page(store: Path) -> None:
 
 
 def assert_stopped_naming(
-    outcome: ServeOutcome, store: Path, problem: str, what: str = "the request store"
+    outcome: ServeOutcome, store: Path, problem: str, what: str = "the ledger"
 ) -> None:
     assert not outcome.serving, f"serve started on a damaged store ({what})"
     assert outcome.returncode != 0
@@ -135,20 +132,20 @@ def assert_stopped_naming(
     assert f"move {store.name}* aside" in lines[-1] and "restore it" in lines[-1]
 
 
-def test_a_request_store_cut_to_zero_bytes_stops_serve_naming_the_file(
+def test_a_ledger_cut_to_zero_bytes_stops_serve_naming_the_file(
     tmp_path: Path, state_dir: Path, model_root: Path
 ) -> None:
-    store = state_dir / FRONT_DIR / STORE_FILE
+    store = ledger_path(state_dir)
     cut_to_zero_bytes(store)
     outcome = start_serve(tmp_path, state_dir, model_root)
     assert_stopped_naming(outcome, store.resolve(), "is empty")
     assert store.stat().st_size == 0  # nothing was written over it
 
 
-def test_a_missing_request_store_stops_serve_naming_the_file(
+def test_a_missing_ledger_stops_serve_naming_the_file(
     tmp_path: Path, state_dir: Path, model_root: Path
 ) -> None:
-    store = state_dir / FRONT_DIR / STORE_FILE
+    store = ledger_path(state_dir)
     cut_to_zero_bytes(store)
     store.unlink()
     outcome = start_serve(tmp_path, state_dir, model_root)
@@ -156,10 +153,10 @@ def test_a_missing_request_store_stops_serve_naming_the_file(
     assert not store.exists()
 
 
-def test_a_request_store_with_an_overwritten_index_page_stops_serve_naming_the_file(
+def test_a_ledger_with_an_overwritten_index_page_stops_serve_naming_the_file(
     tmp_path: Path, state_dir: Path, model_root: Path
 ) -> None:
-    store = state_dir / FRONT_DIR / STORE_FILE
+    store = ledger_path(state_dir)
     overwrite_an_index_page(store)
     damaged = store.read_bytes()
     outcome = start_serve(tmp_path, state_dir, model_root)
@@ -167,19 +164,19 @@ def test_a_request_store_with_an_overwritten_index_page_stops_serve_naming_the_f
     assert store.read_bytes() == damaged
 
 
-def test_a_damaged_store_moved_aside_as_told_starts_the_front_afresh(
+def test_a_damaged_ledger_moved_aside_as_told_starts_afresh(
     tmp_path: Path, state_dir: Path, model_root: Path
 ) -> None:
-    store = state_dir / FRONT_DIR / STORE_FILE
+    store = ledger_path(state_dir)
     overwrite_an_index_page(store)
     assert not start_serve(tmp_path, state_dir, model_root).serving
     aside = tmp_path / "aside"
     aside.mkdir()
-    for path in store.parent.glob(f"{STORE_FILE}*"):
+    for path in store.parent.glob(f"{LEDGER_FILE}*"):
         path.rename(aside / path.name)
     outcome = start_serve(tmp_path, state_dir, model_root)
     assert outcome.serving, outcome.stderr
-    assert (store.parent / f"{STORE_FILE}.created").is_file()  # the new store is remembered
+    assert (store.parent / f"{LEDGER_FILE}.created").is_file()  # the new ledger is remembered
 
 
 def test_a_fresh_state_dir_starts(tmp_path: Path, model_root: Path) -> None:
@@ -200,33 +197,30 @@ def trained_grpc_runs(state_dir: Path, model_root: Path, configs: dict[str, Any]
                 client.close_channel()
 
 
-def test_a_one_run_servers_journal_cut_to_zero_bytes_stops_serve_naming_the_file(
+def test_a_one_run_servers_ledger_cut_to_zero_bytes_stops_serve_naming_the_file(
     tmp_path: Path, model_root: Path, llama_config: Any
 ) -> None:
     state_dir = tmp_path / "state"
     trained_grpc_runs(state_dir, model_root, {"run": llama_config()})
-    journal = state_dir / "runs" / "run" / JOURNAL_FILE
-    cut_to_zero_bytes(journal)
+    ledger = ledger_path(state_dir)
+    cut_to_zero_bytes(ledger)
     outcome = start_serve(tmp_path, state_dir, model_root, tinker=False)
-    assert_stopped_naming(outcome, journal.resolve(), "is empty", what="run 'run''s journal")
-    assert journal.stat().st_size == 0
+    assert_stopped_naming(outcome, ledger.resolve(), "is empty")
+    assert ledger.stat().st_size == 0
 
 
-def test_on_a_server_of_many_runs_a_journal_cut_to_zero_bytes_fails_that_run_alone(
+def test_a_many_run_servers_ledger_cut_to_zero_bytes_stops_serve_rather_than_fail_one_run(
     tmp_path: Path, model_root: Path, llama_config: Any
 ) -> None:
+    """Every run's journal is in the one ledger: no run could be restored knowing its keys, so
+    the server stops at start, naming the file, instead of serving runs that would apply a
+    re-sent key a second time."""
     state_dir = tmp_path / "state"
     lora = LoraSettings(r=4, alpha=8)
     configs = {"a": llama_config(lora=lora, seed=1), "b": llama_config(lora=lora, seed=2)}
     trained_grpc_runs(state_dir, model_root, configs)
-    journal = state_dir / "runs" / "a" / JOURNAL_FILE
-    cut_to_zero_bytes(journal)
-    with running_server(state_dir, model_root, max_runs=2) as server, connect(server) as b:
-        b.open("b", configs["b"])  # restored: it serves
-        assert b.info().last_operation_key == "b/save"
-        assert [(r.run_id, r.state) for r in b.runs()] == [("a", "failed"), ("b", "open")]
-        b.run_id = "a"
-        with pytest.raises(SessionError) as refused:
-            b.forward_backward(TEXTS, operation_key="a/fb")  # before: applied a second time
-        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert f"run 'a''s journal {journal.resolve()} is empty" in str(refused.value)
+    ledger = ledger_path(state_dir)
+    cut_to_zero_bytes(ledger)
+    outcome = start_serve(tmp_path, state_dir, model_root, tinker=False, max_runs=2)
+    assert_stopped_naming(outcome, ledger.resolve(), "is empty")
+    assert ledger.stat().st_size == 0

@@ -12,6 +12,7 @@ from host_operations import BATCHES, op
 from trainwire.server.errors import FailedPrecondition, Unavailable
 from trainwire.server.service import operations as ops
 from trainwire.server.service.journal import Journal, JournalEntry
+from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 
 
@@ -20,24 +21,25 @@ def entry(key: str, position: int) -> JournalEntry:
 
 
 def held_writes(
-    journal: Journal, monkeypatch, events: list[str] | None = None
+    ledger: Ledger, monkeypatch, events: list[str] | None = None
 ) -> tuple[threading.Event, list[list[str]]]:
-    """Make ``journal``'s writes wait for the returned event; record each batch's keys (and,
-    in ``events``, ``writing <keys>`` when a write starts and ``durable <key>`` once each entry
-    is on disk)."""
+    """Make ``ledger``'s transactions wait for the returned event; record each batch's keys
+    (and, in ``events``, ``writing <keys>`` when a transaction starts and ``durable <key>`` once
+    each entry is on disk)."""
     release, batches = threading.Event(), []
     events = [] if events is None else events
-    real_write = journal._write
+    real_transact = ledger._transact
 
-    def write(entries):
-        keys = [e.operation_key for e in entries]
+    def transact(writes):
+        keys = [write.label for write in writes]
         events.append(f"writing {' '.join(keys)}")
         release.wait(30)
         batches.append(keys)
-        real_write(entries)
+        outcomes = real_transact(writes)
         events.extend(f"durable {key}" for key in keys)
+        return outcomes
 
-    monkeypatch.setattr(journal, "_write", write)
+    monkeypatch.setattr(ledger, "_transact", transact)
     return release, batches
 
 
@@ -61,9 +63,10 @@ def wait_until(condition, timeout_s: float = 30.0) -> None:
 
 
 def test_entries_queued_together_commit_in_one_transaction_in_order(tmp_path, monkeypatch):
-    with Journal(tmp_path / "journal.sqlite3") as journal:
+    with Ledger(tmp_path) as ledger:
+        journal = Journal(ledger, "run")
         events: list[str] = []
-        release, batches = held_writes(journal, monkeypatch, events)
+        release, batches = held_writes(ledger, monkeypatch, events)
         first = journal.commit_async(entry("a", 1))
         wait_until(lambda: "writing a" in events)  # the committer holds "a" on the disk
         rest = [journal.commit_async(entry(key, i)) for i, key in enumerate("bcd", start=2)]
@@ -81,7 +84,7 @@ def test_the_next_operation_runs_while_the_last_ones_commit_waits_and_neither_re
     host, monkeypatch
 ):
     events: list[str] = []  # appended to by the writer and the callers, in the order it happened
-    release, _ = held_writes(host.journal, monkeypatch, events)
+    release, _ = held_writes(host.ledger, monkeypatch, events)
     results: dict[str, object] = {}
 
     def call(key: str, position: int) -> None:
@@ -107,10 +110,10 @@ def test_the_next_operation_runs_while_the_last_ones_commit_waits_and_neither_re
 
 
 def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(host, monkeypatch):
-    def broken(entries):
+    def broken(writes):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(host.journal, "_write", broken)
+    monkeypatch.setattr(host.ledger, "_transact", broken)
     with pytest.raises(FailedPrecondition, match=r"could not record 'a'.*restart the server"):
         host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("a", 0))
     with pytest.raises(Unavailable, match="cannot serve its session"):
@@ -120,7 +123,7 @@ def test_a_commit_that_fails_fails_the_server_and_nothing_after_it_is_heard_of(h
 def test_a_save_writes_its_checkpoint_only_once_every_earlier_commit_is_durable(host, monkeypatch):
     """Issue 21.1: a checkpoint holding an operation whose commit a crash could still lose would
     be restored with it applied and unjournaled, and its re-sent call would apply it twice."""
-    release, batches = held_writes(host.journal, monkeypatch)
+    release, batches = held_writes(host.ledger, monkeypatch)
     save_waits = entered(host.journal, monkeypatch)
     checkpoint = host.state_dir.run("run").checkpoint("c")
     results: dict[str, object] = {}
@@ -148,14 +151,14 @@ def test_a_save_writes_its_checkpoint_only_once_every_earlier_commit_is_durable(
 
 
 def test_a_save_behind_a_commit_that_fails_writes_no_checkpoint(host, monkeypatch):
-    release, _ = held_writes(host.journal, monkeypatch)
-    real_write = host.journal._write
+    release, _ = held_writes(host.ledger, monkeypatch)
+    real_transact = host.ledger._transact
 
-    def held_then_full(entries):
-        real_write([])  # waits for the release, then the disk is full
+    def held_then_full(writes):
+        real_transact([])  # waits for the release, then the disk is full
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(host.journal, "_write", held_then_full)
+    monkeypatch.setattr(host.ledger, "_transact", held_then_full)
     save_waits = entered(host.journal, monkeypatch)
     checkpoint = host.state_dir.run("run").checkpoint("c")
     errors: dict[str, BaseException] = {}

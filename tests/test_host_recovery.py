@@ -16,6 +16,7 @@ from trainwire.server.errors import (
 )
 from trainwire.server.service import operations as ops
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.ledger import ledger_path
 from trainwire.server.service.requests import (
     CheckpointRequest,
     ForwardBackwardRequest,
@@ -56,9 +57,9 @@ def test_recovery_re_records_a_save_whose_journal_entry_a_crash_lost(host, make_
     run_ops(host, 0, 1)
     saved = host.apply(ops.SAVE_STATE, CheckpointRequest("c1"), op("save", 2))
     host.release()
-    db = sqlite3.connect(host.state_dir.run("run").journal_path)
+    db = sqlite3.connect(ledger_path(host.state_dir.root))
     with db:  # as if the server died between the checkpoint's rename and the journal commit
-        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
+        db.execute("DELETE FROM operations WHERE run = 'run' AND operation_key = 'save'")
     db.close()
 
     restarted = make_host()
@@ -112,3 +113,18 @@ def test_a_second_host_on_the_same_state_directory_is_refused(host, tmp_path, mo
 
     host.release()
     SessionHost(tmp_path / "state", model_root=model_root, device="cpu").release()
+
+
+def test_a_discarded_runs_journal_goes_with_its_files(host, host_config):
+    """Removing a closed run (a copy nobody was answered with) deletes its rows of the ledger
+    too: a run opened later under its id starts with no keys, so its first key runs."""
+    first = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[0]), op("fb", 0))
+    host.close("run")
+    host.discard_copy("run")
+    assert not host.state_dir.run("run").path.exists()
+
+    host.open("run", host_config, 10, "sha256:plan")
+    again = host.apply(ops.FORWARD_BACKWARD, ForwardBackwardRequest(BATCHES[1]), op("fb", 0))
+
+    assert not again.replayed and again.position == 1 and again.loss != first.loss
+    assert [e.operation_key for e in host.journal.entries(include_rolled_back=True)] == ["fb"]

@@ -7,10 +7,11 @@ import dataclasses
 import sqlite3
 
 from host_operations import BATCHES, op
+from ledger_files import opened_journal
 
 from trainwire.contract import files
 from trainwire.server.service import operations as ops
-from trainwire.server.service.journal import Journal
+from trainwire.server.service.ledger import ledger_path
 from trainwire.server.service.requests import CheckpointRequest, ForwardBackwardRequest
 
 
@@ -52,9 +53,9 @@ def test_recovery_keeps_one_operation_per_position_when_a_journal_holds_two(host
     entry = journal.lookup("save")
     host.release()
     # Forge the old bug's journal: the save's entry gone, fb-2 journaled at its position.
-    with sqlite3.connect(journal.path) as db:
-        db.execute("DELETE FROM operations WHERE operation_key = 'save'")
-    with Journal(journal.path) as forged:
+    with sqlite3.connect(ledger_path(host.state_dir.root)) as db:
+        db.execute("DELETE FROM operations WHERE run = 'run' AND operation_key = 'save'")
+    with opened_journal(host.state_dir.root, "run") as forged:
         forged.commit(dataclasses.replace(entry, operation_key="fb-2", kind="ForwardBackward"))
 
     restarted = make_host()

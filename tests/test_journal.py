@@ -1,4 +1,5 @@
-"""The operation journal: durable, keyed, and rolled back (not forgotten) on a restart."""
+"""The operation journal: durable, keyed, and rolled back (not forgotten) on a restart; each
+run's journal is its rows of the state directory's one ledger."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import sqlite3
 
 import pytest
 
-from trainwire.server.service.journal import Journal, JournalEntry
+from trainwire.server.service.journal import Journal, JournalEntry, forget_run
+from trainwire.server.service.ledger import LEDGER_FILE, Ledger, Write
 
 
 def entry(key: str, position: int, **result) -> JournalEntry:
@@ -14,8 +16,14 @@ def entry(key: str, position: int, **result) -> JournalEntry:
 
 
 @pytest.fixture
-def journal(tmp_path):
-    with Journal(tmp_path / "journal.sqlite3") as j:
+def ledger(tmp_path):
+    with Ledger(tmp_path) as opened:
+        yield opened
+
+
+@pytest.fixture
+def journal(ledger):
+    with Journal(ledger, "run") as j:
         yield j
 
 
@@ -29,25 +37,75 @@ def test_a_recorded_entry_is_found_by_its_key_with_its_exact_result(journal):
     assert journal.lookup("b") is None
 
 
-def test_the_journal_runs_in_wal_mode_with_full_sync(journal):
-    db = sqlite3.connect(journal.path)
+def test_the_ledger_runs_in_wal_mode_with_full_sync(ledger, tmp_path):
+    assert ledger.path == tmp_path / LEDGER_FILE
+    db = sqlite3.connect(ledger.path)
     try:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     finally:
         db.close()
-    # synchronous is per connection: the journal's own must be FULL (2).
-    assert journal._db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    # synchronous is per connection: the writer's own must be FULL (2).
+    assert ledger.write_now(lambda db: db.execute("PRAGMA synchronous").fetchone()[0]) == 2
 
 
 def test_committed_entries_survive_reopening(tmp_path):
-    path = tmp_path / "journal.sqlite3"
-    with Journal(path) as first:
+    with Ledger(tmp_path) as ledger:
+        first = Journal(ledger, "run")
         first.commit(entry("a", 1))
         first.commit(entry("b", 2))
 
-    with Journal(path) as again:
+    with Ledger(tmp_path) as ledger:
+        again = Journal(ledger, "run")
         assert [e.operation_key for e in again.entries()] == ["a", "b"]
         assert again.last().operation_key == "b"
+
+
+def test_runs_keep_their_keys_and_positions_apart_in_one_ledger(ledger):
+    one, two = Journal(ledger, "one"), Journal(ledger, "two")
+    one.commit(entry("a", 1, loss=1.0))
+    two.commit(entry("a", 1, loss=2.0))  # the same key in another run: its own entry
+    two.commit(entry("b", 2))
+
+    assert one.lookup("a").result == {"loss": 1.0} and two.lookup("a").result == {"loss": 2.0}
+    assert one.lookup("b") is None and one.last().operation_key == "a"
+    assert two.roll_back_after(0) == 2
+    assert one.lookup("a") is not None and two.entries() == []
+
+    forget_run(ledger, "two")  # its files removed: a run of that id starts with no keys
+
+    assert Journal(ledger, "two").entries(include_rolled_back=True) == []
+    assert [e.operation_key for e in one.entries()] == ["a"]
+
+
+def test_writes_committed_together_fail_alone(ledger):
+    """Writes gathered into one transaction: one whose statements fail is undone alone (its
+    savepoint), and the others commit."""
+
+    def record(place):
+        return lambda db: (
+            db.execute("INSERT INTO records VALUES (?, 'session', NULL, '{}')", (place,)).rowcount
+        )
+
+    batch = [Write(record(1), "first"), Write(record(1), "again"), Write(record(2), "after")]
+    ledger._settle(batch)  # as the writer does with what it gathered
+
+    assert batch[0].committed.result() == 1 and batch[2].committed.result() == 1
+    with pytest.raises(sqlite3.IntegrityError):
+        batch[1].committed.result()
+    places = ledger.read(lambda db: db.execute("SELECT place FROM records").fetchall())
+    assert places == [(1,), (2,)]
+
+
+def test_after_a_failed_commit_a_runs_journal_takes_no_more_entries(ledger):
+    journal = Journal(ledger, "run")
+    journal.commit(entry("a", 1))
+    with pytest.raises(sqlite3.IntegrityError):  # a live key again (the host never asks)
+        journal.commit(entry("a", 2))
+    Journal(ledger, "x").commit(entry("b", 1))  # another run's journal goes on
+
+    with pytest.raises(RuntimeError, match="an earlier commit failed"):
+        journal.commit(entry("c", 2))
+    assert Journal(ledger, "x").lookup("b").position == 1
 
 
 def test_a_live_key_cannot_be_recorded_twice(journal):

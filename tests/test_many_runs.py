@@ -5,6 +5,7 @@ restart restores every open run; what cannot train beside the others is refused 
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
@@ -191,7 +192,11 @@ def test_a_run_a_restart_cannot_restore_fails_alone_while_the_others_serve(
             run_steps(client, name, range(1))
             client.save_state("mid", operation_key=f"{name}/save")
             client.close_channel()
-    (state_dir / "runs" / "rl" / "journal.sqlite3").write_bytes(b"not a journal" * 100)
+    # The model rl trains is gone from the model root: its restore cannot build its session.
+    spec_file = state_dir / "runs" / "rl" / "run.json"
+    spec = json.loads(spec_file.read_text())
+    spec["config"]["model"] = "removed-model"
+    spec_file.write_text(json.dumps(spec))
     with (
         running_server(state_dir, model_root, max_runs=2) as server,
         connect(server) as sft,

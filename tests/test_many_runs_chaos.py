@@ -5,16 +5,14 @@ in-process, and each run's journal holds every key of its final lineage once."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
-import sqlite3
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
+from ledger_files import journal_lineage, journal_position
 from plans import sentiment_plan
 from process_cluster import STALL_S, Cluster, file_hashes, wait_until
 
@@ -49,18 +47,6 @@ def references(plans, tmp_path_factory):
         training.export_weights(tmp / "export")
         out.append((result.state_digest, file_hashes(tmp / "export")))
     return out
-
-
-def journal_position(state: Path, run_id: str) -> int:
-    path = state / "runs" / run_id / "journal.sqlite3"
-    if not path.exists():
-        return 0
-    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-        try:
-            row = db.execute("SELECT MAX(position) FROM operations WHERE rolled_back = 0")
-            return row.fetchone()[0] or 0
-        except sqlite3.Error:
-            return 0
 
 
 @pytest.mark.slow
@@ -112,12 +98,7 @@ def test_four_runs_killed_together_each_end_bit_identical(
         summary = json.loads((works[index] / "training_summary.json").read_text())
         assert summary["state_digest"] == digest, (index, landed)
         assert file_hashes(works[index] / "export") == export, (index, landed)
-        path = cluster.state / "runs" / run_ids[index] / "journal.sqlite3"
-        with contextlib.closing(sqlite3.connect(path)) as db:
-            lineage = db.execute(
-                "SELECT position, operation_key FROM operations WHERE rolled_back = 0 "
-                "ORDER BY position"
-            ).fetchall()
+        lineage = journal_lineage(cluster.state, run_ids[index])
         keys = [key for _, key in lineage]
         assert [p for p, _ in lineage] == list(range(1, len(lineage) + 1))
         assert len(set(keys)) == len(keys), "each key of the final lineage applied once"

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from ledger_files import opened_journal
 from service_fixtures import (
     NO_RETRY,
     REVIEWS,
@@ -31,7 +32,6 @@ from trainwire.client.session.session_client import DownloadError
 from trainwire.contract import codec, outcomes
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.grpc.listener import SERVICE_NAME
-from trainwire.server.service.journal import Journal
 
 
 @pytest.fixture
@@ -256,5 +256,5 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert results and results[0].position == 1
     assert handle_box["handle"].wait(1)
-    with Journal(state_dir / "runs" / "run" / "journal.sqlite3") as journal:
+    with opened_journal(state_dir, "run") as journal:
         assert [e.operation_key for e in journal.entries()] == ["k1"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from ledger_files import opened_journal
 from service_fixtures import (
     TEXTS,
     apply_remote,
@@ -24,7 +25,6 @@ from service_fixtures import (
 from slow_commit_serve import events
 
 from trainwire.contract import outcomes
-from trainwire.server.service.journal import Journal
 
 TOKEN = "restart-token"
 
@@ -108,7 +108,7 @@ def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_sa
     log = second.log.read_text()
     assert "restored at position 4 (checkpoint c1" in log
     assert "SIGTERM received" in log and f"listening on 127.0.0.1:{second.port}" in log
-    with Journal(state_dir / "runs" / "run" / "journal.sqlite3") as journal:
+    with opened_journal(state_dir, "run") as journal:
         entries = journal.entries(include_rolled_back=True)
     assert [(e.operation_key, e.position, e.rolled_back) for e in entries] == [
         ("run/0", 1, False),
@@ -166,7 +166,7 @@ def test_a_server_killed_while_a_save_waits_for_an_earlier_commit_replays_exactl
     saver.close_channel()
     checkpoints = state_dir / "runs" / "run" / "checkpoints"
     assert not (checkpoints / "c1").exists(), "the save wrote a checkpoint before the commit"
-    with Journal(state_dir / "runs" / "run" / "journal.sqlite3") as journal:
+    with opened_journal(state_dir, "run") as journal:
         assert journal.lookup("run/0") is None  # the kill landed before the commit
 
     second = ServeProcess(tmp_path, state_dir, model_root, "second")

@@ -30,7 +30,6 @@ from trainwire.server.service.request_records import CallRecord
 from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker import codec
 from trainwire.server.tinker.codec import parse_forward_backward
-from trainwire.server.tinker.front import FRONT_DIR
 
 DATUMS, DATUM_TOKENS = 32, 128  # 4,096 positions a call, each datum within the model's 256
 BUDGET_CALLS = 6  # the bound, in calls of what one decoded call really holds
@@ -83,7 +82,7 @@ class Front:
 
     def logged_calls(self) -> list[int]:
         """The seq_ids of the calls in the request log, as it is on disk."""
-        records = read_records(self.state_dir / FRONT_DIR)
+        records = read_records(self.state_dir)
         return [r.seq for r in records if isinstance(r, CallRecord)]
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import tinker
+from ledger_files import opened_store
 from tinker import types
 from tinker_loops import (
     SENTENCES,
@@ -31,10 +32,8 @@ from trainwire.server.service.request_records import (
     Record,
     SessionRecord,
 )
-from trainwire.server.service.request_store import RequestStore, read_records
+from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker import codec, model_table
-from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.sdk_sessions import session_of
 
 
 def raw(handle: ServerHandle) -> RawFront:
@@ -43,7 +42,7 @@ def raw(handle: ServerHandle) -> RawFront:
 
 def log_records(state_dir: Path) -> list[Record]:
     """The front's request log as it is on disk (read without opening it for writing)."""
-    return read_records(state_dir / FRONT_DIR)
+    return read_records(state_dir)
 
 
 def logged_calls(state_dir: Path) -> list[int]:
@@ -216,13 +215,12 @@ def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
         api = raw(handle)
         _, model_id = api.model()
         assert "path" in save(api, model_id, 1, "one")
-    log = RequestStore(state_dir / FRONT_DIR, session_of)
-    not_an_object: Any = ["not", "an", "object"]
-    log.write(CallRecord("optim_step", f"{model_id}/2", 2, not_an_object))
-    log.write(CallRecord("from_a_newer_version", f"{model_id}/3", 3, {"seq_id": 3}))
-    body = {"model_id": model_id, "seq_id": 4, "path": "four"}
-    log.write(CallRecord("save_weights", f"{model_id}/4", 4, body))
-    log.close()
+    with opened_store(state_dir) as log:
+        not_an_object: Any = ["not", "an", "object"]
+        log.write(CallRecord("optim_step", f"{model_id}/2", 2, not_an_object))
+        log.write(CallRecord("from_a_newer_version", f"{model_id}/3", 3, {"seq_id": 3}))
+        body = {"model_id": model_id, "seq_id": 4, "path": "four"}
+        log.write(CallRecord("save_weights", f"{model_id}/4", 4, body))
     answers = []
     for _ in range(2):  # the failures are logged: the second start answers them as they were
         with tinker_server(state_dir, model_root) as handle:

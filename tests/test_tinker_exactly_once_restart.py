@@ -7,14 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from ledger_files import opened_store
 from test_tinker_restart import TinkerServeProcess
 from tinker_loops import RawFront
 
 from trainwire.server.service.request_records import CallRecord
-from trainwire.server.service.request_store import RequestStore
 from trainwire.server.tinker.codec import PROTOBUF
-from trainwire.server.tinker.front import FRONT_DIR
-from trainwire.server.tinker.sdk_sessions import session_of
 from trainwire.testing import free_port
 
 
@@ -58,11 +56,10 @@ def test_a_record_the_restarted_front_cannot_replay_fails_alone_and_the_server_s
         api = RawFront(f"http://127.0.0.1:{port}")
         _, model_id = api.model()
         started[0].kill()
-        log = RequestStore(state_dir / FRONT_DIR, session_of)
-        log.write(CallRecord("from_a_newer_version", f"{model_id}/1", 1, {"seq_id": 1}))
-        body = {"model_id": model_id, "seq_id": 2, "path": "after"}
-        log.write(CallRecord("save_weights", f"{model_id}/2", 2, body))
-        log.close()
+        with opened_store(state_dir) as log:
+            log.write(CallRecord("from_a_newer_version", f"{model_id}/1", 1, {"seq_id": 1}))
+            body = {"model_id": model_id, "seq_id": 2, "path": "after"}
+            log.write(CallRecord("save_weights", f"{model_id}/2", 2, body))
         started.append(TinkerServeProcess(tmp_path, state_dir, model_root, port, "second"))
         failed = api.poll(f"{model_id}/1").json()
         assert failed["category"] == "server" and "from_a_newer_version" in failed["error"]

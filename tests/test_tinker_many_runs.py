@@ -24,6 +24,7 @@ from test_tinker_restart import GRPC_TOKEN, TinkerServeProcess, logged
 from tinker import types
 from tinker_loops import KEY, RawFront, close_quietly, service_client, tinker_server
 
+from trainwire.server.service.ledger import ledger_path
 from trainwire.server.tinker.model import run_id_for
 from trainwire.testing import free_port
 
@@ -248,6 +249,9 @@ def test_a_model_that_floods_the_server_delays_another_models_call_by_one_of_its
 
 def recorded(handle: Any, model_id: str) -> list[float]:
     """When each of ``model_id``'s run's journal entries was recorded (the executor's order)."""
-    run = handle.session_host.state_dir.run(run_id_for(model_id))
-    with contextlib.closing(sqlite3.connect(run.journal_path)) as journal:
-        return [at for (at,) in journal.execute("SELECT recorded_at FROM operations")]
+    ledger = ledger_path(handle.session_host.state_dir.root)
+    with contextlib.closing(sqlite3.connect(ledger)) as db:
+        rows = db.execute(
+            "SELECT recorded_at FROM operations WHERE run = ?", (run_id_for(model_id),)
+        )
+        return [at for (at,) in rows]

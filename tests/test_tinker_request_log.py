@@ -3,16 +3,19 @@ restart needs, and a restarted server knows every request id it handed out."""
 
 from __future__ import annotations
 
-import json
+import threading
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from ledger_files import opened_store
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.errors import ResourceExhausted
 from trainwire.server.process import ServerHandle
+from trainwire.server.service.journal import Journal, JournalEntry
+from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.request_records import (
     CallRecord,
     ResultRecord,
@@ -20,104 +23,90 @@ from trainwire.server.service.request_records import (
     SampleRecord,
     SessionRecord,
 )
-from trainwire.server.service.request_store import (
-    LEGACY_LOG_FILE,
-    RequestStore,
-    compacted,
-    read_records,
-)
+from trainwire.server.service.request_store import RequestStore, compacted, read_records
 from trainwire.server.service.results import Done, Failed
 from trainwire.server.tinker.sdk_sessions import session_of
 
 
 def test_records_come_back_in_order_after_a_reopen(tmp_path: Path) -> None:
-    store = RequestStore(tmp_path, session_of)
-    store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
-    store.write(CallRecord("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
-    store.close()
-    again = RequestStore(tmp_path, session_of)
-    assert [r.request_id for r in again.records] == ["m/1", "m/2"]  # type: ignore[union-attr]
-    again.write(ResultRecord("m/2", Done(b"\x01bytes")))
-    again.close()
-    assert RequestStore(tmp_path, session_of).records[-1] == ResultRecord("m/2", Done(b"\x01bytes"))
+    with opened_store(tmp_path) as store:
+        store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
+        store.write(CallRecord("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
+    with opened_store(tmp_path) as again:
+        assert [r.request_id for r in again.records] == ["m/1", "m/2"]  # type: ignore[union-attr]
+        again.write(ResultRecord("m/2", Done(b"\x01bytes")))
+    with opened_store(tmp_path) as third:
+        assert third.records[-1] == ResultRecord("m/2", Done(b"\x01bytes"))
     assert read_records(tmp_path)[-1] == ResultRecord("m/2", Done(b"\x01bytes"))
 
 
-def test_an_earlier_versions_log_is_read_in_once_without_its_torn_line_or_forgotten_sessions(
-    tmp_path: Path,
-) -> None:
-    """A state directory of the line-per-record log: its records come back in order, its last
-    line torn by a crash is dropped, the sessions it says were forgotten leave with their
-    records, and the file is gone once read in."""
-    lines = [
-        {"kind": "session", "session_id": "tw-a"},
-        {"kind": "session", "session_id": "tw-b"},
-        {"kind": "sample", "request_id": "tw-b:sample:0/1", "body": {"seq_id": 1}},
-        {
-            "kind": "call",
-            "route": "optim_step",
-            "request_id": "tw-a:train:0/1",
-            "seq": 1,
-            "body": {"json": {"seq_id": 1}},
-        },
-        {"kind": "forgotten", "session_ids": ["tw-b"]},
-    ]
-    legacy = tmp_path / LEGACY_LOG_FILE
-    text = "".join(json.dumps(line) + "\n" for line in lines)
-    legacy.write_text(text + '{"kind": "call", "rou')  # the crash came mid-write
-    store = RequestStore(tmp_path, session_of)
-    expected = [SessionRecord("tw-a"), CallRecord("optim_step", "tw-a:train:0/1", 1, {"seq_id": 1})]
-    assert store.records == expected
-    assert not legacy.exists()
-    store.close()
-    assert RequestStore(tmp_path, session_of).records == expected
+def test_requests_and_journal_entries_written_together_share_one_commit(tmp_path: Path) -> None:
+    """The ledger's one writer: a record and a run's journal entry queued while the last commit
+    reaches the disk are committed together, in one transaction (one fsync)."""
+    with Ledger(tmp_path) as ledger:
+        store, journal = RequestStore(ledger, session_of), Journal(ledger, "run")
+        writing, release, batches = threading.Event(), threading.Event(), []
+        real_transact = ledger._transact
+
+        def transact(writes):
+            writing.set()
+            release.wait(30)
+            batches.append([write.label for write in writes])
+            return real_transact(writes)
+
+        ledger._transact = transact  # type: ignore[method-assign]
+        first = store.append(SessionRecord("tw-a"))
+        assert writing.wait(30)  # the writer holds it on its way to the disk
+        ticket = store.append(SampleRecord("tw-a:sample:0/1", {"seq_id": 1}))
+        entry = journal.commit_async(JournalEntry("m/1", "OptimStep", "sha256:x", 1, {}))
+        release.set()
+        store.sync(first)
+        store.sync(ticket)
+        entry.result(timeout=30)
+        assert batches == [["record session"], ["record sample", "m/1"]]
+        assert journal.lookup("m/1") is not None and len(read_records(tmp_path)) == 2
 
 
 def test_a_full_disk_refuses_the_request_and_leaves_no_half_record(tmp_path: Path) -> None:
-    store = RequestStore(tmp_path, session_of)
-    store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
-    before = read_records(tmp_path)
-    (pages,) = store._db.execute("PRAGMA page_count").fetchone()
-    store._db.execute(f"PRAGMA max_page_count={pages}")  # no page more: SQLite's disk is full
-    big = CallRecord("forward_backward", "m/2", 2, bytes(range(256)) * 400, "zstd")
-    with pytest.raises(ResourceExhausted, match="disk is full"):
-        store.append(big)
-    assert read_records(tmp_path) == before and len(store.records) == 1
-    store._db.execute("PRAGMA max_page_count=1073741823")
-    assert store.write_result("m/3", Done({"ok": 1})) == Done({"ok": 1})
-    store.close()
-    stored = RequestStore(tmp_path, session_of).records
+    with opened_store(tmp_path) as store:
+        store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
+        before = read_records(tmp_path)
+        ledger = store.ledger
+        (pages,) = ledger.write_now(lambda db: db.execute("PRAGMA page_count").fetchone())
+        # No page more for the writer: SQLite's disk is full.
+        ledger.write_now(lambda db: db.execute(f"PRAGMA max_page_count={pages}"))
+        big = CallRecord("forward_backward", "m/2", 2, bytes(range(256)) * 400, "zstd")
+        with pytest.raises(ResourceExhausted, match="disk is full"):
+            store.sync(store.append(big))
+        assert read_records(tmp_path) == before and len(store.records) == 1
+        ledger.write_now(lambda db: db.execute("PRAGMA max_page_count=1073741823"))
+        assert store.write_result("m/3", Done({"ok": 1})) == Done({"ok": 1})
+    with opened_store(tmp_path) as reopened:
+        stored = reopened.records
     assert [r.request_id for r in stored] == ["m/1", "m/3"]  # type: ignore[union-attr]
 
 
 def test_a_corrupt_record_is_an_error_not_a_silent_loss(tmp_path: Path) -> None:
-    session = b'{"kind": "session", "session_id": "tw-1"}\n'
-    (tmp_path / LEGACY_LOG_FILE).write_bytes(session + b"not json\n" + session)
-    with pytest.raises(ValueError, match="record 2 is corrupt"):
-        RequestStore(tmp_path, session_of)
-    (tmp_path / LEGACY_LOG_FILE).unlink()
-    store = RequestStore(tmp_path / "new", session_of)
-    store.write(SessionRecord("tw-1"))
-    store._db.execute("UPDATE records SET record = 'not json'")
-    store.close()
-    with pytest.raises(ValueError, match="row 1 is corrupt"):
-        RequestStore(tmp_path / "new", session_of)
+    with opened_store(tmp_path) as store:
+        store.write(SessionRecord("tw-1"))
+        store.ledger.write_now(lambda db: db.execute("UPDATE records SET record = 'not json'"))
+    with pytest.raises(ValueError, match="row 1 is corrupt"), opened_store(tmp_path):
+        pass
 
 
 def test_forgetting_sessions_deletes_their_records_for_good(tmp_path: Path) -> None:
-    store = RequestStore(tmp_path, session_of)
-    for record in (
-        SessionRecord("tw-a"),
-        SessionRecord("tw-b"),
-        SampleRecord("tw-b:sample:0/1", {"seq_id": 1}),
-        ResultRecord("tw-b:sample:0/1", Done({"ok": 1})),
-        SampleRecord("tw-a:sample:0/1", {"seq_id": 1}),
-    ):
-        store.write(record)
-    store.forget({"tw-b"})
-    kept = [SessionRecord("tw-a"), SampleRecord("tw-a:sample:0/1", {"seq_id": 1})]
-    assert store.records == kept and read_records(tmp_path) == kept
-    store.close()
+    with opened_store(tmp_path) as store:
+        for record in (
+            SessionRecord("tw-a"),
+            SessionRecord("tw-b"),
+            SampleRecord("tw-b:sample:0/1", {"seq_id": 1}),
+            ResultRecord("tw-b:sample:0/1", Done({"ok": 1})),
+            SampleRecord("tw-a:sample:0/1", {"seq_id": 1}),
+        ):
+            store.write(record)
+        store.forget({"tw-b"})
+        kept = [SessionRecord("tw-a"), SampleRecord("tw-a:sample:0/1", {"seq_id": 1})]
+        assert store.records == kept and read_records(tmp_path) == kept
 
 
 def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples() -> None:
@@ -219,7 +208,7 @@ def test_a_restart_behind_the_compacted_log_refuses_to_go_on_rather_than_skip_ca
             save = {"model_id": model_id, "seq_id": seq_id, "path": name}
             assert "path" in api.result(api.post("save_weights", save).json())
         run_id = handle.session_host.info().run_id
-    calls = [r for r in read_records(state_dir / "tinker") if isinstance(r, CallRecord)]
+    calls = [r for r in read_records(state_dir) if isinstance(r, CallRecord)]
     assert [call.seq for call in calls] == [2]  # compacted at "late"
     late = state_dir / "runs" / run_id / "checkpoints" / "late" / "model.safetensors"
     late.write_bytes(late.read_bytes()[:100])  # recovery falls back to "early"

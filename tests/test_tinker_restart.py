@@ -21,7 +21,6 @@ from tinker_loops import KEY, SENTENCES, close_quietly, supervised_datum
 
 from trainwire.server.service.request_records import CallRecord
 from trainwire.server.service.request_store import read_records
-from trainwire.server.tinker.front import FRONT_DIR
 from trainwire.testing import free_port
 
 GRPC_TOKEN = "restart-grpc-token"
@@ -76,7 +75,7 @@ def logged_request_id(state_dir: Path, route: str, seq: int) -> str:
 
 
 def stored_calls(state_dir: Path, route: str) -> list[CallRecord]:
-    records = read_records(state_dir / FRONT_DIR)
+    records = read_records(state_dir)
     return [r for r in records if isinstance(r, CallRecord) and r.route == route]
 
 

@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from ledger_files import opened_store
 from sample_requests import held_executor, spy_batches
 from service_fixtures import wait_for
 from test_bounds_tinker import HEADERS, Front, start
@@ -29,9 +30,7 @@ from tinker_loops import SdkRun, lora_training, tinker_server, train_step
 
 from trainwire.server.service import operations as ops
 from trainwire.server.service.request_records import SampleRecord
-from trainwire.server.service.request_store import STORE_FILE, RequestStore
 from trainwire.server.service.requests import TokenizeRequest
-from trainwire.server.tinker.sdk_sessions import session_of
 
 K = 3
 GREEDY = types.SamplingParams(max_tokens=5, temperature=0.0)
@@ -257,10 +256,8 @@ def test_a_sample_with_options_is_answered_after_a_restart_with_the_same_bytes(
         body = options_body(sampling_id, 1)
         answered = poll(first.client, first.client.post("/asample", json=body).json()["request_id"])
     assert answered.status_code == 200
-    (store_dir,) = {path.parent for path in state_dir.rglob(STORE_FILE)}
-    store = RequestStore(store_dir, session_of)
-    store.write(SampleRecord(f"{sampling_id}/2", options_body(sampling_id, 2)))
-    store.close()
+    with opened_store(state_dir) as store:
+        store.write(SampleRecord(f"{sampling_id}/2", options_body(sampling_id, 2)))
     with tinker_server(state_dir, model_root) as handle:
         api = f"{handle.tinker.base_url}/api/v1"
         with httpx.Client(base_url=api, headers=HEADERS, timeout=60) as client:

@@ -202,13 +202,13 @@ def test_a_front_that_never_compacts_keeps_no_record_of_a_forgotten_session(
     """Without checkpoints the store is never compacted; a forgotten session's records leave it
     at once, so it stays bounded by the live sessions, and a restart does not take them back."""
     host = make_host()
-    intake = Intake(tmp_path, host, owner_of=session_of, noun="model")
+    intake = Intake(host, owner_of=session_of, noun="model")
     try:
         for index in range(6):
             intake.record(SessionRecord(f"tw-{index}"))
         intake.forget_sessions({"tw-0", "tw-1"}, lambda s: s not in {"tw-0", "tw-1"})
         assert intake.store.records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
-        restarted = Intake(tmp_path, host, owner_of=session_of, noun="model")
+        restarted = Intake(host, owner_of=session_of, noun="model")
         with restarted.replaying() as records:
             assert records == [SessionRecord(f"tw-{index}") for index in range(2, 6)]
         restarted.stop()

@@ -183,8 +183,7 @@ def describe_export(path: Path) -> str:
 def describe_state_dir(path: Path) -> str:
     """A state directory's runs: each one's state, model, position (its journal's last live
     entry), checkpoints and exports. Read only: a server may be using the directory meanwhile
-    (its lock is not taken), and the journals are opened read-only."""
-    from trainwire.server.service.journal import JOURNAL_FILE
+    (its lock is not taken), and the ledger is opened read-only."""
     from trainwire.server.service.state_dir import RUN_FILE, RUNS_DIR, RunDirectory
 
     runs = sorted(p for p in (path / RUNS_DIR).iterdir() if (p / RUN_FILE).is_file())
@@ -193,7 +192,7 @@ def describe_state_dir(path: Path) -> str:
         run = RunDirectory(folder)
         spec = run.read_spec()
         config = spec.config
-        journal = journal_summary(folder / JOURNAL_FILE)
+        journal = journal_summary(path, spec.run_id)
         position, last_key = journal.position, journal.last_key
         checkpoints = sorted(p.name for p in run.checkpoint_paths())
         found = run.exports.iterdir() if run.exports.is_dir() else []
@@ -223,10 +222,14 @@ class JournalSummary:
     last_at: float | None = None
 
 
-def journal_summary(path: Path) -> JournalSummary:
-    """What a run's journal says of its last live entry, read without writing anything."""
+def journal_summary(state_dir: Path, run_id: str) -> JournalSummary:
+    """What run ``run_id``'s journal (its rows of ``state_dir``'s ledger) says of its last live
+    entry, read without writing anything."""
     import sqlite3
 
+    from trainwire.server.service.ledger import ledger_path
+
+    path = ledger_path(state_dir)
     if not path.is_file():
         return JournalSummary()
     # Without a write-ahead log beside it the file holds every entry: read it as immutable, so
@@ -238,7 +241,8 @@ def journal_summary(path: Path) -> JournalSummary:
     try:
         row = db.execute(
             "SELECT position, operation_key, kind, recorded_at FROM operations "
-            "WHERE rolled_back = 0 ORDER BY position DESC LIMIT 1"
+            "WHERE run = ? AND rolled_back = 0 ORDER BY position DESC LIMIT 1",
+            (run_id,),
         ).fetchone()
     finally:
         db.close()

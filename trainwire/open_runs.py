@@ -35,7 +35,6 @@ class OpenRun:
 
 def open_runs(state_dir: Path) -> list[OpenRun]:
     """The runs ``state_dir`` records open, by run id; nothing is written."""
-    from trainwire.server.service.journal import JOURNAL_FILE
     from trainwire.server.service.run_owners import OWNERS_FILE
     from trainwire.server.service.state_dir import RUN_FILE, RUN_OPEN, RUNS_DIR, RunDirectory
     from trainwire.server.service.tenants import DEFAULT_TENANT  # a single key's, or older data
@@ -47,7 +46,7 @@ def open_runs(state_dir: Path) -> list[OpenRun]:
         spec = RunDirectory(folder).read_spec()
         if spec.state != RUN_OPEN:
             continue
-        summary = journal_summary(folder / JOURNAL_FILE)
+        summary = journal_summary(state_dir, spec.run_id)
         found.append(
             OpenRun(
                 run_id=spec.run_id,

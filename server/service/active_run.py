@@ -88,9 +88,12 @@ class ActiveRun:
         return self.session.model_root
 
     @classmethod
-    def restore(cls, run: RunDirectory, spec: RunSpec, session: TrainingSession) -> ActiveRun:
-        """Reopen ``run`` on a fresh ``session`` at its latest checkpoint (see recovery)."""
-        active = cls(run, spec, session, Journal(run.journal_path))
+    def restore(
+        cls, run: RunDirectory, spec: RunSpec, session: TrainingSession, journal: Journal
+    ) -> ActiveRun:
+        """Reopen ``run`` on a fresh ``session`` at its latest checkpoint, aligning its
+        ``journal`` with it (see recovery)."""
+        active = cls(run, spec, session, journal)
         damaged: list[str] = []
         latest = latest_checkpoint(run, spec.run_id, damaged=damaged)
         active.damaged_checkpoints = tuple(damaged)

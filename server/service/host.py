@@ -46,12 +46,13 @@ from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import (
     Journal,
     KeyDigest,
-    check_journal,
     check_operation_key,
+    forget_run,
     payload_digest,
     request_digest,
 )
 from trainwire.server.service.keyed_path import apply_keyed
+from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
 from trainwire.server.service.run_checkpoints import (
@@ -67,7 +68,6 @@ from trainwire.server.service.state_dir import (
     check_name,
     refuse_another_run,
 )
-from trainwire.server.service.store_check import DamagedStore
 from trainwire.server.service.stream_order import StreamOrder
 
 logger = logging.getLogger(__name__)
@@ -124,6 +124,13 @@ class SessionHost:
                 "the models (each a save_pretrained directory)"
             )
         self.state_dir = StateDirectory(state_dir)  # held by this host until release()
+        try:
+            # Damaged (``store_check``), it stops the server at start: every run and every
+            # Tinker request would be served from it.
+            self.ledger = Ledger(self.state_dir.root)
+        except BaseException:
+            self.state_dir.release()
+            raise
         self.lifecycle = Lifecycle(on_serving)
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be at least 1, got {keep_checkpoints}")
@@ -156,8 +163,6 @@ class SessionHost:
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
         self._pending: list[RunSpec] = open_runs if len(open_runs) <= max_runs else []
-        if max_runs == 1 and self._pending:
-            self._check_journal_before_serving(self._pending[0])
         if self._pending:
             self.lifecycle.phase = outcomes.RESTORING
         elif open_runs:
@@ -166,21 +171,6 @@ class SessionHost:
                 f"more than --max-runs {max_runs}: start the server with --max-runs "
                 f"{len(open_runs)} to restore them"
             )
-
-    def _check_journal_before_serving(self, spec: RunSpec) -> None:
-        """A server of one run whose journal is damaged stops at start (``DamagedStore``, one
-        line naming the file): it has nothing else to serve, and a failed restore would only
-        have a supervisor restart it again and again. On a server of many, that run's restore
-        fails alone (the journal's own check) and the others serve."""
-        try:
-            journal_path = self.state_dir.run(spec.run_id).journal_path
-        except FailedPrecondition:
-            return  # a folder swapped for a link: its restore refuses it, as for many runs
-        try:
-            check_journal(journal_path)
-        except DamagedStore:
-            self.state_dir.release()
-            raise
 
     @property
     def phase(self) -> str:
@@ -203,7 +193,8 @@ class SessionHost:
                 try:
                     config = TrainingConfig.from_dict(spec.config)
                     session = self._new_session(config, spec.max_steps)
-                    active = ActiveRun.restore(self.state_dir.run(spec.run_id), spec, session)
+                    run, journal = self.state_dir.run(spec.run_id), self._journal(spec.run_id)
+                    active = ActiveRun.restore(run, spec, session, journal)
                 except Exception as error:
                     logger.exception("restoring run %s failed", spec.run_id)
                     reason = f"restoring run {spec.run_id!r} failed: {error}"
@@ -274,12 +265,16 @@ class SessionHost:
         finally:
             self.lifecycle.set_serving(True)
         run.write_spec(spec)  # only once the session loaded: a refused config leaves none
-        active = ActiveRun(run, spec, session, Journal(run.journal_path))
+        active = ActiveRun(run, spec, session, self._journal(run_id))
         info = active.info()
         self._add_run(active, info=info)
         self.lifecycle.phase = outcomes.OPEN
         logger.info("run %s opened (%s, %s)", run_id, config.fingerprint(), session.device)
         return outcomes.OpenOutcome.from_info(info, created=True)
+
+    def _journal(self, run_id: str) -> Journal:
+        """Run ``run_id``'s journal: its rows of the ledger."""
+        return Journal(self.ledger, run_id)
 
     def _add_run(self, active: ActiveRun, *, info: SessionInfo) -> None:
         run_id = active.spec.run_id
@@ -400,7 +395,10 @@ class SessionHost:
         def discard() -> None:
             if run_id in self._runs or run_id in self._failed_runs:
                 raise FailedPrecondition(f"run {run_id!r} is open on this server")
-            discard_run(self.state_dir.run(run_id))
+            run = self.state_dir.run(run_id)
+            if run.exists():  # its rows go first: a crash between leaves a run with no keys
+                forget_run(self.ledger, run_id)
+            discard_run(run)
 
         self._serialized(discard, refusable=False)
 
@@ -456,11 +454,13 @@ class SessionHost:
         return self._executor.wait_idle(timeout_s)
 
     def release(self) -> None:
-        """Close the journal and let go of the state directory (after ``wait_idle``)."""
+        """Close the journals and the ledger, and let go of the state directory (after
+        ``wait_idle``; the Tinker front's intake stops first: its records are in the ledger)."""
 
         def release() -> None:
             for active in self._runs.values():
                 active.journal.close()
+            self.ledger.close()
             self.state_dir.release()
 
         self._executor.release(release)
@@ -640,8 +640,7 @@ class SessionHost:
         if body_digest is None:
             digest = KeyDigest(payload_digest(operation.kind, payload(request)))
         else:
-            earlier = partial(_digest_of_payload, operation, request)
-            digest = KeyDigest(request_digest(body_digest), earlier)
+            digest = KeyDigest(request_digest(body_digest))
         self.lifecycle.refuse_if_unavailable()
         applied: futures.Future[tuple[Any, Durable]] = futures.Future()
 
@@ -775,9 +774,3 @@ def not_open(run_id: str) -> str:
         f"run {run_id!r} is not open on this server (it was closed, or never opened here); "
         "open a run to go on"
     )
-
-
-def _digest_of_payload(operation: Operation[Any], request: Any) -> str:
-    """The payload digest an earlier version journaled for a request the intake accepted."""
-    assert operation.payload is not None
-    return payload_digest(operation.kind, operation.payload(request))

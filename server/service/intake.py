@@ -47,7 +47,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from trainwire.contract.outcomes import OperationSpec
@@ -62,7 +61,7 @@ from trainwire.server.service.request_records import (
     ResumeRecord,
     SampleRecord,
 )
-from trainwire.server.service.request_store import RequestStore, compacted, stream_of
+from trainwire.server.service.request_store import RequestStore, Ticket, compacted, stream_of
 from trainwire.server.service.results import (
     USER_ERRORS,
     Done,
@@ -99,10 +98,9 @@ CANCELLED = "cancelled by its client (cancel_future): {what}"
 
 
 class Intake:
-    """Orders, records and answers one transport's requests (its files in ``directory``).
+    """Orders, records and answers one transport's requests (its records in the host's ledger).
 
     Args:
-        directory: where the request store lives.
         host: the session host its requests run on; the intake's jobs wait in its order until
             it has restored its run.
         owner_of: the client session a request id belongs to.
@@ -113,7 +111,6 @@ class Intake:
 
     def __init__(
         self,
-        directory: Path,
         host: SessionHost,
         owner_of: Callable[[str], str],
         noun: str,
@@ -124,7 +121,7 @@ class Intake:
         self.account_of = account_of
         self.noun = noun
         self.results = ResultStore()
-        self.store = RequestStore(directory, owner_of)
+        self.store = RequestStore(host.ledger, owner_of)
         self.order = host.order  # one order for every transport
         # The transport's routes by the names its stored requests carry (``replay``).
         self.routes: dict[str, Route] = {}
@@ -307,7 +304,7 @@ class Intake:
             with self._lock:
                 self.store.write(record)
 
-    def _append(self, record: Record) -> int | None:
+    def _append(self, record: Record) -> Ticket | None:
         """Store a request (not while replaying one); its ticket for ``store.sync``."""
         return None if self._replayed is not None else self.store.append(record)
 

@@ -1,17 +1,15 @@
-"""The durable operation journal: which operation keys a run has applied, and what they returned.
+"""A run's operation journal: which operation keys it has applied, and what they returned.
 
-One SQLite database per run, in WAL mode with ``synchronous=FULL``: a committed entry survives a
-power cut. ``commit_async`` queues an entry for the journal's own thread, which commits what is
-queued together in one transaction (group commit), and its Future completes once the entry is on
-disk; ``commit`` waits for that. The active run looks a key up before
-running anything (same payload → the journaled result; other payload → ALREADY_EXISTS) and commits
-each applied operation with its position. An entry's ``result`` is the operation's outcome in the
-JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back. An entry's ``kind``
-is its operation's (``operations.OPERATIONS``); the journal stores it and never interprets it.
-
-A journal cut short or damaged behind the server's back is never opened as a new, empty one
-(``store_check``): the run's restore fails with the reason, instead of answering every key as
-never applied.
+The journal is a run's view of the ledger's ``operations`` table (``ledger``: one SQLite database
+per state directory, group-committed, WAL with ``synchronous=FULL``): a committed entry survives
+a power cut. ``commit_async`` queues an entry for the ledger's writer, which commits what is
+queued together (of every run, and the intake's records) in one transaction, and its Future
+completes once the entry is on disk; ``commit`` waits for that. The active run looks a key up
+before running anything (same payload → the journaled result; other payload → ALREADY_EXISTS)
+and commits each applied operation with its position. An entry's ``result`` is the operation's
+outcome in the JSON form ``outcome_record`` gives it; ``outcome_from_record`` reads it back. An
+entry's ``kind`` is its operation's (``operations.OPERATIONS``); the journal stores it and never
+interprets it.
 
 A restart rolls the session back to its latest checkpoint; the entries after it are marked
 ``rolled_back`` rather than deleted, so their keys run again when the controller replays them (the
@@ -22,49 +20,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import queue
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Any, TypeVar
 
 from trainwire.contract.config import canonical_json, sha256_fingerprint
 from trainwire.contract.outcomes import ExportedFile, OperationOutcome
 from trainwire.server.errors import InvalidArgument
-from trainwire.server.service.store_check import check_store, mark_created
+from trainwire.server.service.ledger import Ledger
 
-JOURNAL_FILE = "journal.sqlite3"
 MAX_KEY_CHARS = 1024
-SCHEMA_VERSION = 1
 OutcomeT = TypeVar("OutcomeT", bound=OperationOutcome)
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS operations (
-    operation_key  TEXT PRIMARY KEY,
-    kind           TEXT NOT NULL,
-    payload_sha256 TEXT NOT NULL,
-    position       INTEGER NOT NULL,
-    result         TEXT NOT NULL,
-    rolled_back    INTEGER NOT NULL DEFAULT 0,
-    recorded_at    REAL NOT NULL
-);
-CREATE INDEX IF NOT EXISTS operations_by_position ON operations (position);
-"""
-
-
-def check_journal(path: Path) -> None:
-    """``DamagedStore`` naming the journal at ``path`` (in its run's folder) and what to do,
-    when the state directory created it and it is now missing, empty or damaged."""
-    check_store(
-        path,
-        what=f"run {path.parent.name!r}'s journal",
-        table="operations",
-        afresh="restore that run with no record of the keys it applied (a re-sent key runs again)",
-    )
+_COLUMNS = "operation_key, kind, payload_sha256, position, result, rolled_back, recorded_at"
 
 
 @dataclass(frozen=True)
@@ -81,44 +52,22 @@ class JournalEntry:
 
 
 class Journal:
-    """The journal of one run, at ``path`` (created on first use).
+    """The journal of run ``run_id`` in ``ledger``. Thread-safe; the host serializes a run's
+    operations anyway, so contention is nil."""
 
-    Thread-safe; the host serializes operations anyway, so contention is nil.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        check_journal(self.path)
-        self._lock = threading.Lock()  # the writing connection
-        # isolation_level=None: no implicit transactions; each write is one explicit transaction.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        mark_created(self.path)  # from here on, the journal missing or empty is damage
-        # Lookups read through their own connection, so a commit's fsync never holds them up.
-        self._read_lock = threading.Lock()
-        self._reader = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._state = threading.Lock()  # the pending entries, the failure, the committer
+    def __init__(self, ledger: Ledger, run_id: str) -> None:
+        self.ledger = ledger
+        self.run_id = run_id
+        self._state = threading.Lock()  # the pending entries, the failure
         self._pending: dict[str, tuple[JournalEntry, futures.Future[None]]] = {}
-        self._queue: queue.SimpleQueue[tuple[JournalEntry, futures.Future[None]] | None] = (
-            queue.SimpleQueue()
-        )
         self._failure: BaseException | None = None
-        self._committer: threading.Thread | None = None
 
     def close(self) -> None:
-        """Finish the queued commits, then close (an entry queued before is durable after)."""
+        """Wait for this run's queued commits (an entry queued before is durable after, or
+        failed); the ledger stays open for the others."""
         with self._state:
-            committer, self._committer = self._committer, None
-        if committer is not None:
-            self._queue.put(None)
-            committer.join()
-        with self._lock, self._read_lock:
-            self._reader.close()
-            self._db.close()
+            pending = [future for _, future in self._pending.values()]
+        futures.wait(pending)
 
     def __enter__(self) -> Journal:
         return self
@@ -133,11 +82,13 @@ class Journal:
             pending = self._pending.get(operation_key)
         if pending is not None:
             return pending[0]
-        with self._read_lock:
-            row = self._reader.execute(
-                "SELECT * FROM operations WHERE operation_key = ? AND rolled_back = 0",
-                (operation_key,),
+        row = self.ledger.read(
+            lambda db: db.execute(
+                f"SELECT {_COLUMNS} FROM operations "
+                "WHERE run = ? AND operation_key = ? AND rolled_back = 0",
+                (self.run_id, operation_key),
             ).fetchone()
+        )
         return None if row is None else _entry(row)
 
     def durable(self, operation_key: str) -> futures.Future[None] | None:
@@ -175,113 +126,98 @@ class Journal:
                 future.set_exception(RuntimeError(f"an earlier commit failed: {self._failure}"))
                 return future
             self._pending[entry.operation_key] = (entry, future)
-            if self._committer is None:
-                self._committer = threading.Thread(
-                    target=self._commit_queued, name="trainwire-journal", daemon=True
-                )
-                self._committer.start()
-        self._queue.put((entry, future))
+        written = self.ledger.write(partial(_insert, self.run_id, entry), entry.operation_key)
+        written.add_done_callback(partial(self._settle, entry.operation_key, future))
         return future
 
-    def _commit_queued(self) -> None:
-        while True:
-            first = self._queue.get()
-            if first is None:
-                return
-            batch, stop = [first], False
-            while True:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
-            self._write_batch(batch)
-            if stop:
-                return
-
-    def _write_batch(self, batch: list[tuple[JournalEntry, futures.Future[None]]]) -> None:
-        try:
-            with self._lock:
-                self._write([entry for entry, _ in batch])
-        except BaseException as error:
-            with self._state:
-                self._failure = error
-                for entry, _ in batch:
-                    self._pending.pop(entry.operation_key, None)
-            for _, future in batch:
-                future.set_exception(error)
-            return
+    def _settle(
+        self, operation_key: str, future: futures.Future[None], written: futures.Future[Any]
+    ) -> None:
+        """Once the ledger committed (or failed) an entry: it is no longer pending, and its
+        caller hears how it went."""
+        error = written.exception()
         with self._state:
-            for entry, _ in batch:
-                self._pending.pop(entry.operation_key, None)
-        for _, future in batch:
+            if self._pending.get(operation_key, (None, None))[1] is future:
+                del self._pending[operation_key]
+            if error is not None:
+                self._failure = error
+        if error is None:
             future.set_result(None)
-
-    def _write(self, entries: list[JournalEntry]) -> None:
-        """One transaction for ``entries``; raises ``sqlite3.IntegrityError`` if a live entry
-        holds one of their keys (the host never asks)."""
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            for entry in entries:
-                self._db.execute(
-                    "DELETE FROM operations WHERE operation_key = ? AND rolled_back = 1",
-                    (entry.operation_key,),
-                )
-                self._db.execute(
-                    "INSERT INTO operations VALUES (?, ?, ?, ?, ?, 0, ?)",
-                    (
-                        entry.operation_key,
-                        entry.kind,
-                        entry.payload_sha256,
-                        entry.position,
-                        json.dumps(entry.result, sort_keys=True),
-                        entry.recorded_at or time.time(),
-                    ),
-                )
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        else:
+            future.set_exception(error)
 
     def roll_back_after(self, position: int) -> int:
         """Mark every live entry past ``position`` rolled back; returns how many."""
-        with self._lock:
-            cursor = self._db.execute(
-                "UPDATE operations SET rolled_back = 1 WHERE position > ? AND rolled_back = 0",
-                (position,),
-            )
-            return cursor.rowcount
+        return self._update(
+            "UPDATE operations SET rolled_back = 1 "
+            "WHERE run = ? AND position > ? AND rolled_back = 0",
+            position,
+        )
 
     def roll_back_others_at(self, position: int, operation_key: str) -> int:
         """Mark live entries at ``position`` under another key rolled back; returns how many.
         One position holds one operation: the checkpoint recovery restores says which."""
-        with self._lock:
-            cursor = self._db.execute(
-                "UPDATE operations SET rolled_back = 1 "
-                "WHERE position = ? AND operation_key != ? AND rolled_back = 0",
-                (position, operation_key),
-            )
-            return cursor.rowcount
+        return self._update(
+            "UPDATE operations SET rolled_back = 1 "
+            "WHERE run = ? AND position = ? AND operation_key != ? AND rolled_back = 0",
+            position,
+            operation_key,
+        )
+
+    def _update(self, statement: str, *parameters: Any) -> int:
+        """``statement`` on this run's rows, durably; how many rows it changed."""
+        values = (self.run_id, *parameters)
+        return self.ledger.write_now(lambda db: db.execute(statement, values).rowcount)
 
     def entries(self, *, include_rolled_back: bool = False) -> list[JournalEntry]:
         """Entries in position order (rolled-back ones after live ones at the same position)."""
-        where = "" if include_rolled_back else "WHERE rolled_back = 0"
-        with self._lock:
-            rows = self._db.execute(
-                f"SELECT * FROM operations {where} ORDER BY position, rolled_back, recorded_at"
+        live = "" if include_rolled_back else "AND rolled_back = 0"
+        rows = self.ledger.read(
+            lambda db: db.execute(
+                f"SELECT {_COLUMNS} FROM operations WHERE run = ? {live} "
+                "ORDER BY position, rolled_back, recorded_at",
+                (self.run_id,),
             ).fetchall()
+        )
         return [_entry(row) for row in rows]
 
     def last(self) -> JournalEntry | None:
         """The live entry with the highest position, or None."""
-        with self._lock:
-            row = self._db.execute(
-                "SELECT * FROM operations WHERE rolled_back = 0 ORDER BY position DESC LIMIT 1"
+        row = self.ledger.read(
+            lambda db: db.execute(
+                f"SELECT {_COLUMNS} FROM operations WHERE run = ? AND rolled_back = 0 "
+                "ORDER BY position DESC LIMIT 1",
+                (self.run_id,),
             ).fetchone()
+        )
         return None if row is None else _entry(row)
+
+
+def forget_run(ledger: Ledger, run_id: str) -> None:
+    """Delete every entry of run ``run_id``, durably (its files are being removed: a run of
+    that id opened later starts with no keys)."""
+    ledger.write_now(lambda db: db.execute("DELETE FROM operations WHERE run = ?", (run_id,)))
+
+
+def _insert(run_id: str, entry: JournalEntry, db: sqlite3.Connection) -> None:
+    """``entry``'s row, in place of a rolled-back one of its key; ``sqlite3.IntegrityError`` if
+    a live entry holds the key (the host never asks)."""
+    db.execute(
+        "DELETE FROM operations WHERE run = ? AND operation_key = ? AND rolled_back = 1",
+        (run_id, entry.operation_key),
+    )
+    db.execute(
+        "INSERT INTO operations VALUES (?, ?, ?, ?, ?, ?, 0, ?)",
+        (
+            run_id,
+            entry.operation_key,
+            entry.kind,
+            entry.payload_sha256,
+            entry.position,
+            json.dumps(entry.result, sort_keys=True),
+            entry.recorded_at or time.time(),
+        ),
+    )
 
 
 def _entry(row: tuple[Any, ...]) -> JournalEntry:
@@ -298,20 +234,17 @@ def payload_digest(kind: str, payload: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class KeyDigest:
-    """What an operation key is bound to in the journal: ``value``.
+    """What an operation key is bound to in the journal: ``value``, one digest per request.
 
     A request the intake accepted is bound to the digest of its body as it was received (the
     intake hashes every request it takes, so a request is hashed once: ``request:<hex>``); a
-    gRPC request to its operation's payload (``payload_digest``). ``earlier`` gives the payload
-    digest that an earlier version journaled for an intake's request, compared only when
-    ``value`` does not match, so a journal written before still answers its keys.
+    gRPC request to its operation's payload (``payload_digest``).
     """
 
     value: str
-    earlier: Callable[[], str] | None = None
 
     def matches(self, recorded: str) -> bool:
-        return recorded == self.value or (self.earlier is not None and recorded == self.earlier())
+        return recorded == self.value
 
 
 def request_digest(body_digest: str) -> str:

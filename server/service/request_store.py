@@ -8,13 +8,15 @@ recorded result is final; a call without one is submitted again, and since the e
 its latest checkpoint, the keyed calls since then run again (the journal answers the ones before
 it).
 
-The store is SQLite, kept as the journal is kept (WAL, ``synchronous=FULL``): one row per record
-(``request_records``: its JSON as the record gives it), in the order written, with the client
-session it belongs to in a column of its own. A commit is all or nothing, so a crash never leaves
-half a record; requests written by many threads share one commit (``sync``), so they share one
-fsync. A store cut short or damaged behind the server's back stops it at start (``store_check``:
-SQLite would open an emptied file as a new store and forget every request id it answered).
-Forgetting a client session is one DELETE of its rows (``forget``). ``compact`` replaces the
+The store is the ledger's ``records`` table (``ledger``: the state directory's one database, WAL,
+``synchronous=FULL``): one row per record (``request_records``: its JSON as the record gives it),
+in the order written, with the client session it belongs to in a column of its own. Every write
+goes through the ledger's writer, so requests written by many threads share a commit with each
+other and with the journal entries queued beside them (one fsync); ``sync`` waits for a record's.
+A commit is all or nothing, so a crash never leaves half a record. A ledger cut short or damaged
+behind the server's back stops it at start (``store_check``: SQLite would open an emptied file as
+a new database and forget every request id it answered). Forgetting a client session is one
+DELETE of its rows (``forget``). ``compact`` replaces the
 records by the ones a restart still needs (``compacted``: the requests since the latest checkpoint,
 the samples not yet answered, and the results a client can still ask for, which ``results``'s
 retention bounds in time, count and bytes), in one transaction: a crash leaves the old records or
@@ -24,9 +26,6 @@ In memory the store keeps what compaction and the routes ask of its records (ids
 bodies); a heavy body (a ``forward_backward``'s protobuf, a long prompt, a large result) stays in
 its row (``Stored``), and compaction copies that row as it was written, so what a process holds does
 not grow with the calls a run sends between two checkpoints.
-
-A state directory written by an earlier version holds the same records as lines of JSON
-(``requests.jsonl``); the first start reads them in (``_take_in_the_legacy_log``).
 """
 
 from __future__ import annotations
@@ -36,10 +35,14 @@ import logging
 import sqlite3
 import threading
 from collections.abc import Callable, Iterable
+from concurrent import futures
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from trainwire.server.errors import ResourceExhausted
+from trainwire.server.service.ledger import Ledger, ledger_path
 from trainwire.server.service.request_records import (
     CallRecord,
     Record,
@@ -49,28 +52,15 @@ from trainwire.server.service.request_records import (
     record_from_json,
 )
 from trainwire.server.service.results import Done, Failed, Outcome
-from trainwire.server.service.store_check import check_store, mark_created
 
 logger = logging.getLogger(__name__)
 
-STORE_FILE = "requests.sqlite3"
-LEGACY_LOG_FILE = "requests.jsonl"  # the line-per-record log of earlier versions
 # A record whose JSON is this long keeps its body in its row only: a run that never saves a
 # checkpoint would otherwise hold every forward_backward body it was sent in memory until the
 # next compaction. Requests' small fields (ids, seq_ids, a load's path) stay in memory.
 HEAVY_RECORD_BYTES = 4096
-SCHEMA_VERSION = 1
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS records (
-    place      INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind       TEXT NOT NULL,
-    owner      TEXT,
-    record     TEXT NOT NULL
-);
-CREATE INDEX IF NOT EXISTS records_by_owner ON records (owner);
-"""
-INSERT = "INSERT INTO records (kind, owner, record) VALUES (?, ?, ?)"
+RECORD_LABEL = "record"  # how the ledger's log names a record's write (``record <kind>``)
+INSERT = "INSERT INTO records (place, kind, owner, record) VALUES (?, ?, ?, ?)"
 
 
 @dataclass(frozen=True)
@@ -79,6 +69,14 @@ class Stored:
     reads it back (``calls``, ``compact`` copies the row as it was written)."""
 
     place: int
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """An appended record's row and its commit (``RequestStore.sync`` waits for it)."""
+
+    place: int
+    committed: futures.Future[Any]
 
 
 def stream_of(request_id: str) -> str:
@@ -134,51 +132,50 @@ def _seq_of(request_id: str) -> int:
 
 
 class RequestStore:
-    """The records of one intake, in ``directory/requests.sqlite3``; ``owner_of`` gives the
-    client session of a request id (``request_records.owner_of_record``).
+    """The records of one intake, in ``ledger``; ``owner_of`` gives the client session of a
+    request id (``request_records.owner_of_record``).
 
     Thread-safe: appends from many threads share their commits (``sync``)."""
 
-    def __init__(self, directory: Path, owner_of: Callable[[str], str]) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self.path = directory / STORE_FILE
-        check_store(
-            self.path,
-            what="the request store",
-            table="records",
-            afresh="start its front afresh, losing the requests and results it held",
-        )
+    def __init__(self, ledger: Ledger, owner_of: Callable[[str], str]) -> None:
+        self.ledger = ledger
+        self.path = ledger.path
         self.owner_of = owner_of
-        self._lock = threading.Lock()  # the connection and the records in memory
-        self._sync_lock = threading.Lock()  # one commit at a time; a waiter may find it done
-        # isolation_level=None: no implicit transactions; appends open one, ``sync`` commits it.
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(_SCHEMA)
-        self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        mark_created(self.path)  # from here on, the store missing or empty is damage
-        self._written = 0  # records appended (the tickets handed out)
-        self._synced = 0  # tickets settled: committed, or lost with a failed commit
-        self._lost: list[tuple[int, int]] = []  # ticket ranges (after, through) a commit lost
-        self.records: list[Record] = []  # in the order written; heavy bodies ``Stored``
-        self._places: list[int] = []  # each record's row
-        self._take_in_the_legacy_log(directory / LEGACY_LOG_FILE)
-        for place, text in self._db.execute("SELECT place, record FROM records ORDER BY place"):
-            self.records.append(_record(text, place))
-            self._places.append(place)
+        # The records in memory, and the order appends are queued in (a row's place is its
+        # rank: records come back in the order written).
+        self._lock = threading.Lock()
+        rows = ledger.read(
+            lambda db: db.execute("SELECT place, record FROM records ORDER BY place").fetchall()
+        )
+        self._records: list[Record] = [_record(text, place) for place, text in rows]
+        self._places: list[int] = [place for place, _ in rows]  # each record's row
+        self._next_place = self._places[-1] + 1 if self._places else 1
+        # Appended records whose commit nobody has seen through yet, by place: one that fails
+        # leaves memory too (``_settle``).
+        self._unsettled: dict[int, futures.Future[Any]] = {}
 
     # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def records(self) -> list[Record]:
+        """The records in the order written (heavy bodies ``Stored``), none whose write failed."""
+        with self._lock:
+            self._settle()
+            return list(self._records)
 
     def leave_bodies_on_disk(self) -> None:
         """Once the records read at start were taken back (they needed their bodies), keep the
         heavy ones' bodies in their rows only, as ``append`` does for new ones."""
         with self._lock:
-            rows = self._db.execute("SELECT place, length(record) FROM records").fetchall()
-            lengths = dict(rows)
-            self.records = [
+            self._wait_for_writes()
+            lengths = dict(
+                self.ledger.read(
+                    lambda db: db.execute("SELECT place, length(record) FROM records").fetchall()
+                )
+            )
+            self._records = [
                 _light(record, place, lengths.get(place, 0))
-                for record, place in zip(self.records, self._places, strict=True)
+                for record, place in zip(self._records, self._places, strict=True)
             ]
 
     def calls(self, route: str) -> tuple[list[CallRecord], set[str]]:
@@ -186,86 +183,74 @@ class RequestStore:
         request ids whose result is recorded; as of one moment (no append or compaction
         meanwhile)."""
         with self._lock:
-            calls = [r for r in self.records if isinstance(r, CallRecord) and r.route == route]
-            answered = {r.request_id for r in self.records if isinstance(r, ResultRecord)}
+            self._settle()
+            records = self._records
+            calls = [r for r in records if isinstance(r, CallRecord) and r.route == route]
+            answered = {r.request_id for r in records if isinstance(r, ResultRecord)}
             whole = [self._whole(call) for call in calls]
         return whole, answered
 
     def _whole(self, call: CallRecord) -> CallRecord:
         if not isinstance(call.body, Stored):
             return call
-        (text,) = self._db.execute(
-            "SELECT record FROM records WHERE place = ?", (call.body.place,)
-        ).fetchone()
+        place = call.body.place
+        if place in self._unsettled:
+            futures.wait([self._unsettled[place]])  # its row is read once it is committed
+        (text,) = self.ledger.read(
+            lambda db: db.execute("SELECT record FROM records WHERE place = ?", (place,)).fetchone()
+        )
         record = record_from_json(json.loads(text))
         assert isinstance(record, CallRecord) and record.request_id == call.request_id
         return record
 
     # -- writing -------------------------------------------------------------------------------
 
-    def append(self, record: Record) -> int:
-        """Write ``record`` (durable once ``sync`` is given the returned ticket)."""
-        row = self._row(record)
+    def append(self, record: Record) -> Ticket:
+        """Queue ``record`` for the ledger's next commit (durable once ``sync`` is given the
+        returned ticket)."""
+        kind, owner, text = self._row(record)
         with self._lock:
-            if not self._db.in_transaction:
-                self._db.execute("BEGIN")
-            self._db.execute("SAVEPOINT record")
-            try:
-                cursor = self._db.execute(INSERT, row)
-            except sqlite3.Error as error:
-                self._undo_the_failed_insert()
-                raise _refusal(error) from None
-            self._db.execute("RELEASE record")
-            place = int(cursor.lastrowid or 0)
-            self.records.append(_light(record, place, len(row[2])))
+            place = self._next_place
+            self._next_place += 1
+            label = f"{RECORD_LABEL} {kind}"
+            written = self.ledger.write(partial(_insert, place, kind, owner, text), label)
+            self._records.append(_light(record, place, len(text)))
             self._places.append(place)
-            self._written += 1
-            return self._written
+            self._unsettled[place] = written
+        return Ticket(place, written)
 
-    def _undo_the_failed_insert(self) -> None:
-        """After an INSERT failed: no half record. SQLite may have rolled the whole transaction
-        back (a full disk can): then the records appended since the last commit are lost too,
-        and their tickets say so when synced."""
-        if self._db.in_transaction:
-            self._db.execute("ROLLBACK TO record")
-            self._db.execute("RELEASE record")
-            return
-        self._lose_pending()
-
-    def _lose_pending(self) -> None:
-        """The records appended since the last commit are not stored (under ``_lock``)."""
-        after, through = self._synced, self._written
-        if through > after:
-            count = len(self.records) - (through - after)
-            del self.records[count:], self._places[count:]
-            self._lost.append((after, through))
-        self._synced = through
-
-    def sync(self, ticket: int) -> None:
-        """Return once the record with ``ticket`` is durable (one commit may cover many);
-        ResourceExhausted (or the disk's error) when its commit failed: then it is not stored."""
-        with self._sync_lock:
-            if self._synced < ticket:
-                self._commit()
-            if any(after < ticket <= through for after, through in self._lost):
-                raise ResourceExhausted("the request could not be stored durably: not accepted")
-
-    def _commit(self) -> None:
-        with self._lock:
-            self._commit_pending()
-
-    def _commit_pending(self) -> None:
-        """Commit what was appended and not yet committed (under ``_lock``): on a failure those
-        records are gone, from the store and from memory, and their tickets say so."""
+    def sync(self, ticket: Ticket) -> None:
+        """Return once the record of ``ticket`` is durable (one commit may cover many);
+        ResourceExhausted (or the disk's error) when its write failed: then it is not stored,
+        and leaves memory too."""
         try:
-            if self._db.in_transaction:
-                self._db.execute("COMMIT")
+            ticket.committed.result()
         except sqlite3.Error as error:
-            logger.error("%s: records not stored: %s", self.path, error)
-            if self._db.in_transaction:
-                self._db.execute("ROLLBACK")
-            self._lose_pending()
-        self._synced = self._written
+            with self._lock:
+                self._settle()
+            raise _refusal(error) from None
+        with self._lock:
+            self._unsettled.pop(ticket.place, None)
+
+    def _settle(self) -> None:
+        """Drop the records whose write failed from memory (under ``_lock``)."""
+        done = [place for place, written in self._unsettled.items() if written.done()]
+        failed = {place for place in done if self._unsettled[place].exception() is not None}
+        for place in done:
+            del self._unsettled[place]
+        if failed:
+            kept = [
+                (record, place)
+                for record, place in zip(self._records, self._places, strict=True)
+                if place not in failed
+            ]
+            self._records = [record for record, _ in kept]
+            self._places = [place for _, place in kept]
+
+    def _wait_for_writes(self) -> None:
+        """Every append so far committed or failed, and settled (under ``_lock``)."""
+        futures.wait(list(self._unsettled.values()))
+        self._settle()
 
     def write(self, record: Record) -> None:
         """``append`` and ``sync``: the record is durable when this returns."""
@@ -286,67 +271,58 @@ class RequestStore:
         owners = sorted(set(owners))
         if not owners:
             return
-        with self._sync_lock, self._lock:
-            self._commit_pending()
-            marks = ",".join("?" * len(owners))
-            self._transaction([(f"DELETE FROM records WHERE owner IN ({marks})", owners)])
+        marks = ",".join("?" * len(owners))
+        with self._lock:
+            self._wait_for_writes()
+            try:
+                self.ledger.write_now(
+                    lambda db: db.execute(f"DELETE FROM records WHERE owner IN ({marks})", owners)
+                )
+            except sqlite3.Error as error:
+                raise _refusal(error) from None
             kept = [
                 (record, place)
-                for record, place in zip(self.records, self._places, strict=True)
+                for record, place in zip(self._records, self._places, strict=True)
                 if owner_of_record(record, self.owner_of) not in owners
             ]
-            self.records = [record for record, _ in kept]
+            self._records = [record for record, _ in kept]
             self._places = [place for _, place in kept]
 
     def compact(self, choose: Callable[[list[Record]], list[Record] | None]) -> bool:
         """Replace the records by ``choose(records)`` (None: keep them as they are), durably and
         atomically: a crash leaves the old records or the new. No record is appended meanwhile,
-        so none is lost between choosing and replacing. A kept record's row is copied as it was
-        written (its body is never decoded). True when they were replaced."""
-        with self._sync_lock, self._lock:
-            self._commit_pending()
-            kept = choose(list(self.records))
+        so none is lost between choosing and replacing. True when they were replaced.
+
+        The records ``choose`` keeps in their order at its end (the requests a restart still
+        needs) keep their rows: the others are DELETEd. What comes before them (a head of
+        sessions, notes, where streams resume, carried results) is written below every row, a
+        kept record's row copied as it was written (its body is never decoded)."""
+        with self._lock:
+            self._wait_for_writes()
+            kept = choose(list(self._records))
             if kept is None:
                 return False
-            place_of = {id(r): p for r, p in zip(self.records, self._places, strict=True)}
-            last = self._places[-1] if self._places else 0
-            self._db.execute("BEGIN")
-            try:
-                places = []
-                for record in kept:
-                    old = place_of.get(id(record))
-                    if old is None:
-                        cursor = self._db.execute(INSERT, self._row(record))
-                    else:
-                        cursor = self._db.execute(
-                            "INSERT INTO records (kind, owner, record) "
-                            "SELECT kind, owner, record FROM records WHERE place = ?",
-                            (old,),
-                        )
-                    places.append(int(cursor.lastrowid or 0))
-                self._db.execute("DELETE FROM records WHERE place <= ?", (last,))
-                self._db.execute("COMMIT")
-            except sqlite3.Error as error:
-                self._db.execute("ROLLBACK")
-                raise _refusal(error) from None
-            lengths = dict(self._db.execute("SELECT place, length(record) FROM records"))
-            self.records = [
-                _light(record, place, lengths[place])
-                for record, place in zip(kept, places, strict=True)
+            place_of = {id(r): p for r, p in zip(self._records, self._places, strict=True)}
+            staying = _staying(kept, place_of)
+            head = kept[: len(kept) - len(staying)]
+            lowest = min(self._places, default=self._next_place)
+            head_places = list(range(lowest - len(head), lowest))
+            rows = [
+                (place, self._row(record) if id(record) not in place_of else place_of[id(record)])
+                for record, place in zip(head, head_places, strict=True)
             ]
-            self._places = places
+            gone = sorted(set(self._places) - {place_of[id(r)] for r in staying})
+            try:
+                lengths = self.ledger.write_now(partial(_compact_rows, rows, gone))
+            except sqlite3.Error as error:
+                raise _refusal(error) from None
+            self._records = [
+                *(_light(r, p, lengths[p]) for r, p in zip(head, head_places, strict=True)),
+                *staying,
+            ]
+            self._places = [*head_places, *(place_of[id(r)] for r in staying)]
         logger.debug("%s compacted to %d records", self.path, len(kept))
         return True
-
-    def _transaction(self, statements: list[tuple[str, list[str]]]) -> None:
-        self._db.execute("BEGIN")
-        try:
-            for statement, parameters in statements:
-                self._db.execute(statement, parameters)
-            self._db.execute("COMMIT")
-        except sqlite3.Error as error:
-            self._db.execute("ROLLBACK")
-            raise _refusal(error) from None
 
     def _row(self, record: Record) -> tuple[str, str | None, str]:
         """``record``'s row: its kind, its client session, its JSON."""
@@ -355,36 +331,54 @@ class RequestStore:
         return str(fields["kind"]), owner_of_record(record, self.owner_of), text
 
     def close(self) -> None:
-        with self._sync_lock:
-            self._commit()
-            with self._lock:
-                self._db.close()
-
-    # -- an earlier version's log --------------------------------------------------------------
-
-    def _take_in_the_legacy_log(self, path: Path) -> None:
-        """Read an earlier version's line-per-record log into the store, in one transaction,
-        then remove it. Its last line torn by a crash (never durable, never answered) is dropped;
-        a corrupt line before it is an error, never a silent loss. The sessions it says were
-        forgotten (``"kind": "forgotten"``) leave with their records."""
-        if not path.is_file():
-            return
-        has_rows = self._db.execute("SELECT 1 FROM records LIMIT 1").fetchone() is not None
-        if not has_rows:  # else it was read in before a crash kept it from being removed
-            records, forgotten = _read_legacy_log(path)
-            kept = [r for r in records if owner_of_record(r, self.owner_of) not in forgotten]
-            self._db.execute("BEGIN")
-            for record in kept:
-                self._db.execute(INSERT, self._row(record))
-            self._db.execute("COMMIT")
-            logger.info("%s: %d records read in from %s", self.path, len(kept), path.name)
-        path.unlink()
+        """Wait for the records appended so far (the ledger, the host's, stays open)."""
+        with self._lock:
+            self._wait_for_writes()
 
 
-def read_records(directory: Path) -> list[Record]:
-    """The records stored in ``directory`` as they stand on disk, bodies whole (for ``trainwire``
-    tools and tests; a running intake may be writing meanwhile)."""
-    path = directory / STORE_FILE
+def _insert(place: int, kind: str, owner: str | None, text: str, db: sqlite3.Connection) -> None:
+    db.execute(INSERT, (place, kind, owner, text))
+
+
+def _staying(kept: list[Record], place_of: dict[int, int]) -> list[Record]:
+    """The longest run at the end of ``kept`` of stored records in their stored order: they keep
+    their rows."""
+    staying: list[Record] = []
+    for record in reversed(kept):
+        place = place_of.get(id(record))
+        if place is None or (staying and place >= place_of[id(staying[-1])]):
+            break
+        staying.append(record)
+    return staying[::-1]
+
+
+def _compact_rows(
+    head: list[tuple[int, int | tuple[str, str | None, str]]],
+    gone: list[int],
+    db: sqlite3.Connection,
+) -> dict[int, int]:
+    """Write ``head`` (each a new place and the old place whose row it copies, or a new row),
+    then DELETE the rows at ``gone``; the length of each head row."""
+    for place, row in head:
+        if isinstance(row, int):
+            db.execute(
+                "INSERT INTO records (place, kind, owner, record) "
+                "SELECT ?, kind, owner, record FROM records WHERE place = ?",
+                (place, row),
+            )
+        else:
+            db.execute(INSERT, (place, *row))
+    db.executemany("DELETE FROM records WHERE place = ?", [(place,) for place in gone])
+    places = [place for place, _ in head]
+    marks = ",".join("?" * len(places))
+    query = f"SELECT place, length(record) FROM records WHERE place IN ({marks})"
+    return dict(db.execute(query, places).fetchall())
+
+
+def read_records(state_dir: Path) -> list[Record]:
+    """The records stored in ``state_dir``'s ledger as they stand on disk, bodies whole (for
+    ``trainwire`` tools and tests; a running server may be writing meanwhile)."""
+    path = ledger_path(state_dir)
     if not path.is_file():
         return []
     db = sqlite3.connect(path)
@@ -395,32 +389,11 @@ def read_records(directory: Path) -> list[Record]:
     return [record_from_json(json.loads(text)) for (text,) in rows]
 
 
-def _read_legacy_log(path: Path) -> tuple[list[Record], set[str]]:
-    data = path.read_bytes()
-    complete = data.rfind(b"\n") + 1
-    if complete < len(data):
-        logger.warning("%s: dropped a torn last record", path)
-    records: list[Record] = []
-    forgotten: set[str] = set()
-    for number, line in enumerate(data[:complete].splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            fields = json.loads(line)
-            if fields.get("kind") == "forgotten":
-                forgotten.update(fields["session_ids"])
-            else:
-                records.append(record_from_json(fields))
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise ValueError(f"{path}: record {number} is corrupt") from None
-    return records, forgotten
-
-
 def _refusal(error: sqlite3.Error) -> Exception:
-    """A store error as the caller's answer: a full disk refuses the request."""
+    """A ledger error as the caller's answer: the request is not accepted."""
     if getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
         return ResourceExhausted("the disk is full: the request is not accepted")
-    return OSError(f"the request store failed: {error}")
+    return ResourceExhausted(f"the request could not be stored durably ({error}): not accepted")
 
 
 def _record(text: str, place: int) -> Record:

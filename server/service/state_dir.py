@@ -1,18 +1,20 @@
-"""The server's state directory: where each run keeps its spec, journal, checkpoints and exports.
+"""The server's state directory: where each run keeps its spec, checkpoints and exports, beside
+the one ledger of every run's journal and the Tinker front's requests.
 
 The layout (names are the constants below)::
 
     <state dir>/
       server.lock              held (flock) by the one server using the directory
+      ledger.sqlite3           the ledger (``ledger``: WAL, so also -wal and -shm beside it,
+                               and its ``.created`` marker)
       runs/<run_id>/
         run.json               the RunSpec: run id, config and fingerprints, max_steps, plan,
                                open | closed
-        journal.sqlite3        the operation journal (WAL: also -wal and -shm beside it)
         checkpoints/<name>/    session checkpoints written by SaveState
         exports/<name>/        inference exports written by ExportWeights
 
-Each run's files stay apart, so a closed run's checkpoints and journal survive the next run; at
-most one run is open. Run ids, checkpoint and export names match
+Each run's files stay apart, so a closed run's checkpoints (and its rows of the ledger) survive
+the next run. Run ids, checkpoint and export names match
 ``[A-Za-z0-9][A-Za-z0-9._-]{0,127}`` and must resolve inside their folder
 (``trainwire.server.paths``), so neither ``..`` nor a planted symlink leads out of the state
 directory.
@@ -35,7 +37,6 @@ from trainwire.contract.files import clean_leftovers, write_text_atomic
 from trainwire.contract.outcomes import ExportedFile
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.paths import links_under, resolve_inside, symlink_between
-from trainwire.server.service.journal import JOURNAL_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -145,7 +146,6 @@ class RunDirectory:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.journal_path = path / JOURNAL_FILE
         self.checkpoints = path / CHECKPOINTS_DIR
         self.exports = path / EXPORTS_DIR
 
@@ -247,7 +247,7 @@ class StateDirectory:
             self._lock_fd = None
 
     def run(self, run_id: str) -> RunDirectory:
-        """Run ``run_id``'s folder; FAILED_PRECONDITION if it (or its journal, spec or folders)
+        """Run ``run_id``'s folder; FAILED_PRECONDITION if it (or its spec or folders)
         was swapped for a symlink, which would take the server's writes elsewhere."""
         path = confined(self.root, self.root / RUNS_DIR, run_id, "run id")
         if path.is_dir():

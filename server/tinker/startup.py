@@ -65,7 +65,7 @@ def start_front(
     """The front of ``host``, its files in ``state_dir/tinker``, with its request store replayed
     (``tenants``' limits and the ``owners`` of run ids: ``ModelTable``)."""
     directory = Path(state_dir) / FRONT_DIR
-    intake = Intake(directory, host, owner_of=session_of, noun="model", account_of=tenant_of)
+    intake = Intake(host, owner_of=session_of, noun="model", account_of=tenant_of)
     external_weights.clean_encrypted_leftovers(directory)
     catalog = Catalog(directory)
     models = ModelTable(
