@@ -120,7 +120,10 @@ def plain_target_logprobs(model: torch.nn.Module, rows: list[TokenExample]) -> t
     return torch.cat(values)
 
 
-def chunked_of(model: torch.nn.Module, rows: list[TokenExample]) -> torch.Tensor:
+def chunked_of(
+    model: torch.nn.Module, rows: list[TokenExample], budget_bytes: int = CHUNK_BYTES
+) -> torch.Tensor:
+    """``chunked_target_logprobs`` of ``rows``, right-padded into one batch."""
     width = max(len(e) for e in rows)
     ids, targets, mask = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
     for row, example in enumerate(rows):
@@ -128,7 +131,7 @@ def chunked_of(model: torch.nn.Module, rows: list[TokenExample]) -> torch.Tensor
         targets[row, : len(example)] = torch.tensor(example.target_tokens)
         mask[row, : len(example)] = 1
     lengths = [len(e) for e in rows]
-    return chunked_target_logprobs(model, ids, mask, targets, lengths, budget_bytes=CHUNK_BYTES)
+    return chunked_target_logprobs(model, ids, mask, targets, lengths, budget_bytes=budget_bytes)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma2", "gpt2"])
@@ -193,21 +196,13 @@ def head_calls_and_bits(
 ) -> tuple[int, dict[str, torch.Tensor]]:
     """How many times the head ran in one forward and backward of ``rows`` (a call with no
     positions included: the model's own), and the logprobs and every gradient it gave."""
-    width = max(len(e) for e in rows)
-    ids, targets, mask = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
-    for row, example in enumerate(rows):
-        ids[row, : len(example)] = torch.tensor(example.tokens)
-        targets[row, : len(example)] = torch.tensor(example.target_tokens)
-        mask[row, : len(example)] = 1
     calls = []
     hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
     model.zero_grad(set_to_none=True)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)  # the same dropout masks for every budget
-            logp = chunked_target_logprobs(
-                model, ids, mask, targets, [len(e) for e in rows], budget_bytes=budget_bytes
-            )
+            logp = chunked_of(model, rows, budget_bytes)
             (torch.linspace(-1.0, 2.0, len(logp)) * logp).sum().backward()
     finally:
         hook.remove()
