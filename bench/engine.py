@@ -1,6 +1,8 @@
 """Engine overhead, measured side by side in one run.
 
-    python bench/engine.py [--quick]                 # CPU: llama 4 x 256, batch 8 x 128, fp32
+    python bench/engine.py [--quick] [--threads N [--clock cpu]] [--model tiny|small]
+                            # CPU, fp32: the tiny model (2 x 32), batches 4 x 64 and 8 x 128,
+                            #            then llama 4 x 256, batch 8 x 128
     python bench/engine.py --device cuda [--quick]   # GPU: Qwen2-0.5B shape, bf16, sdpa,
                                                      #      batch 8 x 512 and 16 x 1024
 
@@ -20,8 +22,10 @@
     which never holds ``[tokens x vocabulary]``), the plain loop's is transformers' over the
     whole logits. ``max |dw|`` is the largest weight difference at the end, held to
     ``SAME_WEIGHTS_ATOL`` in fp32 (in bf16 one rounding apart is a weight's last bit).
-    Goal: engine / plain <= 1.05 on CPU (<= 1.03 on a GPU). MFU counts 6N + 12·L·d·S FLOPs a
-    token for full weights, 4N + 8·L·d·S (+ 6 per adapter parameter) for LoRA.
+    Goal: engine / plain <= 1.05 on CPU (<= 1.03 on a GPU), <= 1.15 on the tiny model, whose
+    step is short enough that the engine's fixed costs show (a tenth of a millisecond is about
+    1 % of it). MFU counts 6N + 12·L·d·S FLOPs a token for full weights, 4N + 8·L·d·S (+ 6 per
+    adapter parameter) for LoRA.
 
 (2) Checkpoints: ``save_state`` / ``load_state`` against safetensors ``save_file`` /
     ``load_file`` of the same tensors (parameters, AdamW moments, pending gradients, RNG) in as
@@ -31,6 +35,7 @@
     The raw save is shown without and with an fsync per file. The raw load is the least a restore
     does: ``load_file``, parameters copied into the live ones, owned copies of the rest
     (``load_file`` alone only maps the file). Ratio = raw time / engine time. Goal: >= 0.8.
+    Measured on the last model of the run (the small llama on the CPU, unless ``--model tiny``).
 
 Nothing is asserted; the script prints the figures.
 """
@@ -62,6 +67,7 @@ from trainwire.server.engine.optimization import parameter_groups
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.session import checkpoint as ckpt
 from trainwire.testing import make_tiny_model
+from trainwire.tiny_models import SHAPES
 
 CORPUS = Path(__file__).resolve().parents[1] / "trainwire" / "data" / "corpus.txt"
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -79,6 +85,8 @@ SMALL_LLAMA = {  # the CPU model: 4 layers x 256 hidden
     "num_key_value_heads": 4,
     "tie_word_embeddings": False,
 }
+TINY = "tiny"  # make_tiny_model's llama (2 layers x 32 hidden), as it writes it
+TINY_SHAPE = {**SHAPES[TINY], "arch": "llama"}
 QWEN2_05B = {  # Qwen2-0.5B's shape, random weights
     "arch": "qwen2",
     "vocab_size": 151936,
@@ -93,14 +101,24 @@ QWEN2_05B = {  # Qwen2-0.5B's shape, random weights
 
 
 @dataclass(frozen=True)
+class Model:
+    name: str
+    shape: dict[str, Any]  # written at random init by ``write_model``, except TINY's
+    batches: tuple[tuple[int, int], ...]  # (batch size, sequence length)
+    steps: int  # timed steps of each side
+
+
+@dataclass(frozen=True)
 class Setup:
     device: str
     precision: str
-    shape: dict[str, Any]
-    batches: tuple[tuple[int, int], ...]  # (batch size, sequence length)
+    models: tuple[Model, ...]
     warmup: int  # steps of each side before timing
-    steps: int  # timed steps of each side
     rounds: int  # timed checkpoint saves and loads
+    # What a step's time is read from: the wall clock, or with ``--clock cpu`` this thread's CPU
+    # time (a CPU step at one torch thread runs wholly on it, backward included), which other
+    # processes' load on a shared machine changes far less than it changes the wall clock.
+    clock: Callable[[], float] = time.perf_counter
 
 
 def write_model(
@@ -194,15 +212,26 @@ class PlainLoop:
         return loss.item()
 
 
-def timed(function: Callable[[], Any], device: str) -> float:
+def timed(
+    function: Callable[[], Any], device: str, clock: Callable[[], float] = time.perf_counter
+) -> float:
     synchronize(device)
-    started = time.perf_counter()
+    started = clock()
     function()
     synchronize(device)
-    return time.perf_counter() - started
+    return clock() - started
 
 
-def compare_steps(model: Path, setup: Setup, batch: int, length: int, lora: bool) -> dict:
+def build_model(model: Model, directory: Path, setup: Setup) -> Path:
+    if model.name == TINY:
+        return make_tiny_model(directory)
+    dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    return write_model(directory, model.shape, setup.device, dtype)
+
+
+def compare_steps(
+    model: Path, setup: Setup, batch: int, length: int, lora: bool, steps: int
+) -> dict:
     """Median seconds per step for the engine and the plain loop, and their median ratio."""
     config = session_config(model, setup, batch, length, lora)
     session = TrainingSession(config, device=setup.device, max_steps=None)
@@ -218,10 +247,10 @@ def compare_steps(model: Path, setup: Setup, batch: int, length: int, lora: bool
     # Steps alternate one by one, in ABBA order, so a burst of load from elsewhere hits both
     # sides alike; the ratio is the median over adjacent pairs.
     times: dict[str, list[float]] = {"engine": [], "plain": [], "ratio": [], "encode": []}
-    for j in range(setup.warmup + setup.steps):
+    for j in range(setup.warmup + steps):
         i = j % len(batches)
-        engine = partial(timed, partial(engine_step, batches[i]), setup.device)
-        bare = partial(timed, partial(plain.step, inputs[i]), setup.device)
+        engine = partial(timed, partial(engine_step, batches[i]), setup.device, setup.clock)
+        bare = partial(timed, partial(plain.step, inputs[i]), setup.device, setup.clock)
         if j % 2 == 0:
             spent = {"engine": engine(), "plain": bare()}
         else:
@@ -231,7 +260,8 @@ def compare_steps(model: Path, setup: Setup, batch: int, length: int, lora: bool
                 times[side].append(value)
             times["ratio"].append(spent["engine"] / spent["plain"])
     for examples in batches:
-        times["encode"].append(timed(lambda e=examples: session.encoder.encode(e), setup.device))
+        encode = partial(session.encoder.encode, examples)
+        times["encode"].append(timed(encode, setup.device, setup.clock))
     engine_params = dict(session.model.named_parameters())
     with torch.no_grad():
         apart = max(
@@ -261,20 +291,17 @@ def peak_flops(device: str) -> float | None:
     return next((peak for key, peak in PEAK_BF16_FLOPS.items() if key in name), None)
 
 
-def print_steps(model: Path, setup: Setup) -> None:
-    print(f"\n(1) training step: engine vs plain loop ({setup.device}, {setup.precision})")
-    print(f"{'':24} {'engine ms':>10} {'plain ms':>10} {'ratio':>7} {'tokens/s':>10} "
-          f"{'MFU':>6} {'encode ms':>10}  max |dw|")  # fmt: skip
+def print_steps(directory: Path, model: Model, setup: Setup) -> None:
     peak = peak_flops(setup.device)
-    for batch, length in setup.batches:
+    for batch, length in model.batches:
         for lora in (False, True):
-            result = compare_steps(model, setup, batch, length, lora)
+            result = compare_steps(directory, setup, batch, length, lora, model.steps)
             tokens = batch * length
-            flops = training_flops_per_token(result, setup.shape, length, lora) * tokens
+            flops = training_flops_per_token(result, model.shape, length, lora) * tokens
             mfu = f"{flops / result['engine'] / peak:6.1%}" if peak else "   n/a"
-            label = f"{'lora r=16' if lora else 'full'} {batch}x{length}"
+            label = f"{model.name} {'lora r=16' if lora else 'full'} {batch}x{length}"
             print(
-                f"{label:24} {result['engine'] * 1e3:10.1f} {result['plain'] * 1e3:10.1f} "
+                f"{label:30} {result['engine'] * 1e3:10.1f} {result['plain'] * 1e3:10.1f} "
                 f"{result['ratio']:7.3f} {tokens / result['engine']:10.0f} "
                 f"{mfu} {result['encode'] * 1e3:10.2f}  {result['weights_apart']:.1e}"
                 f"{' (too far)' if too_far(result, setup) else ''}"
@@ -350,8 +377,8 @@ def time_checkpoints(config: TrainingConfig, setup: Setup, work: Path) -> tuple[
     return {name: statistics.median(values) for name, values in times.items()}, size
 
 
-def print_checkpoints(model: Path, setup: Setup, work: Path) -> None:
-    batch, length = setup.batches[0]
+def print_checkpoints(model: Path, batches: tuple[tuple[int, int], ...], setup: Setup, work: Path):
+    batch, length = batches[0]
     config = session_config(model, setup, batch, length, lora=False)
     median, size = time_checkpoints(config, setup, work)
     print(f"\n(2) checkpoints: {size / 2**20:.0f} MiB of parameters, AdamW moments, pending "
@@ -371,48 +398,67 @@ def print_checkpoints(model: Path, setup: Setup, work: Path) -> None:
         )
 
 
-def make_setup(device: str, quick: bool) -> Setup:
+def make_setup(device: str, quick: bool, only: str | None, clock: str) -> Setup:
     if device == "cuda":
-        return Setup(
-            device="cuda",
-            precision="bf16",
-            shape=QWEN2_05B,
-            batches=((8, 512),) if quick else ((8, 512), (16, 1024)),
-            warmup=3,
+        qwen = Model(
+            "qwen2-0.5b",
+            QWEN2_05B,
+            ((8, 512),) if quick else ((8, 512), (16, 1024)),
             steps=6 if quick else 20,
-            rounds=2 if quick else 5,
         )
-    return Setup(
-        device="cpu",
-        precision="fp32",
-        shape=SMALL_LLAMA,
-        batches=((8, 128),),
-        warmup=2,
-        steps=6 if quick else 30,
-        rounds=3 if quick else 10,
-    )
+        return Setup("cuda", "bf16", (qwen,), warmup=3, rounds=2 if quick else 5)
+    cpu_time = {"cpu": time.thread_time, "wall": time.perf_counter}[clock]
+    # The tiny model's steps take milliseconds: four times the steps for a steady median.
+    tiny = Model(TINY, TINY_SHAPE, ((4, 64), (8, 128)), steps=24 if quick else 120)
+    small = Model("small", SMALL_LLAMA, ((8, 128),), steps=6 if quick else 30)
+    models = tuple(model for model in (tiny, small) if only in (None, model.name))
+    return Setup("cpu", "fp32", models, warmup=2, rounds=3 if quick else 10, clock=cpu_time)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--quick", action="store_true", help="fewer steps (and one GPU shape)")
+    parser.add_argument(
+        "--model", choices=(TINY, "small"), help="one CPU model (default: tiny, then small)"
+    )
+    parser.add_argument(
+        "--threads", type=int, help="torch intra-op threads (default: torch's, one per core)"
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="CPU steps timed by the wall clock or by this thread's CPU time (with --threads 1)",
+    )
     args = parser.parse_args()
+    if args.clock == "cpu" and (args.device == "cuda" or args.threads != 1):
+        parser.error("--clock cpu needs --threads 1 on the CPU: other threads' work is not counted")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     transformers_logging.set_verbosity_error()  # the engine cuts long texts on purpose
     transformers_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-    setup = make_setup(args.device, args.quick)
-    dtype = torch.bfloat16 if setup.precision == "bf16" else torch.float32
+    setup = make_setup(args.device, args.quick, args.model, args.clock)
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads"
         + (f", {torch.cuda.get_device_name()}" if setup.device == "cuda" else "")
     )
     with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
         work = Path(tmp)
-        model = write_model(work / "model", setup.shape, setup.device, dtype)
-        print_steps(model, setup)
-        print_checkpoints(model, setup, work)
-        shutil.rmtree(work / "model")
+        clock = "thread CPU time" if setup.clock is time.thread_time else "wall clock"
+        print(f"\n(1) training step: engine vs plain loop ({setup.device}, {setup.precision}, "
+              f"{clock})")  # fmt: skip
+        print(f"{'':30} {'engine ms':>10} {'plain ms':>10} {'ratio':>7} {'tokens/s':>10} "
+              f"{'MFU':>6} {'encode ms':>10}  max |dw|")  # fmt: skip
+        for model in setup.models:
+            directory = build_model(model, work / model.name, setup)
+            print_steps(directory, model, setup)
+            if model is not setup.models[-1]:
+                shutil.rmtree(directory)
+        last = setup.models[-1]
+        print_checkpoints(directory, last.batches, setup, work)
+        shutil.rmtree(directory)
 
 
 if __name__ == "__main__":

@@ -120,7 +120,10 @@ def plain_target_logprobs(model: torch.nn.Module, rows: list[TokenExample]) -> t
     return torch.cat(values)
 
 
-def chunked_of(model: torch.nn.Module, rows: list[TokenExample]) -> torch.Tensor:
+def chunked_of(
+    model: torch.nn.Module, rows: list[TokenExample], budget_bytes: int = CHUNK_BYTES
+) -> torch.Tensor:
+    """``chunked_target_logprobs`` of ``rows``, right-padded into one batch."""
     width = max(len(e) for e in rows)
     ids, targets, mask = (torch.zeros(len(rows), width, dtype=torch.long) for _ in range(3))
     for row, example in enumerate(rows):
@@ -128,7 +131,7 @@ def chunked_of(model: torch.nn.Module, rows: list[TokenExample]) -> torch.Tensor
         targets[row, : len(example)] = torch.tensor(example.target_tokens)
         mask[row, : len(example)] = 1
     lengths = [len(e) for e in rows]
-    return chunked_target_logprobs(model, ids, mask, targets, lengths, budget_bytes=CHUNK_BYTES)
+    return chunked_target_logprobs(model, ids, mask, targets, lengths, budget_bytes=budget_bytes)
 
 
 @pytest.mark.parametrize("arch", ["llama3", "gemma2", "gpt2"])
@@ -186,6 +189,46 @@ def test_the_chunked_text_loss_and_gradients_equal_transformers_to_float_toleran
     plain, chunked = results
     for name, value in plain.items():
         assert torch.allclose(chunked[name], value, rtol=RTOL, atol=ATOL), name
+
+
+def head_calls_and_bits(
+    model: torch.nn.Module, rows: list[TokenExample], budget_bytes: int
+) -> tuple[int, dict[str, torch.Tensor]]:
+    """How many times the head ran in one forward and backward of ``rows`` (a call with no
+    positions included: the model's own), and the logprobs and every gradient it gave."""
+    calls = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    model.zero_grad(set_to_none=True)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)  # the same dropout masks for every budget
+            logp = chunked_of(model, rows, budget_bytes)
+            (torch.linspace(-1.0, 2.0, len(logp)) * logp).sum().backward()
+    finally:
+        hook.remove()
+    bits = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    bits["logp"] = logp.detach()
+    return len(calls), bits
+
+
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_a_request_that_fits_one_chunk_is_not_recomputed_and_gives_the_chunked_bits(
+    llama_config, setup
+) -> None:
+    """Rows of 11, 4 and 8 positions: with a budget of 11 positions each row is one chunk,
+    recomputed in the backward; with a budget of 23 the whole request is one chunk, kept. The
+    head runs on the same rows either way, so every logprob and gradient is the same bits (LoRA
+    on the head with dropout: the same masks too)."""
+    session = TrainingSession(llama_config(lora=SETUPS[setup]), device="cpu")
+    model = session.model
+    model.train()
+    rows = [long_example(length, seed=length) for length in (11, 4, 8)]
+    chunked_calls, chunked = head_calls_and_bits(model, rows, 11 * VOCAB * 4)
+    one_chunk_calls, one_chunk = head_calls_and_bits(model, rows, 23 * VOCAB * 4)
+    assert chunked_calls == 1 + 2 * len(rows)  # the model's own call, each row, each again
+    assert one_chunk_calls == 1 + len(rows)
+    assert chunked.keys() == one_chunk.keys()
+    assert all(torch.equal(one_chunk[name], value) for name, value in chunked.items())
 
 
 @pytest.fixture(params=list(SETUPS))

@@ -9,6 +9,12 @@ LoRA on the unembedding included), the architecture's logit transform, ``logsume
 gathered target run over chunks of positions, each chunk under non-reentrant checkpointing: its
 logits are freed once its logprobs exist and recomputed in the backward, one chunk at a time.
 
+A request whose target positions all fit one chunk's budget together (a short batch, or a small
+vocabulary) takes one chunk: each row's head runs on that row's positions as above (the same
+matmul shapes, so the same bits), and the rest, which works position by position, runs once
+over all of them, kept for the backward rather than recomputed (they hold no more than one
+chunk's logits). Which way a request goes depends on its lengths alone.
+
 Chunks never cross an example: each row of a batch is cut into chunks from its first position,
 so an example's chunks are the same alone and in any company, and the sampler, which scores a
 sample alone, runs the very shapes ``forward`` of that sample runs.
@@ -57,12 +63,14 @@ def chunked_target_logprobs(
     """log p(target) of the first ``lengths[b]`` positions of every row ``b``, flattened in row
     order, in fp32 (the order ``tensor[mask]`` reads a right-padded batch in).
 
-    Recorded for backward when gradients are enabled (the chunks are recomputed there); under
-    ``torch.no_grad`` nothing is kept.
+    Recorded for backward when gradients are enabled (the chunks are recomputed there, unless
+    one chunk holds the whole request); under ``torch.no_grad`` nothing is kept.
     """
     hidden, head = final_hidden_states(model, input_ids, attention_mask)
     transform = logit_transform(model.config)
     chunk = positions_per_chunk(_vocab_size(head), budget_bytes)
+    if sum(lengths) <= chunk:
+        return _one_chunk_logprobs(head, transform, hidden, targets, lengths)
     one_chunk = functools.partial(_chunk_logprobs, head, transform)
     recompute = torch.is_grad_enabled()
     pieces = []
@@ -75,6 +83,23 @@ def chunked_target_logprobs(
             else:
                 pieces.append(one_chunk(states, picked))
     return torch.cat(pieces)
+
+
+def _one_chunk_logprobs(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lengths: Sequence[int],
+) -> torch.Tensor:
+    """``chunked_target_logprobs`` of a request whose logits fit one chunk: the head runs
+    row by row, on the very rows the chunked path gives it (a matmul's bits depend on its
+    shape), and the logit transform, gather and ``logsumexp``, each computed position by
+    position, run once on every row's logits together."""
+    rows = [row for row, length in enumerate(lengths) if length]
+    states = [hidden[row, : lengths[row]] for row in rows]
+    logits = _as_logits(transform, torch.cat([head(row_states) for row_states in states]))
+    return _target_logprobs(logits, torch.cat([targets[row, : lengths[row]] for row in rows]))
 
 
 def final_hidden_states(
@@ -207,9 +232,12 @@ def _chunk_logprobs(
     states: torch.Tensor,
     targets: torch.Tensor,
 ) -> torch.Tensor:
+    return _target_logprobs(_chunk_logits(head, transform, states), targets)
+
+
+def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # gather - logsumexp rather than a log_softmax: the same value without a second
     # chunk-by-vocabulary tensor.
-    logits = _chunk_logits(head, transform, states)
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return picked - torch.logsumexp(logits, dim=-1)
 
@@ -218,10 +246,13 @@ def _chunk_logits(
     head: torch.nn.Module, transform: LogitTransform | None, states: torch.Tensor
 ) -> torch.Tensor:
     """One chunk's logits in fp32, as the architecture's causal-LM forward returns them."""
-    logits = head(states)
+    return _as_logits(transform, head(states))
+
+
+def _as_logits(transform: LogitTransform | None, head_output: torch.Tensor) -> torch.Tensor:
     if transform is not None:
-        logits = transform(logits)
-    return logits.float()
+        head_output = transform(head_output)
+    return head_output.float()
 
 
 def _vocab_size(head: torch.nn.Module) -> int:

@@ -115,7 +115,7 @@ def encode_microbatch(
         examples,
         vocab_size=vocab_size,
         max_length=encoder.max_length,
-        pad_id=encoder.tokenizer.pad_token_id,
+        pad_id=encoder.pad_id,
         device=encoder.device,
         logits_chunk_bytes=encoder.logits_chunk_bytes,
     )

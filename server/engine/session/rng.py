@@ -41,8 +41,7 @@ class RngState:
         A CPU session leaves CUDA out: its bits never depend on those generators, and its state
         must not change shape when something else in the process initializes CUDA.
         """
-        cuda_states = torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_initialized() else []
-        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_states)
+        return cls(random.getstate(), np.random.get_state(), torch.get_rng_state(), _cuda(cuda))
 
     @classmethod
     def seeded(cls, seed: int, *, cuda: bool = True) -> RngState:
@@ -55,9 +54,9 @@ class RngState:
 
     def advanced(self, *, cuda: bool = True) -> RngState:
         """The state after an operation: torch's generators as it left them, Python's and
-        NumPy's as this state installed them (the session never draws from those)."""
-        now = RngState.capture(cuda=cuda)
-        return RngState(self.python, self.numpy, now.torch_cpu, now.cuda)
+        NumPy's as this state installed them (the session never draws from those, so they are
+        not read back: reading NumPy's alone takes tens of microseconds an operation)."""
+        return RngState(self.python, self.numpy, torch.get_rng_state(), _cuda(cuda))
 
     def install(self) -> None:
         random.setstate(self.python)
@@ -104,6 +103,11 @@ class RngState:
         digest = hashlib.sha256()
         self.update_digest(digest)
         return digest.hexdigest()
+
+
+def _cuda(cuda: bool) -> list[torch.Tensor]:
+    """The CUDA generators' states, with ``cuda`` and once CUDA is up; else none."""
+    return torch.cuda.get_rng_state_all() if cuda and torch.cuda.is_initialized() else []
 
 
 # The torch, NumPy and Python generators are process-wide: every block that sets or draws from
