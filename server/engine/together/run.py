@@ -17,7 +17,10 @@ from trainwire.server.engine.session.operation_guard import refuse_out_of_memory
 from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.engine.session.rng import preserved_global_rng
 from trainwire.server.engine.session.session import TrainingSession
+from trainwire.server.engine.together.compatibility import session_problem, shape_problem
 from trainwire.server.engine.together.row_blocks import adapters_by_row_block
+from trainwire.server.engine.together.row_invariance import RowInvariance
+from trainwire.server.errors import FailedPrecondition
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,9 @@ class Request:
 Result = float | ForwardResult | TokenOutput
 
 
-def run_together(requests: Sequence[Request], *, backward: bool = True) -> list[Result]:
+def run_together(
+    requests: Sequence[Request], invariance: RowInvariance, *, backward: bool = True
+) -> list[Result]:
     """Run every request in one pass over the base the sessions share; each its result.
 
     With ``backward`` every request is a ``forward_backward``, else a ``forward``. The base
@@ -42,15 +47,18 @@ def run_together(requests: Sequence[Request], *, backward: bool = True) -> list[
     backward of the sum of the losses (whose gradient to each loss is exactly 1) leaves each
     adapter the gradients of its own rows only. Each session ends with the state and returns the
     result it gets running its request alone, bit for bit, where ``compatible`` allows the
-    requests together on a device whose linear layers are row invariant
-    (``row_invariance``); callers check both first and otherwise run the requests in turns.
+    requests together under ``invariance`` (the device's ``row_invariance``): callers ask it
+    first and otherwise run the requests in turns.
 
-    Validation comes first: a request its session refuses (InvalidArgument, a broken session)
-    raises before any session changes. Out of memory before the backward changes nothing
+    Validation comes first: requests ``compatible`` would refuse (FailedPrecondition, with its
+    reason) and a request its session refuses (InvalidArgument, a broken session) raise before
+    any session changes. Out of memory before the backward changes nothing
     (ResourceExhausted); a failure during the backward leaves every session of the pass broken
     until a ``load_state``, as it leaves a session alone.
     """
     what = "forward_backward" if backward else "forward"
+    sessions = [request.session for request in requests]
+    _refuse(session_problem(sessions))
     with contextlib.ExitStack() as held:
         # One lock order for every pass: two passes over overlapping sessions never deadlock.
         order = sorted(range(len(requests)), key=lambda i: id(requests[i].session))
@@ -66,7 +74,7 @@ def run_together(requests: Sequence[Request], *, backward: bool = True) -> list[
                 )
             )
         microbatches = [encoded[index] for index in range(len(requests))]
-        sessions = [request.session for request in requests]
+        _refuse(shape_problem([_model_inputs(mb)[0].shape for mb in microbatches], invariance))
         with preserved_global_rng(), torch.set_grad_enabled(backward):
             drawn_from = torch.get_rng_state()
             models = [session.model for session in sessions]
@@ -125,6 +133,11 @@ class _RowBlockModel:
 
     def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         self._model.get_output_embeddings()(self._hidden)
+
+
+def _refuse(problem: str | None) -> None:
+    if problem is not None:
+        raise FailedPrecondition(f"these requests cannot run together: {problem}")
 
 
 def _refuse_draws(before: torch.Tensor) -> None:
