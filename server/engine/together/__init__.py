@@ -7,13 +7,22 @@ from its own rows only, each session ending exactly as it ends alone. ``compatib
 whether this device's kernels allow it at all. ``row_blocks`` holds the pass's one trick: each
 row block of the stacked rows under its own session's adapter.
 
-The caller (the service's scheduler) picks requests ready at once on sessions of one base,
-asks ``compatible(requests, row_invariance(model))``, and runs them with ``run_together`` when it
-answers None, in turns otherwise; ``optim_step`` stays per session.
+The caller (the service's scheduler) takes the requests ready at once on sessions of one base,
+splits them with ``group_together(requests, row_invariance(model))`` (or asks ``compatible``
+of a set it chose), runs each group of two or more with ``run_together`` and each other request
+alone; ``optim_step`` stays per session.
 """
 
-from trainwire.server.engine.together.compatibility import compatible
+from trainwire.server.engine.together.compatibility import compatible, group_together
 from trainwire.server.engine.together.row_invariance import RowInvariance, row_invariance
 from trainwire.server.engine.together.run import Request, Result, run_together
 
-__all__ = ["Request", "Result", "RowInvariance", "compatible", "row_invariance", "run_together"]
+__all__ = [
+    "Request",
+    "Result",
+    "RowInvariance",
+    "compatible",
+    "group_together",
+    "row_invariance",
+    "run_together",
+]

@@ -10,6 +10,7 @@ device's row invariance (``row_invariance``). Anything else runs in turns.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -44,6 +45,37 @@ def compatible(requests: Sequence[Request], invariance: RowInvariance) -> str | 
     return shape_problem(shapes, invariance)
 
 
+def group_together(requests: Sequence[Request], invariance: RowInvariance) -> list[list[int]]:
+    """The requests, by index, in groups that ``run_together`` may each run as one pass.
+
+    Each request's padded shape is found once (text is encoded for it). A request joins the
+    first earlier group it is ``compatible`` with, else starts its own; groups keep the order
+    their first request came in, and so do the requests in each. A group of one runs alone. A
+    request its session would refuse gets a group of its own, where it meets its error alone.
+    """
+    groups: list[list[int]] = []
+    shapes: dict[int, tuple[int, int]] = {}
+    for index, request in enumerate(requests):
+        try:
+            shapes[index] = padded_shape(request)
+        except InvalidArgument:
+            groups.append([index])
+            continue
+        for group in groups:
+            if group[0] not in shapes:
+                continue
+            joined = [*group, index]
+            sessions = [requests[i].session for i in joined]
+            if session_problem(sessions) is None and (
+                shape_problem([shapes[i] for i in joined], invariance) is None
+            ):
+                group.append(index)
+                break
+        else:
+            groups.append([index])
+    return groups
+
+
 def session_problem(sessions: Sequence[TrainingSession]) -> str | None:
     """Why these sessions cannot share a pass, whatever they are asked, or None."""
     if not sessions:
@@ -62,9 +94,35 @@ def session_problem(sessions: Sequence[TrainingSession]) -> str | None:
 
 
 def _own_problem(session: TrainingSession, first: TrainingSession, targets) -> str | None:
-    config, lora = session.config, session.config.lora
     if session.shared_base is not first.shared_base:
         return "it runs on another base than session 0"
+    if session.config.gradient_checkpointing != first.config.gradient_checkpointing:
+        return "gradient_checkpointing differs from session 0's"
+    if session.encoder.logits_chunk_bytes != first.encoder.logits_chunk_bytes:
+        return "logits_chunk_bytes differs from session 0's (it decides the head's chunks)"
+    if type(session.loss_hook) is not LossHook:
+        return f"its loss hook {type(session.loss_hook).__name__} may run its own forward"
+    if _setup_problem(session) is not None:
+        return _setup_problem(session)
+    if lora_layers(session.model).keys() != targets:
+        return "its LoRA layers are on other modules than session 0's"
+    return None
+
+
+# What a session's set up decides never changes: found once per session.
+_SETUP_PROBLEMS: weakref.WeakKeyDictionary[TrainingSession, str | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _setup_problem(session: TrainingSession) -> str | None:
+    if session not in _SETUP_PROBLEMS:
+        _SETUP_PROBLEMS[session] = _find_setup_problem(session)
+    return _SETUP_PROBLEMS[session]
+
+
+def _find_setup_problem(session: TrainingSession) -> str | None:
+    config, lora = session.config, session.config.lora
     if config.task != "causal-lm":
         return f"task {config.task} (only causal-lm runs together)"
     if lora is None:
@@ -75,14 +133,7 @@ def _own_problem(session: TrainingSession, first: TrainingSession, targets) -> s
         return "DoRA adapters run alone"
     if lora.target_parameters:
         return "adapters on parameters (target_parameters) run alone"
-    if config.gradient_checkpointing != first.config.gradient_checkpointing:
-        return "gradient_checkpointing differs from session 0's"
-    if type(session.loss_hook) is not LossHook:
-        return f"its loss hook {type(session.loss_hook).__name__} may run its own forward"
-    layers = lora_layers(session.model)
-    if layers.keys() != targets:
-        return "its LoRA layers are on other modules than session 0's"
-    for name, layer in layers.items():
+    for name, layer in lora_layers(session.model).items():
         if len(layer.active_adapters) != 1 or layer.merged or layer.disable_adapters:
             return f"layer {name} does not run exactly one unmerged adapter"
         if layer.lora_variant:

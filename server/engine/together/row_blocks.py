@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -24,15 +25,22 @@ from peft.tuners.lora import Linear as LoraLinear
 
 from trainwire.server.errors import FailedPrecondition
 
+# A session's module tree never changes after set up, and walking it costs milliseconds a pass.
+_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, LoraLinear]] = (
+    weakref.WeakKeyDictionary()
+)
+
 
 def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
     """The model's LoRA linear layers by module name, its output head left out."""
-    head = model.get_output_embeddings()
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, LoraLinear) and module is not head
-    }
+    if model not in _LAYERS:
+        head = model.get_output_embeddings()
+        _LAYERS[model] = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, LoraLinear) and module is not head
+        }
+    return _LAYERS[model]
 
 
 @contextlib.contextmanager
