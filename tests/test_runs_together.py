@@ -23,6 +23,7 @@ from trainwire.server.engine.together import (
     Request,
     RowInvariance,
     compatible,
+    group_together,
     row_invariance,
     run_together,
 )
@@ -256,3 +257,22 @@ def test_a_device_decides_from_how_many_rows_runs_share_a_product(base, run_conf
         assert reason in compatible(requests, invariance)
         with pytest.raises(FailedPrecondition, match=reason):
             run_together(requests, invariance)
+
+
+def test_ready_requests_are_grouped_by_what_may_share_a_pass(base, llama_config):
+    def session(**config: Any) -> TrainingSession:
+        return TrainingSession(
+            llama_config(lr_scheduler="constant", **config), device="cpu", base=base
+        )
+
+    wider = tiny_token_examples(2, seed=7, min_length=WIDTH + 1, max_length=WIDTH + 1)
+    requests = [
+        Request(session(**RUNS["ppo"][0]), _tokens(2, 0), "ppo"),
+        Request(session(**RUNS["text"][0]), wider),
+        Request(session(**RUNS["text"][0]), _texts(2, 0)),
+        Request(session(lora=LoraSettings(r=4, alpha=8, dropout=0.1)), _tokens(3, 1)),
+        Request(session(**RUNS["cross_entropy"][0]), wider),
+        Request(session(**RUNS["cross_entropy"][0]), []),  # refused alone: empty
+    ]
+    invariance = row_invariance(requests[0].session.model)
+    assert group_together(requests, invariance) == [[0, 2], [1, 4], [3], [5]]

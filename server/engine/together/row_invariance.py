@@ -66,7 +66,9 @@ class RowInvariance:
         return None
 
 
-_probed: dict[tuple[str, torch.dtype, tuple[tuple[int, int], ...]], RowInvariance] = {}
+# A linear layer as the probe multiplies by it: (in features, out features, has a bias).
+LinearShape = tuple[int, int, bool]
+_probed: dict[tuple[str, torch.dtype, tuple[LinearShape, ...]], RowInvariance] = {}
 _probing = threading.Lock()
 
 
@@ -82,13 +84,14 @@ def row_invariance(model: torch.nn.Module) -> RowInvariance:
         return _probed[key]
 
 
-def base_linear_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
-    """The distinct (in, out) shapes of the model's base linear layers, largest first: the
-    products a shared pass stacks. LoRA's own layers and the output head run per session."""
+def base_linear_shapes(model: torch.nn.Module) -> tuple[LinearShape, ...]:
+    """The distinct shapes of the model's base linear layers, largest first: the products a
+    shared pass stacks (with a bias, another kernel may run). LoRA's own layers and the output
+    head run per session."""
     head = model.get_output_embeddings()
     skipped = {id(head), id(getattr(head, "base_layer", None))}
     shapes = {
-        (module.in_features, module.out_features)
+        (module.in_features, module.out_features, module.bias is not None)
         for name, module in model.named_modules()
         if isinstance(module, torch.nn.Linear)
         and id(module) not in skipped
@@ -97,16 +100,15 @@ def base_linear_shapes(model: torch.nn.Module) -> tuple[tuple[int, int], ...]:
     return tuple(sorted(shapes, key=lambda shape: (-shape[0] * shape[1], shape)))[:MAX_SHAPES]
 
 
-def probe(
-    shapes: Sequence[tuple[int, int]], device: torch.device, dtype: torch.dtype
-) -> RowInvariance:
+def probe(shapes: Sequence[LinearShape], device: torch.device, dtype: torch.dtype) -> RowInvariance:
     """Multiply blocks alone and stacked, forward and backward, for every shape and block."""
     generator = torch.Generator().manual_seed(0)  # never the session's generators
     holds = {rows: True for rows in BLOCK_ROWS}
-    for in_features, out_features in shapes:
+    for in_features, out_features, has_bias in shapes:
         weight = _random((out_features, in_features), generator, device, dtype)
+        bias = _random((1, out_features), generator, device, dtype)[0] if has_bias else None
         for rows in BLOCK_ROWS:
-            holds[rows] &= _block_invariant(weight, rows, generator)
+            holds[rows] &= _block_invariant(weight, bias, rows, generator)
     min_rows = None
     for rows in reversed(BLOCK_ROWS):
         if not holds[rows]:
@@ -116,17 +118,19 @@ def probe(
     return RowInvariance(str(device), dtype, min_rows, STACKED_BLOCKS * largest + EXTRA_ROWS)
 
 
-def _block_invariant(weight: torch.Tensor, rows: int, generator: torch.Generator) -> bool:
+def _block_invariant(
+    weight: torch.Tensor, bias: torch.Tensor | None, rows: int, generator: torch.Generator
+) -> bool:
     """Whether a block of ``rows`` gives the same output and input gradient alone as first
     and as last of a stacked product."""
     out_features, in_features = weight.shape
     total = STACKED_BLOCKS * rows + EXTRA_ROWS
     x = _random((total, in_features), generator, weight.device, weight.dtype)
     grad = _random((total, out_features), generator, weight.device, weight.dtype)
-    stacked, stacked_grad = _linear_and_input_gradient(x, weight, grad)
+    stacked, stacked_grad = _linear_and_input_gradient(x, weight, bias, grad)
     for start in (0, total - rows):
         block = slice(start, start + rows)
-        alone, alone_grad = _linear_and_input_gradient(x[block], weight, grad[block])
+        alone, alone_grad = _linear_and_input_gradient(x[block], weight, bias, grad[block])
         if not (
             torch.equal(alone, stacked[block]) and torch.equal(alone_grad, stacked_grad[block])
         ):
@@ -135,10 +139,10 @@ def _block_invariant(weight: torch.Tensor, rows: int, generator: torch.Generator
 
 
 def _linear_and_input_gradient(
-    x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, grad: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A linear layer's output and, as its backward computes it, its input's gradient."""
-    return torch.nn.functional.linear(x, weight), grad.mm(weight)
+    return torch.nn.functional.linear(x, weight, bias), grad.mm(weight)
 
 
 def _random(
