@@ -9,6 +9,7 @@ after every step (pending gradients and accumulation counters included) compare 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -246,12 +247,11 @@ def test_a_device_decides_from_how_many_rows_runs_share_a_product(base, run_conf
     found = row_invariance(sessions[0].model)
     assert found.min_rows is not None and found.min_rows <= 22  # this CPU: see row_invariance
     assert compatible(requests, found) is None
+    found_on = functools.partial(RowInvariance, "cpu", found.dtype)
     cases = {
-        RowInvariance("cpu", found.dtype, 23, 4096): "a request of 22 positions is under the 23",
-        RowInvariance(
-            "cpu", found.dtype, 1, 54
-        ): "the pass would hold 55 positions, more than the 54",
-        RowInvariance("cpu", found.dtype, None, 4096): "gives a linear layer's rows other bits",
+        found_on(23, 4096, 4096): "a request of 22 positions is under the 23",
+        found_on(1, 54, 54): "the pass would hold 55 positions, more than the 54",
+        found_on(None, 4096, 4096): "gives a linear layer's rows other bits",
     }
     for invariance, reason in cases.items():
         assert reason in compatible(requests, invariance)

@@ -133,6 +133,8 @@ def _find_setup_problem(session: TrainingSession) -> str | None:
         return "DoRA adapters run alone"
     if lora.target_parameters:
         return "adapters on parameters (target_parameters) run alone"
+    if hasattr(session.model.get_output_embeddings(), "lora_A"):
+        return "its output head carries a LoRA adapter (the pass runs one head for all)"
     for name, layer in lora_layers(session.model).items():
         if len(layer.active_adapters) != 1 or layer.merged or layer.disable_adapters:
             return f"layer {name} does not run exactly one unmerged adapter"

@@ -10,7 +10,7 @@ back to its dtype). Where a linear layer gives a row the same bits alone and sta
 (``row_invariance``), each block's output is bit for bit what that session's own forward gives.
 
 The output head is left as it is: the chunked logprobs (``loss.chunked_logprobs``) hand it zero
-positions in the model's forward and run each session's own head over that session's rows.
+positions in the model's forward, and ``stacked_head`` runs the base's head over every row.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 
 from trainwire.contract.config import InputExample
 from trainwire.contract.tokens import DEFAULT_LOSS, TokenExample
-from trainwire.server.engine.loss.chunked_logprobs import final_hidden_states
+from trainwire.server.engine.loss.chunked_logprobs import final_hidden_states, logit_transform
 from trainwire.server.engine.loss.microbatches import Microbatch, TextMicrobatch
 from trainwire.server.engine.session.operation_guard import refuse_out_of_memory
 from trainwire.server.engine.session.results import ForwardResult, TokenOutput
@@ -20,6 +20,7 @@ from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import session_problem, shape_problem
 from trainwire.server.engine.together.row_blocks import adapters_by_row_block
 from trainwire.server.engine.together.row_invariance import RowInvariance
+from trainwire.server.engine.together.stacked_head import HeadRows, stacked_logprobs
 from trainwire.server.errors import FailedPrecondition
 
 
@@ -42,8 +43,9 @@ def run_together(
     """Run every request in one pass over the base the sessions share; each its result.
 
     With ``backward`` every request is a ``forward_backward``, else a ``forward``. The base
-    runs once over every request's rows stacked; each session's adapter applies to its own rows
-    (``row_blocks``), its loss comes from its own rows through its own loss hook, and one
+    runs once over every request's rows stacked, each session's adapter on its own rows
+    (``row_blocks``), then the head once over stacks of every row's chunks (``stacked_head``);
+    each session's loss comes from its own rows' logprobs as its loss hook computes it, and one
     backward of the sum of the losses (whose gradient to each loss is exactly 1) leaves each
     adapter the gradients of its own rows only. Each session ends with the state and returns the
     result it gets running its request alone, bit for bit, where ``compatible`` allows the
@@ -81,7 +83,7 @@ def run_together(
             rows = [_model_inputs(microbatch)[0].shape[0] for microbatch in microbatches]
             with adapters_by_row_block(models, rows):
                 with refuse_out_of_memory(what):
-                    losses = _losses(sessions, microbatches, training=backward)
+                    losses = _losses(sessions, microbatches, invariance, training=backward)
                 if backward:
                     with contextlib.ExitStack() as breaks:
                         for session in sessions:
@@ -96,19 +98,36 @@ def run_together(
 
 
 def _losses(
-    sessions: Sequence[TrainingSession], microbatches: Sequence[Microbatch], *, training: bool
+    sessions: Sequence[TrainingSession],
+    microbatches: Sequence[Microbatch],
+    invariance: RowInvariance,
+    *,
+    training: bool,
 ) -> list[torch.Tensor]:
-    """Each session's loss from its own rows of one forward of the leader over all of them."""
+    """Each session's loss from its own rows of one forward of the leader over all of them,
+    through one head over all their chunks (``stacked_head``)."""
     inputs = [_model_inputs(microbatch) for microbatch in microbatches]
     input_ids = torch.cat([ids for ids, _ in inputs])
     attention_mask = torch.cat([mask for _, mask in inputs])
-    hidden, _ = final_hidden_states(sessions[0].model, input_ids, attention_mask)
-    rows = [ids.shape[0] for ids, _ in inputs]
-    return [
-        microbatch.loss(_RowBlockModel(session.model, states), session.loss_hook, training=training)
-        for session, microbatch, states in zip(
-            sessions, microbatches, hidden.split(rows), strict=True
+    leader = sessions[0].model
+    hidden, head = final_hidden_states(leader, input_ids, attention_mask)
+    parts = [
+        HeadRows(states, *microbatch.head_targets())
+        for states, microbatch in zip(
+            hidden.split([ids.shape[0] for ids, _ in inputs]), microbatches, strict=True
         )
+    ]
+    logprobs = stacked_logprobs(
+        head,
+        logit_transform(leader.config),
+        parts,
+        budget_bytes=sessions[0].encoder.logits_chunk_bytes,
+        min_rows=invariance.min_rows,
+        max_rows=invariance.head_rows,
+    )
+    return [
+        microbatch.loss_of_logprobs(logp)
+        for microbatch, logp in zip(microbatches, logprobs, strict=True)
     ]
 
 
@@ -116,23 +135,6 @@ def _model_inputs(microbatch: Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(microbatch, TextMicrobatch):
         return microbatch.batch.inputs["input_ids"], microbatch.batch.inputs["attention_mask"]
     return microbatch.batch.input_ids, microbatch.batch.attention_mask
-
-
-class _RowBlockModel:
-    """Stands for one session's model in its own loss: its forward is the shared pass's, done
-    already, so calling it hands that session's rows of the final hidden states to its own
-    output head (``final_hidden_states`` keeps them there and skips the logits)."""
-
-    def __init__(self, model: torch.nn.Module, hidden: torch.Tensor) -> None:
-        self._model = model
-        self._hidden = hidden
-        self.config = model.config
-
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self._model.get_output_embeddings()
-
-    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
-        self._model.get_output_embeddings()(self._hidden)
 
 
 def _refuse(problem: str | None) -> None:
