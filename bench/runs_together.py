@@ -37,6 +37,7 @@ from many_runs import (  # bench/many_runs.py
     precision_for,
     refuse_cuda_without_a_gpu,
 )
+from many_runs_throughput import config as run_config  # bench/many_runs_throughput.py
 
 GOALS = {"tiny": 2.0, "small": 1.3}
 TEXTS_A_STEP = 4
@@ -44,18 +45,7 @@ Texts = Callable[[int, int], list]  # (run, step) -> that step's texts
 
 
 def config(model: Path, seed: int, precision: str):
-    from trainwire.client import LoraSettings, TrainingConfig
-
-    return TrainingConfig(
-        model=str(model),
-        lora=LoraSettings(r=8, alpha=16, dropout=0.0, target_modules=("all-linear",)),
-        seed=seed,
-        learning_rate=1e-4,
-        lr_scheduler="constant",
-        batch_size=TEXTS_A_STEP,
-        max_length=128,
-        precision=precision,
-    )
+    return run_config(model, seed, precision, r=8)
 
 
 def one_stream(run: int, step: int) -> list:
