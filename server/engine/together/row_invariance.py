@@ -2,14 +2,13 @@
 
 A shared pass (``run_together``) multiplies every session's rows by the base weights in one
 matrix product, where alone each session's rows are a product of their own. The bits agree only
-where the kernels compute a row the same way whatever else is in the product: true of this
-build's CPU kernels from a dozen rows up, false below that (a product of a few rows takes
-another path), and unknown elsewhere (another BLAS, a GPU, another dtype). So the engine does
-not assume it: ``row_invariance`` probes the base's own linear shapes and its output head once
-per device, dtype and shapes, forward and backward (the input's gradient is the same kind of
-product), and says
-from how many rows up (``min_rows``) and up to how many stacked rows (``max_rows``) it holds.
-Requests outside that run in turns.
+where the kernels compute a row the same way whatever else is in the product: measured true of
+this build's CPU kernels from 12 rows up with 2 threads (from 4 with 1), false below (a product
+of a few rows takes another path), and unknown elsewhere (another BLAS, a GPU, another dtype).
+So the engine does not assume it: ``row_invariance`` probes the base's own linear shapes and
+its output head once per device, dtype, thread count and shapes, forward and backward (the
+input's gradient is the same kind of product), and says from how many rows up (``min_rows``)
+and up to how many stacked rows (``max_rows``) it holds. Requests outside that run in turns.
 """
 
 from __future__ import annotations
@@ -74,17 +73,19 @@ class RowInvariance:
 
 # A linear layer as the probe multiplies by it: (in features, out features, has a bias).
 LinearShape = tuple[int, int, bool]
-_probed: dict[tuple[str, torch.dtype, tuple[LinearShape, ...]], RowInvariance] = {}
+_probed: dict[tuple[str, torch.dtype, int, tuple[LinearShape, ...]], RowInvariance] = {}
 _probing = threading.Lock()
 
 
 def row_invariance(model: torch.nn.Module) -> RowInvariance:
-    """The probe's answer for ``model``'s base linear layers and output head on their device
-    and dtype, probed on the first call for those and remembered for the process."""
+    """The probe's answer for ``model``'s base linear layers and output head on their device,
+    dtype and torch's thread count, probed on the first call for those and remembered for the
+    process."""
     weight = next(model.parameters())
     shapes = base_linear_shapes(model)
     head = _shape(model.get_output_embeddings())
-    key = (str(weight.device), weight.dtype, (*shapes, head))
+    # The CPU kernels' paths depend on the threads they split a product over, too.
+    key = (str(weight.device), weight.dtype, torch.get_num_threads(), (*shapes, head))
     with _probing:
         if key not in _probed:
             _probed[key] = probe(shapes, head, weight.device, weight.dtype)
