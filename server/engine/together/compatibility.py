@@ -102,11 +102,10 @@ def _own_problem(session: TrainingSession, first: TrainingSession, targets) -> s
         return "logits_chunk_bytes differs from session 0's (it decides the head's chunks)"
     if type(session.loss_hook) is not LossHook:
         return f"its loss hook {type(session.loss_hook).__name__} may run its own forward"
-    if _setup_problem(session) is not None:
-        return _setup_problem(session)
-    if lora_layers(session.model).keys() != targets:
+    problem = _setup_problem(session)
+    if problem is None and lora_layers(session.model).keys() != targets:
         return "its LoRA layers are on other modules than session 0's"
-    return None
+    return problem
 
 
 # What a session's set up decides never changes: found once per session.

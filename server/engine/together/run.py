@@ -45,7 +45,8 @@ def run_together(
     With ``backward`` every request is a ``forward_backward``, else a ``forward``. The base
     runs once over every request's rows stacked, each session's adapter on its own rows
     (``row_blocks``), then the head once over stacks of every row's chunks (``stacked_head``);
-    each session's loss comes from its own rows' logprobs as its loss hook computes it, and one
+    each session's loss comes from its own rows' logprobs as the default ``LossHook`` computes
+    it (``compatible`` refuses other hooks: they may run forwards of their own), and one
     backward of the sum of the losses (whose gradient to each loss is exactly 1) leaves each
     adapter the gradients of its own rows only. Each session ends with the state and returns the
     result it gets running its request alone, bit for bit, where ``compatible`` allows the
@@ -83,7 +84,7 @@ def run_together(
             rows = [_model_inputs(microbatch)[0].shape[0] for microbatch in microbatches]
             with adapters_by_row_block(models, rows):
                 with refuse_out_of_memory(what):
-                    losses = _losses(sessions, microbatches, invariance, training=backward)
+                    losses = _losses(sessions, microbatches, invariance)
                 if backward:
                     with contextlib.ExitStack() as breaks:
                         for session in sessions:
@@ -101,8 +102,6 @@ def _losses(
     sessions: Sequence[TrainingSession],
     microbatches: Sequence[Microbatch],
     invariance: RowInvariance,
-    *,
-    training: bool,
 ) -> list[torch.Tensor]:
     """Each session's loss from its own rows of one forward of the leader over all of them,
     through one head over all their chunks (``stacked_head``)."""
