@@ -14,9 +14,13 @@
 #    the chunked head against the whole logits (at 8K), full weights and LoRA; and eight LoRA
 #    runs (r=16, all linear layers) on one Qwen2-0.5B-shaped base: GPU memory against one run
 #    (goal <= 1.25x), and steps/s interleaved on one `serve --max-runs 8` against one run alone;
+#    and the same eight runs (r=8) computed together, one pass over the base for all of them,
+#    against one run alone, each run's digest checked equal to alone (the probe first says
+#    whether this GPU's kernels give a row the same bits alone and stacked; where they do not,
+#    every run takes its turn and the ratio stays near 1);
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 19 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 22 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -73,6 +77,8 @@ step long-context 300 "$PYTHON" bench/long_context.py --device cuda --steps 2
 step many-runs 300 bash -c '"$0" bench/many_runs.py "$@" --quick; memory=$?
     "$0" bench/many_runs_throughput.py "$@" --steps 10 && exit "$memory"' \
     "$PYTHON" --device cuda --shape qwen2-0.5b --runs 8
+step runs-together 240 "$PYTHON" bench/runs_together.py --device cuda --shape qwen2-0.5b \
+    --runs 8 --quick
 
 echo "results: $SUMMARY"
 exit "$failed"

@@ -37,12 +37,13 @@ GOAL_RATIO = 0.9
 GOAL_SHARE_SPREAD = 0.10
 
 
-def config(model: Path, seed: int, precision: str):
+def config(model: Path, seed: int, precision: str, r: int = 16):
+    """A run of these benches: LoRA of rank ``r`` (alpha 2r) on every linear layer."""
     from trainwire.client import LoraSettings, TrainingConfig
 
     return TrainingConfig(
         model=str(model),
-        lora=LoraSettings(r=16, alpha=32, dropout=0.0, target_modules=("all-linear",)),
+        lora=LoraSettings(r=r, alpha=2 * r, dropout=0.0, target_modules=("all-linear",)),
         seed=seed,
         learning_rate=1e-4,
         lr_scheduler="constant",

@@ -68,20 +68,28 @@ def chunked_target_logprobs(
     """
     hidden, head = final_hidden_states(model, input_ids, attention_mask)
     transform = logit_transform(model.config)
-    chunk = positions_per_chunk(_vocab_size(head), budget_bytes)
+    return head_logprobs(head, transform, hidden, targets, lengths, budget_bytes=budget_bytes)
+
+
+def head_logprobs(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    budget_bytes: int = LOGITS_CHUNK_BYTES,
+) -> torch.Tensor:
+    """``chunked_target_logprobs`` from the final hidden states on: the head over each row's
+    chunks (``row_chunks``), each recomputed in the backward when gradients are enabled; a
+    request whose logits fit one chunk takes one chunk, kept for the backward (the same bits)."""
+    chunk = chunk_positions(head, budget_bytes)
     if sum(lengths) <= chunk:
         return _one_chunk_logprobs(head, transform, hidden, targets, lengths)
-    one_chunk = functools.partial(_chunk_logprobs, head, transform)
-    recompute = torch.is_grad_enabled()
+    one_chunk = functools.partial(chunk_logprobs, head, transform)
     pieces = []
-    for row, length in enumerate(lengths):
-        for start in range(0, length, chunk):
-            end = min(start + chunk, length)
-            states, picked = hidden[row, start:end], targets[row, start:end]
-            if recompute:
-                pieces.append(checkpoint(one_chunk, states, picked, use_reentrant=False))
-            else:
-                pieces.append(one_chunk(states, picked))
+    for row, start, end in row_chunks(lengths, chunk):
+        pieces.append(one_chunk(hidden[row, start:end], targets[row, start:end]))
     return torch.cat(pieces)
 
 
@@ -100,6 +108,34 @@ def _one_chunk_logprobs(
     states = [hidden[row, : lengths[row]] for row in rows]
     logits = _as_logits(transform, torch.cat([head(row_states) for row_states in states]))
     return _target_logprobs(logits, torch.cat([targets[row, : lengths[row]] for row in rows]))
+
+
+def row_chunks(lengths: Sequence[int], chunk: int) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every chunk, in row order: each row cut from its first position
+    into chunks of ``chunk`` positions, the last one shorter."""
+    return [
+        (row, start, min(start + chunk, length))
+        for row, length in enumerate(lengths)
+        for start in range(0, length, chunk)
+    ]
+
+
+def chunk_positions(head: torch.nn.Module, budget_bytes: int) -> int:
+    """How many positions one chunk of this head's logits holds (``positions_per_chunk``)."""
+    return positions_per_chunk(_vocab_size(head), budget_bytes)
+
+
+def chunk_logprobs(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+) -> torch.Tensor:
+    """The logprobs of one chunk's targets; under non-reentrant checkpointing when gradients
+    are enabled (its logits are freed once they exist and recomputed in the backward)."""
+    if torch.is_grad_enabled():
+        return checkpoint(_chunk_logprobs, head, transform, states, targets, use_reentrant=False)
+    return _chunk_logprobs(head, transform, states, targets)
 
 
 def final_hidden_states(

@@ -81,20 +81,30 @@ def causal_lm_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     what they are. The logprobs come from ``chunked_target_logprobs``, the path token losses
     and the sampler take, so a long text never holds ``[tokens x vocabulary]``.
     """
-    input_ids = batch.inputs["input_ids"]
-    attention_mask = batch.inputs["attention_mask"]
-    targets = batch.inputs["labels"][:, 1:]
-    counted = targets != IGNORE_INDEX
-    # Right-padded: a row's last real position predicts nothing, and no padding position
-    # carries a label, so each row's first length - 1 positions hold every counted target.
-    lengths = [max(int(n) - 1, 0) for n in attention_mask.sum(dim=1).tolist()]
+    targets, lengths = causal_lm_targets(batch)
     logp = chunked_target_logprobs(
         model,
-        input_ids,
-        attention_mask,
+        batch.inputs["input_ids"],
+        batch.inputs["attention_mask"],
         targets.clamp(min=0),  # an ignored position scores some id; it is not counted below
         lengths,
         budget_bytes=batch.logits_chunk_bytes,
     )
+    return causal_lm_mean(logp, targets, lengths)
+
+
+def causal_lm_targets(batch: Batch) -> tuple[torch.Tensor, list[int]]:
+    """A text batch's targets (label ``t + 1`` at position ``t``, ``IGNORE_INDEX`` where not
+    counted) and how many positions of each row score one."""
+    # Right-padded: a row's last real position predicts nothing, and no padding position
+    # carries a label, so each row's first length - 1 positions hold every counted target.
+    lengths = [max(int(n) - 1, 0) for n in batch.inputs["attention_mask"].sum(dim=1).tolist()]
+    return batch.inputs["labels"][:, 1:], lengths
+
+
+def causal_lm_mean(logp: torch.Tensor, targets: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The mean negative logprob over the counted targets, from the logprobs of every scored
+    position (``causal_lm_targets``' lengths, in row order)."""
+    counted = targets != IGNORE_INDEX
     keep = torch.cat([counted[row, :length] for row, length in enumerate(lengths)])
     return -logp[keep].sum() / keep.sum()

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers.modeling_outputs import CausalLMOutput
 
 from trainwire.contract.config import TrainingConfig
 from trainwire.contract.outcomes import Prediction
 from trainwire.contract.tokens import DEFAULT_LOSS, is_token_batch
 from trainwire.server.engine.loss.batching import Batch, BatchEncoder
-from trainwire.server.engine.loss.loss_hook import LossHook
+from trainwire.server.engine.loss.loss_hook import LossHook, causal_lm_mean, causal_lm_targets
 from trainwire.server.engine.loss.losses import LossSpec, require_inputs, resolve_loss
 from trainwire.server.engine.loss.token_batches import TokenBatch, encode_token_batch
 from trainwire.server.engine.session.results import ForwardResult, TokenOutput
@@ -41,6 +42,17 @@ class TextMicrobatch:
     def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
         self._output = hook.compute_loss(model, self.batch, training=training)
         return self._output.loss
+
+    def head_targets(self) -> tuple[torch.Tensor, list[int]]:
+        """What the default hook's causal-lm loss scores: targets and each row's length."""
+        targets, lengths = causal_lm_targets(self.batch)
+        return targets.clamp(min=0), lengths  # an ignored position is scored, never counted
+
+    def loss_of_logprobs(self, logp: torch.Tensor) -> torch.Tensor:
+        """The default hook's causal-lm loss from the logprobs of ``head_targets``."""
+        loss = causal_lm_mean(logp, *causal_lm_targets(self.batch))
+        self._output = CausalLMOutput(loss=loss)
+        return loss
 
     def forward_result(self, loss: torch.Tensor) -> ForwardResult:
         predictions = []
@@ -72,6 +84,16 @@ class TokenMicrobatch:
         output, logp = hook.compute_token_loss(
             model, self.batch, self.spec, self.loss_config, training=training
         )
+        self._metrics, self._logprobs = output.metrics, self.batch.split(logp)
+        return output.loss
+
+    def head_targets(self) -> tuple[torch.Tensor, list[int]]:
+        """The targets the loss scores and each row's length."""
+        return self.batch.targets, self.batch.lengths
+
+    def loss_of_logprobs(self, logp: torch.Tensor) -> torch.Tensor:
+        """The default hook's loss from the logprobs of ``head_targets``."""
+        output = self.spec.fn(logp, self.batch.inputs, self.loss_config)
         self._metrics, self._logprobs = output.metrics, self.batch.split(logp)
         return output.loss
 

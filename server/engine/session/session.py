@@ -257,10 +257,49 @@ class TrainingSession:
                 loss = microbatch.loss(self.model, self.loss_hook, training=True)
             with self._guard.breaks_on_failure("forward_backward"):
                 loss.backward()
-            self.accumulated += 1
-            self.last_token_count = microbatch.token_count
-            self._guard.changed()
+            self._accumulate(microbatch)
             return microbatch.backward_result(loss)
+
+    def _accumulate(self, microbatch: Microbatch | ShardedMicrobatch) -> None:
+        """Count a microbatch whose gradients a backward just added to the pending ones."""
+        self.accumulated += 1
+        self.last_token_count = microbatch.token_count
+        self._guard.changed()
+
+    @contextlib.contextmanager
+    def shared_pass(
+        self,
+        examples: Sequence[InputExample | TokenExample],
+        *,
+        loss_fn: str = DEFAULT_LOSS,
+        loss_fn_config: Mapping[str, float] | None = None,
+        training: bool,
+    ) -> Iterator[Microbatch | ShardedMicrobatch]:
+        """This session's part of one pass over its base that it shares with other sessions on
+        it (``engine.together``): held under its lock, refused while broken, ``examples``
+        encoded (InvalidArgument before anything changes) and the model in the mode
+        ``forward_backward`` (``training``) or ``forward`` sets.
+
+        The pass itself runs the model and the backward. When it ends without an error, the
+        session ends as the same operation alone ends: its RNG advanced as an operation that
+        drew nothing advances it (a shared pass draws nothing: ``together.compatible`` refuses
+        dropout), and after a backward the microbatch counted as pending.
+        """
+        guard = self._guard
+        with guard.lock:
+            guard.refuse_if_broken("the session is unusable")
+            microbatch = self._encode(examples, loss_fn, loss_fn_config)
+            self._set_training(training)
+            yield microbatch
+            with guard.session_rng(keep=training):
+                pass
+            if training:
+                self._accumulate(microbatch)
+
+    def breaks_on_failure(self, what: str) -> contextlib.AbstractContextManager[None]:
+        """A block whose failure leaves this session's tensors half changed (a shared
+        backward): the session refuses operations until a ``load_state``."""
+        return self._guard.breaks_on_failure(what)
 
     def _encode(
         self, examples: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None

@@ -1,0 +1,93 @@
+"""One forward of a base model over many sessions' rows, each row block under its own adapter.
+
+Sessions on one ``SharedBase`` each hold their own module tree, wrapped in their own PEFT
+adapter, on the same base tensors. A shared pass runs ONE of those trees (the leader's) over the
+rows of every session stacked along the batch dimension; while it runs, each of the leader's LoRA
+linear layers computes its base layer once over all the rows and then adds, to each session's row
+block, that session's own adapter: the LoRA layer of the same name in that session's tree, with
+PEFT's own arithmetic (``lora_B(lora_A(dropout(x))) * scaling`` added to the base output, cast
+back to its dtype). Where a linear layer gives a row the same bits alone and stacked
+(``row_invariance``), each block's output is bit for bit what that session's own forward gives.
+
+The output head is left as it is: the chunked logprobs (``loss.chunked_logprobs``) hand it zero
+positions in the model's forward, and ``stacked_head`` runs the base's head over every row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import weakref
+from collections.abc import Iterator, Sequence
+
+import torch
+from peft.tuners.lora import Linear as LoraLinear
+
+from trainwire.server.errors import FailedPrecondition
+
+# A session's module tree never changes after set up, and walking it costs milliseconds a pass.
+_LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, LoraLinear]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
+    """The model's LoRA linear layers by module name, its output head left out."""
+    if model not in _LAYERS:
+        head = model.get_output_embeddings()
+        _LAYERS[model] = {
+            name: module
+            for name, module in model.named_modules()
+            if isinstance(module, LoraLinear) and module is not head
+        }
+    return _LAYERS[model]
+
+
+@contextlib.contextmanager
+def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -> Iterator[None]:
+    """While inside, a forward of ``models[0]`` over stacked rows applies ``models[i]``'s
+    adapter to the ``i``-th block of ``rows[i]`` rows (along dimension 0).
+
+    Every model must have LoRA linear layers of the same names. Held through the backward too:
+    gradient checkpointing runs the forward again there.
+    """
+    leader = lora_layers(models[0])
+    owners = [lora_layers(model) for model in models]
+    for index, layers in enumerate(owners):
+        if layers.keys() != leader.keys():
+            raise FailedPrecondition(
+                f"session {index} has LoRA layers on other modules than session 0; a shared pass "
+                "needs the same adapter targets"
+            )
+    for name, layer in leader.items():
+        blocks = [layers[name] for layers in owners]
+        layer.forward = functools.partial(_forward_by_row_block, layer, blocks, tuple(rows))
+    try:
+        yield
+    finally:
+        for layer in leader.values():
+            del layer.forward  # the class's own forward again
+
+
+def _forward_by_row_block(
+    layer: LoraLinear, blocks: Sequence[LoraLinear], rows: tuple[int, ...], x: torch.Tensor
+) -> torch.Tensor:
+    # The base output is split, not sliced, and the rows too: each split's backward is one
+    # concatenation, so the input's gradient gathers the same terms as alone, with no zeros
+    # added in between.
+    result = layer.base_layer(x)
+    pieces = [
+        _with_adapter(own, x_block, base_block)
+        for own, x_block, base_block in zip(blocks, x.split(rows), result.split(rows), strict=True)
+    ]
+    return torch.cat(pieces)
+
+
+def _with_adapter(layer: LoraLinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """PEFT's ``Linear.forward`` after its base layer, for a plain (not DoRA) active adapter."""
+    result_dtype = result.dtype
+    (adapter,) = layer.active_adapters
+    lora_A, lora_B = layer.lora_A[adapter], layer.lora_B[adapter]
+    x = layer._cast_input_dtype(x, lora_A.weight.dtype)
+    result = result + lora_B(lora_A(layer.lora_dropout[adapter](x))) * layer.scaling[adapter]
+    return result.to(result_dtype)

@@ -1,0 +1,90 @@
+"""The output head over many sessions' rows at once, each row's logprobs as its session alone.
+
+Alone, a session runs its head over each row's chunks (``loss.chunked_logprobs``: chunks never
+cross a row, so an example's chunks are the same in any company). Here the chunks of every
+session's rows are packed whole, in order, into stacks of at most one chunk's positions (the
+logits budget holds as alone), and each stack runs the head once. A chunk's logits, logsumexp
+and gathered target are its rows' own, so where the device gives a row the same bits alone and
+stacked (``row_invariance``, which probes the head's shape too) each logprob is the bits of its
+chunk alone. A chunk under the probe's ``min_rows`` runs on its own, as alone.
+
+The head is the shared base's (a session whose head carries an adapter does not run together:
+``compatibility``); each stack is recomputed in the backward, as each chunk alone is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from trainwire.server.engine.loss.chunked_logprobs import (
+    LogitTransform,
+    chunk_logprobs,
+    chunk_positions,
+    row_chunks,
+)
+
+
+@dataclass(frozen=True)
+class HeadRows:
+    """One session's part: its final hidden states ``(B, W, hidden)``, the target of each
+    position ``(B, W)`` and how many positions of each row are scored."""
+
+    hidden: torch.Tensor
+    targets: torch.Tensor
+    lengths: Sequence[int]
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    part: int  # which HeadRows
+    slot: int  # its place among that part's chunks
+    states: torch.Tensor
+    targets: torch.Tensor
+
+
+def stacked_logprobs(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    parts: Sequence[HeadRows],
+    *,
+    budget_bytes: int,
+    min_rows: int,
+    max_rows: int,
+) -> list[torch.Tensor]:
+    """Each part's flat logprobs, in its row order, as ``head_logprobs`` gives them alone."""
+    stack_rows = min(chunk_positions(head, budget_bytes), max_rows)
+    slots: list[list[torch.Tensor | None]] = []
+    stack: list[_Chunk] = []
+    for index, part in enumerate(parts):
+        chunks = row_chunks(part.lengths, chunk_positions(head, budget_bytes))
+        slots.append([None] * len(chunks))
+        for slot, (row, start, end) in enumerate(chunks):
+            chunk = _Chunk(index, slot, part.hidden[row, start:end], part.targets[row, start:end])
+            if end - start < min_rows:  # too few rows to share a product bit for bit
+                slots[index][slot] = chunk_logprobs(head, transform, chunk.states, chunk.targets)
+                continue
+            if sum(len(c.states) for c in stack) + len(chunk.states) > stack_rows:
+                _run(head, transform, stack, slots)
+                stack = []
+            stack.append(chunk)
+    _run(head, transform, stack, slots)
+    return [torch.cat(pieces) for pieces in slots]
+
+
+def _run(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    stack: list[_Chunk],
+    slots: list[list[torch.Tensor | None]],
+) -> None:
+    if not stack:
+        return
+    states = torch.cat([chunk.states for chunk in stack])
+    targets = torch.cat([chunk.targets for chunk in stack])
+    logp = chunk_logprobs(head, transform, states, targets)
+    # Split, not sliced: the backward of a split is one concatenation, no zeros added in.
+    for chunk, piece in zip(stack, logp.split([len(c.states) for c in stack]), strict=True):
+        slots[chunk.part][chunk.slot] = piece
