@@ -31,10 +31,15 @@ The Dockerfile and deploy/ tests share fixtures over those files (readers in dep
     example_secrets: deploy/examples/ by name.
 
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
+
+torch runs on one CPU thread in the suite and in every process a test starts (see
+``OMP_NUM_THREADS`` below).
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +52,16 @@ from trainwire.testing import SENTIMENT_LABELS, make_tiny_model
 
 if TYPE_CHECKING:  # the host imports torch; the fixtures import it when a test asks for one
     from trainwire.server.service.host import SessionHost
+
+# One CPU thread for torch, here and in every process a test starts (they inherit the environment).
+# The tiny models' operations are far too small to gain from a second thread, and on a machine
+# whose cores are busy, OpenMP's waiting threads spin and slow each step several times over. A CPU
+# computation's bits depend on the thread count, so both sides of every bit-equality check must
+# use the same one: the variable is set before the tests import torch, and torch is told too if
+# something imported it first. A value already set is kept, for every process alike.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 SMALL_SETTINGS: dict[str, Any] = {
     "batch_size": 3,
