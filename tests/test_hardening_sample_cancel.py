@@ -57,7 +57,7 @@ def test_a_cancelled_sample_stops_decoding_and_its_neighbour_keeps_its_bits(
             assert call.code() == grpc.StatusCode.CANCELLED
             release.set()
             assert beside.result(timeout=60) == alone
-        wait_for(lambda: not handle.session_host._executor.busy, 60)
+        wait_for(lambda: not handle.session_host.scheduler.busy, 60)
         assert steps[0] < MAX_TOKENS // 2, f"{steps[0]} decode steps for a cancelled request"
         assert client.sample([1, 2, 3], **neighbour) == alone
         client.close()

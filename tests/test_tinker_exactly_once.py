@@ -26,7 +26,7 @@ from tinker_loops import (
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service import results as result_store
-from trainwire.server.service import stream_order
+from trainwire.server.service import scheduler
 from trainwire.server.service.request_records import (
     CallRecord,
     Record,
@@ -53,7 +53,7 @@ def hold_the_calls(handle: ServerHandle) -> threading.Event:
     """Keep the front's calls from running until the returned event is set (the runner is busy
     with a job that waits for it): what is sent meanwhile waits for its turn."""
     gate = threading.Event()
-    handle.tinker.front.intake.order.run_unordered(lambda: gate.wait(60))
+    handle.tinker.front.intake.scheduler.run_unordered(lambda: gate.wait(60))
     return gate
 
 
@@ -239,7 +239,7 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
     next is refused with 429 (the SDK retries it) and not logged; once they ran it is taken."""
     body = forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5))
     size = codec.held_bytes(codec.parse_forward_backward(body))  # what each holds decoded
-    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
+    monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)
@@ -284,17 +284,17 @@ def test_the_sdk_retries_a_call_refused_past_the_bound_and_gets_an_unbounded_run
     with tinker_server(tmp_path / "unbounded", model_root) as handle:
         expected = pipelined_steps(service_client(handle))
     refused: list[Exception] = []
-    check_room = stream_order.StreamOrder._check_room
+    check_room = scheduler.Scheduler._check_room
 
-    def counted(order: stream_order.StreamOrder, *args: Any, **kwargs: Any) -> None:
+    def counted(order: scheduler.Scheduler, *args: Any, **kwargs: Any) -> None:
         try:
             check_room(order, *args, **kwargs)
         except Exception as error:
             refused.append(error)
             raise
 
-    monkeypatch.setattr(stream_order.StreamOrder, "_check_room", counted)
-    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 1)
+    monkeypatch.setattr(scheduler.Scheduler, "_check_room", counted)
+    monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD_BYTES", 1)
     with tinker_server(tmp_path / "bounded", model_root) as handle:
         assert pipelined_steps(service_client(handle)) == expected
     assert refused
