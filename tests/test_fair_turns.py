@@ -48,7 +48,7 @@ def queue(scheduler: Scheduler, lane: str, ran: list[str], count: int) -> list[t
 
 def wait_queued(scheduler: Scheduler, count: int) -> None:
     """Until ``count`` calls are queued behind the held one (the submitting threads raced)."""
-    assert wait_until(lambda: scheduler._queued >= count + 1), "the calls never queued"
+    assert wait_until(lambda: scheduler.queued >= count + 1), "the calls never queued"
 
 
 def test_a_flooding_run_delays_another_runs_calls_by_one_call_each():

@@ -166,10 +166,10 @@ def test_a_run_that_floods_the_host_delays_another_runs_operation_by_its_weight(
     flood = [threading.Thread(target=forward_backward, args=("flood", f"f/{i}")) for i in range(20)]
     for thread in flood:
         thread.start()
-    assert wait_until(lambda: host.scheduler._queued == 21)  # the hold and the flood queued
+    assert wait_until(lambda: host.scheduler.queued == 21)  # the hold and the flood queued
     other = threading.Thread(target=forward_backward, args=("other", "o/0"))
     other.start()
-    assert wait_until(lambda: host.scheduler._queued == 22)
+    assert wait_until(lambda: host.scheduler.queued == 22)
     gate.set()
     other.join(60)
     applied_before = host.info("flood").position  # as the other run's operation returned

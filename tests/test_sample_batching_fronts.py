@@ -68,7 +68,7 @@ def test_tinker_asample_futures_sent_at_once_decode_together_each_as_alone(
             held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
             assert started.wait(30)
             futures = [send(*shape) for shape in shapes]  # the SDK's futures, all in flight
-            wait_for(lambda: host.scheduler.waiting == len(shapes) + 1)
+            wait_for(lambda: host.scheduler.queued == len(shapes) + 1)
             release.set()
             held.result(timeout=60)
             assert [bits(f.result(timeout=120)) for f in futures] == expected

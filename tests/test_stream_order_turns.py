@@ -102,14 +102,14 @@ def test_one_runs_samples_delay_another_runs_job_by_one_batch(make_host, llama_c
     ]
     for thread in threads:
         thread.start()
-    assert wait_until(lambda: scheduler._queued == 1 + len(samples))  # the hold and a's
+    assert wait_until(lambda: scheduler.queued == 1 + len(samples))  # the hold and a's
     threads.append(
         threading.Thread(
             target=scheduler.run, args=(partial(ran.append, "b"),), kwargs={"lane": "b"}
         )
     )
     threads[-1].start()
-    assert wait_until(lambda: scheduler._queued == 2 + len(samples))
+    assert wait_until(lambda: scheduler.queued == 2 + len(samples))
     gate.set()
     for thread in threads:
         thread.join(60)

@@ -142,7 +142,7 @@ class Scheduler:
         # Admission of waiting callers.
         self.waiting = 0
         self._waiting_of: Counter[str] = Counter()
-        self._queued = 0  # jobs ready, held or running
+        self.queued = 0  # jobs ready, held or running
         # Numbered streams.
         self._next: dict[str, int] = {}
         self._held: dict[str, dict[int, list[Job]]] = {}  # seq → jobs
@@ -167,7 +167,7 @@ class Scheduler:
     @property
     def busy(self) -> bool:
         """Whether any job is ready, held or running."""
-        return self._queued > 0
+        return self.queued > 0
 
     @property
     def on_engine_thread(self) -> bool:
@@ -420,7 +420,7 @@ class Scheduler:
         with self._lock:
             barrier.arrival = self._arrival()
             self._barriers.append(barrier)
-            self._queued += 1
+            self.queued += 1
             self._lock.notify_all()
         return barrier.done
 
@@ -490,7 +490,7 @@ class Scheduler:
         counts = self._counts[holder]
         counts.calls, counts.size = counts.calls + 1, counts.size + job.size
         self._totals[job.account] += job.size
-        self._queued += 1
+        self.queued += 1
 
     # -- ready jobs ------------------------------------------------------------------------------
 
@@ -501,7 +501,7 @@ class Scheduler:
     def _make_ready(self, job: Job) -> None:
         """``job`` takes its lane's turns from now (under the lock)."""
         if job.holder is None:
-            self._queued += 1
+            self.queued += 1
         else:
             self._counts[job.holder].ready += 1
         if job.after_recovery and self._before_recovery is not None:
@@ -599,19 +599,30 @@ class Scheduler:
 
     def _run_one(self, job: Job) -> None:
         assert job.call is not None
+        job.outcome = futures.Future()
         try:
-            if job.done.set_running_or_notify_cancel():
-                try:
-                    job.done.set_result(job.call())
-                except BaseException as error:
-                    job.done.set_exception(error)
+            job.outcome.set_result(job.call())
+        except BaseException as error:
+            job.outcome.set_exception(error)
         finally:
-            self._ended(job)
+            self._close(job)
+
+    def _close(self, job: Job) -> None:
+        """A job has run: it has ended before its caller hears of it, so a caller that asks
+        what runs once answered finds its own job gone."""
+        self._ended(job)
+        outcome = job.outcome
+        assert outcome is not None and outcome.done()
+        error = outcome.exception()
+        if error is None:
+            job.done.set_result(outcome.result())
+        else:
+            job.done.set_exception(error)
 
     def _ended(self, job: Job) -> None:
         """A job has run: its bytes are free, and a run's position may have moved."""
         with self._lock:
-            self._queued -= 1
+            self.queued -= 1
             self._active_at = time.monotonic()
             holder = job.holder
             if holder is not None:
@@ -658,34 +669,32 @@ class Scheduler:
             decode_batch([p for _, p in batch], join)
         finally:
             for job in [first, *(job for job, _ in batch if job is not first)]:
-                self._ended(job)
+                self._close(job)
 
     def _prepare(self, job: Job) -> PreparedSample | None:
-        """What a sample job reads, its answer bound to the job's; None when it is answered
-        already (nothing to run, or ``prepare`` failed and the job heard why). Prepared once: a
-        job looked at behind a batch of other weights keeps what it reads for its own turn."""
+        """What a sample job reads (its answer is the job's outcome); None when it has its
+        outcome already (nothing to run, or ``prepare`` failed). Prepared once: a job looked at
+        behind a batch of other weights keeps what it reads for its own turn."""
         assert job.prepare is not None
-        if job.prepared is not None or job.done.done():
+        if job.outcome is not None:
             return job.prepared
-        if not job.done.set_running_or_notify_cancel():
-            return None
+        job.outcome = futures.Future()
         try:
             prepared = job.prepare()
         except BaseException as error:
-            job.done.set_exception(error)
+            job.outcome.set_exception(error)
             if not isinstance(error, Exception):
                 raise
             return None
         if prepared is None:
-            job.done.set_result(None)
+            job.outcome.set_result(None)
             return None
-        prepared.answer = job.done
-        job.prepared = prepared
+        job.outcome, job.prepared = prepared.answer, prepared
         return prepared
 
     def _take_samples(self, lane: str, first: PreparedSample) -> list[tuple[Job, PreparedSample]]:
         """The sample jobs at the head of ``lane`` that read ``first``'s weights, taken out of
-        the queue; one answered at once (``_prepare``) is taken and ended on the way."""
+        the queue; one with its outcome at once (``_prepare``) is taken and closed on the way."""
         taken: list[tuple[Job, PreparedSample]] = []
         while True:
             with self._lock:
@@ -699,7 +708,7 @@ class Scheduler:
                 self._turns.take_more(lane, lambda job, head=head: job is head, 1)
                 self._started(head)
             if prepared is None:
-                self._ended(head)
+                self._close(head)
             else:
                 taken.append((head, prepared))
 

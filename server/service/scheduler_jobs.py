@@ -30,7 +30,7 @@ Holder = str | Samples  # a numbered stream, or an account's samples
 
 @dataclass(eq=False)
 class Job:
-    """One unit of the engine's work, answered through ``done``.
+    """One unit of the engine's work, answered through ``done`` once it has ended.
 
     ``call`` runs a plain job; a sample job has ``prepare`` instead, which says (on the engine
     thread, at its turn) which run and weights it reads, or None when nothing is to run (its
@@ -48,6 +48,8 @@ class Job:
     done: futures.Future[Any] = field(default_factory=futures.Future)
     arrival: int = 0  # its place among everything queued (a barrier waits for lower ones)
     prepared: PreparedSample | None = None  # a sample job's ``prepare()``, once made
+    # What the engine made of it, given to ``done`` once the job has ended.
+    outcome: futures.Future[Any] | None = None
 
     @property
     def is_sample(self) -> bool:
