@@ -79,7 +79,7 @@ def test_with_one_lane_the_order_is_first_in_first_out():
 
 def test_one_runs_samples_delay_another_runs_job_by_one_batch(make_host, llama_config, monkeypatch):
     """Run "a" has 12 samples queued, then run "b" a job: b runs after one turn of a's samples,
-    decoded as one batch, not after 12 turns."""
+    decoded as one batch on the engine thread, not after 12 turns."""
     host = make_host(max_runs=2)
     lora = LoraSettings(r=4, alpha=8)
     host.open("a", llama_config(lora=lora))
@@ -89,7 +89,7 @@ def test_one_runs_samples_delay_another_runs_job_by_one_batch(make_host, llama_c
 
     def noted(session, selected, requests, join):
         inner(session, selected, requests, join)
-        ran.append(f"batch of {len(requests)}")
+        ran.append(f"batch of {len(requests)} on {threading.current_thread().name}")
 
     monkeypatch.setattr(TrainingSession, "sample_many", noted)
     scheduler = host.scheduler
@@ -113,7 +113,7 @@ def test_one_runs_samples_delay_another_runs_job_by_one_batch(make_host, llama_c
     gate.set()
     for thread in threads:
         thread.join(60)
-    assert ran == [f"batch of {len(samples)}", "b"]
+    assert ran == [f"batch of {len(samples)} on trainwire-engine", "b"]  # no thread of their own
 
 
 def test_a_run_with_pipelined_calls_released_delays_another_runs_call_by_one_turn(

@@ -112,7 +112,7 @@ class GrpcListener:
 
 def rpc_threads(max_workers: int, tenants: Tenants | None) -> int:
     """The handler threads of a port: ``max_workers`` for the first tenant (or none), and one
-    executor bound of waiting calls more for each other tenant, so each tenant can fill its own
+    scheduler bound of waiting calls more for each other tenant, so each tenant can fill its own
     bound (``Scheduler.admitted``) and the threads kept free for health and Info stay free
     (threads are started only when calls need them)."""
     others = len(tenants) - 1 if tenants is not None else 0

@@ -619,37 +619,73 @@ class SessionHost:
         account: str | None,
     ) -> Any:
         """``keyed_path.apply_keyed`` on the engine thread, in the order of the run's positions
-        (pipelined calls may arrive out of order); the payload is digested before queueing,
-        unless the intake digested the request's body already."""
-        check_operation_key(op.key)
-        payload = operation.payload
-        assert payload is not None
-        if body_digest is None:
-            digest = KeyDigest(payload_digest(operation.kind, payload(request)))
-        else:
-            digest = KeyDigest(request_digest(body_digest))
+        (pipelined calls may arrive out of order), answered once its commit is on disk: the
+        caller waits for it on its own thread while the next job runs."""
+        digest = self._key_digest(operation, request, op, body_digest)
         self.lifecycle.refuse_if_unavailable()
         # Admitted before its position: a call held for its predecessor holds a server thread
         # as much as one ready to run, so both count against the one bound.
         with self.scheduler.admitted(account):
-            stream = run_id = self._require_active(run_id).spec.run_id
-            apply = partial(self._apply_keyed, run_id=run_id)
-            lane = self.lane_of(run_id)
-            turn = partial(self._run_refusable, apply, operation, request, op, digest, lane=lane)
-            if op.expected_position is None:  # numbered by no one (or by the intake's stream)
-                with self.scheduler.running_beside(stream):
-                    outcome, durable = turn()
-            else:
-                outcome, durable = self.scheduler.submit_at(stream, op.expected_position, turn)
+            outcome, durable = self._in_position(operation, request, op, digest, run_id)
         try:
-            # On the caller's thread, the next job runs meanwhile (an intake request's turn
-            # waits here on the engine thread: its result is answered once durable).
             wait_durable(durable, op.key)
         except JournalCommitFailed as error:
-            # The engine moved on but the journal did not: only a restart makes them agree.
-            self._fail(str(error))
-            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
+            raise self.journal_failed(error) from None
         return outcome
+
+    def apply_accepted(
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        *,
+        body_digest: str,
+        run_id: str = "",
+    ) -> tuple[Any, Durable]:
+        """A keyed operation of a request the intake accepted, at its turn on the engine
+        thread: its outcome, and the commit its answer must wait for (None: on disk already),
+        which the engine does not wait for (``journal_failed`` when it fails). The journal
+        binds the key to ``body_digest``, the intake's digest of the request's body."""
+        digest = self._key_digest(operation, request, op, body_digest)
+        self.lifecycle.refuse_if_unavailable()
+        return self._in_position(operation, request, op, digest, run_id)
+
+    def journal_failed(self, error: JournalCommitFailed) -> FailedPrecondition:
+        """The engine moved on but the journal did not: the server fails (only a restart makes
+        them agree); what the operation's caller is answered."""
+        self._fail(str(error))
+        return FailedPrecondition(f"{self.lifecycle.failure}; restart the server")
+
+    def _key_digest(
+        self, operation: Operation[Any], request: Any, op: OperationSpec, body_digest: str | None
+    ) -> KeyDigest:
+        """What the journal binds ``op``'s key to: the intake's digest of the body it received,
+        else the payload's, taken before anything is queued."""
+        check_operation_key(op.key)
+        payload = operation.payload
+        assert payload is not None
+        if body_digest is None:
+            return KeyDigest(payload_digest(operation.kind, payload(request)))
+        return KeyDigest(request_digest(body_digest))
+
+    def _in_position(
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        digest: KeyDigest,
+        run_id: str,
+    ) -> tuple[Any, Durable]:
+        """``_apply_keyed`` at its turn: at ``op``'s expected position, else (numbered by no
+        one, or by the intake's stream) now, held positions of the run waiting meanwhile."""
+        stream = run_id = self._require_active(run_id).spec.run_id
+        apply = partial(self._apply_keyed, run_id=run_id)
+        lane = self.lane_of(run_id)
+        turn = partial(self._run_refusable, apply, operation, request, op, digest, lane=lane)
+        if op.expected_position is None:
+            with self.scheduler.running_beside(stream):
+                return turn()
+        return self.scheduler.submit_at(stream, op.expected_position, turn)
 
     def _apply_keyed(
         self,
@@ -663,10 +699,8 @@ class SessionHost:
         active = self._require_active(run_id)
         try:
             applied = apply_keyed(active, operation, request, op, digest)
-        except JournalCommitFailed as error:
-            # An earlier operation's commit failed: only a restart makes journal and engine agree.
-            self._fail(str(error))
-            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
+        except JournalCommitFailed as error:  # an earlier operation's commit failed
+            raise self.journal_failed(error) from None
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the

@@ -44,14 +44,16 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
+from trainwire.server.service.active_run import Durable, JournalCommitFailed, wait_durable
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.operations import SAMPLE, Operation
 from trainwire.server.service.reads import SampleResult
@@ -85,7 +87,7 @@ class Submission:
     once, when the intake accepts it), what runs ``around`` the operation (given the operation's
     run, it returns what that returns: the transport's checks at its turn and the locks it
     holds meanwhile), and ``finish``, which makes the operation's outcome the request's result
-    (a ``Callable[[], body]`` is encoded behind, while the next request runs)."""
+    (a ``Callable[[], body]`` is encoded on the engine thread once the operation ran)."""
 
     operation: Operation[Any]
     request: Any
@@ -142,7 +144,11 @@ class Intake:
         # What identifies a route's request, where not its whole body: a client may re-send a
         # request with a field it draws anew on each try (the SDK's sampling_session_seq_id).
         self.identities: dict[str, Callable[[Body], Body]] = {}
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
+        # Results (and keyed calls' journal entries) written and not yet committed, counted by
+        # request id: each is answered once its commit lands (on the ledger's commit thread),
+        # while the engine runs the next job.
+        self._finishing: Counter[str] = Counter()
+        self._finished = threading.Condition()
         self._lock = threading.Lock()  # orders request records with their submission
         # A result is checked against a cancel, written and resolved under its request's lock
         # (striped: results of different requests are written side by side, sharing commits).
@@ -166,7 +172,7 @@ class Intake:
         """Take no turn any more: a request queued and not yet run stays stored, and the next
         start replays it."""
         self._stopped = True
-        self._finisher.shutdown()
+        self._wait_finished()
         self.store.close()
 
     # -- restart -------------------------------------------------------------------------------
@@ -323,7 +329,7 @@ class Intake:
         answered), carrying the results a client may still ask for; other streams' records
         stay for their own checkpoints. ``head`` (what the transport must know first: sessions,
         notes) is read while no record can be appended."""
-        self._finisher.submit(lambda: None).result()  # every call before it is answered now
+        self._wait_finished()  # every call before it is answered now
         self.before_compaction()
         resume = ResumeRecord(seq_id, position, stream)
 
@@ -486,7 +492,7 @@ class Intake:
         if not self.results.known(request_id):
             raise KeyError(request_id)
         with self._resolving_lock(request_id):
-            if not self.results.pending(request_id):
+            if not self.results.pending(request_id) or self._being_finished(request_id):
                 return False
             at = time.time()
             outcome = Failed(CANCELLED.format(what="nothing of it was returned"), "user")
@@ -494,6 +500,11 @@ class Intake:
             self.results.resolve(request_id, outcome, at)
         logger.info("intake: %s cancelled by its client", request_id)
         return True
+
+    def _being_finished(self, request_id: str) -> bool:
+        """Whether its result is written and its commit under way (it answers that result)."""
+        with self._finished:
+            return request_id in self._finishing
 
     def _resolving_lock(self, request_id: str) -> threading.Lock:
         return self._resolving[hash(request_id) % RESOLVING_LOCKS]
@@ -522,15 +533,36 @@ class Intake:
         self, request_id: str, recorded: ResultRecord | None, work: Work, digest: str
     ) -> None:
         """A request's turn: its recorded result, its failure, or its operation (whose response
-        is encoded and stored behind, while the next call runs)."""
+        is encoded here and answered once durable, while the next job runs)."""
         if not self._runs_now(request_id, recorded):
             return
         if isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
             return
-        outcome = self._run(partial(self._apply, request_id, work, digest), request_id)
-        keyed = work.operation.keyed
-        self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
+        commits: list[Durable] = []
+        outcome = self._run(partial(self._apply, request_id, work, digest, commits), request_id)
+        if isinstance(outcome, Done) and callable(outcome.body):
+            outcome = run_to_outcome(outcome.body)  # while its journal entry commits
+        if not commits or not isinstance(outcome, Done):  # a read, or a failure: stored
+            self._finish(request_id, outcome, durable=False)
+        elif commits[0] is None:  # answered from the journal
+            self._finish(request_id, outcome, durable=True)
+        else:
+            self._started_finishing(request_id)
+            commits[0].add_done_callback(partial(self._journaled, request_id, outcome))
+
+    def _journaled(self, request_id: str, outcome: Outcome, commit: Durable) -> None:
+        """On the ledger's commit thread: a keyed call's journal entry is on disk (its result
+        with it), or could not be written: then the server fails, as the call's answer says."""
+        try:
+            wait_durable(commit, request_id)
+        except JournalCommitFailed as error:
+            failure = self.host.journal_failed(error)
+            self._finish(request_id, run_to_outcome(partial(_raise, failure)), durable=False)
+        else:
+            self._finish(request_id, outcome, durable=True)
+        finally:
+            self._ended_finishing(request_id)
 
     def _prepare_sample(
         self, request_id: str, recorded: ResultRecord | None, sample: SampleSubmission
@@ -541,7 +573,7 @@ class Intake:
             return None
         prepared = self._run(partial(self._sample_of, sample), request_id)
         if isinstance(prepared, Failed):
-            self._finisher.submit(self._finish, request_id, prepared, durable=False)
+            self._finish(request_id, prepared, durable=False)
             return None
         return prepared.body
 
@@ -553,21 +585,32 @@ class Intake:
     def _sampled(
         self, request_id: str, sample: SampleSubmission, answer: Future[SampleResult | None]
     ) -> None:
-        """A sample's answer (None: nothing ran), encoded and stored behind."""
+        """A sample's answer (None: nothing ran), encoded on the engine thread and answered once
+        durable."""
         if answer.exception() is None and answer.result() is None:
             return
         outcome = run_to_outcome(lambda: sample.encode(answer.result()))
-        self._finisher.submit(self._finish, request_id, outcome, durable=False)
+        self._finish(request_id, outcome, durable=False)
 
-    def _apply(self, request_id: str, submission: Submission, digest: str) -> Any:
-        """A submission's operation, keyed by its request id, then its transport's ``finish``."""
+    def _apply(
+        self, request_id: str, submission: Submission, digest: str, commits: list[Durable]
+    ) -> Any:
+        """A submission's operation, keyed by its request id, then its transport's ``finish``;
+        a keyed one's pending commit is put in ``commits`` (its journal entry is queued before
+        anything ``finish`` writes, so the one commit thread makes them durable in that
+        order)."""
         operation, request = submission.operation, submission.request
         run_id = submission.run_id
         if operation.keyed:
             op = OperationSpec(request_id)
-            run = partial(
-                self.host.apply_checked, operation, request, op, body_digest=digest, run_id=run_id
-            )
+
+            def run() -> Any:
+                outcome, commit = self.host.apply_accepted(
+                    operation, request, op, body_digest=digest, run_id=run_id
+                )
+                commits.append(commit)
+                return outcome
+
         else:
             run = partial(self.host.apply_checked, operation, request, run_id=run_id)
         return submission.finish(submission.around(run))
@@ -578,19 +621,61 @@ class Intake:
             return Failed(cannot, "server")
         return run_to_outcome(call)
 
-    def _encode_and_finish(self, request_id: str, outcome: Outcome, keyed: bool) -> None:
-        """A call's response, once its engine work is done: ``Done(encode)`` is encoded here."""
-        if isinstance(outcome, Done) and callable(outcome.body):
-            outcome = run_to_outcome(outcome.body)
-        self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
-
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
-        """Resolve a ticket, writing its outcome to the store first unless already durable (or
-        forgotten meanwhile with its session: nobody asks for it)."""
+        """Resolve a ticket, once its outcome is durable: at once when it is already (a keyed
+        call's journal entry), else when the result written to the store commits; nothing
+        for one cancelled or forgotten meanwhile (nobody asks for it), or once the intake
+        stopped (its request stays stored, and the next start runs it again)."""
         at = time.time()
         with self._resolving_lock(request_id):
-            if not self.results.pending(request_id):
-                return  # cancelled meanwhile (its result is discarded), or forgotten
-            if not durable:
-                outcome = self.store.write_result(request_id, outcome, at)
+            if self._stopped or not self.results.pending(request_id):
+                return
+            if durable:
+                self.results.resolve(request_id, outcome, at)
+                return
+            try:
+                ticket = self.store.append(ResultRecord(request_id, outcome, resolved_at=at))
+            except (OSError, ResourceExhausted) as error:
+                self.results.resolve(request_id, _not_recorded(request_id, error), at)
+                return
+            self._started_finishing(request_id)
+        ticket.committed.add_done_callback(
+            lambda _: self._result_committed(request_id, ticket, outcome, at)
+        )
+
+    def _result_committed(
+        self, request_id: str, ticket: Ticket, outcome: Outcome, at: float
+    ) -> None:
+        """On the ledger's commit thread: the result is durable (or could not be written: then
+        the fetch hears a server error, and a restart runs its call again)."""
+        error = self.store.write_error(ticket)
+        if error is not None:
+            outcome = _not_recorded(request_id, error)
+        with self._resolving_lock(request_id):
             self.results.resolve(request_id, outcome, at)
+        self._ended_finishing(request_id)
+
+    def _started_finishing(self, request_id: str) -> None:
+        with self._finished:
+            self._finishing[request_id] += 1
+
+    def _ended_finishing(self, request_id: str) -> None:
+        with self._finished:
+            self._finishing[request_id] -= 1
+            if not self._finishing[request_id]:
+                del self._finishing[request_id]
+            self._finished.notify_all()
+
+    def _wait_finished(self) -> None:
+        """Until every result written has committed and been answered."""
+        with self._finished:
+            self._finished.wait_for(lambda: not self._finishing)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _not_recorded(request_id: str, error: Exception) -> Failed:
+    logger.error("the result of %s was not recorded: %s", request_id, error)
+    return Failed(f"the result could not be recorded durably ({error})", "server")
