@@ -1,6 +1,6 @@
 """Resident memory that follows live memory: glibc's malloc told to hand freed memory back.
 
-The queued-calls bound (``stream_order``) holds what decoded requests keep alive, but glibc keeps
+The queued-calls bound (``scheduler``) holds what decoded requests keep alive, but glibc keeps
 the blocks a freed request leaves: the threshold above which it maps a block of its own rises to
 the size of the largest block freed (up to 32 MiB), so later large blocks come from the heaps, and
 each thread that decodes gets a heap of its own (up to eight per core) whose free space is only

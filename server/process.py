@@ -213,7 +213,7 @@ def _start_tinker(
 
 
 def tenant_weight(tenants: Tenants, owners: RunOwners, run_id: str) -> float:
-    """The share of the executor's turns of ``run_id``: its tenant's weight (1.0 for a run of
+    """The share of the scheduler's turns of ``run_id``: its tenant's weight (1.0 for a run of
     no tenant in the map, as one the single key opened)."""
     if not run_id:  # the one lane of a server of one run: no share to weigh
         return 1.0

@@ -39,15 +39,16 @@ def spy_batches(monkeypatch) -> list[int]:
     inner = TrainingSession.sample_many
 
     def counted(session, selected, requests, join):
-        seen = [len(requests)]
+        # Noted as the batch starts: its first answers may reach their callers before it ends.
+        index = len(sizes)
+        sizes.append(len(requests))
 
         def counting_join():
             joined = join()
-            seen[0] += len(joined)
+            sizes[index] += len(joined)
             return joined
 
         inner(session, selected, requests, counting_join)
-        sizes.append(seen[0])
 
     monkeypatch.setattr(TrainingSession, "sample_many", counted)
     return sizes

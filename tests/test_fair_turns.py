@@ -1,4 +1,4 @@
-"""The executor serves lanes (runs) with work in turns: a lane that floods it never delays another
+"""The scheduler serves lanes (runs) with work in turns: a lane that floods it never delays another
 lane's next call by more than one call of each other lane with work (times its weight), measured
 in calls run, never in seconds. With one lane it is first in, first out."""
 
@@ -9,26 +9,24 @@ from collections.abc import Callable
 
 from process_cluster import wait_until
 
-from trainwire.server.service.executor import SessionExecutor
+from trainwire.server.service.scheduler import Scheduler
 
 
-def held(executor: SessionExecutor) -> threading.Event:
-    """Keep the executor's thread busy until the returned event is set, so what is queued
-    meanwhile waits and the order it then runs in is the executor's choice alone."""
+def held(scheduler: Scheduler) -> threading.Event:
+    """Keep the scheduler's thread busy until the returned event is set, so what is queued
+    meanwhile waits and the order it then runs in is the scheduler's choice alone."""
     gate, running = threading.Event(), threading.Event()
 
     def hold() -> None:
         running.set()
         gate.wait(60)
 
-    threading.Thread(target=executor.run, args=(hold,), kwargs={"lane": "hold"}).start()
+    threading.Thread(target=scheduler.run, args=(hold,), kwargs={"lane": "hold"}).start()
     running.wait(60)
     return gate
 
 
-def queue(
-    executor: SessionExecutor, lane: str, ran: list[str], count: int
-) -> list[threading.Thread]:
+def queue(scheduler: Scheduler, lane: str, ran: list[str], count: int) -> list[threading.Thread]:
     """``count`` calls of ``lane``, queued in order; each notes its lane in ``ran`` as it runs."""
     threads = []
     for _ in range(count):
@@ -39,7 +37,7 @@ def queue(
 
         def submit(call: Callable[[], None] = call, queued: threading.Event = queued) -> None:
             queued.set()
-            executor.run(call, lane=lane)
+            scheduler.run(call, lane=lane)
 
         thread = threading.Thread(target=submit)
         thread.start()
@@ -48,20 +46,20 @@ def queue(
     return threads
 
 
-def wait_queued(executor: SessionExecutor, count: int) -> None:
+def wait_queued(scheduler: Scheduler, count: int) -> None:
     """Until ``count`` calls are queued behind the held one (the submitting threads raced)."""
-    assert wait_until(lambda: executor._on_worker >= count + 1), "the calls never queued"
+    assert wait_until(lambda: scheduler.queued >= count + 1), "the calls never queued"
 
 
 def test_a_flooding_run_delays_another_runs_calls_by_one_call_each():
-    executor = SessionExecutor(max_queued=1000)
+    scheduler = Scheduler(max_queued=1000)
     ran: list[str] = []
-    gate = held(executor)
-    threads = queue(executor, "flood", ran, 200)
-    wait_queued(executor, 200)
-    threads += queue(executor, "other", ran, 5)
-    threads += queue(executor, "third", ran, 3)
-    wait_queued(executor, 208)
+    gate = held(scheduler)
+    threads = queue(scheduler, "flood", ran, 200)
+    wait_queued(scheduler, 200)
+    threads += queue(scheduler, "other", ran, 5)
+    threads += queue(scheduler, "third", ran, 3)
+    wait_queued(scheduler, 208)
     gate.set()
     for thread in threads:
         thread.join(60)
@@ -73,35 +71,35 @@ def test_a_flooding_run_delays_another_runs_calls_by_one_call_each():
         assert between.count("flood") <= 1 and between.count("third") <= 1, ran[:20]
         previous = index
     assert ran[:8] == ["flood", "other", "third"] * 2 + ["flood", "other"]
-    executor.release(lambda: None)
+    scheduler.release(lambda: None)
 
 
 def test_a_lane_of_weight_two_runs_two_calls_a_turn():
-    executor = SessionExecutor(max_queued=1000, weight_of=lambda lane: 2.0 if lane == "a" else 1.0)
+    scheduler = Scheduler(max_queued=1000, weight_of=lambda lane: 2.0 if lane == "a" else 1.0)
     ran: list[str] = []
-    gate = held(executor)
-    threads = queue(executor, "a", ran, 6) + queue(executor, "b", ran, 6)
-    wait_queued(executor, 12)
+    gate = held(scheduler)
+    threads = queue(scheduler, "a", ran, 6) + queue(scheduler, "b", ran, 6)
+    wait_queued(scheduler, 12)
     gate.set()
     for thread in threads:
         thread.join(60)
     assert ran == ["a", "a", "b"] * 3 + ["b"] * 3
-    executor.release(lambda: None)
+    scheduler.release(lambda: None)
 
 
 def test_one_lane_is_first_in_first_out_and_release_runs_after_everything_queued():
-    executor = SessionExecutor()
+    scheduler = Scheduler()
     ran: list[str] = []
-    gate = held(executor)
-    threads = queue(executor, "", ran, 5)
-    wait_queued(executor, 5)
-    idle = threading.Thread(target=lambda: ran.append(f"idle={executor.wait_idle(60)}"))
+    gate = held(scheduler)
+    threads = queue(scheduler, "", ran, 5)
+    wait_queued(scheduler, 5)
+    idle = threading.Thread(target=lambda: ran.append(f"idle={scheduler.wait_idle(60)}"))
     idle.start()
     gate.set()
     for thread in [*threads, idle]:
         thread.join(60)
     assert ran == [""] * 5 + ["idle=True"]
-    executor.release(lambda: ran.append("released"))
+    scheduler.release(lambda: ran.append("released"))
     assert ran[-1] == "released"
 
 
@@ -109,7 +107,7 @@ def test_a_weight_that_cannot_be_read_counts_as_one_and_the_executor_goes_on():
     def weight_of(lane: str) -> float:
         raise ValueError(f"no weight for {lane!r}")
 
-    executor = SessionExecutor(weight_of=weight_of)
-    assert executor.run(lambda: "ran", lane="") == "ran"
-    assert executor.run(lambda: "again", lane="other") == "again"
-    executor.release(lambda: None)
+    scheduler = Scheduler(weight_of=weight_of)
+    assert scheduler.run(lambda: "ran", lane="") == "ran"
+    assert scheduler.run(lambda: "again", lane="other") == "again"
+    scheduler.release(lambda: None)

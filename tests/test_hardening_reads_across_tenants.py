@@ -309,7 +309,7 @@ def test_sampler_weights_under_another_tenants_accepted_samples_are_not_deleted(
             params = types.SamplingParams(max_tokens=3, temperature=1.0, seed=5)
 
             # Holding the engine's one thread: every sample accepted now waits for its turn.
-            holder = threading.Thread(target=handle.session_host._executor.run, args=(gate.wait,))
+            holder = threading.Thread(target=handle.session_host.scheduler.run, args=(gate.wait,))
             holder.start()
             results = handle.tinker.front.intake.results
             known = len(results)

@@ -51,13 +51,13 @@ def test_a_cancelled_sample_stops_decoding_and_its_neighbour_keeps_its_bits(
         assert held.wait(60)
         with ThreadPoolExecutor(1) as pool:
             beside = pool.submit(client.sample, [1, 2, 3], **neighbour)  # joins the decode
-            batcher = handle.session_host._batchers[client.run_id]  # its run's samples
-            wait_for(lambda: len(batcher._pending) == 1, 60)
+            scheduler = handle.session_host.scheduler  # the decode and the sample queued
+            wait_for(lambda: scheduler.queued == 2, 60)
             call.cancel()
             assert call.code() == grpc.StatusCode.CANCELLED
             release.set()
             assert beside.result(timeout=60) == alone
-        wait_for(lambda: not handle.session_host._executor.busy, 60)
+        wait_for(lambda: not handle.session_host.scheduler.busy, 60)
         assert steps[0] < MAX_TOKENS // 2, f"{steps[0]} decode steps for a cancelled request"
         assert client.sample([1, 2, 3], **neighbour) == alone
         client.close()

@@ -156,7 +156,7 @@ def test_a_run_that_floods_the_host_delays_another_runs_operation_by_its_weight(
         running.set()
         gate.wait(60)
 
-    threading.Thread(target=host._executor.run, args=(hold,), kwargs={"lane": "hold"}).start()
+    threading.Thread(target=host.scheduler.run, args=(hold,), kwargs={"lane": "hold"}).start()
     running.wait(60)
 
     def forward_backward(run_id: str, key: str) -> None:
@@ -166,10 +166,10 @@ def test_a_run_that_floods_the_host_delays_another_runs_operation_by_its_weight(
     flood = [threading.Thread(target=forward_backward, args=("flood", f"f/{i}")) for i in range(20)]
     for thread in flood:
         thread.start()
-    assert wait_until(lambda: host._executor._on_worker == 21)  # the hold and the flood queued
+    assert wait_until(lambda: host.scheduler.queued == 21)  # the hold and the flood queued
     other = threading.Thread(target=forward_backward, args=("other", "o/0"))
     other.start()
-    assert wait_until(lambda: host._executor._on_worker == 22)
+    assert wait_until(lambda: host.scheduler.queued == 22)
     gate.set()
     other.join(60)
     applied_before = host.info("flood").position  # as the other run's operation returned

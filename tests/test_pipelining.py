@@ -135,7 +135,7 @@ def test_an_operation_that_arrives_before_its_predecessor_waits_and_applies_in_o
 
         thread = threading.Thread(target=send_second)
         thread.start()  # position 1 goes first; the session is at 0
-        wait_for(lambda: host._executor.waiting == 1, 60)  # admitted: held for position 0
+        wait_for(lambda: host.scheduler.waiting == 1, 60)  # admitted: held for position 0
         assert "second" not in results and host.position == 0  # held, not refused nor run
         results["first"] = client.forward_backward(first, operation_key="a", expected_position=0)
         thread.join(timeout=30)
@@ -172,16 +172,16 @@ def test_a_held_operation_waits_while_a_call_without_a_position_runs(
 
         unnumbered = threading.Thread(target=send, args=("u",))
         unnumbered.start()
-        wait_for(lambda: host._executor.busy, 60)  # "u" runs, held in the engine
+        wait_for(lambda: host.scheduler.busy, 60)  # "u" runs, held in the engine
         second = threading.Thread(target=send, args=("b",), kwargs={"expected_position": 2})
         second.start()
-        wait_for(lambda: host._executor.waiting == 2, 60)  # "b" admitted, held for position 2
+        wait_for(lambda: host.scheduler.waiting == 2, 60)  # "b" admitted, held for position 2
         # Several idle bounds pass while "u" runs: "b" must still be held, not let go.
         time.sleep(6 * host.idle_release_s)
         assert "b" not in results
         first = threading.Thread(target=send, args=("a",), kwargs={"expected_position": 1})
         first.start()
-        wait_for(lambda: host._executor.waiting == 3, 60)
+        wait_for(lambda: host.scheduler.waiting == 3, 60)
         release.set()
         for thread in (unnumbered, first, second):
             thread.join(timeout=60)
@@ -210,11 +210,11 @@ def test_a_server_stopping_refuses_an_operation_held_for_its_position_and_leaves
 
         sender = threading.Thread(target=send)
         sender.start()
-        wait_for(lambda: host._executor.waiting == 1, 60)  # admitted, held for position 5
+        wait_for(lambda: host.scheduler.waiting == 1, 60)  # admitted, held for position 5
         handle.stop()
         sender.join(timeout=60)
         assert codes == [grpc.StatusCode.UNAVAILABLE]
-        wait_for(lambda: host._executor.waiting == 0, 60)  # the handler's wait has ended
+        wait_for(lambda: host.scheduler.waiting == 0, 60)  # the handler's wait has ended
         client.close_channel()
 
 

@@ -49,7 +49,7 @@ def test_a_call_arriving_before_its_predecessor_after_a_quiet_spell_waits_for_it
 
         thread = threading.Thread(target=send_second)
         thread.start()  # position 1 goes first; the session is at 0
-        wait_for(lambda: host._executor.waiting == 1 or "second" in results, 60)
+        wait_for(lambda: host.scheduler.waiting == 1 or "second" in results, 60)
         assert "second" not in results  # held for its predecessor, not let go to be refused
         results["first"] = client.forward_backward(first, operation_key="a", expected_position=0)
         thread.join(timeout=60)

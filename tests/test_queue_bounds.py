@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_fixtures import NO_RETRY, TEXTS, connect, running_server
 
-from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
+from trainwire.server.service.scheduler import DEFAULT_MAX_QUEUED
 
 HELD_S = 600.0  # how long a held operation waits for its release at most
 ANSWER_S = 60.0  # a call that should answer at once gets this long before it fails the test
@@ -51,7 +51,7 @@ def test_a_slow_operation_with_a_full_queue_leaves_health_and_info_answering(
         for thread in senders:
             thread.start()
         deadline = time.monotonic() + 30
-        while handle.session_host._executor.waiting < DEFAULT_MAX_QUEUED:
+        while handle.session_host.scheduler.waiting < DEFAULT_MAX_QUEUED:
             assert time.monotonic() < deadline, "the calls never queued"
             time.sleep(0.01)
         try:
@@ -104,7 +104,7 @@ def test_calls_held_for_their_position_count_against_the_bound_and_health_answer
             assert time.monotonic() < deadline, f"refused so far: {codes}"
             time.sleep(0.01)
         assert codes == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 6
-        assert handle.session_host._executor.waiting == DEFAULT_MAX_QUEUED
+        assert handle.session_host.scheduler.waiting == DEFAULT_MAX_QUEUED
         health = health_pb2_grpc.HealthStub(client._channel)
         reply = health.Check(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)
         assert client.info().position == 0
@@ -131,7 +131,7 @@ def test_info_answers_at_once_while_the_first_operation_runs(tmp_path, model_roo
         first.start()
         try:
             deadline = time.monotonic() + 30
-            while not handle.session_host._executor.busy:
+            while not handle.session_host.scheduler.busy:
                 assert time.monotonic() < deadline
                 time.sleep(0.01)
             infos = [client.info() for _ in range(40)]

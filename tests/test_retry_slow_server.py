@@ -34,7 +34,7 @@ def test_a_call_past_its_deadline_on_a_slow_server_is_retried_and_applied_once(
             call = pool.submit(client.forward_backward, TEXTS[:2], operation_key="slow")
             # The first try's deadline passed and its retry waits behind the running original
             # (both admitted: ``waiting`` counts the running call too).
-            wait_for(lambda: host._executor.waiting == 2, 60)
+            wait_for(lambda: host.scheduler.waiting == 2, 60)
             release.set()
             outcome = call.result(timeout=120)
         assert outcome.position == 1 and calls == [0]  # the engine ran it once

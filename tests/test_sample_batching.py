@@ -120,7 +120,7 @@ def test_requests_waiting_together_decode_as_one_batch_each_as_it_would_alone(ho
         held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
         assert started.wait(30)
         futures = [pool.submit(host.apply, ops.SAMPLE, r) for r in requests]
-        wait_for(lambda: host._executor.waiting == len(requests) + 1)
+        wait_for(lambda: host.scheduler.waiting == len(requests) + 1)
         release.set()
         held.result(timeout=60)
         assert [f.result(timeout=120) for f in futures] == expected
@@ -138,7 +138,7 @@ def test_a_refused_request_waiting_with_others_is_refused_before_any_work(host, 
         held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
         assert started.wait(30)
         futures = [pool.submit(host.apply, ops.SAMPLE, r) for r in (requests[0], bad, requests[1])]
-        wait_for(lambda: host._executor.waiting == 4)
+        wait_for(lambda: host.scheduler.waiting == 4)
         release.set()
         held.result(timeout=60)
         with pytest.raises(InvalidArgument) as refused:
@@ -191,7 +191,7 @@ def test_with_batching_off_each_request_decodes_alone_whatever_waits_with_it(hos
         held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
         assert started.wait(30)
         futures = [pool.submit(host.apply, ops.SAMPLE, r) for r in requests]
-        wait_for(lambda: host._executor.waiting == len(requests) + 1)
+        wait_for(lambda: host.scheduler.waiting == len(requests) + 1)
         release.set()
         held.result(timeout=60)
         assert [f.result(timeout=120) for f in futures] == expected

@@ -33,7 +33,7 @@ def test_concurrent_grpc_samples_decode_together_each_as_alone(
             held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
             assert started.wait(30)
             futures = [pool.submit(sample, r) for r in requests]
-            wait_for(lambda: host._executor.waiting == len(requests) + 1)
+            wait_for(lambda: host.scheduler.waiting == len(requests) + 1)
             release.set()
             held.result(timeout=60)
             assert [f.result(timeout=120) for f in futures] == expected
@@ -68,7 +68,7 @@ def test_tinker_asample_futures_sent_at_once_decode_together_each_as_alone(
             held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
             assert started.wait(30)
             futures = [send(*shape) for shape in shapes]  # the SDK's futures, all in flight
-            wait_for(lambda: host._executor.waiting == len(shapes) + 1)
+            wait_for(lambda: host.scheduler.queued == len(shapes) + 1)
             release.set()
             held.result(timeout=60)
             assert [bits(f.result(timeout=120)) for f in futures] == expected

@@ -1,7 +1,7 @@
-"""The stream order releases jobs to the executor in fair turns by lane (a run): it runs one
-ordered job at a time and waits for it, so were its released jobs first in, first out, a run with
-many pipelined calls released would delay another run's next call by all of them. Counted in
-jobs run, never in seconds; with one lane the order is first in, first out."""
+"""The scheduler takes the ready jobs of numbered streams in fair turns by lane (a run): were
+they first in, first out, a run with many pipelined calls released would delay another run's next
+call by all of them. Counted in jobs run, never in seconds; with one lane the order is first in,
+first out. A lane's samples at its head take one turn together, as one batch."""
 
 from __future__ import annotations
 
@@ -10,56 +10,56 @@ from collections.abc import Callable
 from functools import partial
 
 from process_cluster import wait_until
+from sample_requests import prompts
 from service_fixtures import TEXTS, microbatches
 
 from trainwire.client import LoraSettings
 from trainwire.contract.outcomes import OperationSpec
+from trainwire.server.engine.session import TrainingSession
 from trainwire.server.service import operations as ops
-from trainwire.server.service.requests import ForwardBackwardRequest
-from trainwire.server.service.stream_order import SAMPLES_BESIDE, StreamOrder
+from trainwire.server.service.requests import ForwardBackwardRequest, SampleRequest
+from trainwire.server.service.scheduler import Scheduler
 
 BATCH = microbatches(TEXTS)[0]
 
 
-def held(order: StreamOrder) -> threading.Event:
-    """Keep the order's thread busy with a job of lane "hold" until the returned event is set,
-    so everything submitted meanwhile is released before anything of it runs."""
+def held(scheduler: Scheduler) -> threading.Event:
+    """Keep the engine thread busy with a job of lane "hold" until the returned event is set,
+    so everything submitted meanwhile is ready before anything of it runs."""
     gate, running = threading.Event(), threading.Event()
 
     def hold() -> None:
         running.set()
         gate.wait(60)
 
-    order.start_stream("hold", lane="hold")
-    order.submit("hold", 1, "hold", hold)
+    scheduler.start_stream("hold", lane="hold")
+    scheduler.submit("hold", 1, "hold", hold)
     running.wait(60)
     return gate
 
 
-def release(order: StreamOrder, stream: str, lane: str, count: int, ran: list[str]) -> None:
+def release(scheduler: Scheduler, stream: str, lane: str, count: int, ran: list[str]) -> None:
     """``count`` jobs of ``stream`` (in ``lane``) in seq order; each notes its stream as it runs."""
-    order.start_stream(stream, lane=lane)
+    scheduler.start_stream(stream, lane=lane)
     for seq in range(1, count + 1):
-        assert order.submit(stream, seq, f"{stream}/{seq}", partial(ran.append, stream))
+        assert scheduler.submit(stream, seq, f"{stream}/{seq}", partial(ran.append, stream))
 
 
-def drained(order: StreamOrder, gate: threading.Event) -> None:
-    """Let the held order go, and wait until every job released has run."""
+def drained(scheduler: Scheduler, gate: threading.Event) -> None:
+    """Let the held engine go, and wait until every job made ready has run."""
     gate.set()
-    order.stop()
-    order._thread.join(60)
-    order._samples.wait()
+    scheduler.release(lambda: None)
 
 
 def flood_then_one(weight_of: Callable[[str], float] | None, lanes: tuple[str, str]) -> list[str]:
     """Stream "a" (lane ``lanes[0]``) has 200 jobs released, then stream "b" (``lanes[1]``)
     one; the streams in the order their jobs ran."""
-    order = StreamOrder(lambda job: job(), weight_of=weight_of)
+    scheduler = Scheduler(weight_of=weight_of)
     ran: list[str] = []
-    gate = held(order)
-    release(order, "a", lanes[0], 200, ran)
-    release(order, "b", lanes[1], 1, ran)
-    drained(order, gate)
+    gate = held(scheduler)
+    release(scheduler, "a", lanes[0], 200, ran)
+    release(scheduler, "b", lanes[1], 1, ran)
+    drained(scheduler, gate)
     assert len(ran) == 201
     return ran
 
@@ -77,39 +77,64 @@ def test_with_one_lane_the_order_is_first_in_first_out():
     assert flood_then_one(None, ("", "")).index("b") == 200
 
 
-def test_one_lanes_unordered_jobs_delay_another_lanes_job_by_one_batch():
-    """Lane "a" has 40 unordered jobs (samples) released, then lane "b" an ordered one: b runs
-    after one turn of a's samples, started beside each other (a batch), not after all 40."""
-    order = StreamOrder(lambda job: job())
+def test_one_runs_samples_delay_another_runs_job_by_one_batch(make_host, llama_config, monkeypatch):
+    """Run "a" has 12 samples queued, then run "b" a job: b runs after one turn of a's samples,
+    decoded as one batch on the engine thread, not after 12 turns."""
+    host = make_host(max_runs=2)
+    lora = LoraSettings(r=4, alpha=8)
+    host.open("a", llama_config(lora=lora))
+    host.open("b", llama_config(lora=lora, seed=7))
     ran: list[str] = []
-    gate = held(order)
-    for _ in range(40):
-        order.run_unordered(partial(ran.append, "a"), lane="a")
-    release(order, "b", "b", 1, ran)
-    drained(order, gate)
-    assert len(ran) == 41
-    assert ran.index("b") == SAMPLES_BESIDE < 40
+    inner = TrainingSession.sample_many
+
+    def noted(session, selected, requests, join):
+        inner(session, selected, requests, join)
+        ran.append(f"batch of {len(requests)} on {threading.current_thread().name}")
+
+    monkeypatch.setattr(TrainingSession, "sample_many", noted)
+    scheduler = host.scheduler
+    gate = held(scheduler)
+    prompt = prompts(host._runs["a"].session.sampler.vocab_size)[0]
+    samples = [SampleRequest(prompt, max_tokens=2, seed=seed) for seed in range(12)]
+    threads = [
+        threading.Thread(target=host.apply, args=(ops.SAMPLE, r), kwargs={"run_id": "a"})
+        for r in samples
+    ]
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: scheduler.queued == 1 + len(samples))  # the hold and a's
+    threads.append(
+        threading.Thread(
+            target=scheduler.run, args=(partial(ran.append, "b"),), kwargs={"lane": "b"}
+        )
+    )
+    threads[-1].start()
+    assert wait_until(lambda: scheduler.queued == 2 + len(samples))
+    gate.set()
+    for thread in threads:
+        thread.join(60)
+    assert ran == [f"batch of {len(samples)} on trainwire-engine", "b"]  # no thread of their own
 
 
 def test_a_run_with_pipelined_calls_released_delays_another_runs_call_by_one_turn(
     make_host, llama_config
 ):
-    """Run "flood" has 30 pipelined calls (expected positions 0..29) released in the order;
+    """Run "flood" has 30 pipelined calls (expected positions 0..29) made ready;
     run "other"'s one call, released after them, runs after one of them (counted in journal
     positions: one more may run while the other call's commit completes)."""
     host = make_host(max_runs=2)
-    host._executor.max_queued = 64  # the 31 calls below wait at once
+    host.scheduler.max_queued = 64  # the 31 calls below wait at once
     host.idle_release_s = 600.0  # a call whose predecessor is late waits for it, however long
     lora = LoraSettings(r=4, alpha=8)
     host.open("flood", llama_config(lora=lora, lr_scheduler="constant"))
     host.open("other", llama_config(lora=lora, seed=7, lr_scheduler="constant"))
     gate, running = threading.Event(), threading.Event()
 
-    def hold() -> None:  # the order's next job waits for this one, so all below is released
+    def hold() -> None:  # the engine's next job waits for this one, so all below is ready
         running.set()
         gate.wait(60)
 
-    host.order.run_unordered(hold, lane="hold")
+    threading.Thread(target=host.scheduler.run, args=(hold,), kwargs={"lane": "hold"}).start()
     running.wait(60)
     failures: list[BaseException] = []
 
@@ -123,10 +148,10 @@ def test_a_run_with_pipelined_calls_released_delays_another_runs_call_by_one_tur
     flood = [threading.Thread(target=forward_backward, args=("flood", p)) for p in range(30)]
     for thread in flood:
         thread.start()
-    assert wait_until(lambda: host.order._waiting["flood"].ready == 30)
+    assert wait_until(lambda: host.scheduler._counts["flood"].ready == 30)
     other = threading.Thread(target=forward_backward, args=("other", 0))
     other.start()
-    assert wait_until(lambda: host.order._waiting["other"].ready == 1)
+    assert wait_until(lambda: host.scheduler._counts["other"].ready == 1)
     gate.set()
     other.join(60)
     applied_before = host.info("flood").position  # as the other run's call returned

@@ -19,7 +19,7 @@ from tinker_loops import close_quietly, supervised_datum
 
 from trainwire.client import LoraSettings, SessionClient
 from trainwire.server.process import ServerHandle
-from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
+from trainwire.server.service.scheduler import DEFAULT_MAX_QUEUED
 from trainwire.server.service.tenants import Tenant, Tenants
 from trainwire.testing import tiny_token_examples
 
@@ -75,12 +75,12 @@ def test_a_tenant_at_its_bound_of_waiting_calls_never_refuses_anothers(
             pool = stack.enter_context(ThreadPoolExecutor(2 * DEFAULT_MAX_QUEUED))
             stack.callback(release.set)
             bobs = [pool.submit(bob.forward, examples) for _ in range(DEFAULT_MAX_QUEUED)]
-            wait_for(lambda: host._executor.waiting == DEFAULT_MAX_QUEUED, ANSWER_S)
+            wait_for(lambda: host.scheduler.waiting == DEFAULT_MAX_QUEUED, ANSWER_S)
             with pytest.raises(grpc.RpcError) as refused:
                 bob.forward(examples)
             assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             alices = [pool.submit(alice.forward, examples) for _ in range(DEFAULT_MAX_QUEUED)]
-            wait_for(lambda: host._executor.waiting == 2 * DEFAULT_MAX_QUEUED, ANSWER_S)
+            wait_for(lambda: host.scheduler.waiting == 2 * DEFAULT_MAX_QUEUED, ANSWER_S)
             assert not any(f.done() for f in alices)  # admitted, waiting: none refused
             health = health_pb2_grpc.HealthStub(alice._channel)
             reply = health.Check(health_pb2.HealthCheckRequest(), timeout=ANSWER_S)

@@ -13,8 +13,7 @@ from test_tenants_tinker import API, Front
 from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import ResourceExhausted
-from trainwire.server.service import stream_order
-from trainwire.server.service.stream_order import SAMPLES_BESIDE, StreamOrder
+from trainwire.server.service import scheduler
 
 SAMPLES_HELD = 4  # the bound of waiting samples of each tenant in the sampling test
 
@@ -47,7 +46,7 @@ def test_the_bytes_one_account_holds_never_refuse_anothers_requests() -> None:
     """Alice's model holds its account's whole byte bound: her next call is refused, while bob's
     model and bob's samples are taken, each within bounds of bob's own."""
     running, release = threading.Event(), threading.Event()
-    order = StreamOrder(lambda job: job(), max_held=2, max_bytes=250, max_total_bytes=400)
+    order = scheduler.Scheduler(max_held=2, max_bytes=250, max_total_bytes=400)
 
     def first() -> None:
         running.set()
@@ -66,7 +65,7 @@ def test_the_bytes_one_account_holds_never_refuse_anothers_requests() -> None:
     with pytest.raises(ResourceExhausted, match="this key holds 350 bytes"):
         order.submit("bob-model", 2, "b2", lambda: None, size=100)
     release.set()
-    order.stop()
+    order.release(lambda: None)
 
 
 def test_one_tenants_samples_at_their_bound_never_refuse_anothers_sample(
@@ -75,16 +74,16 @@ def test_one_tenants_samples_at_their_bound_never_refuse_anothers_sample(
     """Bob fills his bound of waiting samples (of his own model, the device held meanwhile) and
     is refused 429; alice's sample of her own model is taken beside them, and once the device is
     free every sample taken is answered."""
-    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD", SAMPLES_HELD)
+    monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD", SAMPLES_HELD)
     with two_tenants(tmp_path / "state", model_root) as handle:
         alice, bob = Front(handle, ALICE), Front(handle, BOB)
         alices, bobs = own_sampler(alice), own_sampler(bob)
         release = threading.Event()
-        holder = threading.Thread(target=handle.session_host._executor.run, args=(release.wait,))
+        holder = threading.Thread(target=handle.session_host.scheduler.run, args=(release.wait,))
         holder.start()  # the device is busy: every sample taken waits
         taken, refused = [], None
         try:
-            for seq_id in range(1, 4 * SAMPLES_HELD + SAMPLES_BESIDE):
+            for seq_id in range(1, 5 * SAMPLES_HELD):
                 answer = bob.send("POST", f"{API}/asample", json=sample_body(bobs, seq_id))
                 if answer.status_code != 200:
                     refused = answer

@@ -25,7 +25,7 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker_loops import KEY, RawFront, tinker_server
 
 from trainwire.server.process import ServerHandle
-from trainwire.server.service import stream_order
+from trainwire.server.service import scheduler
 from trainwire.server.service.request_records import CallRecord
 from trainwire.server.service.request_store import read_records
 from trainwire.server.tinker import codec
@@ -115,8 +115,8 @@ def bound(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tu
     tight, loose = "DEFAULT_MAX_HELD_BYTES", "DEFAULT_MAX_TOTAL_BYTES"
     if request.param == "in all":
         tight, loose = loose, tight
-    monkeypatch.setattr(stream_order, tight, budget)
-    monkeypatch.setattr(stream_order, loose, 1 << 40)
+    monkeypatch.setattr(scheduler, tight, budget)
+    monkeypatch.setattr(scheduler, loose, 1 << 40)
     return request.param, budget
 
 

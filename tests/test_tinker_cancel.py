@@ -66,7 +66,7 @@ def test_a_queued_sample_cancelled_is_answered_so_and_never_runs(
         # Hold the order: an ordered job of a stream of the test's own runs until released, and
         # the sample taken behind it waits for it.
         order, release, running = (
-            handle.tinker.front.intake.order,
+            handle.tinker.front.intake.scheduler,
             threading.Event(),
             threading.Event(),
         )

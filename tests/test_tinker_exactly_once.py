@@ -26,7 +26,7 @@ from tinker_loops import (
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.service import results as result_store
-from trainwire.server.service import stream_order
+from trainwire.server.service import scheduler
 from trainwire.server.service.request_records import (
     CallRecord,
     Record,
@@ -50,10 +50,10 @@ def logged_calls(state_dir: Path) -> list[int]:
 
 
 def hold_the_calls(handle: ServerHandle) -> threading.Event:
-    """Keep the front's calls from running until the returned event is set (the runner is busy
+    """Keep the front's calls from running until the returned event is set (the engine is busy
     with a job that waits for it): what is sent meanwhile waits for its turn."""
     gate = threading.Event()
-    handle.tinker.front.intake.order.run_unordered(lambda: gate.wait(60))
+    handle.tinker.front.intake.scheduler.run_unordered(lambda: gate.wait(60))
     return gate
 
 
@@ -65,16 +65,16 @@ def save(api: RawFront, model_id: str, seq_id: int, path: str) -> dict[str, Any]
 def test_a_closed_models_queued_calls_fail_and_never_run_on_the_next_model(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    """Item 2: client A queues forward_backwards and closes its session; client B creates a
-    model; A's calls then fail (``user``: its model was closed) and B's run holds none of them."""
+    """Item 2: client A queues forward_backwards (held for the seq_id before them) and closes
+    its session; client B creates a model; A's calls then fail (``user``: its model was closed)
+    and B's run holds none of them. (Held in their stream, not behind a busy engine: the one
+    queue runs B's create_model in its turn.)"""
     with tinker_server(tmp_path / "state", model_root) as handle:
         api = raw(handle)
-        gate = hold_the_calls(handle)
         a_session, a_model = api.model()
-        queued = [api.forward_backward(a_model, seq).json()["request_id"] for seq in (1, 2, 3)]
+        queued = [api.forward_backward(a_model, seq).json()["request_id"] for seq in (2, 3, 4)]
         assert api.post(f"sessions/{a_session}/finish").status_code == 200
         _, b_model = api.model()
-        gate.set()
         for request_id in queued:
             answer = api.poll(request_id)
             assert answer.headers["content-type"] != codec.PROTOBUF, "it ran on B's run"
@@ -239,7 +239,7 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
     next is refused with 429 (the SDK retries it) and not logged; once they ran it is taken."""
     body = forward_backward_body("tw-0123456789abcdef:train:0", 1, (1, 2, 3, 4, 5))
     size = codec.held_bytes(codec.parse_forward_backward(body))  # what each holds decoded
-    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
+    monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD_BYTES", 3 * size + size // 2)
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)
@@ -284,17 +284,17 @@ def test_the_sdk_retries_a_call_refused_past_the_bound_and_gets_an_unbounded_run
     with tinker_server(tmp_path / "unbounded", model_root) as handle:
         expected = pipelined_steps(service_client(handle))
     refused: list[Exception] = []
-    check_room = stream_order.StreamOrder._check_room
+    check_room = scheduler.Scheduler._check_room
 
-    def counted(order: stream_order.StreamOrder, *args: Any, **kwargs: Any) -> None:
+    def counted(order: scheduler.Scheduler, *args: Any, **kwargs: Any) -> None:
         try:
             check_room(order, *args, **kwargs)
         except Exception as error:
             refused.append(error)
             raise
 
-    monkeypatch.setattr(stream_order.StreamOrder, "_check_room", counted)
-    monkeypatch.setattr(stream_order, "DEFAULT_MAX_HELD_BYTES", 1)
+    monkeypatch.setattr(scheduler.Scheduler, "_check_room", counted)
+    monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD_BYTES", 1)
     with tinker_server(tmp_path / "bounded", model_root) as handle:
         assert pipelined_steps(service_client(handle)) == expected
     assert refused

@@ -226,7 +226,7 @@ def test_a_model_that_floods_the_server_delays_another_models_call_by_one_of_its
             models.append(front.post("create_model", body).json()["model_id"])
         flood, other = models
         order, release, holding = (
-            handle.tinker.front.intake.order,
+            handle.tinker.front.intake.scheduler,
             threading.Event(),
             threading.Event(),
         )

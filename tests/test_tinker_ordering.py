@@ -11,14 +11,14 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from trainwire.server.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from trainwire.server.service.request_limits import MAX_EXAMPLES, MAX_TOKENS
-from trainwire.server.service.stream_order import StreamOrder
+from trainwire.server.service.scheduler import Scheduler
 from trainwire.server.tinker.codec import forward_backward_call, parse_forward_backward
 
 
 def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> None:
     ran: list[int] = []
     done = threading.Event()
-    order = StreamOrder(lambda job: job(), max_held=2)
+    order = Scheduler(max_held=2)
     order.start_stream("m")
 
     def job(seq: int):
@@ -39,12 +39,12 @@ def test_chunks_sent_out_of_order_run_in_seq_id_order_and_resends_run_once() -> 
     assert not order.submit("m", 2, "b", job(2))  # a re-send: its future already exists
     with pytest.raises(AlreadyExists, match="another payload"):
         order.submit("m", 2, "other", job(2))
-    order.stop()
+    order.release(lambda: None)
 
 
 def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> None:
     release, drained = threading.Event(), threading.Event()
-    order = StreamOrder(lambda job: job(), max_held=2)
+    order = Scheduler(max_held=2)
     order.run_unordered(release.wait)  # the runner is busy with this one
     order.run_unordered(lambda: None)
     order.run_unordered(drained.set)
@@ -53,14 +53,14 @@ def test_unordered_calls_past_the_bound_are_refused_until_the_queue_drains() -> 
     release.set()
     assert drained.wait(5)
     order.check_room()  # room again once they ran
-    order.stop()
+    order.release(lambda: None)
 
 
-def held_runner() -> tuple[StreamOrder, threading.Event]:
+def held_runner() -> tuple[Scheduler, threading.Event]:
     """An order whose runner is inside model a's first job (100 bytes) until the returned event
     is set; the bounds: 2 calls or 250 bytes per model and for samples, 400 bytes in all."""
     running, release = threading.Event(), threading.Event()
-    order = StreamOrder(lambda job: job(), max_held=2, max_bytes=250, max_total_bytes=400)
+    order = Scheduler(max_held=2, max_bytes=250, max_total_bytes=400)
 
     def first() -> None:
         running.set()
@@ -83,7 +83,7 @@ def test_a_running_call_holds_its_bytes_until_it_has_run() -> None:
     order.run_unordered(ran.set)  # after both have run
     assert ran.wait(5)
     assert order.submit("a", 3, "a3", lambda: None, size=100)
-    order.stop()
+    order.release(lambda: None)
 
 
 def test_the_bytes_of_every_model_and_the_samples_are_bounded_together() -> None:
@@ -100,7 +100,7 @@ def test_the_bytes_of_every_model_and_the_samples_are_bounded_together() -> None
     assert ran.wait(5)
     order.check_room(100)
     assert order.submit("b", 2, "b2", lambda: None, size=100)
-    order.stop()
+    order.release(lambda: None)
 
 
 def test_the_call_a_models_held_calls_wait_for_is_taken_past_the_bound_of_all() -> None:
@@ -112,7 +112,7 @@ def test_the_call_a_models_held_calls_wait_for_is_taken_past_the_bound_of_all() 
         order.submit("b", 3, "b3", lambda: None, size=100)
     assert order.submit("b", 1, "b1", lambda: None, size=100)  # what b2 waits for
     release.set()
-    order.stop()
+    order.release(lambda: None)
 
 
 def decode_forward_backward(body: bytes, content_encoding: str = ""):

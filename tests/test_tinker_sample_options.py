@@ -155,7 +155,7 @@ def test_futures_asking_other_logprobs_decode_as_one_batch_each_as_alone(run, mo
         held = pool.submit(host.apply, ops.TOKENIZE, TokenizeRequest(["x"]))
         assert started.wait(30)
         futures = [send(option) for option in options]
-        wait_for(lambda: host._executor.waiting == len(options) + 1)
+        wait_for(lambda: host.scheduler.queued == len(options) + 1)
         release.set()
         held.result(timeout=60)
         assert [seen(f.result(timeout=120)) for f in futures] == expected

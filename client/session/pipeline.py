@@ -2,7 +2,7 @@
 
 Each call is numbered at issue time with the position it will have (``expected_position``), so
 the server applies them in that order whatever order they arrive in (it holds an early one until
-its predecessors ran; see ``trainwire.server.service.stream_order``) and refuses any that would
+its predecessors ran; see ``trainwire.server.service.scheduler``) and refuses any that would
 land elsewhere. Each call retries UNAVAILABLE and DEADLINE_EXCEEDED with its own key like a
 blocking call, so it still applies exactly once, and the ones behind it stay in order because
 their positions do.

@@ -22,8 +22,8 @@ from trainwire.server.grpc.auth import BearerTokenInterceptor
 from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
 from trainwire.server.serve_defaults import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
-from trainwire.server.service.executor import DEFAULT_MAX_QUEUED
 from trainwire.server.service.host import SessionHost
+from trainwire.server.service.scheduler import DEFAULT_MAX_QUEUED
 from trainwire.server.service.tenants import Tenants, tenants_of
 from trainwire.v1 import session_pb2
 
@@ -112,8 +112,8 @@ class GrpcListener:
 
 def rpc_threads(max_workers: int, tenants: Tenants | None) -> int:
     """The handler threads of a port: ``max_workers`` for the first tenant (or none), and one
-    executor bound of waiting calls more for each other tenant, so each tenant can fill its own
-    bound (``SessionExecutor.admitted``) and the threads kept free for health and Info stay free
+    scheduler bound of waiting calls more for each other tenant, so each tenant can fill its own
+    bound (``Scheduler.admitted``) and the threads kept free for health and Info stay free
     (threads are started only when calls need them)."""
     others = len(tenants) - 1 if tenants is not None else 0
     return max_workers + others * DEFAULT_MAX_QUEUED

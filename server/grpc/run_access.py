@@ -63,7 +63,7 @@ class RunAccess:
 
     def check_open(self, caller: str, run_id: str) -> None:
         """An Open's admission, run by the host atomically with the open (``SessionHost.open``'s
-        ``admit``, on its executor, so no other open or close lands between this count and the
+        ``admit``, on its engine thread, so no other open or close lands between this count and the
         open it admits): ``run_id`` another tenant's, or on a server of one run another tenant's
         run open, refused without naming it; the caller's ``max_runs``; then ``run_id`` is the
         caller's."""

@@ -1,5 +1,5 @@
 """The service around one engine: the session host and its one table of keyed operations, the
-executor that serializes them, the durable journal, recovery after a restart, the state directory
+scheduler that orders them, the durable journal, recovery after a restart, the state directory
 and the request limits.
 
 Transports (``trainwire.server.grpc``, ``trainwire.server.tinker``) decode a request, call the

@@ -1,5 +1,5 @@
 """Fair turns among lanes (deficit round robin): the one rule by which the service shares its
-work between runs, in the executor (calls) and in the stream order (numbered requests).
+work between runs, in the one queue every run's jobs wait in (``scheduler``).
 
 A lane is a run's id on a server of many runs, "" on a server of one. Items of one lane are
 taken in the order they were put; lanes with work take turns, one item each, weighted: a lane of
@@ -50,6 +50,11 @@ class FairTurns(Generic[T]):
     def heads(self) -> Iterator[T]:
         """The first item of each lane with work (the oldest of all is one of them)."""
         return (items[0] for items in self._lanes.values())
+
+    def head_of(self, lane: str) -> T | None:
+        """The first item of ``lane`` (None: it has none)."""
+        items = self._lanes.get(lane)
+        return items[0] if items else None
 
     def put(self, lane: str, item: T) -> None:
         if lane not in self._lanes:

@@ -7,7 +7,7 @@ that holds an open run is ``restoring`` until ``recover()`` has reopened it from
 checkpoint; the layout on disk is in ``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
-ExportWeights) runs on the one executor thread and takes ``keyed_path.apply_keyed``'s path
+ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path
 (journal, position, engine, commit), moving the session's *position* (operations applied) by one;
 its caller hears of it once its commit is on disk. The host checks requests and keys first, and
 owns what a failure means for the lifecycle: a session broken midway, or a journal that could
@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from concurrent import futures
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +41,6 @@ from trainwire.server.service.active_run import (
     JournalCommitFailed,
     wait_durable,
 )
-from trainwire.server.service.executor import SessionExecutor
 from trainwire.server.service.journal import (
     Journal,
     KeyDigest,
@@ -60,7 +58,8 @@ from trainwire.server.service.run_checkpoints import (
     discard_run,
     discard_saved,
 )
-from trainwire.server.service.sample_batching import SampleBatcher
+from trainwire.server.service.sample_batching import PreparedSample
+from trainwire.server.service.scheduler import Scheduler
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -68,7 +67,6 @@ from trainwire.server.service.state_dir import (
     check_name,
     refuse_another_run,
 )
-from trainwire.server.service.stream_order import StreamOrder
 
 logger = logging.getLogger(__name__)
 
@@ -96,9 +94,9 @@ class SessionHost:
         session_factory: builds each session (rank 0 of a group builds it on every rank).
         max_runs: runs open at once. Beyond one, LoRA runs of one base model share its weights
             in memory (``SharedBase``), each with its own adapter, optimizer, RNG, position,
-            keys and files; a full-weights run trains alone; the executor serves the runs with
-            work in turn (``fair_turns.FairTurns``), and so does the order their numbered
-            requests are released in (``stream_order``).
+            keys and files; a full-weights run trains alone; the scheduler serves the runs with
+            work in turn (``fair_turns.FairTurns``), their numbered requests and samples alike
+            (``scheduler``).
     """
 
     def __init__(
@@ -137,29 +135,23 @@ class SessionHost:
         self.keep_checkpoints = keep_checkpoints
         self.sample_batching = sample_batching
         self._session_factory = session_factory
-        # A run's share of the executor's turns when runs of several tenants wait (the process
+        # A run's share of the scheduler's turns when runs of several tenants wait (the process
         # sets it to the run's tenant's weight); read as a run's turn begins.
         self.run_weight: Callable[[str], float] = lambda run_id: 1.0
-        self._executor = SessionExecutor(weight_of=lambda lane: self.run_weight(lane))
+        # The one queue every run's work waits in, and its engine thread: a run's positions
+        # here, a Tinker model's seq_ids through the intake, samples, reads, lifecycle calls.
+        self.scheduler = Scheduler(noun="stream", weight_of=lambda lane: self.run_weight(lane))
         # Who still reads a run's checkpoint folder, by (run id, folder): the requests of other
         # runs a restart would replay from it (the Tinker front sets it: its loads name other
         # runs' checkpoints). A SaveState of any transport refuses to write over a folder
-        # while any does; asked on the executor, where loads and saves take turns.
+        # while any does; asked on the engine thread, where loads and saves take turns.
         self.checkpoint_readers: Callable[[str, str], list[str]] = lambda run_id, folder: []
         self._runs: dict[str, ActiveRun] = {}  # the open runs, by run id
-        self._batchers: dict[str, SampleBatcher] = {}  # each open run's samples decode together
         self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
         self._shared_base: SharedBase | None = None  # with max_runs > 1: the LoRA runs' base
         # On a server of many runs, a run a restart could not restore fails alone: why, by run
         # (its calls answer it, and it holds its slot until it is closed).
         self._failed_runs: dict[str, tuple[RunSpec, str]] = {}
-        # The one order every numbered request takes: a run's positions here, a Tinker model's
-        # seq_ids through the intake (``stream_order``). Its thread hands each released job to
-        # the executor and waits for it, so it takes the runs' turns by the executor's weights:
-        # a run's released requests would otherwise all run before another run's next one.
-        self.order = StreamOrder(
-            lambda job: job(), noun="stream", weight_of=lambda lane: self.run_weight(lane)
-        )
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
         self._pending: list[RunSpec] = open_runs if len(open_runs) <= max_runs else []
@@ -223,7 +215,7 @@ class SessionHost:
         it waits as one of ``account``'s calls (see ``apply``).
 
         ``admit`` (a tenant's checks: its ``max_runs``, who holds the run id) runs on the
-        executor right before the open, so no other open or close lands between what it
+        engine thread right before the open, so no other open or close lands between what it
         counted and the open it admits; what it raises refuses the open, nothing changed. (On
         the callers' threads, opens sent together would each count the runs open before any of
         them landed, and all open.)"""
@@ -282,9 +274,6 @@ class SessionHost:
         active.checkpoint_readers = lambda folder: self.checkpoint_readers(run_id, folder)
         self._runs[run_id] = active
         self._snapshots[run_id] = info
-        self._batchers[run_id] = SampleBatcher(
-            self._executor, partial(self._require_active, run_id)
-        )
         self._start_positions(run_id)
 
     def _refuse_beside_the_open_runs(self, config: TrainingConfig) -> None:
@@ -329,8 +318,8 @@ class SessionHost:
         info = active.info(state=outcomes.CLOSED)
         active.run.write_spec(dataclasses.replace(active.spec, state=RUN_CLOSED))
         active.journal.close()
-        self.order.end_stream(run_id)
-        del self._runs[run_id], self._snapshots[run_id], self._batchers[run_id]
+        self.scheduler.end_stream(run_id)
+        del self._runs[run_id], self._snapshots[run_id]
         self.lifecycle.closed_info = info
         if not self._runs:
             self.lifecycle.phase = outcomes.CLOSED
@@ -356,8 +345,8 @@ class SessionHost:
     def discard_saved(
         self, run_id: str, *, checkpoints: Sequence[str] = (), exports: Sequence[str] = ()
     ) -> list[str]:
-        """Remove checkpoints and exports of run ``run_id`` (open or closed), on the executor
-        so no operation is reading them; returns the checkpoints kept for now (the open run's
+        """Remove checkpoints and exports of run ``run_id`` (open or closed), on the engine
+        thread so no operation is reading them; returns the checkpoints kept for now (the open run's
         recovery point: see ``run_checkpoints.discard_saved``). Names are checked where the
         folders are resolved (``state_dir.confined``)."""
 
@@ -376,7 +365,7 @@ class SessionHost:
         downloaded). ``name`` None makes the run with none of the source's files (the Tinker
         front offers an encrypted export's own files instead). The files share the source's
         storage, and the run appears whole or not at all (``run_checkpoints.copy_into_run``);
-        on the executor, as removals are, so nothing removes the source meanwhile. Copying
+        on the engine thread, as removals are, so nothing removes the source meanwhile. Copying
         again (a retry) finds it done."""
         check_name(target.run_id, "run id")
 
@@ -388,7 +377,7 @@ class SessionHost:
 
     def discard_copy(self, run_id: str) -> None:
         """Remove run ``run_id``, a copy ``copy_saved`` made that nobody was answered with (its
-        record could not be written), whole; on the executor, as removals are. An open run is
+        record could not be written), whole; on the engine thread, as removals are. An open run is
         refused (``run_checkpoints.discard_run``)."""
         check_name(run_id, "run id")
 
@@ -424,7 +413,7 @@ class SessionHost:
             raise FailedPrecondition(self._name_the_run())
         run_id = active.spec.run_id
         snapshot = self._snapshots.get(run_id)  # taken at open, at restore and after each operation
-        if snapshot is not None and (self._executor.busy or self._executor.waiting):
+        if snapshot is not None and (self.scheduler.busy or self.scheduler.waiting):
             return snapshot  # never queued behind work: Info answers at once in every state
         return self._serialized(
             lambda: active.info() if run_id in self._runs else self._recorded_info(run_id),
@@ -447,11 +436,11 @@ class SessionHost:
         """Refuse new operations (UNAVAILABLE); the one in flight finishes and commits, and one
         held for its position is refused now."""
         self.lifecycle.begin_shutdown()
-        self.order.release_positions()
+        self.scheduler.release_positions()
 
     def wait_idle(self, timeout_s: float | None = None) -> bool:
         """Wait until no operation runs; False if ``timeout_s`` passed first."""
-        return self._executor.wait_idle(timeout_s)
+        return self.scheduler.wait_idle(timeout_s)
 
     def release(self) -> None:
         """Close the journals and the ledger, and let go of the state directory (after
@@ -463,8 +452,7 @@ class SessionHost:
             self.ledger.close()
             self.state_dir.release()
 
-        self._executor.release(release)
-        self.order.stop()
+        self.scheduler.release(release)
 
     @property
     def _active(self) -> ActiveRun | None:
@@ -534,11 +522,11 @@ class SessionHost:
         The request is checked before anything is queued. A keyed operation needs ``op`` (its
         key and expected position) and takes ``keyed_path.apply_keyed``'s path; its caller hears
         of it once its journal entry is on disk. A read takes no ``op`` and runs on the
-        executor behind everything queued before it, so it never sees weights mid-update.
+        engine thread behind everything queued before it, so it never sees weights mid-update.
         ``run_id`` names the run the call is for (NOT_FOUND when it is not the open one, checked
         when the call's turn comes); "" is the open run. ``account`` is whose handler thread
         waits for the call (a tenant; "" on a server without tenants): refused at once
-        (RESOURCE_EXHAUSTED) when that account's calls are at the executor's bound, whatever
+        (RESOURCE_EXHAUSTED) when that account's calls are at the scheduler's bound, whatever
         other accounts wait; None for a request accepted already (a Tinker call at its turn),
         which is never refused for what others send.
         """
@@ -579,40 +567,39 @@ class SessionHost:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
         run_id = self._require_active(run_id).spec.run_id  # bound to it from here on
         lane = self.lane_of(run_id)
-        if operation is SAMPLE:  # decoded beside its run's samples waiting with it
-            queue = partial(self._serialized, joinable=True, lane=lane, account=account)
-            return self._batchers[run_id].submit(request, queue)
+        if operation is SAMPLE:  # decoded beside its run's samples queued with it
+            with self.scheduler.admitted(account):
+                self.lifecycle.refuse_if_unavailable()
+                prepare = partial(self.prepare_sample, run_id, request)
+                return self.scheduler.run_sample(prepare, lane=lane)
         return self._serialized(
             lambda: operation.apply(self._require_active(run_id), request, None),
             lane=lane,
             account=account,
         )
 
-    # -- the executor ------------------------------------------------------------------------------
+    # -- the scheduler -----------------------------------------------------------------------------
 
     def _serialized(
         self,
         call: Callable[..., T],
         *args: Any,
         refusable: bool = True,
-        joinable: bool = False,
         lane: str = "",
         account: str | None = "",
     ) -> T:
-        """``call(*args)`` on the executor thread, after everything queued before it.
+        """``call(*args)`` on the engine thread, after everything queued before it.
 
         A ``refusable`` call (an operation, a read) counts against ``account``'s bound of
-        waiting calls (``SessionExecutor.admitted``) and is UNAVAILABLE while the server
-        restores or shuts down; Info, Close and the restore itself always run.
+        waiting calls (``Scheduler.admitted``) and is UNAVAILABLE while the server restores or
+        shuts down; Info, Close and the restore itself always run.
         """
         if not refusable:
-            return self._executor.run(lambda: call(*args), lane=lane)
-        with self._executor.admitted(account):
-            return self._run_refusable(call, *args, joinable=joinable, lane=lane)
+            return self.scheduler.run(lambda: call(*args), lane=lane)
+        with self.scheduler.admitted(account):
+            return self._run_refusable(call, *args, lane=lane)
 
-    def _run_refusable(
-        self, call: Callable[..., T], *args: Any, joinable: bool = False, lane: str = ""
-    ) -> T:
+    def _run_refusable(self, call: Callable[..., T], *args: Any, lane: str = "") -> T:
         self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
@@ -620,7 +607,7 @@ class SessionHost:
             self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
-        return self._executor.run(job, joinable=joinable, lane=lane)
+        return self.scheduler.run(job, lane=lane)
 
     def _keyed(
         self,
@@ -631,46 +618,74 @@ class SessionHost:
         run_id: str,
         account: str | None,
     ) -> Any:
-        """``keyed_path.apply_keyed`` on the executor, in the order of the run's positions
-        (pipelined calls may arrive out of order); the payload is digested before queueing,
-        unless the intake digested the request's body already."""
+        """``keyed_path.apply_keyed`` on the engine thread, in the order of the run's positions
+        (pipelined calls may arrive out of order), answered once its commit is on disk: the
+        caller waits for it on its own thread while the next job runs."""
+        digest = self._key_digest(operation, request, op, body_digest)
+        self.lifecycle.refuse_if_unavailable()
+        # Admitted before its position: a call held for its predecessor holds a server thread
+        # as much as one ready to run, so both count against the one bound.
+        with self.scheduler.admitted(account):
+            outcome, durable = self._in_position(operation, request, op, digest, run_id)
+        try:
+            wait_durable(durable, op.key)
+        except JournalCommitFailed as error:
+            raise self.journal_failed(error) from None
+        return outcome
+
+    def apply_accepted(
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        *,
+        body_digest: str,
+        run_id: str = "",
+    ) -> tuple[Any, Durable]:
+        """A keyed operation of a request the intake accepted, at its turn on the engine
+        thread: its outcome, and the commit its answer must wait for (None: on disk already),
+        which the engine does not wait for (``journal_failed`` when it fails). The journal
+        binds the key to ``body_digest``, the intake's digest of the request's body."""
+        digest = self._key_digest(operation, request, op, body_digest)
+        self.lifecycle.refuse_if_unavailable()
+        return self._in_position(operation, request, op, digest, run_id)
+
+    def journal_failed(self, error: JournalCommitFailed) -> FailedPrecondition:
+        """The engine moved on but the journal did not: the server fails (only a restart makes
+        them agree); what the operation's caller is answered."""
+        self._fail(str(error))
+        return FailedPrecondition(f"{self.lifecycle.failure}; restart the server")
+
+    def _key_digest(
+        self, operation: Operation[Any], request: Any, op: OperationSpec, body_digest: str | None
+    ) -> KeyDigest:
+        """What the journal binds ``op``'s key to: the intake's digest of the body it received,
+        else the payload's, taken before anything is queued."""
         check_operation_key(op.key)
         payload = operation.payload
         assert payload is not None
         if body_digest is None:
-            digest = KeyDigest(payload_digest(operation.kind, payload(request)))
-        else:
-            digest = KeyDigest(request_digest(body_digest))
-        self.lifecycle.refuse_if_unavailable()
-        applied: futures.Future[tuple[Any, Durable]] = futures.Future()
+            return KeyDigest(payload_digest(operation.kind, payload(request)))
+        return KeyDigest(request_digest(body_digest))
 
-        def job() -> None:
-            try:
-                apply = partial(self._apply_keyed, run_id=run_id)
-                lane = self.lane_of(run_id)
-                applied.set_result(
-                    self._run_refusable(apply, operation, request, op, digest, lane=lane)
-                )
-            except BaseException as error:
-                applied.set_exception(error)
-
-        # Admitted before the order: a call held there for its predecessor holds a server thread
-        # as much as one queued on the executor, so both count against the one bound.
-        with self._executor.admitted(account):
-            stream = run_id = self._require_active(run_id).spec.run_id
-            if op.expected_position is None:  # numbered by no one (or by the intake's stream)
-                with self.order.running_beside(stream):
-                    job()
-            else:
-                self.order.submit_at(stream, op.expected_position, job)
-            outcome, durable = applied.result()
-        try:
-            wait_durable(durable, op.key)  # off the executor: the next operation runs meanwhile
-        except JournalCommitFailed as error:
-            # The engine moved on but the journal did not: only a restart makes them agree.
-            self._fail(str(error))
-            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
-        return outcome
+    def _in_position(
+        self,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        digest: KeyDigest,
+        run_id: str,
+    ) -> tuple[Any, Durable]:
+        """``_apply_keyed`` at its turn: at ``op``'s expected position, else (numbered by no
+        one, or by the intake's stream) now, held positions of the run waiting meanwhile."""
+        stream = run_id = self._require_active(run_id).spec.run_id
+        apply = partial(self._apply_keyed, run_id=run_id)
+        lane = self.lane_of(run_id)
+        turn = partial(self._run_refusable, apply, operation, request, op, digest, lane=lane)
+        if op.expected_position is None:
+            with self.scheduler.running_beside(stream):
+                return turn()
+        return self.scheduler.submit_at(stream, op.expected_position, turn)
 
     def _apply_keyed(
         self,
@@ -684,10 +699,8 @@ class SessionHost:
         active = self._require_active(run_id)
         try:
             applied = apply_keyed(active, operation, request, op, digest)
-        except JournalCommitFailed as error:
-            # An earlier operation's commit failed: only a restart makes journal and engine agree.
-            self._fail(str(error))
-            raise FailedPrecondition(f"{self.lifecycle.failure}; restart the server") from None
+        except JournalCommitFailed as error:  # an earlier operation's commit failed
+            raise self.journal_failed(error) from None
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the
@@ -699,6 +712,12 @@ class SessionHost:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def prepare_sample(self, run_id: str, request: Any) -> PreparedSample:
+        """A sample at its turn: refused while the server restores or shuts down, else bound
+        to its run (``run_id`` is fixed when the sample is accepted)."""
+        self.lifecycle.refuse_if_unavailable()
+        return PreparedSample.of(self._require_active(run_id), request)
+
     def _start_positions(self, run_id: str) -> None:
         """Requests that name a position of ``run_id`` are ordered by it from now on."""
 
@@ -706,12 +725,12 @@ class SessionHost:
             active = self._runs.get(run_id)
             return 0 if active is None else active.position
 
-        self.order.start_positions(
+        self.scheduler.start_positions(
             run_id, position, idle_release_s=self.idle_release_s, lane=self.lane_of(run_id)
         )
 
     def lane_of(self, run_id: str) -> str:
-        """The executor lane of ``run_id``'s calls: its own on a server of many runs (they take
+        """The scheduler lane of ``run_id``'s calls: its own on a server of many runs (they take
         turns), the one lane otherwise (first in, first out, whatever the call)."""
         return run_id if self.max_runs > 1 else ""
 

@@ -7,10 +7,11 @@ host checks the request there, once, and the intake answers the request id at on
 ``{stream}/{seq}`` is both the request id and the operation key the host journals, bound to the
 digest the intake took of the body (the one hash of a request), so a re-sent request finds its
 ticket (and, after it ran, the journal's recorded result) instead of running again; the same key
-with another payload is refused. Requests run in order per stream (``StreamOrder``, which also
-bounds what waits); their results enter the ``ResultStore`` only once durable: a keyed call's
-journal commit happens inside the session host before it returns, and every other result (a
-forward, a sample, a failure) is written to the ``RequestStore`` first.
+with another payload is refused. Requests run in order per stream, on the engine thread of the
+host's ``Scheduler`` (which also bounds what waits); their results enter the ``ResultStore``
+only once durable: a keyed call's journal commit happens inside the session host before it
+returns, and every other result (a forward, a sample, a failure) is written to the
+``RequestStore`` first.
 
 A stream is a run's (a server of many runs holds many Tinker models): where its compacted
 records resume, and the position its restored run must have reached, are its own, so one
@@ -43,16 +44,19 @@ import contextlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
+from trainwire.server.service.active_run import Durable, JournalCommitFailed, wait_durable
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.operations import Operation
+from trainwire.server.service.operations import SAMPLE, Operation
+from trainwire.server.service.reads import SampleResult
 from trainwire.server.service.request_records import (
     Body,
     CallRecord,
@@ -60,8 +64,10 @@ from trainwire.server.service.request_records import (
     ResultRecord,
     ResumeRecord,
     SampleRecord,
+    payload,
 )
 from trainwire.server.service.request_store import RequestStore, Ticket, compacted, stream_of
+from trainwire.server.service.requests import SampleRequest
 from trainwire.server.service.results import (
     USER_ERRORS,
     Done,
@@ -70,7 +76,7 @@ from trainwire.server.service.results import (
     ResultStore,
     run_to_outcome,
 )
-from trainwire.server.service.stream_order import payload
+from trainwire.server.service.sample_batching import PreparedSample
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +87,7 @@ class Submission:
     once, when the intake accepts it), what runs ``around`` the operation (given the operation's
     run, it returns what that returns: the transport's checks at its turn and the locks it
     holds meanwhile), and ``finish``, which makes the operation's outcome the request's result
-    (a ``Callable[[], body]`` is encoded behind, while the next request runs)."""
+    (a ``Callable[[], body]`` is encoded on the engine thread once the operation ran)."""
 
     operation: Operation[Any]
     request: Any
@@ -90,8 +96,18 @@ class Submission:
     run_id: str = ""  # the run it is for ("" the server's only run)
 
 
+@dataclass(frozen=True)
+class SampleSubmission:
+    """A sample as its transport decoded it: ``prepare()``, at its turn, gives the run it
+    reads ("" the server's only run) and its request (what it reads may change until then:
+    a sampling session's weights); ``encode`` makes its samples the request's result."""
+
+    prepare: Callable[[], tuple[str, SampleRequest]]
+    encode: Callable[[SampleResult], Any]
+
+
 Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
-Work = Submission | Failed | Callable[[], Any]  # a request's work; a plain call: a read (sample)
+Work = Submission | Failed  # an ordered request's work: its operation, or why it was refused
 UNORDERED_ROUTE = "unordered"  # the route an unordered request (``SampleRecord``) goes to again
 RESOLVING_LOCKS = 64
 CANCELLED = "cancelled by its client (cancel_future): {what}"
@@ -101,12 +117,12 @@ class Intake:
     """Orders, records and answers one transport's requests (its records in the host's ledger).
 
     Args:
-        host: the session host its requests run on; the intake's jobs wait in its order until
-            it has restored its run.
+        host: the session host its requests run on; the intake's jobs wait in its scheduler
+            until it has restored its runs (``recovered``).
         owner_of: the client session a request id belongs to.
         noun: what the intake's streams are called in refusals (a Tinker ``model``).
-        account_of: the tenant a stream or request id belongs to, whose bounds in the order
-            (``StreamOrder``) its requests fill ("": one account for all).
+        account_of: the tenant a stream or request id belongs to, whose bounds in the scheduler
+            its requests fill ("": one account for all).
     """
 
     def __init__(
@@ -122,18 +138,18 @@ class Intake:
         self.noun = noun
         self.results = ResultStore()
         self.store = RequestStore(host.ledger, owner_of)
-        self.order = host.order  # one order for every transport
+        self.scheduler = host.scheduler  # one queue for every transport
         # The transport's routes by the names its stored requests carry (``replay``).
         self.routes: dict[str, Route] = {}
         # What identifies a route's request, where not its whole body: a client may re-send a
         # request with a field it draws anew on each try (the SDK's sampling_session_seq_id).
         self.identities: dict[str, Callable[[Body], Body]] = {}
-        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="intake-finish")  # in order
+        # Results (and keyed calls' journal entries) written and not yet committed, counted by
+        # request id: each is answered once its commit lands (on the ledger's commit thread),
+        # while the engine runs the next job.
+        self._finishing: Counter[str] = Counter()
+        self._finished = threading.Condition()
         self._lock = threading.Lock()  # orders request records with their submission
-        # Held by the part of a sample that may not run beside another (``stream_order``): choosing
-        # its weights, which may open a model for sampling.
-        self.serial = threading.Lock()
-        self._recovered = threading.Event()
         # A result is checked against a cancel, written and resolved under its request's lock
         # (striped: results of different requests are written side by side, sharing commits).
         self._resolving = [threading.Lock() for _ in range(RESOLVING_LOCKS)]
@@ -153,11 +169,10 @@ class Intake:
         self.before_compaction: Callable[[], None] = lambda: None
 
     def stop(self) -> None:
-        """Take no turn any more: a request queued in the order and not yet run stays stored,
-        and the next start replays it (a job waiting for a recovery that will not come ends)."""
+        """Take no turn any more: a request queued and not yet run stays stored, and the next
+        start replays it."""
         self._stopped = True
-        self._recovered.set()
-        self._finisher.shutdown()
+        self._wait_finished()
         self.store.close()
 
     # -- restart -------------------------------------------------------------------------------
@@ -194,7 +209,7 @@ class Intake:
         with self._lock:
             self._streams.add(stream)
         lane, account = self.host.lane_of(run_id), self.account_of(stream)
-        self.order.start_stream(stream, next_seq, noun=self.noun, lane=lane, account=account)
+        self.scheduler.start_stream(stream, next_seq, noun=self.noun, lane=lane, account=account)
 
     def resume_at(self, record: ResumeRecord, *, run_id: str = "") -> None:
         """``record``'s stream's compacted records go on at its seq_id and journal position."""
@@ -207,7 +222,7 @@ class Intake:
         with self._lock:
             self._streams.discard(stream)
             self._resumes.pop(stream, None)
-        self.order.end_stream(stream)
+        self.scheduler.end_stream(stream)
 
     def _resume_records(self) -> list[ResumeRecord]:
         """Where each open stream's compacted records resume (a compacted store's head); under
@@ -260,11 +275,14 @@ class Intake:
             if self.results.known(request_id):
                 return False
             self.results.add(request_id, digest)
-            if isinstance(record, CallRecord) and self.order.started(stream):
+            if isinstance(record, CallRecord) and self.scheduler.started(stream):
                 with contextlib.suppress(TrainwireError):  # its seq_id cannot be taken
-                    if self.order.submit(stream, record.seq, digest, job, bounded=False):
+                    if self.scheduler.submit(
+                        stream, record.seq, digest, job, bounded=False, after_recovery=True
+                    ):
                         return True
-            self.order.run_unordered(job, account=self.account_of(request_id))
+            account = self.account_of(request_id)
+            self.scheduler.run_unordered(job, account=account, after_recovery=True)
             return True
 
     def _payload(self, route: str, body: Body) -> tuple[str, int]:
@@ -286,12 +304,7 @@ class Intake:
                     "once"
                 )
                 logger.error("intake: %s: %s", stream, self._cannot_replay[stream])
-        self._recovered.set()
-
-    def _when_recovered(self, job: Callable[[], None]) -> None:
-        self._recovered.wait()
-        if not self._stopped:
-            job()
+        self.scheduler.recovered()
 
     def _recorded(self, request_id: str) -> ResultRecord | None:
         return self._replayed.get(request_id) if self._replayed is not None else None
@@ -316,7 +329,7 @@ class Intake:
         answered), carrying the results a client may still ask for; other streams' records
         stay for their own checkpoints. ``head`` (what the transport must know first: sessions,
         notes) is read while no record can be appended."""
-        self._finisher.submit(lambda: None).result()  # every call before it is answered now
+        self._wait_finished()  # every call before it is answered now
         self.before_compaction()
         resume = ResumeRecord(seq_id, position, stream)
 
@@ -418,7 +431,9 @@ class Intake:
             ticket = self._append(CallRecord(route, request_id, seq, body, encoding))
             self.results.add(request_id, digest)
             bounded = self._replayed is None
-            self.order.submit(stream, seq, digest, job, size=size, bounded=bounded)
+            self.scheduler.submit(
+                stream, seq, digest, job, size=size, bounded=bounded, after_recovery=True
+            )
         if ticket is not None:
             self.store.sync(ticket)
         if refusal is not None:
@@ -433,35 +448,38 @@ class Intake:
         if self.results.resent(request_id, digest):
             return True
         bounded = self._replayed is None  # a restart takes back all it accepted before
-        return not self.order.accepts(stream, seq, digest, size, bounded=bounded)
+        return not self.scheduler.accepts(stream, seq, digest, size, bounded=bounded)
 
     def submit_unordered(
         self,
         request_id: str,
         body: dict[str, Any],
-        call: Callable[[], Any],
+        sample: SampleSubmission,
         size: int = 0,
         *,
         run_id: str = "",
     ) -> bool:
-        """Queue ``call`` outside any stream's order (a sample) as ``request_id``, once the
-        request is durable, in run ``run_id``'s turns; False for a re-send (its ticket already
-        exists). The same ``request_id`` with another body is refused (``AlreadyExists``).
-        ``size``: the bytes the request holds until it has run (default: the body's). It waits
-        within its tenant's bound of samples (``account_of``), whatever other tenants send."""
+        """Queue ``sample`` outside any stream's order as ``request_id``, once the request is
+        durable, in run ``run_id``'s turns; False for a re-send (its ticket already exists).
+        The same ``request_id`` with another body is refused (``AlreadyExists``). ``size``: the
+        bytes the request holds until it has run (default: the body's). It waits within its
+        tenant's bound of samples (``account_of``), whatever other tenants send."""
         digest, body_size = payload(body)
         size = size or body_size
-        job = self._job(request_id, call, digest)
+        prepare = partial(self._prepare_sample, request_id, self._recorded(request_id), sample)
         account, lane = self.account_of(request_id), self.host.lane_of(run_id)
         with self._lock:
             self.admit(request_id)
             if self.results.resent(request_id, digest):
                 return False
             if self._replayed is None:  # a restart takes back all it accepted before
-                self.order.check_room(size, account=account)
+                self.scheduler.check_room(size, account=account)
             ticket = self._append(SampleRecord(request_id, body))
             self.results.add(request_id, digest)
-            self.order.run_unordered(job, size, lane=lane, account=account)
+            answer = self.scheduler.run_unordered(
+                size=size, prepare=prepare, lane=lane, account=account, after_recovery=True
+            )
+            answer.add_done_callback(partial(self._sampled, request_id, sample))
         if ticket is not None:
             self.store.sync(ticket)
         return True
@@ -474,7 +492,7 @@ class Intake:
         if not self.results.known(request_id):
             raise KeyError(request_id)
         with self._resolving_lock(request_id):
-            if not self.results.pending(request_id):
+            if not self.results.pending(request_id) or self._being_finished(request_id):
                 return False
             at = time.time()
             outcome = Failed(CANCELLED.format(what="nothing of it was returned"), "user")
@@ -483,45 +501,116 @@ class Intake:
         logger.info("intake: %s cancelled by its client", request_id)
         return True
 
+    def _being_finished(self, request_id: str) -> bool:
+        """Whether its result is written and its commit under way (it answers that result)."""
+        with self._finished:
+            return request_id in self._finishing
+
     def _resolving_lock(self, request_id: str) -> threading.Lock:
         return self._resolving[hash(request_id) % RESOLVING_LOCKS]
 
     # -- answering -----------------------------------------------------------------------------
 
     def _job(self, request_id: str, work: Work, digest: str) -> Callable[[], None]:
-        """What the order runs for a request: its answer, once the host has restored its run."""
-        answer = partial(self._answer, request_id, self._recorded(request_id), work, digest)
-        return partial(self._when_recovered, answer)
+        """What the scheduler runs for a request at its turn (once the host restored its runs)."""
+        return partial(self._answer, request_id, self._recorded(request_id), work, digest)
+
+    def _runs_now(self, request_id: str, recorded: ResultRecord | None) -> bool:
+        """At a request's turn: whether its work runs, else it is answered already (its
+        recorded result, a cancel, its session forgotten, the intake stopped)."""
+        if self._stopped:
+            return False
+        if recorded is not None:
+            self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
+            return False
+        if not self.results.pending(request_id):
+            # Cancelled (or forgotten with its session) before its turn: nothing runs.
+            logger.debug("intake: %s not run: answered before its turn", request_id)
+            return False
+        return True
 
     def _answer(
         self, request_id: str, recorded: ResultRecord | None, work: Work, digest: str
     ) -> None:
         """A request's turn: its recorded result, its failure, or its operation (whose response
-        is encoded and stored behind, while the next call runs)."""
-        if recorded is not None:
-            self.results.resolve(request_id, recorded.outcome, recorded.resolved_at)
-        elif not self.results.pending(request_id):
-            # Cancelled (or forgotten with its session) before its turn: nothing runs.
-            logger.debug("intake: %s not run: answered before its turn", request_id)
-        elif isinstance(work, Failed):
+        is encoded here and answered once durable, while the next job runs)."""
+        if not self._runs_now(request_id, recorded):
+            return
+        if isinstance(work, Failed):
             self._finish(request_id, work, durable=False)
-        elif isinstance(work, Submission):
-            outcome = self._run(partial(self._apply, request_id, work, digest), request_id)
-            keyed = work.operation.keyed
-            self._finisher.submit(self._encode_and_finish, request_id, outcome, keyed)
+            return
+        commits: list[Durable] = []
+        outcome = self._run(partial(self._apply, request_id, work, digest, commits), request_id)
+        if isinstance(outcome, Done) and callable(outcome.body):
+            outcome = run_to_outcome(outcome.body)  # while its journal entry commits
+        if not commits or not isinstance(outcome, Done):  # a read, or a failure: stored
+            self._finish(request_id, outcome, durable=False)
+        elif commits[0] is None:  # answered from the journal
+            self._finish(request_id, outcome, durable=True)
         else:
-            outcome = self._run(work, request_id)
-            self._finisher.submit(self._encode_and_finish, request_id, outcome, False)
+            self._started_finishing(request_id)
+            commits[0].add_done_callback(partial(self._journaled, request_id, outcome))
 
-    def _apply(self, request_id: str, submission: Submission, digest: str) -> Any:
-        """A submission's operation, keyed by its request id, then its transport's ``finish``."""
+    def _journaled(self, request_id: str, outcome: Outcome, commit: Durable) -> None:
+        """On the ledger's commit thread: a keyed call's journal entry is on disk (its result
+        with it), or could not be written: then the server fails, as the call's answer says."""
+        try:
+            wait_durable(commit, request_id)
+        except JournalCommitFailed as error:
+            failure = self.host.journal_failed(error)
+            self._finish(request_id, run_to_outcome(partial(_raise, failure)), durable=False)
+        else:
+            self._finish(request_id, outcome, durable=True)
+        finally:
+            self._ended_finishing(request_id)
+
+    def _prepare_sample(
+        self, request_id: str, recorded: ResultRecord | None, sample: SampleSubmission
+    ) -> PreparedSample | None:
+        """A sample's turn, on the engine thread: what it reads (it decodes beside the samples
+        queued with it), or None when it is answered already or cannot run."""
+        if not self._runs_now(request_id, recorded):
+            return None
+        prepared = self._run(partial(self._sample_of, sample), request_id)
+        if isinstance(prepared, Failed):
+            self._finish(request_id, prepared, durable=False)
+            return None
+        return prepared.body
+
+    def _sample_of(self, sample: SampleSubmission) -> PreparedSample:
+        run_id, request = sample.prepare()
+        self.host.check(SAMPLE, request)
+        return self.host.prepare_sample(run_id, request)
+
+    def _sampled(
+        self, request_id: str, sample: SampleSubmission, answer: Future[SampleResult | None]
+    ) -> None:
+        """A sample's answer (None: nothing ran), encoded on the engine thread and answered once
+        durable."""
+        if answer.exception() is None and answer.result() is None:
+            return
+        outcome = run_to_outcome(lambda: sample.encode(answer.result()))
+        self._finish(request_id, outcome, durable=False)
+
+    def _apply(
+        self, request_id: str, submission: Submission, digest: str, commits: list[Durable]
+    ) -> Any:
+        """A submission's operation, keyed by its request id, then its transport's ``finish``;
+        a keyed one's pending commit is put in ``commits`` (its journal entry is queued before
+        anything ``finish`` writes, so the one commit thread makes them durable in that
+        order)."""
         operation, request = submission.operation, submission.request
         run_id = submission.run_id
         if operation.keyed:
             op = OperationSpec(request_id)
-            run = partial(
-                self.host.apply_checked, operation, request, op, body_digest=digest, run_id=run_id
-            )
+
+            def run() -> Any:
+                outcome, commit = self.host.apply_accepted(
+                    operation, request, op, body_digest=digest, run_id=run_id
+                )
+                commits.append(commit)
+                return outcome
+
         else:
             run = partial(self.host.apply_checked, operation, request, run_id=run_id)
         return submission.finish(submission.around(run))
@@ -532,19 +621,61 @@ class Intake:
             return Failed(cannot, "server")
         return run_to_outcome(call)
 
-    def _encode_and_finish(self, request_id: str, outcome: Outcome, keyed: bool) -> None:
-        """A call's response, once its engine work is done: ``Done(encode)`` is encoded here."""
-        if isinstance(outcome, Done) and callable(outcome.body):
-            outcome = run_to_outcome(outcome.body)
-        self._finish(request_id, outcome, durable=keyed and isinstance(outcome, Done))
-
     def _finish(self, request_id: str, outcome: Outcome, *, durable: bool) -> None:
-        """Resolve a ticket, writing its outcome to the store first unless already durable (or
-        forgotten meanwhile with its session: nobody asks for it)."""
+        """Resolve a ticket, once its outcome is durable: at once when it is already (a keyed
+        call's journal entry), else when the result written to the store commits; nothing
+        for one cancelled or forgotten meanwhile (nobody asks for it), or once the intake
+        stopped (its request stays stored, and the next start runs it again)."""
         at = time.time()
         with self._resolving_lock(request_id):
-            if not self.results.pending(request_id):
-                return  # cancelled meanwhile (its result is discarded), or forgotten
-            if not durable:
-                outcome = self.store.write_result(request_id, outcome, at)
+            if self._stopped or not self.results.pending(request_id):
+                return
+            if durable:
+                self.results.resolve(request_id, outcome, at)
+                return
+            try:
+                ticket = self.store.append(ResultRecord(request_id, outcome, resolved_at=at))
+            except (OSError, ResourceExhausted) as error:
+                self.results.resolve(request_id, _not_recorded(request_id, error), at)
+                return
+            self._started_finishing(request_id)
+        ticket.committed.add_done_callback(
+            lambda _: self._result_committed(request_id, ticket, outcome, at)
+        )
+
+    def _result_committed(
+        self, request_id: str, ticket: Ticket, outcome: Outcome, at: float
+    ) -> None:
+        """On the ledger's commit thread: the result is durable (or could not be written: then
+        the fetch hears a server error, and a restart runs its call again)."""
+        error = self.store.write_error(ticket)
+        if error is not None:
+            outcome = _not_recorded(request_id, error)
+        with self._resolving_lock(request_id):
             self.results.resolve(request_id, outcome, at)
+        self._ended_finishing(request_id)
+
+    def _started_finishing(self, request_id: str) -> None:
+        with self._finished:
+            self._finishing[request_id] += 1
+
+    def _ended_finishing(self, request_id: str) -> None:
+        with self._finished:
+            self._finishing[request_id] -= 1
+            if not self._finishing[request_id]:
+                del self._finishing[request_id]
+            self._finished.notify_all()
+
+    def _wait_finished(self) -> None:
+        """Until every result written has committed and been answered."""
+        with self._finished:
+            self._finished.wait_for(lambda: not self._finishing)
+
+
+def _raise(error: Exception) -> None:
+    raise error
+
+
+def _not_recorded(request_id: str, error: Exception) -> Failed:
+    logger.error("the result of %s was not recorded: %s", request_id, error)
+    return Failed(f"the result could not be recorded durably ({error})", "server")

@@ -1,7 +1,7 @@
 """The one path every keyed (state-changing) operation takes through the active run.
 
 The session host decides *whether* a run may take operations (lifecycle) and runs them on its
-executor; ``apply_keyed`` decides what a keyed operation does, in this order:
+engine thread; ``apply_keyed`` decides what a keyed operation does, in this order:
 
 1. the journal: the key seen with the same payload digest → the journaled result, nothing runs;
    the same key with another payload → ALREADY_EXISTS;
@@ -33,8 +33,8 @@ def apply_keyed(
     """Journal lookup, position check, ``operation.apply``, commit: in that order.
 
     Returns the outcome and the commit it waits on (None when already on disk). The caller must
-    wait for it before anyone hears of the outcome, but not on the executor: the next operation
-    runs while this one's fsync completes (group commit). A commit that fails raises
+    wait for it before anyone hears of the outcome; a gRPC caller waits on its own thread, so the
+    next operation runs while this one's fsync completes (group commit). A commit that fails raises
     ``JournalCommitFailed`` there (only a restart makes journal and engine agree).
     """
     entry = run.journal.lookup(op.key)

@@ -3,7 +3,7 @@ an operation returned and the examples' inputs, through the engine's own loss ta
 (``trainwire.server.engine.loss.losses``): the same terms, token by token, whose sum is
 ``loss:sum``.
 
-Pure arithmetic on a finished outcome, so a transport computes it off the executor (the Tinker
+Pure arithmetic on a finished outcome, so a transport computes it after the engine call (the Tinker
 front does, while the next call runs); it lives in the service so that no transport reaches
 into the engine's modules.
 """

@@ -9,7 +9,7 @@ reaches the engine. An ``Operation`` says, for one kind:
 - ``payload``: what a key is bound to: digested and journaled, so the same key with another
   payload is ALREADY_EXISTS. ``None`` marks an unkeyed operation, which changes no continuation
   state (a read, or removing snapshot exports) and takes no key;
-- ``apply``: the engine call, on the executor; a keyed one returns its outcome's fields beyond
+- ``apply``: the engine call, on the engine thread; a keyed one returns its outcome's fields beyond
   key and position, a read returns its result;
 - ``outcome_type``: what a keyed operation's journaled result is read back as;
 - ``complete``: where the caller's outcome needs more than the journal keeps (an export's
@@ -183,7 +183,7 @@ def _export_payload(request: ExportWeightsRequest) -> dict[str, Any]:
     return {"name": request.name, "checkpoint": request.checkpoint}
 
 
-# -- applies: the engine calls, on the executor ---------------------------------------------------
+# -- applies: the engine calls, on the engine thread ----------------------------------------------
 
 
 def _forward_backward(

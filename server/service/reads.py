@@ -1,7 +1,7 @@
 """The unkeyed operations of the table (``operations``): reads, and removing snapshot exports.
 
 They change no continuation state, so they take no operation key and are never journaled; they
-still run on the executor, behind every operation queued before them, so a read never sees
+still run on the engine thread, behind every operation queued before them, so a read never sees
 weights in the middle of an update and an export is never removed while a sample reads it.
 """
 
@@ -119,7 +119,7 @@ def check_discard(request: DiscardExportsRequest, _root: Path | None) -> None:
 
 
 def discard_exports(run: ActiveRun, request: DiscardExportsRequest, _: Applying | None) -> None:
-    """On the executor, so no sample is reading them; exports change no continuation state."""
+    """On the engine thread, so no sample is reading them; exports change no continuation state."""
     for name in request.names:
         shutil.rmtree(run.run.export(name), ignore_errors=True)
 

@@ -1,7 +1,7 @@
 """Bounds on what one request may ask of the session, checked before it is queued.
 
 The server's message size caps the bytes of a request, not the work in them: a 2 MB message of
-short texts is thousands of examples, and one 30 MiB text holds the executor for most of a
+short texts is thousands of examples, and one 30 MiB text holds the engine thread for most of a
 minute while it is tokenized. So counts, characters and tokens are bounded here, before any
 tokenizing or model work, and a request over a bound is RESOURCE_EXHAUSTED with what to do.
 """

@@ -21,6 +21,8 @@ back.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +30,17 @@ from typing import Any
 from trainwire.server.service.results import Done, Failed, Outcome, Resolved
 
 Body = dict[str, Any] | bytes  # a JSON request or result, or encoded bytes (protobuf)
+
+
+def digest(value: Any) -> str:
+    """What a request's number is bound to: a re-send must carry the same payload."""
+    return payload(value)[0]
+
+
+def payload(value: Any) -> tuple[str, int]:
+    """A request body's digest and its size in bytes (JSON as it is hashed)."""
+    data = value if isinstance(value, bytes) else json.dumps(value, sort_keys=True).encode()
+    return hashlib.sha256(data).hexdigest(), len(data)
 
 
 def encode_body(body: Body) -> dict[str, Any]:

@@ -217,7 +217,16 @@ class RequestStore:
             self._records.append(_light(record, place, len(text)))
             self._places.append(place)
             self._unsettled[place] = written
+            if len(self._unsettled) > SETTLE_AFTER:  # written and never synced: results
+                self._settle()
         return Ticket(place, written)
+
+    def write_error(self, ticket: Ticket) -> Exception | None:
+        """Once ``ticket``'s commit is done: why its record was not stored (None: it was), as
+        ``sync`` raises it; takes no lock, so the ledger's commit thread may ask (the record
+        leaves memory at the next ``append`` past ``SETTLE_AFTER`` or compaction)."""
+        error = ticket.committed.exception()
+        return _refusal(error) if isinstance(error, sqlite3.Error) else error
 
     def sync(self, ticket: Ticket) -> None:
         """Return once the record of ``ticket`` is durable (one commit may cover many);
@@ -387,6 +396,11 @@ def read_records(state_dir: Path) -> list[Record]:
     finally:
         db.close()
     return [record_from_json(json.loads(text)) for (text,) in rows]
+
+
+# Writes not synced by their writer (results, answered from the commit thread) are settled in
+# memory once this many are outstanding.
+SETTLE_AFTER = 256
 
 
 def _refusal(error: sqlite3.Error) -> Exception:

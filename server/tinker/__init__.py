@@ -1,5 +1,5 @@
 """The Tinker SDK front (``pip install 'trainwire[tinker]'``): the part of Tinker's HTTP API the
-official SDK needs, served on the same session host, executor and journal as the gRPC service.
+official SDK needs, served on the same session host, scheduler and journal as the gRPC service.
 
 Modules, one job each: ``app`` (the HTTP routes), ``training_routes`` and ``sampling_routes``
 (decode, call the host's operation table, encode), ``codec`` and ``sample_codec`` (SDK wire

@@ -18,14 +18,15 @@ from typing import Any
 from trainwire.contract.config import TrainingConfig
 from trainwire.server.errors import FailedPrecondition, InvalidArgument, NotFound
 from trainwire.server.service import operations as ops
-from trainwire.server.service.intake import Submission
+from trainwire.server.service.intake import SampleSubmission, Submission
+from trainwire.server.service.reads import SampleResult
+from trainwire.server.service.request_records import digest
 from trainwire.server.service.requests import (
     DiscardExportsRequest,
     ExportWeightsRequest,
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.service.stream_order import digest
 from trainwire.server.tinker import sample_codec, saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
@@ -152,11 +153,10 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
     replaying = front.intake.replay_pending()
     front.sampling_sessions.require(request.sampling_session_id, replaying=replaying)
 
-    def call() -> bytes:
-        # Looked up when it runs: after a restart, the call that creates it runs first.
-        with front.intake.serial:  # samples run beside each other; choosing weights may not
-            sampler = front.sampling_sessions.get(request.sampling_session_id)
-            run_id, weights = _weights_of(front, front.sampling_sessions.target(sampler))
+    def prepare() -> tuple[str, SampleRequest]:
+        # Looked up at its turn: after a restart, the call that creates it runs first.
+        sampler = front.sampling_sessions.get(request.sampling_session_id)
+        run_id, weights = _weights_of(front, front.sampling_sessions.target(sampler))
         seed = request.seed
         if seed is None:  # the same loop twice draws the same samples
             seed = int(digest([sampler.snapshot_seq, request.seq_id])[:15], 16)
@@ -177,15 +177,16 @@ def asample(front: TinkerFront, body: dict[str, Any]) -> tuple[str, list[str]]:
             target_prompt_logprobs=request.target_prompt_logprobs,
             **weights,
         )
-        # At its turn: bounded when it was accepted (``intake.submit_unordered``), so never
-        # refused here for what other tenants keep waiting.
-        result = front.host.apply(ops.SAMPLE, sample, run_id=run_id, account=None)
+        return run_id, sample
+
+    def encode(result: SampleResult) -> bytes:
         return sample_codec.encode_sample_response(result.samples, result.prompt_logprobs)
 
     turns = _run_whose_turns_it_takes(front, request.sampling_session_id)
     with accepting_sample(front, request.sampling_session_id):
+        sample = SampleSubmission(prepare, encode)
         front.intake.submit_unordered(
-            request_id, body, call, size=held_bytes(request), run_id=turns
+            request_id, body, sample, size=held_bytes(request), run_id=turns
         )
     return request_id, [f"{request_id}/{i}" for i in range(request.num_samples)]
 

@@ -1,7 +1,7 @@
 """What the front does with named checkpoints beyond saving them: record them in the catalog,
 delete them (at the SDK's request or past their TTL) and finish removals that had to wait.
 
-The files are the host's: ``SessionHost.discard_saved`` removes them on its executor, so no
+The files are the host's: ``SessionHost.discard_saved`` removes them on its engine thread, so no
 operation is reading them, and keeps the open run's recovery point until a newer checkpoint
 supersedes it (the catalog remembers those, and the next save asks again).
 

@@ -105,7 +105,7 @@ class BatchEncoder:
 
     def _refuse_texts_too_long_to_fit(self, examples: Sequence[InputExample]) -> None:
         """Before tokenizing: a text of more than ``MAX_CHARS_PER_TOKEN`` characters a token
-        cannot fit, and tokenizing megabytes would hold the executor for seconds first."""
+        cannot fit, and tokenizing megabytes would hold the engine thread for seconds first."""
         if self.config.truncation:
             return  # it will be cut; the request's total size is bounded before it is queued
         limit = self.max_length * MAX_CHARS_PER_TOKEN

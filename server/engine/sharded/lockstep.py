@@ -1,7 +1,7 @@
 """Every rank of a served sharded session runs the same engine calls in the same order.
 
 A sharded ``TrainingSession`` is driven from rank 0 only: the server (its listeners, journal,
-executor, recovery) lives there, and the other ranks hold shards and follow. Each engine call
+scheduler, recovery) lives there, and the other ranks hold shards and follow. Each engine call
 that communicates with the other ranks (a forward all-gathers weights, a digest gathers every
 shard, a checkpoint writes every rank's shards) must run on every rank, in the same order, with
 the same arguments, or the collectives inside it pair up wrongly and hang.
