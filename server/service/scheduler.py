@@ -39,8 +39,9 @@ without tenants), and never after: an accepted job runs, whatever other accounts
   except one that nothing accepted waits before, and the one request a stream's held ones wait
   for (nothing of the stream could run without it).
 
-Where runs may one day compute together: ``_next`` takes the one job whose turn it is; a job
-compatible with the heads of other lanes would be taken with them there (see ``_take_turn``).
+``_take_turn`` takes the one job whose turn it is: it is where ready jobs of several runs are
+seen together (the heads of the other lanes), so where runs that can share a pass over their
+base (``engine.together``) are to be taken with it, each spending its own lane's turn.
 """
 
 from __future__ import annotations
