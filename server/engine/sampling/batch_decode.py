@@ -36,7 +36,7 @@ import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from transformers import DynamicCache
@@ -99,6 +99,18 @@ def tile_rows_for(rows: int, positions: int, max_positions: int, largest: int) -
     return size
 
 
+def tile_size(
+    params: SamplingParams, prompt_length: int, max_positions: int, tile_rows: int
+) -> int:
+    """The rows of every forward of a request's tiles, in a decoder of ``tile_rows`` under
+    ``max_positions``: its prefill is ``tile_size`` rows of ``prompt_length`` positions, each
+    step after it ``tile_size`` rows of one."""
+    if tile_rows == OWN_ROWS:
+        return params.num_samples
+    positions = prompt_length + params.max_tokens
+    return tile_rows_for(params.num_samples, positions, max_positions, tile_rows)
+
+
 @dataclass(eq=False)
 class _Request:
     """A job being decoded: its generator, its rows' tokens and ends."""
@@ -132,7 +144,7 @@ class _Row:
 
 
 @dataclass(eq=False)
-class _Tile:
+class Tile:
     """Rows of one length in one cache, a fixed number of slots (None: padding, computed and
     thrown away); ``inputs`` is what the next forward reads (the prompt before the first, then
     each slot's newest token)."""
@@ -176,7 +188,7 @@ class BatchDecoder:
         self.device = device
         self.max_positions = max_positions
         self.tile_rows = tile_rows_on(device) if tile_rows is None else tile_rows
-        self.tiles: list[_Tile] = []
+        self.tiles: list[Tile] = []
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         accepted = inspect.signature(base.forward).parameters
         self._cache_keyword = "cache" if "cache" in accepted else "past_key_values"
@@ -186,14 +198,19 @@ class BatchDecoder:
     def busy(self) -> bool:
         return bool(self.tiles)
 
-    def fits(self, job: DecodeJob) -> bool:
-        """Whether ``job`` may join now: every tile's bound plus its own stay within the limit
-        (a job always fits an empty decoder, having passed its own check)."""
+    def held(self) -> int:
+        """The most KV positions the tiles now decoding may come to hold."""
+        return sum(tile.bound() for tile in self.tiles)
+
+    def fits(self, job: DecodeJob, elsewhere: int = 0) -> bool:
+        """Whether ``job`` may join now: every tile's bound, its own and ``elsewhere`` (what
+        decoders beside this one hold, ``together.sampling``) stay within the limit (a job
+        always fits when nothing decodes, having passed its own check)."""
         request = self._request(job)
-        held = sum(tile.bound() for tile in self.tiles)
         rows = request.job.params.num_samples
         own = math.ceil(rows / request.tile_rows) * request.tile_rows * request.positions
-        return not self.tiles or held + own <= self.max_positions
+        busy = self.tiles or elsewhere
+        return not busy or self.held() + elsewhere + own <= self.max_positions
 
     def add(self, job: DecodeJob) -> None:
         """Start ``job``'s rows at the next step: full tiles of their own, and the rest in the
@@ -206,13 +223,13 @@ class BatchDecoder:
         size = request.tile_rows
         full = len(rows) - len(rows) % size
         for start in range(0, full, size):
-            self.tiles.append(_Tile([*rows[start : start + size]], prompt.expand(size, -1).clone()))
+            self.tiles.append(Tile([*rows[start : start + size]], prompt.expand(size, -1).clone()))
         rest = rows[full:]
         if not rest:
             return
         shared = next((t for t in self.tiles if _takes(t, size, len(prompt), len(rest))), None)
         if shared is None:
-            shared = _Tile([None] * size, prompt.expand(size, -1).clone())
+            shared = Tile([None] * size, prompt.expand(size, -1).clone())
             self.tiles.append(shared)
         for row in rest:
             slot = shared.slots.index(None)
@@ -221,18 +238,26 @@ class BatchDecoder:
 
     def step(self) -> None:
         """One forward of every tile, one draw per request, then ends, leaving and repacking."""
-        self._drop_cancelled()
-        logits: dict[_Row, torch.Tensor] = {}
-        for tile in self.tiles:
-            keywords: dict[str, Any] = {"use_cache": True, self._cache_keyword: tile.cache}
-            if self._keep_last:
-                keywords["logits_to_keep"] = 1
-            output = self.model(input_ids=tile.inputs, **keywords)
-            last = output.logits[:, -1, :].float()
+        self.drop_cancelled()
+        self.finish_step({t: self.forward(self.model, t.inputs, t.cache) for t in self.tiles})
+
+    def forward(self, model: torch.nn.Module, inputs: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One decode forward of ``model`` over ``inputs`` (a tile's, or tiles' stacked) on
+        ``cache``: each row's last logits, in fp32."""
+        keywords: dict[str, Any] = {"use_cache": True, self._cache_keyword: cache}
+        if self._keep_last:
+            keywords["logits_to_keep"] = 1
+        return model(input_ids=inputs, **keywords).logits[:, -1, :].float()
+
+    def finish_step(self, logits: dict[Tile, torch.Tensor]) -> None:
+        """After every tile's forward (``logits``: each tile's rows' last logits): the tiles'
+        lengths advance, one draw per request, then ends, leaving and repacking."""
+        rows: dict[_Row, torch.Tensor] = {}
+        for tile, last in logits.items():
             tile.length += tile.inputs.shape[1]
-            logits.update((row, last[slot]) for slot, row in enumerate(tile.slots) if row)
-        for request in {row.request: None for row in logits}:
-            self._draw(request, logits)
+            rows.update((row, last[slot]) for slot, row in enumerate(tile.slots) if row)
+        for request in {row.request: None for row in rows}:
+            self._draw(request, rows)
         for tile in self.tiles:
             tile.slots = [row if row is not None and row.live else None for row in tile.slots]
         self.tiles = [tile for tile in self.tiles if tile.rows]
@@ -243,7 +268,7 @@ class BatchDecoder:
                       for row in tile.slots]  # fmt: skip
             tile.inputs = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]
 
-    def _drop_cancelled(self) -> None:
+    def drop_cancelled(self) -> None:
         """Rows of requests whose caller gave up leave before the next forward. What the
         others draw does not depend on them (see the module's note), so nothing else changes.
         Never on a sharded session: there only rank 0 would know, and every rank must run the
@@ -270,9 +295,7 @@ class BatchDecoder:
             job,
             torch.Generator(device=self.device).manual_seed(params.seed),
             frozenset(params.stop_tokens) | self.eos_ids,
-            rows
-            if self.tile_rows == OWN_ROWS
-            else tile_rows_for(rows, positions, self.max_positions, self.tile_rows),
+            tile_size(params, len(job.prompt), self.max_positions, self.tile_rows),
             positions,
             [[] for _ in range(rows)],
             [None] * rows,
@@ -306,7 +329,7 @@ class BatchDecoder:
     def _repack(self) -> None:
         """Tiles of one size and length whose live rows fit in fewer tiles become fewer tiles:
         the rows' caches gathered, padding refilled from a live row's copy."""
-        groups: dict[tuple[int, int], list[_Tile]] = {}
+        groups: dict[tuple[int, int], list[Tile]] = {}
         for tile in self.tiles:
             if tile.length:  # a tile not yet run has no cache to gather
                 groups.setdefault((tile.size, tile.length), []).append(tile)
@@ -318,13 +341,13 @@ class BatchDecoder:
             self.tiles = [tile for tile in self.tiles if tile not in tiles] + packed
 
 
-def _takes(tile: _Tile, size: int, prompt_length: int, rows: int) -> bool:
+def _takes(tile: Tile, size: int, prompt_length: int, rows: int) -> bool:
     """Whether ``rows`` new rows of that prompt length fit a tile that has not run yet."""
     fits = tile.size == size and tile.slots.count(None) >= rows
     return fits and not tile.length and tile.inputs.shape[1] == prompt_length
 
 
-def _gather(tiles: list[_Tile], size: int, device: torch.device) -> list[_Tile]:
+def _gather(tiles: list[Tile], size: int, device: torch.device) -> list[Tile]:
     """The live rows of ``tiles`` (one size, one length) in as few tiles as hold them."""
     rows = [row for tile in tiles for row in tile.rows]
     layers = len(tiles[0].cache.layers)
@@ -338,26 +361,49 @@ def _gather(tiles: list[_Tile], size: int, device: torch.device) -> list[_Tile]:
         index = list(range(start, start + len(own))) + [start] * (size - len(own))
         own += [None] * (size - len(own))
         chosen = torch.tensor(index, device=device)
-        cache = DynamicCache()
-        for layer in range(layers):
-            cache.update(keys[layer][chosen], values[layer][chosen], layer)
-        packed.append(_Tile(own, tiles[0].inputs, cache, tiles[0].length))
+        cache = cache_of([(keys[layer][chosen], values[layer][chosen]) for layer in range(layers)])
+        packed.append(Tile(own, tiles[0].inputs, cache, tiles[0].length))
     return packed
 
 
-def _live(tile: _Tile, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def cache_of(layers: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A KV cache holding each layer's ``(keys, values)`` (none: an empty cache)."""
+    cache = DynamicCache()
+    for layer, (keys, values) in enumerate(layers):
+        cache.update(keys, values, layer)
+    return cache
+
+
+def _live(tile: Tile, tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The cache rows of ``tile``'s live rows, in slot order."""
     slots = [slot for slot, row in enumerate(tile.slots) if row is not None]
     return tensor[torch.tensor(slots, device=device)]
 
 
-def decode(decoder: BatchDecoder, jobs: Sequence[DecodeJob], join: Callable[[], list[Any]]) -> None:
+Job = TypeVar("Job")
+
+
+class Decoder(Protocol[Job]):
+    """What ``decode`` steps: a ``BatchDecoder``, or several stepped as one
+    (``together.sampling``)."""
+
+    @property
+    def busy(self) -> bool: ...
+
+    def fits(self, job: Job) -> bool: ...
+
+    def add(self, job: Job) -> None: ...
+
+    def step(self) -> None: ...
+
+
+def decode(decoder: Decoder[Job], jobs: Sequence[Job], join: Callable[[], list[Job]]) -> None:
     """Decode ``jobs`` and whatever ``join`` hands over between steps until every row ended.
 
     ``join()`` returns jobs that arrived meanwhile; one that does not fit the KV bound now waits
     (kept first in line) for rows to end. Each job's ``on_done`` runs as it ends.
     """
-    waiting: list[DecodeJob] = []
+    waiting: list[Job] = []
     for job in jobs:
         (decoder.add if decoder.fits(job) else waiting.append)(job)
     while decoder.busy or waiting:

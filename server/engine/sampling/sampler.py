@@ -42,7 +42,7 @@ from trainwire.server.engine.sampling.params import (
     prompt_problems,
 )
 from trainwire.server.engine.sampling.stop_strings import StopStringWatch
-from trainwire.server.errors import InvalidArgument
+from trainwire.server.errors import Cancelled, InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -159,27 +159,75 @@ class Sampler:
         A call's samples are those ``sample`` gives it alone (``batch_decode`` says why), so
         whatever decodes beside it changes none of its bits. Called as ``sample`` is.
         """
+        decoder = self.decoder(model)
+
+        def job(call: SampleCall) -> DecodeJob:
+            return self.decode_job(model, call)
+
+        generate(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
+
+    def calls(self, model: torch.nn.Module, requests: Sequence[BatchedSample]) -> list[SampleCall]:
+        """``requests`` as calls of ``sample_many`` on ``model``: each checked on its own, a
+        refused one hears why (``on_error``) and is left out; each accepted one's answer
+        carries its prompt's scores (asked for) from ``model`` once its samples are drawn."""
+        calls = []
+        for request in requests:
+            try:
+                request.params.check(request.prompt, self.vocab_size, self.limits)
+                if request.scoring.asked:
+                    request.scoring.check(request.prompt, self.vocab_size, self.limits)
+            except InvalidArgument as error:
+                request.on_error(error)
+                continue
+            answer = self._answer(model, request)
+            calls.append(
+                SampleCall(tuple(request.prompt), request.params, answer, _cancel(request))
+            )
+        return calls
+
+    def _answer(
+        self, model: torch.nn.Module, request: BatchedSample
+    ) -> Callable[[list[Sample]], None]:
+        def answer(samples: list[Sample]) -> None:
+            scored = None
+            if request.scoring.asked:
+                scored = self.prompt_scores(model, request.prompt, request.scoring)
+            request.on_result(samples, scored)
+
+        return answer
+
+    def decoder(self, model: torch.nn.Module) -> batch_decode.BatchDecoder:
+        """The decoder of ``model``'s samples, with this sampler's EOS, limits and tiles."""
         device = next(model.parameters()).device
-        decoder = batch_decode.BatchDecoder(
+        return batch_decode.BatchDecoder(
             model,
             eos_ids=self.eos_ids,
             device=device,
             max_positions=self.limits.max_sample_positions,
-            # Alone, a request decodes all its rows in one forward (no padding): its samples
-            # then depend on its own count of rows only.
-            tile_rows=self.tile_rows if self.batches else batch_decode.OWN_ROWS,
+            tile_rows=self.decoding_tile_rows(device),
             agree=self.agree,
         )
 
-        def job(call: SampleCall) -> DecodeJob:
-            def done(drawn: Drawn) -> None:
-                top_k = call.params.topk_sample_logprobs
-                call.on_samples(self._scored(model, call.prompt, drawn, device, top_k))
+    def decoding_tile_rows(self, device: torch.device) -> int:
+        """The rows of this sampler's decode tiles on ``device`` (``batch_decode.tile_size``
+        gives a request's)."""
+        if not self.batches:
+            # Alone, a request decodes all its rows in one forward (no padding): its samples
+            # then depend on its own count of rows only.
+            return batch_decode.OWN_ROWS
+        return batch_decode.tile_rows_on(device) if self.tile_rows is None else self.tile_rows
 
-            watch = StopStringWatch(call.params.stop_strings, self.decode)
-            return DecodeJob(call.prompt, call.params, watch, done, call.cancel)
+    def decode_job(self, model: torch.nn.Module, call: SampleCall) -> DecodeJob:
+        """``call``'s decode: its stop strings watched, its samples scored on ``model`` (the
+        trainer's logprobs) as its last row ends."""
+        device = next(model.parameters()).device
 
-        generate(decoder, [job(c) for c in calls], lambda: [job(c) for c in join()])
+        def done(drawn: Drawn) -> None:
+            top_k = call.params.topk_sample_logprobs
+            call.on_samples(self._scored(model, call.prompt, drawn, device, top_k))
+
+        watch = StopStringWatch(call.params.stop_strings, self.decode)
+        return DecodeJob(call.prompt, call.params, watch, done, call.cancel)
 
     def _scored(
         self,
@@ -293,6 +341,13 @@ class Sampler:
             start=len(example) - len(tokens) if start is None else start,
             budget_bytes=batch.logits_chunk_bytes,
         )
+
+
+def _cancel(request: BatchedSample) -> batch_decode.Cancel | None:
+    if request.cancelled is None:
+        return None
+    gave_up = Cancelled("sample: the caller gave up; decoding stopped")
+    return batch_decode.Cancel(request.cancelled, lambda: request.on_error(gave_up))
 
 
 def _floats(values: torch.Tensor) -> tuple[float, ...]:

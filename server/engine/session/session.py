@@ -50,10 +50,9 @@ from trainwire.server.engine.optimization import (
     build_optimizer,
     learning_rate_at,
 )
-from trainwire.server.engine.sampling.batch_decode import Cancel
 from trainwire.server.engine.sampling.params import PromptScoring, SamplingParams
 from trainwire.server.engine.sampling.sample_weights import SampleWeights
-from trainwire.server.engine.sampling.sampler import BatchedSample, SampleCall
+from trainwire.server.engine.sampling.sampler import BatchedSample
 from trainwire.server.engine.sampling.weight_swap import weights_for_reading
 from trainwire.server.engine.session.checkpoint import (
     CheckpointContents,
@@ -90,7 +89,7 @@ from trainwire.server.engine.weights.model_loading import (
     resolve_model_dir,
 )
 from trainwire.server.engine.weights.shared_base import SharedBase
-from trainwire.server.errors import Cancelled, FailedPrecondition, InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 
 
 class TrainingSession:
@@ -474,48 +473,23 @@ class TrainingSession:
                 "sample_many: a sharded session samples one request at a time through "
                 "TrainingSession.sample and prompt_logprobs, which every rank calls"
             )
-        sampler = self.sampler
-        model = self.model
-
-        def accepted(batch: Sequence[BatchedSample]) -> list[SampleCall]:
-            calls = []
-            for request in batch:
-                try:
-                    request.params.check(request.prompt, sampler.vocab_size, sampler.limits)
-                    if request.scoring.asked:
-                        request.scoring.check(request.prompt, sampler.vocab_size, sampler.limits)
-                except InvalidArgument as error:
-                    request.on_error(error)
-                    continue
-                prompt, answer = tuple(request.prompt), _answer(request)
-                calls.append(SampleCall(prompt, request.params, answer, _cancel(request)))
-            return calls
-
-        def _cancel(request: BatchedSample) -> Cancel | None:
-            if request.cancelled is None:
-                return None
-            gave_up = Cancelled("sample: the caller gave up; decoding stopped")
-            return Cancel(request.cancelled, lambda: request.on_error(gave_up))
-
-        def _answer(request: BatchedSample) -> Callable[[list[Sample]], None]:
-            def answer(samples: list[Sample]) -> None:
-                scored = None
-                if request.scoring.asked:
-                    scored = sampler.prompt_scores(model, request.prompt, request.scoring)
-                request.on_result(samples, scored)
-
-            return answer
-
         if self.config.task != "causal-lm":
             error = InvalidArgument(f"sampling needs a causal-lm session, not {self.config.task}")
             for request in requests:
                 request.on_error(error)
             return
-        calls = accepted(requests)
+        sampler, model = self.sampler, self.model
+        calls = sampler.calls(model, requests)
         if not calls:
             return
-        with self._reading(selected, lambda: None):
-            sampler.sample_many(model, calls, lambda: accepted(join()))
+        with self.reading(selected):
+            sampler.sample_many(model, calls, lambda: sampler.calls(model, join()))
+
+    def reading(self, selected: SampleWeights) -> contextlib.AbstractContextManager[None]:
+        """Held for a decode of ``selected``'s weights by the caller (``sample_many``'s, or one
+        over several sessions: ``together.sampling``): the session's lock, eval mode, no
+        gradients, the weights swapped in and the live bits back after (``_reading``)."""
+        return self._reading(selected, lambda: None)
 
     @contextlib.contextmanager
     def _reading(self, selected: SampleWeights, check: Callable[[], None]) -> Iterator[None]:
