@@ -82,30 +82,58 @@ def session_problem(sessions: Sequence[TrainingSession]) -> str | None:
         return "no request to run"
     if len({id(session) for session in sessions}) < len(sessions):
         return "a session has two requests: its requests run in order, one at a time"
+    problem = adapters_problem(sessions)
+    if problem is not None:
+        return problem
     first = sessions[0]
-    if first.shared_base is None:
-        return "session 0 runs on a base of its own; only sessions on one shared base run together"
-    targets = lora_layers(first.model).keys()
     for index, session in enumerate(sessions):
-        problem = _own_problem(session, first, targets)
+        problem = _training_problem(session, first)
         if problem is not None:
             return f"session {index}: {problem}"
     return None
 
 
-def _own_problem(session: TrainingSession, first: TrainingSession, targets) -> str | None:
+def adapters_problem(sessions: Sequence[TrainingSession]) -> str | None:
+    """Why one forward of session 0's tree over every session's rows cannot put each
+    session's own adapter on its own rows (``row_blocks``), or None: they must share one base
+    and run one plain LoRA adapter on the same linear layers, the head left to the base."""
+    first = sessions[0]
+    if first.shared_base is None:
+        return "session 0 runs on a base of its own; only sessions on one shared base run together"
+    targets = lora_layers(first.model).keys()
+    for index, session in enumerate(sessions):
+        problem = _adapter_problem(session, first, targets)
+        if problem is not None:
+            return f"session {index}: {problem}"
+    return None
+
+
+def _adapter_problem(session: TrainingSession, first: TrainingSession, targets) -> str | None:
     if session.shared_base is not first.shared_base:
         return "it runs on another base than session 0"
+    problem = _setup_problem(session)
+    if problem is None and lora_layers(session.model).keys() != targets:
+        return "its LoRA layers are on other modules than session 0's"
+    return problem
+
+
+def _training_problem(session: TrainingSession, first: TrainingSession) -> str | None:
+    """What a training pass needs beyond the adapters: one way of running forward and loss."""
     if session.config.gradient_checkpointing != first.config.gradient_checkpointing:
         return "gradient_checkpointing differs from session 0's"
     if session.encoder.logits_chunk_bytes != first.encoder.logits_chunk_bytes:
         return "logits_chunk_bytes differs from session 0's (it decides the head's chunks)"
     if type(session.loss_hook) is not LossHook:
         return f"its loss hook {type(session.loss_hook).__name__} may run its own forward"
-    problem = _setup_problem(session)
-    if problem is None and lora_layers(session.model).keys() != targets:
-        return "its LoRA layers are on other modules than session 0's"
-    return problem
+    lora = session.config.lora
+    if lora is not None and lora.dropout:
+        return f"LoRA dropout {lora.dropout} draws from the session's generator"
+    for name, module in session.model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p:
+            return f"{name} is a dropout of p={module.p}"
+    if getattr(session.model.config, "attention_dropout", 0.0):
+        return "the model's attention dropout draws from the session's generator"
+    return None
 
 
 # What a session's set up decides never changes: found once per session.
@@ -121,13 +149,13 @@ def _setup_problem(session: TrainingSession) -> str | None:
 
 
 def _find_setup_problem(session: TrainingSession) -> str | None:
+    """Whether the session's tree runs exactly one plain LoRA adapter a forward of another
+    session's tree can apply in its place (``row_blocks``)."""
     config, lora = session.config, session.config.lora
     if config.task != "causal-lm":
         return f"task {config.task} (only causal-lm runs together)"
     if lora is None:
         return "a full-weights run trains alone"
-    if lora.dropout:
-        return f"LoRA dropout {lora.dropout} draws from the session's generator"
     if lora.use_dora:
         return "DoRA adapters run alone"
     if lora.target_parameters:
@@ -142,10 +170,6 @@ def _find_setup_problem(session: TrainingSession) -> str | None:
     for name, module in session.model.named_modules():
         if type(module).__name__ == "ModulesToSaveWrapper":
             return f"{name} trains a whole module (modules_to_save)"
-        if isinstance(module, torch.nn.Dropout) and module.p:
-            return f"{name} is a dropout of p={module.p}"
-    if getattr(session.model.config, "attention_dropout", 0.0):
-        return "the model's attention dropout draws from the session's generator"
     return None
 
 
