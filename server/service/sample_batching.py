@@ -28,6 +28,13 @@ from dataclasses import dataclass, field
 from trainwire.contract.outcomes import PromptLogprobs, Sample
 from trainwire.server.engine.sampling.params import SamplingParams
 from trainwire.server.engine.sampling.sampler import BatchedSample
+from trainwire.server.engine.together import row_invariance
+from trainwire.server.engine.together.sampling import (
+    SessionSample,
+    request_problem,
+    sample_together,
+    sessions_problem,
+)
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service import reads
 from trainwire.server.service.active_run import ActiveRun
@@ -76,23 +83,72 @@ def decode_alone(prepared: PreparedSample) -> None:
 
 
 def decode_batch(batch: list[PreparedSample], join: Callable[[], list[PreparedSample]]) -> None:
-    """``batch`` as one decode; ``join()`` gives the requests that join it at each step."""
+    """``batch`` as one decode; ``join()`` gives the requests that join it at each step.
+
+    A batch of one run's requests decodes through its session (``sample_many``), and what
+    joins it must read its weights. A batch of several runs' requests (each ``together_problem``
+    None beside the first) decodes through ``together.sampling``, and a request of any run
+    that ``together_problem`` allows may join it.
+    """
     first = batch[0]
 
-    def joined() -> list[BatchedSample]:
+    def joined() -> list[PreparedSample]:
         more = join()
         batch.extend(more)
-        return [_batched(p) for p in more]
+        return more
 
     try:
-        selected = sample_weights(first.run, first.request)
-        first.run.session.sample_many(selected, [_batched(p) for p in batch], joined)
+        if any(prepared.run is not first.run for prepared in batch):
+            sample_together(
+                [_of_session(p) for p in batch],
+                lambda: [_of_session(p) for p in joined()],
+                row_invariance(first.run.session.model),
+            )
+        else:
+            selected = sample_weights(first.run, first.request)
+            batched = [_batched(p) for p in batch]
+            first.run.session.sample_many(selected, batched, lambda: list(map(_batched, joined())))
     except BaseException as error:  # the batch failed: every request not answered hears why
         for prepared in batch:
             if not prepared.answer.done():
                 prepared.answer.set_exception(error)
         if not isinstance(error, Exception):
             raise
+
+
+def together_problem(first: PreparedSample, other: PreparedSample) -> str | None:
+    """None when ``other`` may decode in the batch ``first`` leads (``decode_batch``); else why
+    it waits for a turn of its own run's, in words.
+
+    Requests of one run decode together when they read the same weights. Requests of two runs
+    do when both read their runs' live weights, the runs' sessions may put each one's adapter
+    on its own rows of one forward (``together.sampling.sessions_problem``: one shared base,
+    one plain LoRA adapter on the same layers, neither sharded nor decoding alone), and the
+    device gives both requests' tiles the same bits stacked as alone (``request_problem``).
+    """
+    if other.run is first.run:
+        if other.weights != first.weights:
+            return "it reads other weights than the batch's first request"
+        return None
+    for which, prepared in (("the batch's first request", first), ("it", other)):
+        request = prepared.request
+        if request.export or request.base_model:
+            return f"{which} reads an export or the base model, not its run's live weights"
+    sessions = [first.run.session, other.run.session]
+    problem = sessions_problem(sessions)
+    if problem is not None:
+        return f"the batch's first run is session 0, its run session 1; {problem}"
+    invariance = row_invariance(first.run.session.model)
+    for prepared in (first, other):
+        prompt = prepared.request.prompt_tokens
+        problem = request_problem(prepared.run.session, len(prompt), prepared.params, invariance)
+        if problem is not None:
+            return problem
+    return None
+
+
+def _of_session(prepared: PreparedSample) -> SessionSample:
+    return prepared.run.session, _batched(prepared)
 
 
 def _batched(prepared: PreparedSample) -> BatchedSample:

@@ -1,0 +1,220 @@
+"""Samples of several LoRA sessions on one shared base, decoded as one batch.
+
+Each session keeps a ``BatchDecoder`` of its own (its EOS, limits and tiles, its requests'
+generators), so what a request draws, and when its rows end, is decided as in a batch of its
+own session (``batch_decode``). Only the forwards are shared: at each step the tiles of every
+session that hold the same positions and take the same input width (a prefill of one prompt
+length, or one new token each) are stacked along the batch dimension, their KV caches too, and
+run as one forward of the first tile's module tree, each tile's rows under its own session's
+adapter (``row_blocks``); the caches are split back after it. So the base runs once over every
+row of a stack. A row's attention, norms and adapter products see exactly the rows and cache
+they see alone (each tile is its own row block); the base's linear layers and head multiply it
+among the other tiles' rows, which gives it the same bits only where ``row_invariance`` says so
+for blocks of its tile's positions (``stackable``). A stack holds only such tiles, and no more
+positions than the probe covered; any other tile runs its own forward, as it does alone. Either
+way each sample is bit for bit what its session gives it alone.
+
+``sessions_problem`` and ``request_problem`` say, in words, why samples may not decode so (the
+caller decodes them per session instead); ``sample_together`` decodes them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+
+from trainwire.server.engine.sampling import batch_decode
+from trainwire.server.engine.sampling.batch_decode import BatchDecoder, DecodeJob, Tile
+from trainwire.server.engine.sampling.params import SamplingParams
+from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
+from trainwire.server.engine.sampling.sampler import BatchedSample
+from trainwire.server.engine.session.session import TrainingSession
+from trainwire.server.engine.together.compatibility import adapters_problem
+from trainwire.server.engine.together.row_blocks import adapters_by_row_block
+from trainwire.server.engine.together.row_invariance import RowInvariance
+from trainwire.server.errors import FailedPrecondition
+
+SessionSample = tuple[TrainingSession, BatchedSample]
+_Job = tuple[BatchDecoder, DecodeJob]
+
+
+def sessions_problem(sessions: Sequence[TrainingSession]) -> str | None:
+    """Why these sessions' samples cannot decode in one batch of their live weights, or None."""
+    for index, session in enumerate(sessions):
+        if session.shards is not None:
+            return f"session {index} is sharded: every rank must make each of its decode calls"
+        if not session.sampler.batches:
+            return f"session {index}'s sampler decodes each request alone"
+    return adapters_problem(sessions)
+
+
+def request_problem(
+    session: TrainingSession,
+    prompt_length: int,
+    params: SamplingParams,
+    invariance: RowInvariance,
+) -> str | None:
+    """Why a request's tiles cannot stack with other tiles bit for bit, or None: its prefill
+    takes its tile rows times its prompt's positions, each step after it (and the head, which
+    reads one position a row) its tile rows."""
+    sampler = session.sampler
+    rows = batch_decode.tile_size(
+        params,
+        prompt_length,
+        sampler.limits.max_sample_positions,
+        sampler.decoding_tile_rows(session.device),
+    )
+    return invariance.problem([rows * prompt_length, rows])
+
+
+def sample_together(
+    requests: Sequence[SessionSample],
+    join: Callable[[], list[SessionSample]],
+    invariance: RowInvariance,
+) -> None:
+    """Decode ``requests`` (and those ``join`` hands over between steps), each under its
+    session's live weights, as one batch; each is answered as ``sample_many`` answers it alone.
+
+    ``sessions_problem`` of the sessions of ``requests`` must be None (FailedPrecondition, before
+    anything runs, otherwise); a session joining later that would make it not None has its
+    request refused with why, alone. A session is held (``TrainingSession.reading``) from its
+    first request to the end of the batch. Only the engine's thread holds several sessions at
+    once, so no lock order is needed among them.
+    """
+    sessions = list({id(session): session for session, _ in requests}.values())
+    problem = sessions_problem(sessions)
+    if problem is not None:
+        raise FailedPrecondition(f"these samples cannot decode together: {problem}")
+    with contextlib.ExitStack() as held:
+        decoders: dict[TrainingSession, BatchDecoder] = {}
+
+        def jobs(pairs: Iterable[SessionSample]) -> list[_Job]:
+            out = []
+            for session, request in pairs:
+                if session not in decoders and not _hold(session, request, sessions, held):
+                    continue
+                sampler, model = session.sampler, session.model
+                if session not in decoders:
+                    decoders[session] = sampler.decoder(model)
+                for call in sampler.calls(model, [request]):
+                    out.append((decoders[session], sampler.decode_job(model, call)))
+            return out
+
+        batch_decode.decode(_Stacked(invariance), jobs(requests), lambda: jobs(join()))
+
+
+def _hold(
+    session: TrainingSession,
+    request: BatchedSample,
+    sessions: list[TrainingSession],
+    held: contextlib.ExitStack,
+) -> bool:
+    """Hold a session new to the batch for reading; a request of one that cannot join, or
+    cannot be read, is refused alone."""
+    problem = sessions_problem([sessions[0], session])
+    if problem is not None:
+        request.on_error(FailedPrecondition(f"this sample cannot decode together: {problem}"))
+        return False
+    try:
+        held.enter_context(session.reading(LIVE_WEIGHTS))
+    except Exception as error:  # its own session's failure: the others decode on
+        request.on_error(error)
+        return False
+    if session not in sessions:
+        sessions.append(session)
+    return True
+
+
+class _Stacked:
+    """The sessions' decoders stepped as one (``batch_decode.Decoder``): a job is its
+    session's decoder and its ``DecodeJob``."""
+
+    def __init__(self, invariance: RowInvariance) -> None:
+        self.invariance = invariance
+        self.decoders: dict[BatchDecoder, None] = {}  # in the order they came
+
+    @property
+    def busy(self) -> bool:
+        return any(decoder.busy for decoder in self.decoders)
+
+    def fits(self, job: _Job) -> bool:
+        """Within the joining request's own KV bound, counting every session's tiles."""
+        decoder, decode_job = job
+        elsewhere = sum(other.held() for other in self.decoders if other is not decoder)
+        return decoder.fits(decode_job, elsewhere)
+
+    def add(self, job: _Job) -> None:
+        decoder, decode_job = job
+        self.decoders[decoder] = None
+        decoder.add(decode_job)
+
+    def step(self) -> None:
+        for decoder in self.decoders:
+            decoder.drop_cancelled()
+        tiles = [(decoder, tile) for decoder in self.decoders for tile in decoder.tiles]
+        logits: dict[Tile, torch.Tensor] = {}
+        for stack in self._stacks(tiles):
+            logits.update(_forward(stack))
+        for decoder in self.decoders:
+            decoder.finish_step({tile: logits[tile] for tile in decoder.tiles})
+
+    def _stacks(
+        self, tiles: list[tuple[BatchDecoder, Tile]]
+    ) -> list[list[tuple[BatchDecoder, Tile]]]:
+        """Tiles of one length and input width, each ``stackable``, in stacks of at most the
+        positions (and head rows) the probe covered; every other tile a stack of its own."""
+        stacks: list[list[tuple[BatchDecoder, Tile]]] = []
+        open_stacks: dict[tuple[int, int], list[tuple[BatchDecoder, Tile]]] = {}
+        for decoder, tile in tiles:
+            if not self.stackable(tile):
+                stacks.append([(decoder, tile)])
+                continue
+            key = (tile.length, tile.inputs.shape[1])
+            stack = open_stacks.get(key)
+            if stack is None or not self._room(stack, tile):
+                stack = open_stacks[key] = []
+                stacks.append(stack)
+            stack.append((decoder, tile))
+        return stacks
+
+    def stackable(self, tile: Tile) -> bool:
+        """Whether the base gives this tile's rows the same bits among others' (its positions
+        this step, and the head's one row a slot), and its cache can be stacked."""
+        positions = tile.size * tile.inputs.shape[1]
+        stackable_cache = not tile.length or hasattr(tile.cache, "layers")
+        return stackable_cache and self.invariance.problem([positions, tile.size]) is None
+
+    def _room(self, stack: list[tuple[BatchDecoder, Tile]], tile: Tile) -> bool:
+        positions = sum(t.size * t.inputs.shape[1] for _, t in stack)
+        rows = sum(t.size for _, t in stack)
+        positions += tile.size * tile.inputs.shape[1]
+        rows += tile.size
+        return positions <= self.invariance.max_rows and rows <= self.invariance.head_rows
+
+
+def _forward(stack: list[tuple[BatchDecoder, Tile]]) -> dict[Tile, torch.Tensor]:
+    """Each tile's last logits from one forward over the stack (its own, for a stack of one);
+    each tile's cache then holds its own rows' positions, as after its forward alone."""
+    leader, first = stack[0]
+    if len(stack) == 1:
+        return {first: leader.forward(leader.model, first.inputs, first.cache)}
+    tiles = [tile for _, tile in stack]
+    sizes = [tile.size for tile in tiles]
+    cache = batch_decode.cache_of(
+        [
+            (torch.cat([t.cache.layers[i].keys for t in tiles]),
+             torch.cat([t.cache.layers[i].values for t in tiles]))
+            for i in range(len(first.cache.layers) if first.length else 0)
+        ]
+    )  # fmt: skip
+    inputs = torch.cat([tile.inputs for tile in tiles])
+    with adapters_by_row_block([decoder.model for decoder, _ in stack], sizes):
+        last = leader.forward(leader.model, inputs, cache)
+    layers = [(layer.keys.split(sizes), layer.values.split(sizes)) for layer in cache.layers]
+    for index, tile in enumerate(tiles):
+        tile.cache = batch_decode.cache_of(
+            [(keys[index], values[index]) for keys, values in layers]
+        )
+    return dict(zip(tiles, last.split(sizes), strict=True))
