@@ -13,6 +13,13 @@ its samples and prompt beyond the draws (top-k and target logprobs) is scored fo
 its draws, so batching changes no result and requests asking for different logprobs decode
 together.
 
+Samples of several runs decode as one batch too (``decode_batch`` of a batch of several runs,
+``together.sampling``): the base once per step over every run's rows, each row under its own
+run's adapter, each sample the bits its run gives it alone. ``together_problem`` says which
+samples of other runs may join a batch (live weights of runs on one shared base with one plain
+LoRA adapter on the same layers, in tiles this device computes the same stacked as alone), and
+why not in words; the others take their own run's turn.
+
 A sharded session (``session.shards``) is never batched: every rank must make each engine call
 rank 0 makes, and what joins a batch is rank 0's timing alone. So each request runs alone, in
 the scheduler's order, through the session's announced calls (``reads.sample``:

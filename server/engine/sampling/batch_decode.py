@@ -28,6 +28,10 @@ kernels are its own), so a draw could differ; ``agree`` makes each draw rank 0's
 Rows leave when they end; tiles of one length whose live rows fit in fewer tiles are repacked,
 and a tile with no live row is dropped. A request that arrives while others decode joins at the
 next step (``add``) if the KV cache's bound allows, as its own tiles (its length differs).
+
+A step is ``drop_cancelled``, one ``forward`` per tile, then ``finish_step`` (draws, ends,
+repacking): so the decoders of several sessions can step as one, their tiles' forwards run
+together (``together.sampling``), each decoder keeping its own draws.
 """
 
 from __future__ import annotations

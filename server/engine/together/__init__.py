@@ -7,6 +7,10 @@ from its own rows only, each session ending exactly as it ends alone. ``compatib
 whether this device's kernels allow it at all. ``row_blocks`` holds the pass's one trick: each
 row block of the stacked rows under its own session's adapter.
 
+``sampling`` decodes several sessions' samples as one batch the same way: at each decode step
+the base once over every session's tiles of one length, each tile under its own session's
+adapter (``sample_together``; ``sessions_problem`` and ``request_problem`` say when not).
+
 The caller (the service's scheduler) takes the requests ready at once on sessions of one base,
 splits them with ``group_together(requests, row_invariance(model))`` (or asks ``compatible``
 of a set it chose), runs each group of two or more with ``run_together`` and each other request
