@@ -27,15 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from many_runs import (  # bench/many_runs.py
-    SHAPES,
-    OneLineParser,
-    build_model,
-    device_and_shape_arguments,
-    on_gpu,
-    precision_for,
-    refuse_cuda_without_a_gpu,
-)
+import many_runs  # bench/many_runs.py
 from runs_together import config, synchronize, torch_threads  # bench/runs_together.py
 
 PROMPT_TOKENS = 12
@@ -155,8 +147,8 @@ def measure(sessions: list, args: Any, invariance, device: str) -> tuple[list, l
 
 
 def main() -> None:
-    parser = OneLineParser(description=__doc__.splitlines()[0])
-    device_and_shape_arguments(parser)
+    parser = many_runs.OneLineParser(description=__doc__.splitlines()[0])
+    many_runs.device_and_shape_arguments(parser)
     parser.add_argument("--runs", type=int, default=8)
     parser.add_argument("--requests", type=int, default=2, help="requests a run a round")
     parser.add_argument("--samples", type=int, default=4, help="samples a request")
@@ -164,17 +156,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="turns/together (quick: 2)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    refuse_cuda_without_a_gpu(parser, args.device)
+    many_runs.refuse_cuda_without_a_gpu(parser, args.device)
     args.rounds = args.rounds or (2 if args.quick else 4)
-    precision = precision_for(args.device)
+    precision = many_runs.precision_for(args.device)
     from trainwire.server.engine.together import row_invariance
 
     with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
-        model = build_model(args.shape, Path(tmp) / args.shape, args.device)
+        model = many_runs.build_model(args.shape, Path(tmp) / args.shape, args.device)
         sessions = trained_runs(model, precision, args.device, args.runs)
         invariance = row_invariance(sessions[0].model)
+        shape, device = many_runs.SHAPES[args.shape], many_runs.on_gpu(args.device)
         print(
-            f"{SHAPES[args.shape]}, {precision}{on_gpu(args.device)}, LoRA r=8 on every linear "
+            f"{shape}, {precision}{device}, LoRA r=8 on every linear "
             f"layer; {args.runs} runs x {args.requests} requests x {args.samples} samples of "
             f"{args.max_tokens} tokens after {PROMPT_TOKENS}, {args.rounds} rounds, "
             f"{torch_threads()} threads"
