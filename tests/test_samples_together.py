@@ -111,7 +111,7 @@ def runs(base, llama_config) -> dict[str, TrainingSession]:
 
 @pytest.fixture
 def stacks(monkeypatch) -> list[int]:
-    """How many runs' tiles each shared forward held."""
+    """How many runs' tiles each decode forward held."""
     held: list[int] = []
     inner = together._forward
 
@@ -120,6 +120,20 @@ def stacks(monkeypatch) -> list[int]:
         return inner(stack)
 
     monkeypatch.setattr(together, "_forward", counted)
+    return held
+
+
+@pytest.fixture
+def scored_rows(monkeypatch) -> list[int]:
+    """How many samples each stacked scoring forward held."""
+    held: list[int] = []
+    inner = together.final_hidden_states
+
+    def counted(model, input_ids, attention_mask):
+        held.append(input_ids.shape[0])
+        return inner(model, input_ids, attention_mask)
+
+    monkeypatch.setattr(together, "final_hidden_states", counted)
     return held
 
 
@@ -162,7 +176,9 @@ def expected(runs: dict[str, TrainingSession]) -> dict[tuple[str, int], bytes]:
 
 
 @pytest.mark.parametrize("joining", [False, True])
-def test_runs_samples_decode_as_one_batch_each_the_bits_of_its_run_alone(runs, stacks, joining):
+def test_runs_samples_decode_as_one_batch_each_the_bits_of_its_run_alone(
+    runs, stacks, scored_rows, joining
+):
     want = expected(runs)
     samples = [pickle.loads(value)[0] for value in want.values()]
     assert any(s.stop_reason == "stop" for batch in samples for s in batch)  # rows end early
@@ -174,6 +190,7 @@ def test_runs_samples_decode_as_one_batch_each_the_bits_of_its_run_alone(runs, s
     # Together from the start, a forward holds every run's rows; joining at later steps, rows
     # stack with those of their own length only, still of several runs.
     assert max(stacks) >= 2 if joining else max(stacks) == len(runs)
+    assert max(scored_rows) >= 2  # samples of one length scored in one forward
 
 
 def test_adapters_differ_so_a_row_under_another_runs_adapter_would_differ(runs):
@@ -182,7 +199,9 @@ def test_adapters_differ_so_a_row_under_another_runs_adapter_would_differ(runs):
     assert len({alone(session, request) for session in runs.values()}) == len(runs)
 
 
-def test_where_the_device_gives_rows_other_bits_stacked_every_tile_runs_alone(runs, stacks):
+def test_where_the_device_gives_rows_other_bits_stacked_every_tile_runs_alone(
+    runs, stacks, scored_rows
+):
     found = row_invariance(runs["a"].model)
     never = RowInvariance("cpu", found.dtype, None, found.max_rows, found.head_rows)
     fewer = RowInvariance("cpu", found.dtype, 9, found.max_rows, found.head_rows)
@@ -195,10 +214,13 @@ def test_where_the_device_gives_rows_other_bits_stacked_every_tile_runs_alone(ru
         runs["a"], 3, request, fewer
     )
     want = expected(runs)
-    for invariance in (never, fewer):
+    # Scoring is one row of 8 positions or more a sample: some stack from 9 up, none ever.
+    for invariance, scores_stack in ((never, False), (fewer, True)):
         stacks.clear()
+        scored_rows.clear()
         assert decode_together(runs, invariance, joining=True) == want
         assert stacks and max(stacks) == 1  # tiles of 8 rows and 1 position: each alone
+        assert bool(scored_rows) == scores_stack
 
 
 def test_a_stack_never_holds_more_positions_than_the_probe_covered(runs, stacks):

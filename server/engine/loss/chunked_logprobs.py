@@ -220,7 +220,33 @@ def chunked_head_scores(
     ``[positions x vocabulary]`` is never held for more than one chunk.
     """
     hidden, head = final_hidden_states(model, input_ids, attention_mask)
-    transform = logit_transform(model.config)
+    return head_scores(
+        head,
+        logit_transform(model.config),
+        hidden,
+        targets,
+        length,
+        top_k=top_k,
+        chosen=chosen,
+        start=start,
+        budget_bytes=budget_bytes,
+    )
+
+
+def head_scores(
+    head: torch.nn.Module,
+    transform: LogitTransform | None,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    length: int,
+    *,
+    top_k: int = 0,
+    chosen: torch.Tensor | None = None,
+    start: int = 0,
+    budget_bytes: int = LOGITS_CHUNK_BYTES,
+) -> HeadScores:
+    """``chunked_head_scores`` from the row's final hidden states ``(1, W, hidden)`` (its
+    model's forward already run, alone or with other rows: ``together.sampling``)."""
     chunk = positions_per_chunk(_vocab_size(head), budget_bytes)
     first = start - start % chunk
     pieces = [

@@ -16,10 +16,12 @@ it is given.
 
 from __future__ import annotations
 
+import functools
 import math
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -30,9 +32,11 @@ from trainwire.contract.tokens import TokenExample
 from trainwire.server.engine.loss.chunked_logprobs import (
     LOGITS_CHUNK_BYTES,
     HeadScores,
-    chunked_head_scores,
+    final_hidden_states,
+    head_scores,
+    logit_transform,
 )
-from trainwire.server.engine.loss.token_batches import encode_token_batch
+from trainwire.server.engine.loss.token_batches import TokenBatch, encode_token_batch
 from trainwire.server.engine.sampling import batch_decode
 from trainwire.server.engine.sampling.batch_decode import DecodeJob, Drawn
 from trainwire.server.engine.sampling.params import (
@@ -217,17 +221,31 @@ class Sampler:
             return batch_decode.OWN_ROWS
         return batch_decode.tile_rows_on(device) if self.tile_rows is None else self.tile_rows
 
-    def decode_job(self, model: torch.nn.Module, call: SampleCall) -> DecodeJob:
-        """``call``'s decode: its stop strings watched, its samples scored on ``model`` (the
-        trainer's logprobs) as its last row ends."""
-        device = next(model.parameters()).device
-
-        def done(drawn: Drawn) -> None:
-            top_k = call.params.topk_sample_logprobs
-            call.on_samples(self._scored(model, call.prompt, drawn, device, top_k))
-
+    def decode_job(
+        self,
+        model: torch.nn.Module,
+        call: SampleCall,
+        on_drawn: Callable[[Drawn], None] | None = None,
+    ) -> DecodeJob:
+        """``call``'s decode, its stop strings watched; as its last row ends, ``on_drawn`` gets
+        its draws (by default: ``answer``, scored on ``model`` at once)."""
         watch = StopStringWatch(call.params.stop_strings, self.decode)
+        done = on_drawn or functools.partial(self.answer, model, call)
         return DecodeJob(call.prompt, call.params, watch, done, call.cancel)
+
+    def answer(
+        self,
+        model: torch.nn.Module,
+        call: SampleCall,
+        drawn: Drawn,
+        hidden_of: Mapping[tuple[int, ...], torch.Tensor] | None = None,
+    ) -> None:
+        """``call``'s samples, each scored on ``model`` (the trainer's logprobs), to its caller;
+        ``hidden_of``: final hidden states of some samples' examples, their model's forward
+        already run (``together.sampling``)."""
+        device = next(model.parameters()).device
+        top_k = call.params.topk_sample_logprobs
+        call.on_samples(self._scored(model, call.prompt, drawn, device, top_k, hidden_of or {}))
 
     def _scored(
         self,
@@ -236,6 +254,7 @@ class Sampler:
         drawn: Drawn,
         device: torch.device,
         top_k: int = 0,
+        hidden_of: Mapping[tuple[int, ...], torch.Tensor] = MappingProxyType({}),
     ) -> list[Sample]:
         # Equal samples (every greedy one, say) share one exact pass: the same input gives the
         # same bits, and the pass is a full forward per distinct sample.
@@ -244,7 +263,8 @@ class Sampler:
         for tokens, reason in drawn:
             key = tuple(tokens)
             if key not in scored:
-                scores = self.scores(model, prompt, key, device, top_k=top_k)
+                hidden = hidden_of.get(key)
+                scores = self.scores(model, prompt, key, device, top_k=top_k, hidden=hidden)
                 top = _top(scores.top_ids, scores.top_logprobs) if top_k else None
                 scored[key] = Sample(key, _floats(scores.picked), reason, top)
             samples.append(replace(scored[key], stop_reason=reason))
@@ -315,31 +335,43 @@ class Sampler:
         top_k: int = 0,
         chosen: torch.Tensor | None = None,
         start: int | None = None,
+        hidden: torch.Tensor | None = None,
     ) -> HeadScores:
         """``HeadScores`` of the positions that predict ``tokens`` after ``prompt`` (from
         position ``start`` of the example on, when given), on the chunks ``forward`` runs for
         the one token example ``prompt + tokens`` shifted by one: the same bits. ``chosen``:
-        ids to score at every position of that example, ``(positions, m)``, -1 for none."""
+        ids to score at every position of that example, ``(positions, m)``, -1 for none.
+        ``hidden``: that example's final hidden states, when its forward has run already."""
+        batch = self.scoring_batch(prompt, tokens, device)
+        if hidden is None:
+            hidden, _ = final_hidden_states(model, batch.input_ids, batch.attention_mask)
+        length = batch.input_ids.shape[1]
+        return head_scores(
+            model.get_output_embeddings(),
+            logit_transform(model.config),
+            hidden,
+            batch.targets,
+            length,
+            top_k=top_k,
+            chosen=chosen,
+            start=length - len(tokens) if start is None else start,
+            budget_bytes=batch.logits_chunk_bytes,
+        )
+
+    def scoring_batch(
+        self, prompt: Sequence[int], tokens: Sequence[int], device: torch.device
+    ) -> TokenBatch:
+        """The one token example ``prompt + tokens`` shifted by one, as ``forward`` encodes it
+        (no padding: its width is its length)."""
         full = [*prompt, *tokens]
         example = TokenExample(tuple(full[:-1]), tuple(full[1:]))
-        batch = encode_token_batch(
+        return encode_token_batch(
             [example],
             vocab_size=self.vocab_size,
             max_length=len(example),
             pad_id=self.pad_id,
             device=device,
             logits_chunk_bytes=self.logits_chunk_bytes,
-        )
-        return chunked_head_scores(
-            model,
-            batch.input_ids,
-            batch.attention_mask,
-            batch.targets,
-            len(example),
-            top_k=top_k,
-            chosen=chosen,
-            start=len(example) - len(tokens) if start is None else start,
-            budget_bytes=batch.logits_chunk_bytes,
         )
 
 

@@ -21,15 +21,19 @@ caller decodes them per session instead); ``sample_together`` decodes them.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from trainwire.server.engine.loss.chunked_logprobs import final_hidden_states
+from trainwire.server.engine.loss.token_batches import TokenBatch
 from trainwire.server.engine.sampling import batch_decode
-from trainwire.server.engine.sampling.batch_decode import BatchDecoder, DecodeJob, Tile
+from trainwire.server.engine.sampling.batch_decode import BatchDecoder, DecodeJob, Drawn, Tile
 from trainwire.server.engine.sampling.params import SamplingParams
 from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
-from trainwire.server.engine.sampling.sampler import BatchedSample
+from trainwire.server.engine.sampling.sampler import BatchedSample, SampleCall, Sampler
 from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import adapters_problem
 from trainwire.server.engine.together.row_blocks import adapters_by_row_block
@@ -99,10 +103,12 @@ def sample_together(
                 if session not in decoders:
                     decoders[session] = sampler.decoder(model)
                 for call in sampler.calls(model, [request]):
-                    out.append((decoders[session], sampler.decode_job(model, call)))
+                    drawn = functools.partial(stacked.drawn, sampler, model, call)
+                    out.append((decoders[session], sampler.decode_job(model, call, drawn)))
             return out
 
-        batch_decode.decode(_Stacked(invariance), jobs(requests), lambda: jobs(join()))
+        stacked = _Stacked(invariance)
+        batch_decode.decode(stacked, jobs(requests), lambda: jobs(join()))
 
 
 def _hold(
@@ -134,6 +140,11 @@ class _Stacked:
     def __init__(self, invariance: RowInvariance) -> None:
         self.invariance = invariance
         self.decoders: dict[BatchDecoder, None] = {}  # in the order they came
+        self.ended: list[_Ended] = []  # requests whose rows all ended this step
+
+    def drawn(self, sampler: Sampler, model: torch.nn.Module, call: SampleCall, drawn: Drawn):
+        """A request's rows have all ended: scored and answered after the step."""
+        self.ended.append(_Ended(sampler, model, call, drawn))
 
     @property
     def busy(self) -> bool:
@@ -159,6 +170,8 @@ class _Stacked:
             logits.update(_forward(stack))
         for decoder in self.decoders:
             decoder.finish_step({tile: logits[tile] for tile in decoder.tiles})
+        ended, self.ended = self.ended, []
+        _answer(ended, self.invariance)
 
     def _stacks(
         self, tiles: list[tuple[BatchDecoder, Tile]]
@@ -218,3 +231,43 @@ def _forward(stack: list[tuple[BatchDecoder, Tile]]) -> dict[Tile, torch.Tensor]
             [(keys[index], values[index]) for keys, values in layers]
         )
     return dict(zip(tiles, last.split(sizes), strict=True))
+
+
+@dataclass(frozen=True)
+class _Ended:
+    sampler: Sampler
+    model: torch.nn.Module
+    call: SampleCall
+    drawn: Drawn
+
+
+def _answer(ended: list[_Ended], invariance: RowInvariance) -> None:
+    """Each ended request's samples scored and answered (``Sampler.answer``). Alone, each
+    distinct sample's score is one forward of its example (prompt and tokens) on one row; here
+    the examples of one length (the positions of each ``stackable`` as a decode tile's are),
+    of every request, run as one forward of the base, each row under its own session's adapter,
+    and each sample's head runs on its own row's hidden states, as alone."""
+    hidden: list[dict[tuple[int, ...], torch.Tensor]] = [{} for _ in ended]
+    by_width: dict[int, list[tuple[int, tuple[int, ...], TokenBatch]]] = {}
+    for index, request in enumerate(ended):
+        prompt, device = request.call.prompt, next(request.model.parameters()).device
+        for tokens in {tuple(tokens): None for tokens, _ in request.drawn}:
+            example = request.sampler.scoring_batch(prompt, tokens, device)
+            width = example.input_ids.shape[1]
+            if invariance.problem([width]) is None:
+                by_width.setdefault(width, []).append((index, tokens, example))
+    for width, examples in by_width.items():
+        per_stack = max(1, invariance.max_rows // width)
+        for start in range(0, len(examples), per_stack):
+            stack = examples[start : start + per_stack]
+            if len(stack) < 2:
+                continue  # its own forward, in ``answer``
+            models = [ended[index].model for index, _, _ in stack]
+            input_ids = torch.cat([example.input_ids for _, _, example in stack])
+            mask = torch.cat([example.attention_mask for _, _, example in stack])
+            with adapters_by_row_block(models, [1] * len(stack)):
+                states, _ = final_hidden_states(models[0], input_ids, mask)
+            for (index, tokens, _), row in zip(stack, states.split(1), strict=True):
+                hidden[index][tokens] = row
+    for request, own in zip(ended, hidden, strict=True):
+        request.sampler.answer(request.model, request.call, request.drawn, own)
