@@ -142,7 +142,9 @@ class _Stacked:
         self.decoders: dict[BatchDecoder, None] = {}  # in the order they came
         self.ended: list[_Ended] = []  # requests whose rows all ended this step
 
-    def drawn(self, sampler: Sampler, model: torch.nn.Module, call: SampleCall, drawn: Drawn):
+    def drawn(
+        self, sampler: Sampler, model: torch.nn.Module, call: SampleCall, drawn: Drawn
+    ) -> None:
         """A request's rows have all ended: scored and answered after the step."""
         self.ended.append(_Ended(sampler, model, call, drawn))
 
