@@ -25,7 +25,7 @@ from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.together import RowInvariance, row_invariance
 from trainwire.server.engine.together import sampling as together
 from trainwire.server.engine.weights.shared_base import SharedBase
-from trainwire.server.errors import FailedPrecondition
+from trainwire.server.errors import Cancelled, FailedPrecondition
 from trainwire.server.service import operations as ops
 from trainwire.server.service import reads, sample_batching
 from trainwire.server.service.requests import (
@@ -312,3 +312,49 @@ def test_the_service_decodes_several_runs_samples_as_one_batch_and_says_why_not(
     assert f"a request of 2 positions is under the {found.min_rows}" in (
         sample_batching.together_problem(first, prepared[("c", 0)]) or ""
     )
+
+
+def test_a_request_joins_only_within_its_kv_bound_counting_every_runs_rows(runs, monkeypatch):
+    """Bounds of 100 positions: each request's tile holds 8 x 11, so no two run at once."""
+    for session in runs.values():
+        session.sampler.limits = dataclasses.replace(
+            session.sampler.limits, max_sample_positions=100
+        )
+    prompt = prompts(runs["a"].sampler.vocab_size)[1]
+    requests = {
+        name: SampleRequest(prompt, max_tokens=6, num_samples=4, seed=run)
+        for run, name in enumerate(runs)
+    }
+    want = {name: alone(runs[name], request) for name, request in requests.items()}
+    busy: list[int] = []
+    inner = together._Stacked.step
+
+    def counted(stacked):
+        busy.append(sum(decoder.busy for decoder in stacked.decoders))
+        inner(stacked)
+
+    monkeypatch.setattr(together._Stacked, "step", counted)
+    results: dict[Any, object] = {}
+    pairs = [(runs[n], batched(r, results, n)) for n, r in requests.items()]
+    together.sample_together(pairs, list, row_invariance(runs["a"].model))
+    assert results == want
+    assert max(busy) == 1 and len(busy) == 6 * len(runs)  # one run's rows at a time
+
+
+def test_a_request_whose_caller_gave_up_leaves_and_the_others_keep_their_bits(runs):
+    vocab = runs["a"].sampler.vocab_size
+    requests = {name: requests_of(run, vocab)[3] for run, name in enumerate(runs)}
+    want = {name: alone(runs[name], request) for name, request in requests.items()}
+    results: dict[Any, object] = {}
+    polled = 0
+
+    def gave_up() -> bool:  # polled once a step: true from the third step on
+        nonlocal polled
+        polled += 1
+        return polled >= 3
+
+    pairs = [(runs[n], batched(r, results, n)) for n, r in requests.items()]
+    pairs[1] = (pairs[1][0], dataclasses.replace(pairs[1][1], cancelled=gave_up))
+    together.sample_together(pairs, list, row_invariance(runs["a"].model))
+    assert isinstance(results.pop("b"), Cancelled)
+    assert results == {name: value for name, value in want.items() if name != "b"}
