@@ -198,41 +198,6 @@ class HeadScores:
 
 
 @torch.no_grad()
-def chunked_head_scores(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    targets: torch.Tensor,
-    length: int,
-    *,
-    top_k: int = 0,
-    chosen: torch.Tensor | None = None,
-    start: int = 0,
-    budget_bytes: int = LOGITS_CHUNK_BYTES,
-) -> HeadScores:
-    """``HeadScores`` of a batch of one row (a sample or a prompt scored alone) from positions
-    ``start`` on; ``chosen`` is ``(length, m)`` ids, -1 for none. For reading only.
-
-    The chunks are ``chunked_target_logprobs``' (cut from the row's first position, those wholly
-    before ``start`` skipped), and every value is a logit minus its chunk's ``logsumexp``, as
-    the target's logprob is there: so a top-k or chosen id's value is bit for bit what
-    ``forward`` gives for that id as the target at that position. The top k is taken per chunk:
-    ``[positions x vocabulary]`` is never held for more than one chunk.
-    """
-    hidden, head = final_hidden_states(model, input_ids, attention_mask)
-    return head_scores(
-        head,
-        logit_transform(model.config),
-        hidden,
-        targets,
-        length,
-        top_k=top_k,
-        chosen=chosen,
-        start=start,
-        budget_bytes=budget_bytes,
-    )
-
-
 def head_scores(
     head: torch.nn.Module,
     transform: LogitTransform | None,
@@ -245,8 +210,17 @@ def head_scores(
     start: int = 0,
     budget_bytes: int = LOGITS_CHUNK_BYTES,
 ) -> HeadScores:
-    """``chunked_head_scores`` from the row's final hidden states ``(1, W, hidden)`` (its
-    model's forward already run, alone or with other rows: ``together.sampling``)."""
+    """``HeadScores`` of a batch of one row (a sample or a prompt scored alone) from positions
+    ``start`` on, from its final hidden states ``(1, W, hidden)`` (``final_hidden_states``, of
+    its forward alone or among other rows': ``together.sampling``); ``chosen`` is
+    ``(length, m)`` ids, -1 for none. For reading only.
+
+    The chunks are ``chunked_target_logprobs``' (cut from the row's first position, those wholly
+    before ``start`` skipped), and every value is a logit minus its chunk's ``logsumexp``, as
+    the target's logprob is there: so a top-k or chosen id's value is bit for bit what
+    ``forward`` gives for that id as the target at that position. The top k is taken per chunk:
+    ``[positions x vocabulary]`` is never held for more than one chunk.
+    """
     chunk = positions_per_chunk(_vocab_size(head), budget_bytes)
     first = start - start % chunk
     pieces = [

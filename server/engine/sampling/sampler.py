@@ -344,7 +344,8 @@ class Sampler:
         ``hidden``: that example's final hidden states, when its forward has run already."""
         batch = self.scoring_batch(prompt, tokens, device)
         if hidden is None:
-            hidden, _ = final_hidden_states(model, batch.input_ids, batch.attention_mask)
+            with torch.no_grad():
+                hidden, _ = final_hidden_states(model, batch.input_ids, batch.attention_mask)
         length = batch.input_ids.shape[1]
         return head_scores(
             model.get_output_embeddings(),
