@@ -14,6 +14,13 @@ for blocks of its tile's positions (``stackable``). A stack holds only such tile
 positions than the probe covered; any other tile runs its own forward, as it does alone. Either
 way each sample is bit for bit what its session gives it alone.
 
+Scoring follows the same rule. Alone, each distinct sample's logprobs are one forward of its
+example (prompt and tokens) on one row, then the head over that row's chunks. Here the samples
+whose requests ended in a step are scored together: examples of one length, of every session,
+run as one forward of the base, each row under its own session's adapter, where rows of that
+many positions are ``row_invariance``'s; each sample's head then runs on its own row's hidden
+states, as alone. A request's prompt scores (asked for) run alone, as in its session.
+
 ``sessions_problem`` and ``request_problem`` say, in words, why samples may not decode so (the
 caller decodes them per session instead); ``sample_together`` decodes them.
 """
