@@ -64,7 +64,7 @@ class PreparedSample:
 
     @property
     def weights(self) -> tuple[int, str, str, bool]:
-        """What the request reads; a batch holds requests of one run and weights only."""
+        """What the request reads; a batch of one run's requests reads one of these only."""
         request = self.request
         return id(self.run), request.export_run, request.export, request.base_model
 

@@ -183,15 +183,18 @@ class Sampler:
             except InvalidArgument as error:
                 request.on_error(error)
                 continue
-            answer = self._answer(model, request)
+            answer = self._with_prompt_scores(model, request)
             calls.append(
                 SampleCall(tuple(request.prompt), request.params, answer, _cancel(request))
             )
         return calls
 
-    def _answer(
+    def _with_prompt_scores(
         self, model: torch.nn.Module, request: BatchedSample
     ) -> Callable[[list[Sample]], None]:
+        """Where ``request``'s samples go: to its caller with its prompt's scores (asked for),
+        scored alone on ``model`` after its samples."""
+
         def answer(samples: list[Sample]) -> None:
             scored = None
             if request.scoring.asked:
