@@ -72,6 +72,7 @@ from trainwire.server.service.request_store import RequestStore, Ticket, compact
 from trainwire.server.service.requests import SampleRequest
 from trainwire.server.service.results import (
     USER_ERRORS,
+    Deferred,
     Done,
     Failed,
     Outcome,
@@ -573,7 +574,10 @@ class Intake:
             return  # it did not run: answered already
         outcome = run_to_outcome(lambda: ticket.result().outcome)
         if isinstance(outcome, Done) and callable(outcome.body):
-            outcome = run_to_outcome(outcome.body)  # while its journal entry commits
+            if command.operation.keyed:  # the journal holds it: encoded when it is fetched
+                outcome = Done(Deferred(outcome.body))
+            else:  # stored as the fetch will hand it out
+                outcome = run_to_outcome(outcome.body)
         if not command.operation.keyed or not isinstance(outcome, Done):
             self._finish(request_id, outcome, durable=False)  # a read, or a failure: stored
             return
