@@ -7,34 +7,44 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-import pytest
-from tinker import types
 from tinker_loops import RawFront, lora_training, supervised_datum, tinker_server
 
-from trainwire.server.tinker import codec, training_routes
+from trainwire.server.tinker import codec
+
+ENGINE_THREAD = "trainwire-engine"
 
 
-def test_the_sdk_forward_backward_output_is_encoded_off_the_engine_thread(
-    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+def test_no_front_function_runs_on_the_engine_thread_for_the_sdks_forward_backward(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    threads: list[str] = []
-    encode = training_routes._encode_forward_backward
+    """Every call on the engine thread is looked at while the SDK's forward_backwards run and
+    are fetched: none is the Tinker front's (its routes, codec, model table)."""
+    recording = threading.Event()
+    front_calls: set[str] = set()
 
-    def recorded(*args: Any) -> bytes:
-        threads.append(threading.current_thread().name)
-        return encode(*args)
+    def profile(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and recording.is_set():
+            module = frame.f_globals.get("__name__", "")
+            if module.startswith("trainwire.server.tinker"):
+                thread = threading.current_thread().name
+                front_calls.add(f"{thread}: {module}.{frame.f_code.co_name}")
 
-    monkeypatch.setattr(training_routes, "_encode_forward_backward", recorded)
-    with lora_training(tmp_path / "state", model_root) as run:
-        datum = supervised_datum(run.tokenizer, "the cat sat on the mat")
-        sent = [run.training.forward_backward([datum], "cross_entropy") for _ in range(3)]
-        step = run.training.optim_step(types.AdamParams(learning_rate=1e-2))
-        losses = [future.result(timeout=120).metrics["loss:sum"] for future in sent]
-        step.result(timeout=120)
+    threading.setprofile(profile)  # every thread the server starts from here on
+    try:
+        with lora_training(tmp_path / "state", model_root) as run:
+            datum = supervised_datum(run.tokenizer, "the cat sat on the mat")
+            recording.set()
+            sent = [run.training.forward_backward([datum], "cross_entropy") for _ in range(3)]
+            losses = [future.result(timeout=120).metrics["loss:sum"] for future in sent]
+            recording.clear()
+    finally:
+        threading.setprofile(None)  # type: ignore[arg-type]
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # no update between them
-    assert len(threads) == 3 and "trainwire-engine" not in threads
+    assert any("_encode_forward_backward" in call for call in front_calls)  # it was seen
+    assert not [call for call in front_calls if call.startswith(f"{ENGINE_THREAD}:")]
 
 
 def test_a_result_nobody_fetched_before_a_compaction_is_answered_after_a_restart(

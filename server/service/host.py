@@ -1,10 +1,12 @@
 """The session host: one TrainingSession behind a durable journal, one operation at a time.
 
 Plain Python, no gRPC: each transport decodes its requests into the typed requests of the
-operation table (``operations``) and calls ``apply``; tests drive this class. Its phases (idle,
-restoring, open, closed, failed) are the ``Lifecycle``'s; a server started on a state directory
-that holds an open run is ``restoring`` until ``recover()`` has reopened it from its latest
-checkpoint; the layout on disk is in ``state_dir``.
+operation table (``operations``) and submits each as a ``Command`` (``submit``, whose ticket a
+gRPC handler waits on through ``apply`` and the Tinker intake answers its request id from);
+tests drive this class. Its phases (idle, restoring, open, closed, failed) are the
+``Lifecycle``'s; a server started on a state directory that holds an open run is ``restoring``
+until ``recover()`` has reopened it from its latest checkpoint; the layout on disk is in
+``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path

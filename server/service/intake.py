@@ -87,14 +87,17 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Submission:
     """A request as its transport decoded it: the ``operation`` it runs on ``request`` (checked
-    once, when the intake accepts it), what runs ``around`` the operation (given the operation's
-    run, it returns what that returns: the transport's checks at its turn and the locks it
-    holds meanwhile), and ``finish``, which makes the operation's outcome the request's result
-    (a ``Callable[[], body]`` is encoded on the engine thread once the operation ran)."""
+    once, when the intake accepts it) and ``encode``, which makes the operation's outcome the
+    request's response: a keyed call's when it is fetched (off the engine thread: the journal
+    holds the outcome), a read's before it is stored. What the transport changes once the
+    operation ran is ``finish`` (on the engine thread, before the next call of any stream);
+    what runs ``around`` the operation (given the operation's run, it returns what that
+    returns) are the transport's checks at its turn and the locks it holds meanwhile."""
 
     operation: Operation[Any]
     request: Any
-    finish: Callable[[Any], Any]
+    encode: Callable[[Any], Any]
+    finish: Callable[[Any], None] = field(default=lambda outcome: None)
     around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
     run_id: str = ""  # the run it is for ("" the server's only run)
 
@@ -453,7 +456,8 @@ class Intake:
                     around=partial(_finished_around, work),
                 )
                 ticket = self.host.submit(command)
-                ticket.add_done_callback(partial(self._answered, request_id, command))
+                answered = partial(self._answered, request_id, command, work.encode)
+                ticket.add_done_callback(answered)
         if stored is not None:
             self.store.sync(stored)
         if refusal is not None:
@@ -567,17 +571,24 @@ class Intake:
             return False
         return True
 
-    def _answered(self, request_id: str, command: Command, ticket: Future[Applied | None]) -> None:
-        """A request's ticket resolved, on the engine thread: its response is encoded here and
-        answered once durable (a keyed call's journal entry commits while the next job runs)."""
+    def _answered(
+        self,
+        request_id: str,
+        command: Command,
+        encode: Callable[[Any], Any],
+        ticket: Future[Applied | None],
+    ) -> None:
+        """A request's ticket resolved, on the engine thread: answered once durable (a keyed
+        call's journal entry commits while the next job runs; its response is encoded when it
+        is fetched, a read's here, before it is stored)."""
         if ticket.exception() is None and ticket.result() is None:
             return  # it did not run: answered already
         outcome = run_to_outcome(lambda: ticket.result().outcome)
-        if isinstance(outcome, Done) and callable(outcome.body):
-            if command.operation.keyed:  # the journal holds it: encoded when it is fetched
-                outcome = Done(Deferred(outcome.body))
-            else:  # stored as the fetch will hand it out
-                outcome = run_to_outcome(outcome.body)
+        if isinstance(outcome, Done):
+            respond = partial(encode, outcome.body)
+            outcome = (
+                Done(Deferred(respond)) if command.operation.keyed else run_to_outcome(respond)
+            )
         if not command.operation.keyed or not isinstance(outcome, Done):
             self._finish(request_id, outcome, durable=False)  # a read, or a failure: stored
             return
@@ -687,8 +698,11 @@ class Intake:
 
 
 def _finished_around(submission: Submission, run: Callable[[], Any]) -> Any:
-    """A submission's operation run under its transport's ``around``, then its ``finish``."""
-    return submission.finish(submission.around(run))
+    """A submission's operation run under its transport's ``around``, then its ``finish``; the
+    operation's outcome."""
+    outcome = submission.around(run)
+    submission.finish(outcome)
+    return outcome
 
 
 def _raise(error: Exception) -> None:
