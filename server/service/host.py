@@ -1,10 +1,12 @@
 """The session host: one TrainingSession behind a durable journal, one operation at a time.
 
 Plain Python, no gRPC: each transport decodes its requests into the typed requests of the
-operation table (``operations``) and calls ``apply``; tests drive this class. Its phases (idle,
-restoring, open, closed, failed) are the ``Lifecycle``'s; a server started on a state directory
-that holds an open run is ``restoring`` until ``recover()`` has reopened it from its latest
-checkpoint; the layout on disk is in ``state_dir``.
+operation table (``operations``) and submits each as a ``Command`` (``submit``, whose ticket a
+gRPC handler waits on through ``apply`` and the Tinker intake answers its request id from);
+tests drive this class. Its phases (idle, restoring, open, closed, failed) are the
+``Lifecycle``'s; a server started on a state directory that holds an open run is ``restoring``
+until ``recover()`` has reopened it from its latest checkpoint; the layout on disk is in
+``state_dir``.
 
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path
@@ -16,6 +18,7 @@ not commit, fails the server (a restart restores the latest checkpoint; see ``re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
@@ -41,6 +44,7 @@ from trainwire.server.service.active_run import (
     JournalCommitFailed,
     wait_durable,
 )
+from trainwire.server.service.commands import Applied, Command, Ticket, chained, settle
 from trainwire.server.service.journal import (
     Journal,
     KeyDigest,
@@ -516,8 +520,8 @@ class SessionHost:
         run_id: str = "",
         account: str | None = "",
     ) -> Any:
-        """Run ``operation`` (an entry of ``operations.OPERATIONS``) on ``request``: the one way
-        every transport reaches the engine.
+        """Run ``operation`` (an entry of ``operations.OPERATIONS``) on ``request`` and wait for
+        it: ``submit`` for a caller that waits on its own thread (a gRPC handler).
 
         The request is checked before anything is queued. A keyed operation needs ``op`` (its
         key and expected position) and takes ``keyed_path.apply_keyed``'s path; its caller hears
@@ -553,30 +557,57 @@ class SessionHost:
         run_id: str = "",
         account: str | None = None,
     ) -> Any:
-        """``apply`` for a request ``check``ed already, when the intake accepted it (so by
-        default never refused for what waits: ``account`` None, see ``apply``).
-
-        ``body_digest``: the digest the intake took of the request as it was received; the
-        journal binds the key to it (``journal.KeyDigest``), so the request is hashed once.
-        """
-        if operation.keyed:
-            if op is None:
-                raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
-            return self._keyed(operation, request, op, body_digest, run_id, account)
-        if op is not None:
+        """``apply`` for a request ``check``ed already (by default never refused for what
+        waits: ``account`` None, see ``apply``). ``body_digest``: see ``Command.digest``."""
+        if operation.keyed and op is None:
+            raise TypeError(f"{operation.kind} changes the session: give its OperationSpec")
+        if not operation.keyed and op is not None:
             raise TypeError(f"{operation.kind} is a read: it takes no operation key")
-        run_id = self._require_active(run_id).spec.run_id  # bound to it from here on
-        lane = self.lane_of(run_id)
-        if operation is SAMPLE:  # decoded beside its run's samples queued with it
-            with self.scheduler.admitted(account):
-                self.lifecycle.refuse_if_unavailable()
-                prepare = partial(self.prepare_sample, run_id, request)
-                return self.scheduler.run_sample(prepare, lane=lane)
-        return self._serialized(
-            lambda: operation.apply(self._require_active(run_id), request, None),
-            lane=lane,
+        command = Command(
+            operation,
+            request,
+            run_id,
+            op,
+            digest=body_digest,
             account=account,
         )
+        self.lifecycle.refuse_if_unavailable()
+        # Admitted before its position: a call held for its predecessor holds a server thread
+        # as much as one ready to run, so both count against the one bound.
+        with self.scheduler.admitted(account):
+            applied: Applied = self.submit(command).result()
+        try:
+            wait_durable(applied.commit, operation.kind if op is None else op.key)
+        except JournalCommitFailed as error:
+            raise self.journal_failed(error) from None
+        return applied.outcome
+
+    def submit(self, command: Command) -> Ticket:
+        """Queue ``command``: the one way both transports reach the engine. Its ticket resolves
+        on the engine thread with what it ``Applied`` (a keyed operation's commit is then still
+        under way: its answer waits for it, the engine does not), or None when it did not run
+        (``Command.runs_now``), or with its error.
+
+        A command numbered in a stream (``Command.stream``) was accepted by its transport
+        already: it is bound to its run, and checked against the lifecycle, at its turn. Any
+        other is refused now (UNAVAILABLE while the server restores or shuts down, NOT_FOUND for
+        a run not open) and checked again at its turn."""
+        operation = command.operation
+        if operation.keyed:
+            return self._in_position(command, self._key_digest(command))
+        if command.stream is not None:  # a read in its stream's order (a Tinker forward)
+            return self._numbered(command, command.digest or "", self._numbered_read)
+        self.lifecycle.refuse_if_unavailable()
+        run_id = self._require_active(command.run_id).spec.run_id  # bound to it from here on
+        lane = self.lane_of(run_id)
+        if operation is SAMPLE:  # decoded beside its run's samples queued with it
+            prepare = partial(self.prepare_sample, run_id, command.request)
+            return chained(self.scheduler.queue(prepare=prepare, lane=lane), Applied)
+        read = partial(self._refusing_if_unavailable, partial(self._read, command, run_id))
+        return chained(self.scheduler.queue(read, lane=lane), Applied)
+
+    def _read(self, command: Command, run_id: str) -> Any:
+        return command.operation.apply(self._require_active(run_id), command.request, None)
 
     # -- the scheduler -----------------------------------------------------------------------------
 
@@ -597,58 +628,14 @@ class SessionHost:
         if not refusable:
             return self.scheduler.run(lambda: call(*args), lane=lane)
         with self.scheduler.admitted(account):
-            return self._run_refusable(call, *args, lane=lane)
-
-    def _run_refusable(self, call: Callable[..., T], *args: Any, lane: str = "") -> T:
-        self.lifecycle.refuse_if_unavailable()
-
-        def job() -> T:
-            # Checked again when its turn comes: callers queued behind the last one are refused.
             self.lifecycle.refuse_if_unavailable()
-            return call(*args)
+            refusing = partial(self._refusing_if_unavailable, partial(call, *args))
+            return self.scheduler.run(refusing, lane=lane)
 
-        return self.scheduler.run(job, lane=lane)
-
-    def _keyed(
-        self,
-        operation: Operation[Any],
-        request: Any,
-        op: OperationSpec,
-        body_digest: str | None,
-        run_id: str,
-        account: str | None,
-    ) -> Any:
-        """``keyed_path.apply_keyed`` on the engine thread, in the order of the run's positions
-        (pipelined calls may arrive out of order), answered once its commit is on disk: the
-        caller waits for it on its own thread while the next job runs."""
-        digest = self._key_digest(operation, request, op, body_digest)
+    def _refusing_if_unavailable(self, call: Callable[[], T]) -> T:
+        # Checked again when its turn comes: callers queued behind the last one are refused.
         self.lifecycle.refuse_if_unavailable()
-        # Admitted before its position: a call held for its predecessor holds a server thread
-        # as much as one ready to run, so both count against the one bound.
-        with self.scheduler.admitted(account):
-            outcome, durable = self._in_position(operation, request, op, digest, run_id)
-        try:
-            wait_durable(durable, op.key)
-        except JournalCommitFailed as error:
-            raise self.journal_failed(error) from None
-        return outcome
-
-    def apply_accepted(
-        self,
-        operation: Operation[Any],
-        request: Any,
-        op: OperationSpec,
-        *,
-        body_digest: str,
-        run_id: str = "",
-    ) -> tuple[Any, Durable]:
-        """A keyed operation of a request the intake accepted, at its turn on the engine
-        thread: its outcome, and the commit its answer must wait for (None: on disk already),
-        which the engine does not wait for (``journal_failed`` when it fails). The journal
-        binds the key to ``body_digest``, the intake's digest of the request's body."""
-        digest = self._key_digest(operation, request, op, body_digest)
-        self.lifecycle.refuse_if_unavailable()
-        return self._in_position(operation, request, op, digest, run_id)
+        return call()
 
     def journal_failed(self, error: JournalCommitFailed) -> FailedPrecondition:
         """The engine moved on but the journal did not: the server fails (only a restart makes
@@ -656,49 +643,98 @@ class SessionHost:
         self._fail(str(error))
         return FailedPrecondition(f"{self.lifecycle.failure}; restart the server")
 
-    def _key_digest(
-        self, operation: Operation[Any], request: Any, op: OperationSpec, body_digest: str | None
-    ) -> KeyDigest:
-        """What the journal binds ``op``'s key to: the intake's digest of the body it received,
-        else the payload's, taken before anything is queued."""
-        check_operation_key(op.key)
-        payload = operation.payload
+    def _key_digest(self, command: Command) -> KeyDigest:
+        """What the journal binds the command's key to: its transport's digest of the body it
+        received, else the payload's, taken before anything is queued."""
+        if command.op is None:
+            raise TypeError(f"{command.operation.kind} changes the session: give its key")
+        check_operation_key(command.op.key)
+        if command.digest is not None:
+            return KeyDigest(request_digest(command.digest))
+        payload = command.operation.payload
         assert payload is not None
-        if body_digest is None:
-            return KeyDigest(payload_digest(operation.kind, payload(request)))
-        return KeyDigest(request_digest(body_digest))
+        return KeyDigest(payload_digest(command.operation.kind, payload(command.request)))
 
-    def _in_position(
-        self,
-        operation: Operation[Any],
-        request: Any,
-        op: OperationSpec,
-        digest: KeyDigest,
-        run_id: str,
-    ) -> tuple[Any, Durable]:
-        """``_apply_keyed`` at its turn: at ``op``'s expected position, else (numbered by no
-        one, or by the intake's stream) now, held positions of the run waiting meanwhile."""
-        stream = run_id = self._require_active(run_id).spec.run_id
-        apply = partial(self._apply_keyed, run_id=run_id)
-        lane = self.lane_of(run_id)
-        turn = partial(self._run_refusable, apply, operation, request, op, digest, lane=lane)
-        if op.expected_position is None:
-            with self.scheduler.running_beside(stream):
-                return turn()
-        return self.scheduler.submit_at(stream, op.expected_position, turn)
+    def _in_position(self, command: Command, digest: KeyDigest) -> Ticket:
+        """The one keyed job of both transports, queued where its turn comes: at its number in
+        its transport's stream, at its expected position of its run, else now (held positions
+        of the run waiting while it is queued or runs); its ticket."""
+        if command.stream is not None:  # accepted already: bound to its run at its turn
+            keyed = partial(self._numbered_keyed, digest=digest)
+            return self._numbered(command, command.digest or digest.value, keyed)
+        self.lifecycle.refuse_if_unavailable()
+        stream = run_id = self._require_active(command.run_id).spec.run_id
+        apply = partial(self._keyed_turn, command, digest, run_id)
+        turn = partial(self._refusing_if_unavailable, apply)
+        if command.op is not None and command.op.expected_position is not None:
+            return self.scheduler.submit_at(stream, command.op.expected_position, turn)
+        beside = contextlib.ExitStack()
+        beside.enter_context(self.scheduler.running_beside(stream))
+        try:
+            ticket = self.scheduler.queue(turn, lane=self.lane_of(run_id))
+        except BaseException:
+            beside.close()
+            raise
+        ticket.add_done_callback(lambda _: beside.close())
+        return ticket
+
+    def _numbered(
+        self, command: Command, digest: str, turn: Callable[[Command, str], Applied]
+    ) -> Ticket:
+        """Queue ``command`` at its number in its stream (``digest`` the one its transport took
+        of the request, which a re-send under that number must match); its ticket, which
+        ``turn(command, run_id)`` resolves at the command's turn unless it does not run."""
+        assert command.stream is not None and command.number is not None
+        ticket: Ticket = Ticket()
+        self.scheduler.submit(
+            command.stream,
+            command.number,
+            digest,
+            partial(settle, ticket, partial(self._numbered_turn, command, turn)),
+            size=command.size,
+            bounded=command.bounded,
+            after_recovery=True,
+        )
+        return ticket
+
+    def _numbered_turn(
+        self, command: Command, turn: Callable[[Command, str], Applied]
+    ) -> Applied | None:
+        """A numbered command's turn, bound to its run as it is now (refused while the server
+        shuts down); None when it was answered meanwhile."""
+        if not command.runs_now():
+            return None
+        self.lifecycle.refuse_if_unavailable()
+        return turn(command, self._require_active(command.run_id).spec.run_id)
+
+    def _numbered_keyed(self, command: Command, run_id: str, *, digest: KeyDigest) -> Applied:
+        """Moves the run outside its positions: calls held for a position of the run wait
+        meanwhile and look again once it ends."""
+        with self.scheduler.running_beside(run_id):
+            return self._keyed_turn(command, digest, run_id)
+
+    def _numbered_read(self, command: Command, run_id: str) -> Applied:
+        return Applied(command.around(partial(self._read, command, run_id)))
+
+    def _keyed_turn(self, command: Command, digest: KeyDigest, run_id: str) -> Applied:
+        """``_apply_keyed`` under the conditions its caller set (``Command.around``)."""
+        commits: list[Durable] = []
+
+        def run() -> Any:
+            outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
+            commits.append(commit)
+            return outcome
+
+        outcome = command.around(run)
+        return Applied(outcome, commits[0] if commits else None)
 
     def _apply_keyed(
-        self,
-        operation: Operation[Any],
-        request: Any,
-        op: OperationSpec,
-        digest: KeyDigest,
-        *,
-        run_id: str = "",
+        self, command: Command, digest: KeyDigest, *, run_id: str = ""
     ) -> tuple[Any, Durable]:
         active = self._require_active(run_id)
+        assert command.op is not None
         try:
-            applied = apply_keyed(active, operation, request, op, digest)
+            applied = apply_keyed(active, command.operation, command.request, command.op, digest)
         except JournalCommitFailed as error:  # an earlier operation's commit failed
             raise self.journal_failed(error) from None
         except BaseException:

@@ -7,11 +7,12 @@ host checks the request there, once, and the intake answers the request id at on
 ``{stream}/{seq}`` is both the request id and the operation key the host journals, bound to the
 digest the intake took of the body (the one hash of a request), so a re-sent request finds its
 ticket (and, after it ran, the journal's recorded result) instead of running again; the same key
-with another payload is refused. Requests run in order per stream, on the engine thread of the
-host's ``Scheduler`` (which also bounds what waits); their results enter the ``ResultStore``
-only once durable: a keyed call's journal commit happens inside the session host before it
-returns, and every other result (a forward, a sample, a failure) is written to the
-``RequestStore`` first.
+with another payload is refused. The intake submits each request to the host as a ``Command``
+numbered in its stream (``SessionHost.submit``, the one entry point of both transports: the
+host's ``Scheduler`` runs it in order, on its engine thread, and bounds what waits) and answers
+its request id from the command's ticket; results enter the ``ResultStore`` only once durable:
+a keyed call's once its journal entry committed, every other result (a forward, a sample, a
+failure) once written to the ``RequestStore``.
 
 A stream is a run's (a server of many runs holds many Tinker models): where its compacted
 records resume, and the position its restored run must have reached, are its own, so one
@@ -54,6 +55,7 @@ from typing import Any
 from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.errors import InvalidArgument, ResourceExhausted, TrainwireError
 from trainwire.server.service.active_run import Durable, JournalCommitFailed, wait_durable
+from trainwire.server.service.commands import Applied, Command
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.operations import SAMPLE, Operation
 from trainwire.server.service.reads import SampleResult
@@ -70,6 +72,7 @@ from trainwire.server.service.request_store import RequestStore, Ticket, compact
 from trainwire.server.service.requests import SampleRequest
 from trainwire.server.service.results import (
     USER_ERRORS,
+    Deferred,
     Done,
     Failed,
     Outcome,
@@ -84,14 +87,17 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Submission:
     """A request as its transport decoded it: the ``operation`` it runs on ``request`` (checked
-    once, when the intake accepts it), what runs ``around`` the operation (given the operation's
-    run, it returns what that returns: the transport's checks at its turn and the locks it
-    holds meanwhile), and ``finish``, which makes the operation's outcome the request's result
-    (a ``Callable[[], body]`` is encoded on the engine thread once the operation ran)."""
+    once, when the intake accepts it) and ``encode``, which makes the operation's outcome the
+    request's response: a keyed call's when it is fetched (off the engine thread: the journal
+    holds the outcome), a read's before it is stored. What the transport changes once the
+    operation ran is ``finish`` (on the engine thread, before the next call of any stream);
+    what runs ``around`` the operation (given the operation's run, it returns what that
+    returns) are the transport's checks at its turn and the locks it holds meanwhile."""
 
     operation: Operation[Any]
     request: Any
-    finish: Callable[[Any], Any]
+    encode: Callable[[Any], Any]
+    finish: Callable[[Any], None] = field(default=lambda outcome: None)
     around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
     run_id: str = ""  # the run it is for ("" the server's only run)
 
@@ -107,7 +113,6 @@ class SampleSubmission:
 
 
 Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
-Work = Submission | Failed  # an ordered request's work: its operation, or why it was refused
 UNORDERED_ROUTE = "unordered"  # the route an unordered request (``SampleRecord``) goes to again
 RESOLVING_LOCKS = 64
 CANCELLED = "cancelled by its client (cancel_future): {what}"
@@ -424,18 +429,37 @@ class Intake:
             self.host.check(work.operation, work.request)  # once: its turn does not again
         except USER_ERRORS as error:
             work, refusal = Failed(str(error), "user"), error
-        job = self._job(request_id, work, digest)
+        recorded = self._recorded(request_id)
         with self._lock:
             if taken():
                 return request_id  # a re-send: its ticket already exists
-            ticket = self._append(CallRecord(route, request_id, seq, body, encoding))
+            stored = self._append(CallRecord(route, request_id, seq, body, encoding))
             self.results.add(request_id, digest)
-            bounded = self._replayed is None
-            self.scheduler.submit(
-                stream, seq, digest, job, size=size, bounded=bounded, after_recovery=True
-            )
-        if ticket is not None:
-            self.store.sync(ticket)
+            bounded = self._replayed is None  # a restart takes back all it accepted before
+            if isinstance(work, Failed):  # it still takes its seq, answered at its turn
+                job = self._job(request_id, work, digest)
+                self.scheduler.submit(
+                    stream, seq, digest, job, size=size, bounded=bounded, after_recovery=True
+                )
+            else:
+                command = Command(
+                    work.operation,
+                    work.request,
+                    work.run_id,
+                    OperationSpec(request_id) if work.operation.keyed else None,
+                    stream=stream,
+                    number=seq,
+                    digest=digest,
+                    size=size,
+                    bounded=bounded,
+                    runs_now=partial(self._runs_at_turn, request_id, recorded),
+                    around=partial(_finished_around, work),
+                )
+                ticket = self.host.submit(command)
+                answered = partial(self._answered, request_id, command, work.encode)
+                ticket.add_done_callback(answered)
+        if stored is not None:
+            self.store.sync(stored)
         if refusal is not None:
             self.results.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
@@ -511,9 +535,16 @@ class Intake:
 
     # -- answering -----------------------------------------------------------------------------
 
-    def _job(self, request_id: str, work: Work, digest: str) -> Callable[[], None]:
-        """What the scheduler runs for a request at its turn (once the host restored its runs)."""
-        return partial(self._answer, request_id, self._recorded(request_id), work, digest)
+    def _job(self, request_id: str, failure: Failed, digest: str) -> Callable[[], None]:
+        """What answers a request refused when it was accepted, at its turn (once the host
+        restored its runs): it takes its seq, so the calls numbered after it run."""
+        return partial(self._answer_refusal, request_id, self._recorded(request_id), failure)
+
+    def _answer_refusal(
+        self, request_id: str, recorded: ResultRecord | None, failure: Failed
+    ) -> None:
+        if self._runs_now(request_id, recorded):
+            self._finish(request_id, failure, durable=False)
 
     def _runs_now(self, request_id: str, recorded: ResultRecord | None) -> bool:
         """At a request's turn: whether its work runs, else it is answered already (its
@@ -529,27 +560,44 @@ class Intake:
             return False
         return True
 
-    def _answer(
-        self, request_id: str, recorded: ResultRecord | None, work: Work, digest: str
-    ) -> None:
-        """A request's turn: its recorded result, its failure, or its operation (whose response
-        is encoded here and answered once durable, while the next job runs)."""
+    def _runs_at_turn(self, request_id: str, recorded: ResultRecord | None) -> bool:
+        """``_runs_now``, and its stream's restored run not behind its compacted records (else
+        it fails alone: it cannot run exactly once)."""
         if not self._runs_now(request_id, recorded):
+            return False
+        cannot = self._cannot_replay.get(stream_of(request_id))
+        if cannot:
+            self._finish(request_id, Failed(cannot, "server"), durable=False)
+            return False
+        return True
+
+    def _answered(
+        self,
+        request_id: str,
+        command: Command,
+        encode: Callable[[Any], Any],
+        ticket: Future[Applied | None],
+    ) -> None:
+        """A request's ticket resolved, on the engine thread: answered once durable (a keyed
+        call's journal entry commits while the next job runs; its response is encoded when it
+        is fetched, a read's here, before it is stored)."""
+        if ticket.exception() is None and ticket.result() is None:
+            return  # it did not run: answered already
+        outcome = run_to_outcome(lambda: ticket.result().outcome)
+        if isinstance(outcome, Done):
+            respond = partial(encode, outcome.body)
+            outcome = (
+                Done(Deferred(respond)) if command.operation.keyed else run_to_outcome(respond)
+            )
+        if not command.operation.keyed or not isinstance(outcome, Done):
+            self._finish(request_id, outcome, durable=False)  # a read, or a failure: stored
             return
-        if isinstance(work, Failed):
-            self._finish(request_id, work, durable=False)
-            return
-        commits: list[Durable] = []
-        outcome = self._run(partial(self._apply, request_id, work, digest, commits), request_id)
-        if isinstance(outcome, Done) and callable(outcome.body):
-            outcome = run_to_outcome(outcome.body)  # while its journal entry commits
-        if not commits or not isinstance(outcome, Done):  # a read, or a failure: stored
-            self._finish(request_id, outcome, durable=False)
-        elif commits[0] is None:  # answered from the journal
+        commit = ticket.result().commit
+        if commit is None:  # answered from the journal
             self._finish(request_id, outcome, durable=True)
         else:
             self._started_finishing(request_id)
-            commits[0].add_done_callback(partial(self._journaled, request_id, outcome))
+            commit.add_done_callback(partial(self._journaled, request_id, outcome))
 
     def _journaled(self, request_id: str, outcome: Outcome, commit: Durable) -> None:
         """On the ledger's commit thread: a keyed call's journal entry is on disk (its result
@@ -591,29 +639,6 @@ class Intake:
             return
         outcome = run_to_outcome(lambda: sample.encode(answer.result()))
         self._finish(request_id, outcome, durable=False)
-
-    def _apply(
-        self, request_id: str, submission: Submission, digest: str, commits: list[Durable]
-    ) -> Any:
-        """A submission's operation, keyed by its request id, then its transport's ``finish``;
-        a keyed one's pending commit is put in ``commits`` (its journal entry is queued before
-        anything ``finish`` writes, so the one commit thread makes them durable in that
-        order)."""
-        operation, request = submission.operation, submission.request
-        run_id = submission.run_id
-        if operation.keyed:
-            op = OperationSpec(request_id)
-
-            def run() -> Any:
-                outcome, commit = self.host.apply_accepted(
-                    operation, request, op, body_digest=digest, run_id=run_id
-                )
-                commits.append(commit)
-                return outcome
-
-        else:
-            run = partial(self.host.apply_checked, operation, request, run_id=run_id)
-        return submission.finish(submission.around(run))
 
     def _run(self, call: Callable[[], Any], request_id: str) -> Outcome:
         cannot = self._cannot_replay.get(stream_of(request_id))
@@ -670,6 +695,14 @@ class Intake:
         """Until every result written has committed and been answered."""
         with self._finished:
             self._finished.wait_for(lambda: not self._finishing)
+
+
+def _finished_around(submission: Submission, run: Callable[[], Any]) -> Any:
+    """A submission's operation run under its transport's ``around``, then its ``finish``; the
+    operation's outcome."""
+    outcome = submission.around(run)
+    submission.finish(outcome)
+    return outcome
 
 
 def _raise(error: Exception) -> None:

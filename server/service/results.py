@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
@@ -50,9 +51,10 @@ USER_ERRORS = (InvalidArgument, FailedPrecondition, NotFound, ValueError)
 @dataclass(frozen=True)
 class Done:
     """A finished request: its encoded response, a JSON object or bytes (the Tinker front's
-    protobuf ``ForwardBackwardOutput`` and ``SampleResponse``)."""
+    protobuf ``ForwardBackwardOutput`` and ``SampleResponse``), or one ``Deferred`` until it is
+    asked for."""
 
-    body: dict[str, Any] | bytes
+    body: dict[str, Any] | bytes | Deferred
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,33 @@ class Failed:
 
 
 Outcome = Done | Failed
+
+
+class Deferred:
+    """A response encoded when it is first asked for, once (every later fetch gets the same
+    bytes). A keyed call's response is deferred: its journal entry is its durable record, so
+    encoding it need not hold the engine thread; the fetch encodes it on the front's worker
+    thread (``settled``), and a compaction that carries it before anyone fetched it, there."""
+
+    def __init__(self, encode: Callable[[], dict[str, Any] | bytes]) -> None:
+        self._encode: Callable[[], dict[str, Any] | bytes] | None = encode
+        self._lock = threading.Lock()
+        self._outcome: Outcome | None = None
+
+    def outcome(self) -> Outcome:
+        """The encoded response, or why encoding it failed (a ``server`` failure)."""
+        with self._lock:
+            if self._outcome is None:
+                assert self._encode is not None
+                self._outcome, self._encode = run_to_outcome(self._encode), None
+            return self._outcome
+
+
+def settled(outcome: Outcome) -> Outcome:
+    """``outcome`` with its response encoded: a ``Deferred`` one's now, on the caller's thread."""
+    if isinstance(outcome, Done) and isinstance(outcome.body, Deferred):
+        return outcome.body.outcome()
+    return outcome
 
 
 @dataclass(frozen=True)
@@ -209,6 +238,7 @@ class ResultStore:
                 for r, e in entries
                 if e is not None and e.outcome is not None
             ]
+        results = [dataclasses.replace(r, outcome=settled(r.outcome)) for r in results]
         return {r.request_id: r for r in retained(results, self._clock())}
 
     def pending_among(self, chosen: Callable[[str], bool]) -> list[str]:

@@ -206,24 +206,34 @@ class Scheduler:
     def run(self, call: Callable[[], T], *, lane: str = "") -> T:
         """``call()`` on the engine thread in ``lane``'s turn, after everything queued before it
         in ``lane``; at once when called on the engine thread (a job's own call)."""
-        if self.on_engine_thread:
-            return call()
-        return self._wait(Job(call=call, lane=lane))
+        return self.queue(call, lane=lane).result()
 
     def run_sample(self, prepare: Callable[[], PreparedSample], *, lane: str = "") -> Any:
         """A sample's result: decoded in ``lane``'s turn, with the samples queued beside it."""
-        if self.on_engine_thread:
-            prepared = prepare()
-            decode_alone(prepared)
-            return prepared.answer.result()
-        return self._wait(Job(prepare=prepare, lane=lane))
+        return self.queue(prepare=prepare, lane=lane).result()
 
-    def _wait(self, job: Job) -> Any:
+    def queue(
+        self,
+        call: Callable[[], Any] | None = None,
+        *,
+        prepare: Callable[[], PreparedSample] | None = None,
+        lane: str = "",
+    ) -> futures.Future[Any]:
+        """``run`` (or, given ``prepare``, ``run_sample``) without waiting: the job's future,
+        done before this returns when called on the engine thread (a job's own call)."""
+        if self.on_engine_thread:
+            done: futures.Future[Any] = futures.Future()
+            try:
+                done.set_result(call() if prepare is None else _decode_now(prepare))
+            except BaseException as error:  # its caller hears it from the future
+                done.set_exception(error)
+            return done
+        job = Job(call=call, prepare=prepare, lane=lane)
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
             self._make_ready(job)
-        return job.done.result()
+        return job.done
 
     @contextlib.contextmanager
     def running_beside(self, stream: str) -> Iterator[None]:
@@ -352,10 +362,10 @@ class Scheduler:
             self._release(stream)
             return True
 
-    def submit_at(self, stream: str, position: int, call: Callable[[], T]) -> T:
-        """Run ``call``, which expects the run of ``stream`` at ``position``, in position order
-        (see the module docstring), and return what it returns; ``FailedPrecondition`` for a
-        stream not started, ``ResourceExhausted`` when its requests are at their bound."""
+    def submit_at(self, stream: str, position: int, call: Callable[[], T]) -> futures.Future[T]:
+        """Queue ``call``, which expects the run of ``stream`` at ``position``, in position order
+        (see the module docstring); its future. ``FailedPrecondition`` for a stream not
+        started, ``ResourceExhausted`` when its requests are at their bound."""
         with self._lock:
             if stream not in self._positions:
                 raise FailedPrecondition(f"run {stream!r} is not open on this server")
@@ -368,7 +378,7 @@ class Scheduler:
                 self._held[stream].setdefault(position, []).append(job)
                 self._active_at = time.monotonic()  # its predecessor may be a moment behind it
                 self._release(stream)
-        return job.done.result()
+        return job.done
 
     def check_room(self, size: int = 0, *, account: str = "") -> None:
         """ResourceExhausted when ``account``'s samples are at their bound, in jobs or bytes, or
@@ -725,3 +735,10 @@ class Scheduler:
                 break
             seen = arrived
             time.sleep(SETTLE_STEP_S)
+
+
+def _decode_now(prepare: Callable[[], PreparedSample]) -> Any:
+    """A sample asked for on the engine thread: decoded alone, at once."""
+    prepared = prepare()
+    decode_alone(prepared)
+    return prepared.answer.result()

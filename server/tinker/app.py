@@ -21,7 +21,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from trainwire.server.errors import InvalidArgument, NotFound, TrainwireError, status_of
-from trainwire.server.service.results import Done
+from trainwire.server.service.results import Deferred, Done, settled
 from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker import (
     account_routes,
@@ -265,6 +265,8 @@ def create_app(
         if outcome is None:
             payload = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
             return JSONResponse(payload)
+        if isinstance(outcome, Done) and isinstance(outcome.body, Deferred):
+            outcome = await run_in_threadpool(settled, outcome)  # encoded on a worker thread
         if isinstance(outcome, Done):
             if isinstance(outcome.body, bytes):
                 return Response(outcome.body, media_type=codec.PROTOBUF)

@@ -61,16 +61,18 @@ def save_weights_external(front: TinkerFront, body: dict[str, Any]) -> str:
         path = TinkerPath(model_id, "external_weights", name)
         export = EXPORT_PREFIX + name
 
-        def finish(outcome: Any) -> dict[str, Any]:
+        def finish(_: Any) -> None:
             if recipients:
                 encrypt(front, path, export, recipients)
             else:  # an earlier save under this name was encrypted: its files are not these
                 shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
             saved_checkpoints.record_saved(front, path, export, ttl, f"{model_id}/{seq_id}")
+
+        def encode(outcome: Any) -> dict[str, Any]:
             size = sum(f.size_bytes for f in outcome.files)
             return {"type": "save_weights_external", "path": str(path), "size_bytes": size}
 
-        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish)
+        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), encode, finish)
 
     return front.submit("save_weights_external", body, model_id, seq_id, prepare)
 

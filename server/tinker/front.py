@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,17 +52,11 @@ class TinkerFront:
         **options: Any,
     ) -> str:
         """Queue a training call of ``model_id`` (``Intake.submit``), bound to the run it was
-        sent to: when its turn comes it runs only while that run is open, so a call queued
-        before its model closed never runs on another model's run."""
+        sent to: when its turn comes the host runs it only while that run is open, so a call
+        queued before its model closed never runs on another model's run."""
         run_id = self.models.require_model(model_id).run_id
 
         def bound() -> Submission:
-            submission = prepare()
-            around = submission.around
-
-            def while_open(run: Callable[[], Any]) -> Any:
-                return self.models.while_open(run_id, partial(around, run))
-
-            return replace(submission, around=while_open, run_id=run_id)
+            return replace(prepare(), run_id=run_id)
 
         return self.intake.submit(route, body, model_id, seq_id, bound, **options)

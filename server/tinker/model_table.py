@@ -13,9 +13,10 @@ its slot to a new model, then the model whose client has been silent longest, on
 ``--tenants`` goes the same way). With none silent, the new model is refused (429, which the SDK
 retries) until one closes or lapses.
 
-A call belongs to the run it was sent to: it runs only while that run is open (``while_open``,
-which closing that model waits for), and fails with nothing applied once its model was closed,
-never on another model's run.
+A call belongs to the run it was sent to (``TinkerFront.submit`` names it in the call's command):
+the host runs it only while that run is open, and fails it with nothing applied once its model
+was closed, never on another model's run (closing a run is a job of the engine thread too, so it
+comes between two calls, never inside one).
 
 A model's run may also be closed through the other port (a gRPC ``Close``: ``trainwire close``).
 The host is not told about the front (calls go one way), so the front asks it: a model whose run
@@ -43,10 +44,9 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from trainwire.contract.config import TrainingConfig
 from trainwire.contract.outcomes import OperationSpec
@@ -91,8 +91,6 @@ SESSION_KEEP_S = 60 * SDK_HEARTBEAT_S
 SWEEP_EVERY_S = 6 * SDK_HEARTBEAT_S  # create_session looks for lapsed sessions at most this often
 SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sampler weights
 
-T = TypeVar("T")
-
 
 class ModelTable:
     """The open models (by model id), the SDK sessions that may use them and the sampling
@@ -123,8 +121,6 @@ class ModelTable:
         self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
         self._lock = threading.Lock()  # the models; one create_model or close at a time
         self._models: dict[str, ModelRecord] = {}  # the open models, by model id
-        # Held while a call of a model runs (``while_open``): closing the model waits for it.
-        self._busy: dict[str, threading.Lock] = {}
         self._sampling_run: dict[str, str] = {}  # config fingerprint → its sampling run
         for record in ModelRecord.load_all(directory):
             self._add_model(record)
@@ -420,7 +416,6 @@ class ModelTable:
 
     def _add_model(self, record: ModelRecord) -> None:
         self._models[record.model_id] = record
-        self._busy[record.run_id] = threading.Lock()
 
     def _close_model(self, model: ModelRecord) -> None:
         """Close ``model``'s run (its files stay) and forget the model (``_forget_model``).
@@ -443,33 +438,17 @@ class ModelTable:
                 self._forget_model(model, close_run=False)
 
     def _forget_model(self, model: ModelRecord, *, close_run: bool) -> None:
-        """Once its running call ended, close ``model``'s run (``close_run``; else it is closed
-        already) and forget the model and what the request store kept for it: its record, its
-        sampling sessions and its stream; its calls still queued fail when their turn comes
-        (``while_open``). Under ``_lock``."""
-        with self._busy[model.run_id]:
-            if close_run:
-                self.host.close(model.run_id)
-            model.remove(self.directory)
-            del self._models[model.model_id], self._busy[model.run_id]
+        """Close ``model``'s run (``close_run``; else it is closed already) and forget the model
+        and what the request store kept for it: its record, its sampling sessions and its
+        stream; its calls still queued fail when their turn comes (their run is not open).
+        Under ``_lock``."""
+        if close_run:
+            self.host.close(model.run_id)
+        model.remove(self.directory)
+        del self._models[model.model_id]
         self.sampling_sessions.end_model(model.model_id)  # its sampling clients end with it
         self.intake.end_stream(model.model_id)
         self.intake.forget_stream(model.model_id, self.head_records)
-
-    def while_open(self, run_id: str, call: Callable[[], T]) -> T:
-        """``call()``, with run ``run_id`` held open meanwhile (closing its model waits for
-        it); FailedPrecondition, nothing run, when that run is not open."""
-        closed = FailedPrecondition(
-            f"the model of run {run_id!r} was closed before this call ran: nothing was applied "
-            "(a call never runs on another model)"
-        )
-        busy = self._busy.get(run_id)
-        if busy is None:
-            raise closed
-        with busy:
-            if self._busy.get(run_id) is not busy or self.host.was_closed(run_id):
-                raise closed  # closed while this call waited, here or through the gRPC port
-            return call()
 
     def _resolve_create(self, model_id: str) -> str:
         self.intake.start_stream(model_id, run_id=self._models[model_id].run_id)

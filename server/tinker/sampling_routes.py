@@ -64,13 +64,13 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 )
             return run()
 
-        def finish(_: Any) -> dict[str, Any]:
+        def finish(_: Any) -> None:
             sessions, model_name = front.sampling_sessions, model.base_model
             if path:
                 sessions.snapshot(model_id, None, path, model_name, export, seq_id)
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
                 saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
-                return {"type": "save_weights_for_sampler", "path": path}
+                return
             pruned = sessions.snapshot(
                 model_id, sampling_id, None, model_name, export, seq_id, inflight=inflight
             )
@@ -78,9 +78,14 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 discard = DiscardExportsRequest(pruned)
                 # At the snapshot's turn: accepted already, never refused for what waits.
                 front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id, account=None)
+
+        def encode(_: Any) -> dict[str, Any]:
+            if path:
+                return {"type": "save_weights_for_sampler", "path": path}
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
-        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), finish, around)
+        export_request = ExportWeightsRequest(export)
+        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, finish, around)
 
     # A re-send may carry another sampling_session_seq_id: only the first try's session is made.
     new = not front.intake.results.known(f"{model_id}/{seq_id}")

@@ -54,17 +54,13 @@ def forward_backward(front: TinkerFront, body: bytes, content_encoding: str) -> 
 
 
 def _decode_forward_backward(message: codec.pb.ForwardBackwardRequest) -> Submission:
-    """The datums and the loss; a ``forward_only`` call is a forward (a read, not keyed). Its
-    response is encoded behind, while the next call runs."""
+    """The datums and the loss; a ``forward_only`` call is a forward (a read, not keyed)."""
     request = codec.forward_backward_call(message)
-
-    def encoded(outcome: Any) -> Callable[[], bytes]:
-        return partial(_encode_forward_backward, request, outcome)
-
+    encode = partial(_encode_forward_backward, request)
     examples, loss = request.examples, (request.loss_fn, request.loss_fn_config)
     if request.forward_only:
-        return Submission(ops.FORWARD, ForwardRequest(examples, *loss), encoded)
-    return Submission(ops.FORWARD_BACKWARD, ForwardBackwardRequest(examples, *loss), encoded)
+        return Submission(ops.FORWARD, ForwardRequest(examples, *loss), encode)
+    return Submission(ops.FORWARD_BACKWARD, ForwardBackwardRequest(examples, *loss), encode)
 
 
 def _encode_forward_backward(request: codec.ForwardBackwardCall, outcome: Any) -> bytes:
@@ -80,14 +76,17 @@ def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
 
     def prepare() -> Submission:
         step = OptimStepRequest(**adam_settings(body), sum_microbatches=True)
-        return Submission(ops.OPTIM_STEP, step, finish)
+        return Submission(ops.OPTIM_STEP, step, _optim_step_output, finish)
 
-    def finish(outcome: Any) -> dict[str, Any]:
+    def finish(_: Any) -> None:
         front.sampling_sessions.weights_changed(model_id)
-        metrics = {"learning_rate:mean": outcome.learning_rate, "grad_norm:mean": outcome.grad_norm}
-        return {"type": "optim_step", "metrics": metrics}
 
     return front.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
+
+
+def _optim_step_output(outcome: Any) -> dict[str, Any]:
+    metrics = {"learning_rate:mean": outcome.learning_rate, "grad_norm:mean": outcome.grad_norm}
+    return {"type": "optim_step", "metrics": metrics}
 
 
 def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
@@ -100,12 +99,14 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         ttl = check_ttl(body.get("ttl_seconds"), "save_state")
         path = TinkerPath(model_id, "weights", name)
 
-        def finish(saved: Any) -> dict[str, Any]:
+        def finish(saved: Any) -> None:
             front.intake.compact_at(model_id, seq_id, saved.position, front.models.head_records)
             saved_checkpoints.record_saved(front, path, name, ttl, f"{model_id}/{seq_id}")
+
+        def encode(_: Any) -> dict[str, Any]:
             return {"type": "save_weights", "path": str(path)}
 
-        return Submission(ops.SAVE_STATE, CheckpointRequest(name), finish)
+        return Submission(ops.SAVE_STATE, CheckpointRequest(name), encode, finish)
 
     return front.submit("save_weights", body, model_id, seq_id, prepare)
 
@@ -133,14 +134,16 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
                     front.catalog.find(path, expired_ok=True)
                 return run()
 
-        def finish(_: Any) -> dict[str, Any]:
+        def finish(_: Any) -> None:
             front.sampling_sessions.weights_changed(model_id)
+
+        def encode(_: Any) -> dict[str, Any]:
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         if get_bool(body, "optimizer"):  # the engine restores a full state only into a fresh one
             load = CheckpointRequest(saved.stored_as, run_id)
-            return Submission(ops.LOAD_STATE, load, finish, around)
+            return Submission(ops.LOAD_STATE, load, encode, finish, around)
         weights = LoadWeightsRequest(WeightsSource("checkpoint", saved.stored_as), run_id)
-        return Submission(ops.LOAD_WEIGHTS, weights, finish, around)
+        return Submission(ops.LOAD_WEIGHTS, weights, encode, finish, around)
 
     return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
