@@ -16,9 +16,10 @@ not commit, fails the server (a restart restores the latest checkpoint; see ``re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from trainwire.server.errors import (
     NotFound,
     ResourceExhausted,
 )
+from trainwire.server.service import keyed_path
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -49,7 +51,6 @@ from trainwire.server.service.journal import (
     payload_digest,
     request_digest,
 )
-from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
@@ -60,6 +61,7 @@ from trainwire.server.service.run_checkpoints import (
 )
 from trainwire.server.service.sample_batching import PreparedSample
 from trainwire.server.service.scheduler import Scheduler
+from trainwire.server.service.scheduler_jobs import Shared
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -599,7 +601,9 @@ class SessionHost:
         with self.scheduler.admitted(account):
             return self._run_refusable(call, *args, lane=lane)
 
-    def _run_refusable(self, call: Callable[..., T], *args: Any, lane: str = "") -> T:
+    def _run_refusable(
+        self, call: Callable[..., T], *args: Any, lane: str = "", shared: Shared | None = None
+    ) -> T:
         self.lifecycle.refuse_if_unavailable()
 
         def job() -> T:
@@ -607,7 +611,7 @@ class SessionHost:
             self.lifecycle.refuse_if_unavailable()
             return call(*args)
 
-        return self.scheduler.run(job, lane=lane)
+        return self.scheduler.run(job, lane=lane, shared=shared)
 
     def _keyed(
         self,
@@ -676,16 +680,22 @@ class SessionHost:
         digest: KeyDigest,
         run_id: str,
     ) -> tuple[Any, Durable]:
-        """``_apply_keyed`` at its turn: at ``op``'s expected position, else (numbered by no
-        one, or by the intake's stream) now, held positions of the run waiting meanwhile."""
-        stream = run_id = self._require_active(run_id).spec.run_id
+        """The job of a keyed call, built here for every transport: ``_apply_keyed`` at its
+        turn, at ``op``'s expected position, else (numbered by no one, or by the intake's
+        stream) now, held positions of the run waiting meanwhile. Its ``Shared`` part
+        (``_keyed_pass``) lets it run in one pass with other runs' calls instead."""
+        active = self._require_active(run_id)
+        stream = run_id = active.spec.run_id
         apply = partial(self._apply_keyed, run_id=run_id)
         lane = self.lane_of(run_id)
-        turn = partial(self._run_refusable, apply, operation, request, op, digest, lane=lane)
+        shared = self._keyed_pass(active, operation, request, op, digest)
+        turn = partial(
+            self._run_refusable, apply, operation, request, op, digest, lane=lane, shared=shared
+        )
         if op.expected_position is None:
             with self.scheduler.running_beside(stream):
                 return turn()
-        return self.scheduler.submit_at(stream, op.expected_position, turn)
+        return self.scheduler.submit_at(stream, op.expected_position, turn, shared=shared)
 
     def _apply_keyed(
         self,
@@ -697,8 +707,53 @@ class SessionHost:
         run_id: str = "",
     ) -> tuple[Any, Durable]:
         active = self._require_active(run_id)
+        with self._keyed_failures(active):
+            return keyed_path.apply_keyed(active, operation, request, op, digest)
+
+    def _keyed_pass(
+        self,
+        active: ActiveRun,
+        operation: Operation[Any],
+        request: Any,
+        op: OperationSpec,
+        digest: KeyDigest,
+    ) -> Shared | None:
+        """What a keyed call does around a pass it shares with other runs' calls (None: it
+        cannot share one): ``keyed_path.begin`` at its turn (refused as its solo call is, while
+        unavailable or once its run closed) and the engine request; after the pass,
+        ``keyed_path.end`` with the fields of its result, failures meaning what they mean
+        alone (``_keyed_failures``)."""
+        together, base = operation.together, active.session.shared_base
+        if together is None or base is None:
+            return None
+        run_id = active.spec.run_id
+        begun: list[tuple[ActiveRun, keyed_path.Begun]] = []
+
+        def begin() -> Any:
+            self.lifecycle.refuse_if_unavailable()
+            run = self._require_active(run_id)
+            started = keyed_path.begin(run, operation, op, digest)
+            if started.applying is None:
+                return None  # replayed: answered from the journal at its own turn
+            begun[:] = [(run, started)]
+            return together.request(run, request)
+
+        def end(result: Any) -> tuple[Any, Durable]:
+            run, started = begun[0]
+            with self._keyed_failures(run):
+                if isinstance(result, BaseException):
+                    raise result
+                fields = together.fields(run, result)
+                return keyed_path.end(run, operation, request, op, started, fields)
+
+        return Shared(base, together.backward, begin, end)
+
+    @contextlib.contextmanager
+    def _keyed_failures(self, active: ActiveRun) -> Iterator[None]:
+        """Around a keyed call's engine work and commit: what a failure means for the server,
+        and the run's snapshot once it applied."""
         try:
-            applied = apply_keyed(active, operation, request, op, digest)
+            yield
         except JournalCommitFailed as error:  # an earlier operation's commit failed
             raise self.journal_failed(error) from None
         except BaseException:
@@ -708,7 +763,6 @@ class SessionHost:
                 self._fail(f"{active.session.broken}; restart the server to restore")
             raise
         self._snapshots[active.spec.run_id] = active.info(digest_known_only=True)
-        return applied
 
     # -- helpers ---------------------------------------------------------------------------------
 
