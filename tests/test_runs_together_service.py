@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from process_cluster import wait_until
 from service_fixtures import TEXTS, connect, microbatches, running_server
+from test_fair_turns import held
 from test_service_restart import TOKEN, ServeProcess
 
 from trainwire.client import LoraSettings, SessionClient
@@ -89,20 +90,6 @@ def passes(caplog) -> Iterator[list[list[str]]]:
     logging.getLogger(PASS_LOG).removeHandler(handler)
 
 
-def held_engine(scheduler) -> Callable[[], None]:
-    """Keep the engine thread busy until the returned release is called, so the calls sent
-    meanwhile are all ready when it is free."""
-    gate, running = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        running.set()
-        gate.wait(120)
-
-    threading.Thread(target=scheduler.run, args=(hold,), kwargs={"lane": "hold"}).start()
-    assert running.wait(60)
-    return gate.set
-
-
 def test_four_runs_pipelined_over_grpc_share_passes_and_each_ends_as_alone(
     tmp_path, model_root, llama_config, passes
 ):
@@ -113,7 +100,7 @@ def test_four_runs_pipelined_over_grpc_share_passes_and_each_ends_as_alone(
         clients = {name: connect(server, max_in_flight=2) for name in RUNS}
         for name, config in configs.items():
             clients[name].open(name, config)
-        release = held_engine(scheduler)
+        release = held(scheduler).set
         results: dict[str, list] = {}
         threads = [
             threading.Thread(
@@ -165,7 +152,7 @@ def test_a_run_with_many_waiting_calls_gets_one_job_a_pass_and_shares_stay_even(
     scheduler = host.scheduler
 
     # r0 floods: 20 calls; the three others one each, sent after the flood.
-    release = held_engine(scheduler)
+    release = held(scheduler).set
     threads = [forward_backward_thread(host, "r0", f"r0/{i}", BATCHES[0]) for i in range(20)]
     assert wait_until(lambda: scheduler.queued == 21, 60)
     threads += [forward_backward_thread(host, name, f"{name}/0", BATCHES[0]) for name in RUNS[1:]]
@@ -180,7 +167,7 @@ def test_a_run_with_many_waiting_calls_gets_one_job_a_pass_and_shares_stay_even(
 
     # Every run with five calls waiting: five passes, each run in each once.
     passes.clear()
-    release = held_engine(scheduler)
+    release = held(scheduler).set
     threads = [
         forward_backward_thread(host, name, f"{name}/more/{i}", BATCHES[0])
         for i in range(5)
@@ -218,7 +205,7 @@ def test_a_replayed_key_and_a_stale_position_beside_a_pass_are_answered_alone(
     passes.clear()
     before = host.scheduler.shared_passes
 
-    release = held_engine(host.scheduler)
+    release = held(host.scheduler).set
     r2 = forward_backward_thread(host, "r2", "r2/0", BATCHES[0])  # its turn comes first
     assert wait_until(lambda: host.scheduler.queued == 2, 60)
     replay = forward_backward_thread(host, "r0", "r0/0", BATCHES[0])
@@ -250,7 +237,7 @@ def test_runs_that_cannot_share_take_turns_and_still_end_as_alone(make_host, lla
     host = make_host(max_runs=4)
     for name, config in configs.items():
         host.open(name, config)
-    release = held_engine(host.scheduler)
+    release = held(host.scheduler).set
     threads = {
         name: forward_backward_thread(host, name, f"{name}/0", BATCHES[0]) for name in configs
     }
