@@ -24,7 +24,11 @@ from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.errors import PositionMismatch
 from trainwire.server.service import operations as ops
-from trainwire.server.service.requests import ForwardBackwardRequest
+from trainwire.server.service.requests import (
+    ForwardBackwardRequest,
+    ForwardRequest,
+    OptimStepRequest,
+)
 
 BATCHES = microbatches(TEXTS, size=4)
 PLAIN_LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
@@ -181,6 +185,38 @@ def test_a_run_with_many_waiting_calls_gets_one_job_a_pass_and_shares_stay_even(
     assert all(sorted(lanes) == sorted(RUNS) for lanes in passes), passes
     shares = Counter(lane for lanes in passes for lane in lanes)
     assert shares == {name: 5 for name in RUNS}
+
+
+def test_forward_reads_of_several_runs_share_a_pass_and_read_what_they_read_alone(
+    make_host, llama_config, passes
+):
+    host = make_host(max_runs=3)
+    names = RUNS[:3]
+    for name, config in list(run_configs(llama_config).items())[:3]:
+        host.open(name, config)
+        fb, step = ForwardBackwardRequest(BATCHES[1]), OptimStepRequest()
+        host.apply(ops.FORWARD_BACKWARD, fb, OperationSpec(f"{name}/0"), run_id=name)
+        host.apply(ops.OPTIM_STEP, step, OperationSpec(f"{name}/1"), run_id=name)
+
+    def read(name: str) -> Any:
+        return host.apply(ops.FORWARD, ForwardRequest(BATCHES[0]), run_id=name)
+
+    release = held(host.scheduler).set
+    results: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=lambda name=name: results.update({name: read(name)}))
+        for name in names
+    ]
+    for thread in threads:
+        thread.start()
+    assert wait_until(lambda: host.scheduler.queued == 1 + len(names), 60)
+    release()
+    for thread in threads:
+        thread.join(120)
+    assert [sorted(lanes) for lanes in passes] == [sorted(names)]
+    for name in names:  # one at a time: each alone
+        assert read(name) == results[name], name
+    assert len(passes) == 1
 
 
 def alone_digest(config, batches: list) -> tuple[list[float], str]:

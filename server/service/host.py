@@ -9,9 +9,12 @@ checkpoint; the layout on disk is in ``state_dir``.
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path
 (journal, position, engine, commit), moving the session's *position* (operations applied) by one;
-its caller hears of it once its commit is on disk. The host checks requests and keys first, and
-owns what a failure means for the lifecycle: a session broken midway, or a journal that could
-not commit, fails the server (a restart restores the latest checkpoint; see ``recovery``).
+its caller hears of it once its commit is on disk. A LoRA run's forward_backward (and forward)
+may instead run in one pass with other runs' (``shared_passes``): its job carries the same
+phases, split around the pass (``_keyed_pass``, ``_read_pass``). The host checks requests and
+keys first, and owns what a failure means for the lifecycle: a session broken midway, or a
+journal that could not commit, fails the server (a restart restores the latest checkpoint; see
+``recovery``).
 """
 
 from __future__ import annotations
@@ -578,6 +581,7 @@ class SessionHost:
             lambda: operation.apply(self._require_active(run_id), request, None),
             lane=lane,
             account=account,
+            shared=self._read_pass(run_id, operation, request),
         )
 
     # -- the scheduler -----------------------------------------------------------------------------
@@ -589,6 +593,7 @@ class SessionHost:
         refusable: bool = True,
         lane: str = "",
         account: str | None = "",
+        shared: Shared | None = None,
     ) -> T:
         """``call(*args)`` on the engine thread, after everything queued before it.
 
@@ -599,7 +604,7 @@ class SessionHost:
         if not refusable:
             return self.scheduler.run(lambda: call(*args), lane=lane)
         with self.scheduler.admitted(account):
-            return self._run_refusable(call, *args, lane=lane)
+            return self._run_refusable(call, *args, lane=lane, shared=shared)
 
     def _run_refusable(
         self, call: Callable[..., T], *args: Any, lane: str = "", shared: Shared | None = None
@@ -745,6 +750,27 @@ class SessionHost:
                     raise result
                 fields = together.fields(run, result)
                 return keyed_path.end(run, operation, request, op, started, fields)
+
+        return Shared(base, together.backward, begin, end)
+
+    def _read_pass(self, run_id: str, operation: Operation[Any], request: Any) -> Shared | None:
+        """What a read that may share a pass with other runs' reads of its kind (a forward)
+        does around it (None: it cannot share one): refused at its turn as alone, then its
+        outcome from the pass's result."""
+        together = operation.together
+        active = self._require_active(run_id)
+        base = active.session.shared_base
+        if together is None or base is None:
+            return None
+
+        def begin() -> Any:
+            self.lifecycle.refuse_if_unavailable()
+            return together.request(self._require_active(run_id), request)
+
+        def end(result: Any) -> Any:
+            if isinstance(result, BaseException):
+                raise result
+            return together.fields(self._require_active(run_id), result)
 
         return Shared(base, together.backward, begin, end)
 

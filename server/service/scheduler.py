@@ -626,16 +626,16 @@ class Scheduler:
         """``first``'s turn, with the heads of the other lanes that share its pass (see
         ``shared_passes``); alone when none does, or when the pass changed nothing and failed.
         Only this thread takes jobs, so the heads looked at stay heads until taken."""
-        request = shared_passes.begin(first)
-        if request is None:
-            self._run_one(first)
-            return
         with self._lock:
             heads = [
                 job
                 for _, job in self._turns.heads_after(first.lane)
                 if not job.is_sample and shared_passes.may_join(first, job)
             ]
+        request = shared_passes.begin(first) if heads else None
+        if request is None:
+            self._run_one(first)
+            return
         begun = [(first, request)]
         for job in heads:
             other = shared_passes.begin(job)

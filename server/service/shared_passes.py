@@ -69,8 +69,8 @@ def begin(job: Job) -> Request | None:
 def group(begun: Sequence[tuple[Job, Request]]) -> tuple[list[tuple[Job, Request]], RowInvariance]:
     """The first job and those of the others that may share its pass, in their order."""
     requests = [request for _, request in begun]
-    invariance = row_invariance(requests[0].session.model)
-    if invariance.min_rows is None or len(begun) < 2:
+    invariance = row_invariance(requests[0].session.model)  # probed once per device and shapes
+    if invariance.min_rows is None:
         return [begun[0]], invariance
     joined: list[tuple[Job, Request]] = []
     for index in group_together(requests, invariance)[0]:
