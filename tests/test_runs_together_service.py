@@ -17,6 +17,7 @@ import pytest
 from process_cluster import wait_until
 from service_fixtures import TEXTS, connect, microbatches, running_server
 from test_fair_turns import held
+from test_pipelining import run_pipelined
 from test_service_restart import TOKEN, ServeProcess
 
 from trainwire.client import LoraSettings, SessionClient
@@ -47,14 +48,7 @@ def run_configs(llama_config: Any) -> dict[str, Any]:
 
 def apply_steps(client: SessionClient, name: str, steps: list, *, first: int = 0) -> list[Any]:
     """``steps[first:]`` of run ``name``, pipelined, keys ``{name}/{index}``; their outcomes."""
-    calls = []
-    for index, (kind, batch) in enumerate(steps[first:], start=first):
-        key = f"{name}/{index}"
-        if kind == "fb":
-            calls.append(client.forward_backward_async(batch, operation_key=key))
-        else:
-            calls.append(client.optim_step_async(operation_key=key))
-    return [call.result(timeout=120) for call in calls]
+    return run_pipelined(client, steps, name, first=first)
 
 
 def alone_on_a_server(tmp_path, model_root, configs, steps) -> dict[str, tuple[list, str]]:
