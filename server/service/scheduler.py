@@ -642,7 +642,7 @@ class Scheduler:
             if other is not None:
                 begun.append((job, other))
         joined, invariance = shared_passes.group(begun)
-        if len(joined) < 2:
+        if len(joined) < 2 or invariance is None:
             self._run_one(first)
             return
         jobs = [job for job, _ in joined]

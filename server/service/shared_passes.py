@@ -66,14 +66,23 @@ def begin(job: Job) -> Request | None:
         return None
 
 
-def group(begun: Sequence[tuple[Job, Request]]) -> tuple[list[tuple[Job, Request]], RowInvariance]:
-    """The first job and those of the others that may share its pass, in their order."""
+def group(
+    begun: Sequence[tuple[Job, Request]],
+) -> tuple[list[tuple[Job, Request]], RowInvariance | None]:
+    """The first job and those of the others that may share its pass, in their order, and the
+    invariance they share it under. What fails while grouping leaves the first job alone (the
+    engine thread goes on; each job meets its own error at its turn)."""
     requests = [request for _, request in begun]
-    invariance = row_invariance(requests[0].session.model)  # probed once per device and shapes
-    if invariance.min_rows is None:
-        return [begun[0]], invariance
+    try:
+        invariance = row_invariance(requests[0].session.model)  # probed once per device, shapes
+        if invariance.min_rows is None:
+            return [begun[0]], invariance
+        indices = group_together(requests, invariance)[0]
+    except Exception:
+        logger.exception("runs could not be grouped for a shared pass: they run alone")
+        return [begun[0]], None
     joined: list[tuple[Job, Request]] = []
-    for index in group_together(requests, invariance)[0]:
+    for index in indices:
         if within_one_request([request for _, request in joined] + [requests[index]]):
             joined.append(begun[index])
     return joined, invariance
