@@ -20,10 +20,10 @@ from test_fair_turns import held
 from test_pipelining import run_pipelined
 from test_service_restart import TOKEN, ServeProcess
 
-from trainwire.client import LoraSettings, SessionClient
+from trainwire.client import LoraSettings, SessionClient, TokenExample
 from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import PositionMismatch
+from trainwire.server.errors import InvalidArgument, PositionMismatch
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import (
     ForwardBackwardRequest,
@@ -253,6 +253,41 @@ def test_a_replayed_key_and_a_stale_position_beside_a_pass_are_answered_alone(
         losses, digest = alone_digest(configs[name], [BATCHES[0]])
         assert host.info(name).state_digest == digest
         assert [(r2 if name == "r2" else r3).result.loss] == losses
+
+
+def token_batch(last: int) -> list[TokenExample]:
+    """Four cross-entropy sequences of 8 tokens (32 positions: enough to stack on this CPU)."""
+    return [TokenExample.from_sequence([5, 9, 14, 3, 7, 21, 4, seed, last]) for seed in range(4)]
+
+
+def test_a_pass_one_request_of_which_is_refused_runs_each_alone_and_only_that_one_fails(
+    make_host, llama_config, passes, caplog
+):
+    """A token batch's ids are checked against the vocabulary only when the engine encodes it,
+    inside the pass: the pass fails having changed nothing, and each call runs alone."""
+    caplog.set_level(logging.INFO, logger="trainwire.server.service.shared_passes")
+    configs = dict(list(run_configs(llama_config).items())[:3])
+    host = make_host(max_runs=3)
+    for name, config in configs.items():
+        host.open(name, config)
+    batches = {"r0": token_batch(2), "r1": token_batch(2), "r2": token_batch(10**6)}
+    release = held(host.scheduler).set
+    threads = {
+        name: forward_backward_thread(host, name, f"{name}/0", batch)
+        for name, batch in batches.items()
+    }
+    assert wait_until(lambda: host.scheduler.queued == 4, 60)
+    release()
+    for thread in threads.values():
+        thread.join(120)
+    assert "a shared pass of 3 runs was refused" in caplog.text
+    assert passes == []  # every call ran alone
+    assert isinstance(threads["r2"].result, InvalidArgument)
+    assert [host.info(name).position for name in configs] == [1, 1, 0]
+    for name in ("r0", "r1"):
+        losses, digest = alone_digest(configs[name], [batches[name]])
+        assert threads[name].result.loss == losses[0].loss
+        assert host.info(name).state_digest == digest
 
 
 def test_runs_that_cannot_share_take_turns_and_still_end_as_alone(make_host, llama_config, passes):
