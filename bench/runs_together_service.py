@@ -3,9 +3,10 @@ run alone on the same server, total steps per second (``bench/runs_together.py -
 
 One ``serve(max_runs=N + 1)`` on loopback, in this process; each client on a thread of it,
 pipelining its run's calls (``forward_backward_async`` then ``optim_step_async`` a step, two
-on the wire: 8 clients' windows stay within the calls one key may have waiting). Every run trains on the same 4 texts a step (a sweep over seeds and
-adapters), so the runs' ready ``forward_backward`` calls have one width and the scheduler may
-take them as one pass (``shared_passes``).
+on the wire: 8 clients' windows stay within the calls one key may have waiting). Every run
+trains on the same 4 texts a step (a sweep over seeds and adapters), so the runs' ready
+``forward_backward`` calls have one width and the scheduler may take them as one pass
+(``shared_passes``).
 
 - ``alone``: run ``alone`` (seed 0), its steps back to back, the other runs idle;
 - ``together``: runs ``run-0`` .. ``run-{N-1}`` (seeds 0..N-1), all stepping at once.
