@@ -2,6 +2,7 @@
 
     python bench/runs_together.py [--quick] [--runs 8] [--shape tiny|small]     # CPU, fp32
     python bench/runs_together.py --device cuda --shape qwen2-0.5b [--quick]    # GPU, bf16
+    python bench/runs_together.py --service [--quick] [--runs 8] [--shape tiny|small]
 
 In this process, on one ``SharedBase`` (the engine, no server: what the scheduler would call):
 
@@ -17,6 +18,10 @@ trains on the same 4 texts a step, as a sweep over seeds and adapters does) and 
 Every run's state digest after the together steps is checked equal to the same run's digest
 alone (each run stepped again on its own). Goals (issue 45): together / alone >= 2.0 on the
 tiny llama, >= 1.3 on the small one.
+
+``--service`` measures the same through a server instead (``runs_together_service``): N runs
+driven by N concurrent gRPC clients, the scheduler taking their ready calls as shared passes,
+against one run alone on that server.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from many_runs import (  # bench/many_runs.py
     refuse_cuda_without_a_gpu,
 )
 from many_runs_throughput import config as run_config  # bench/many_runs_throughput.py
+from runs_together_service import measure_service, report  # bench/runs_together_service.py
 
 GOALS = {"tiny": 2.0, "small": 1.3}
 TEXTS_A_STEP = 4
@@ -138,6 +144,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="steps a round (quick: 4)")
     parser.add_argument("--rounds", type=int, default=None, help="alone/together (quick: 2)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--service", action="store_true", help="through a server and gRPC clients (see above)"
+    )
     args = parser.parse_args()
     refuse_cuda_without_a_gpu(parser, args.device)
     steps = args.steps or (4 if args.quick else 8)
@@ -151,6 +160,18 @@ def main() -> None:
             f"layer, {TEXTS_A_STEP} texts a step; {rounds} rounds of {steps} steps a run, "
             f"{args.runs} runs together, {torch_threads()} threads"
         )
+        if args.service:
+            figures = measure_service(
+                Path(tmp),
+                model,
+                lambda seed: config(model, seed, precision),
+                args.device,
+                args.runs,
+                steps,
+                rounds,
+            )
+            print(report(figures, args.runs, goal))
+            return
         for label, texts in (("one stream", one_stream), ("own texts", own_texts)):
             alone, together, passes, equal, invariance = measure(
                 model, precision, args.device, args.runs, steps, rounds, texts

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from process_cluster import wait_until
 
+from trainwire.server.service.fair_turns import FairTurns
 from trainwire.server.service.scheduler import Scheduler
 
 
@@ -111,3 +112,17 @@ def test_a_weight_that_cannot_be_read_counts_as_one_and_the_executor_goes_on():
     assert scheduler.run(lambda: "ran", lane="") == "ran"
     assert scheduler.run(lambda: "again", lane="other") == "again"
     scheduler.release(lambda: None)
+
+
+def test_an_item_taken_before_its_lanes_turn_spends_that_turn():
+    """A pass shared by several lanes takes the other lanes' heads out of turn: each such lane's
+    next turn is spent by it, so it gives no more items than its turns."""
+    turns: FairTurns[str] = FairTurns()
+    for lane in "abc":
+        for index in range(3):
+            turns.put(lane, f"{lane}{index}")
+    assert turns.take() == "a0"
+    assert turns.heads_after("a") == [("b", "b0"), ("c", "c0")]
+    assert turns.take_out_of_turn("c") == "c0"  # rides with a0: c's next turn is spent
+    assert [turns.take() for _ in range(7)] == ["b0", "a1", "b1", "c1", "a2", "b2", "c2"]
+    assert turns.take() is None

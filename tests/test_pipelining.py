@@ -79,9 +79,10 @@ def mixed_ops() -> list[tuple[str, object]]:
     return ops
 
 
-def run_pipelined(client, ops, prefix: str) -> list:
+def run_pipelined(client, ops, prefix: str, *, first: int = 0) -> list:
+    """``ops[first:]``, pipelined, keys ``{prefix}/{index}``; their outcomes."""
     pending = []
-    for index, (kind, batch) in enumerate(ops):
+    for index, (kind, batch) in enumerate(ops[first:], start=first):
         key = f"{prefix}/{index}"
         if kind == "fb":
             pending.append(client.forward_backward_async(batch, operation_key=key))

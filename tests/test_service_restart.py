@@ -40,6 +40,7 @@ class ServeProcess:
         name: str,
         *,
         launcher: tuple[str, ...] = ("-m", "trainwire"),
+        extra: tuple[str, ...] = (),
     ) -> None:
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
@@ -48,7 +49,7 @@ class ServeProcess:
         command = [
             sys.executable, *launcher, "serve", "--listen", "127.0.0.1:0",
             "--state-dir", str(state_dir), "--model-root", str(model_root), "--device", "cpu",
-            "--token-file", str(token_file), "--port-file", str(self.port_file),
+            "--token-file", str(token_file), "--port-file", str(self.port_file), *extra,
         ]  # fmt: skip
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

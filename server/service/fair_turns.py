@@ -98,6 +98,25 @@ class FairTurns(Generic[T]):
         self._leave_if_empty(lane)
         return taken
 
+    def heads_after(self, lane: str) -> list[tuple[str, T]]:
+        """The first item of each lane with work but ``lane``, in the order of their turns
+        from ``lane``'s (the order ``take_out_of_turn`` takes them in for one batch)."""
+        order = list(self._turns)
+        if lane in order:
+            at = order.index(lane)
+            order = order[at + 1 :] + order[:at]
+        return [(other, self._lanes[other][0]) for other in order if other != lane]
+
+    def take_out_of_turn(self, lane: str) -> T:
+        """The first item of ``lane``, taken before its turn (it runs in one batch with the
+        item whose turn it is): it spends ``lane``'s next turn, so a lane gives no more items
+        than its turns whether its items run alone or in batches. A lane left empty leaves
+        (its spent turn with it: it had nothing more to give in it)."""
+        item = self._lanes[lane].popleft()
+        self._credit[lane] -= 1.0
+        self._leave_if_empty(lane)
+        return item
+
     def _leave_if_empty(self, lane: str) -> bool:
         """A lane left without items leaves the turns (its unspent credit with it)."""
         if lane not in self._lanes or self._lanes[lane]:

@@ -11,9 +11,12 @@ until ``recover()`` has reopened it from its latest checkpoint; the layout on di
 Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
 ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path
 (journal, position, engine, commit), moving the session's *position* (operations applied) by one;
-its caller hears of it once its commit is on disk. The host checks requests and keys first, and
-owns what a failure means for the lifecycle: a session broken midway, or a journal that could
-not commit, fails the server (a restart restores the latest checkpoint; see ``recovery``).
+its caller hears of it once its commit is on disk. A LoRA run's forward_backward (and forward)
+may instead run in one pass with other runs' (``shared_passes``): its job carries the same
+phases, split around the pass (``_keyed_pass``, ``_read_pass``). The host checks requests and
+keys first, and owns what a failure means for the lifecycle: a session broken midway, or a
+journal that could not commit, fails the server (a restart restores the latest checkpoint; see
+``recovery``).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,6 +41,7 @@ from trainwire.server.errors import (
     NotFound,
     ResourceExhausted,
 )
+from trainwire.server.service import keyed_path
 from trainwire.server.service.active_run import (
     ActiveRun,
     Durable,
@@ -53,7 +57,6 @@ from trainwire.server.service.journal import (
     payload_digest,
     request_digest,
 )
-from trainwire.server.service.keyed_path import apply_keyed
 from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.lifecycle import Lifecycle
 from trainwire.server.service.operations import SAMPLE, Operation
@@ -64,6 +67,7 @@ from trainwire.server.service.run_checkpoints import (
 )
 from trainwire.server.service.sample_batching import PreparedSample
 from trainwire.server.service.scheduler import Scheduler
+from trainwire.server.service.scheduler_jobs import Shared
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -596,7 +600,13 @@ class SessionHost:
         if operation.keyed:
             return self._in_position(command, self._key_digest(command))
         if command.stream is not None:  # a read in its stream's order (a Tinker forward)
-            return self._numbered(command, command.digest or "", self._numbered_read)
+            shared = self._read_pass(command, command.run_id)
+            if shared is not None:  # its outcome as ``_numbered_read`` gives it
+                end = shared.end
+                shared = dataclasses.replace(
+                    shared, end=lambda result: Applied(command.around(partial(end, result)))
+                )
+            return self._numbered(command, command.digest or "", self._numbered_read, shared)
         self.lifecycle.refuse_if_unavailable()
         run_id = self._require_active(command.run_id).spec.run_id  # bound to it from here on
         lane = self.lane_of(run_id)
@@ -604,7 +614,8 @@ class SessionHost:
             prepare = partial(self.prepare_sample, run_id, command.request)
             return chained(self.scheduler.queue(prepare=prepare, lane=lane), Applied)
         read = partial(self._refusing_if_unavailable, partial(self._read, command, run_id))
-        return chained(self.scheduler.queue(read, lane=lane), Applied)
+        shared = self._read_pass(command, run_id)
+        return chained(self.scheduler.queue(read, lane=lane, shared=shared), Applied)
 
     def _read(self, command: Command, run_id: str) -> Any:
         return command.operation.apply(self._require_active(run_id), command.request, None)
@@ -658,20 +669,24 @@ class SessionHost:
     def _in_position(self, command: Command, digest: KeyDigest) -> Ticket:
         """The one keyed job of both transports, queued where its turn comes: at its number in
         its transport's stream, at its expected position of its run, else now (held positions
-        of the run waiting while it is queued or runs); its ticket."""
+        of the run waiting while it is queued or runs); its ticket. Its ``Shared`` part
+        (``_keyed_pass``) lets it run in one pass with other runs' calls instead."""
         if command.stream is not None:  # accepted already: bound to its run at its turn
             keyed = partial(self._numbered_keyed, digest=digest)
-            return self._numbered(command, command.digest or digest.value, keyed)
+            shared = self._keyed_pass(command, digest, command.run_id)
+            return self._numbered(command, command.digest or digest.value, keyed, shared)
         self.lifecycle.refuse_if_unavailable()
         stream = run_id = self._require_active(command.run_id).spec.run_id
         apply = partial(self._keyed_turn, command, digest, run_id)
         turn = partial(self._refusing_if_unavailable, apply)
+        shared = self._keyed_pass(command, digest, run_id)
         if command.op is not None and command.op.expected_position is not None:
-            return self.scheduler.submit_at(stream, command.op.expected_position, turn)
+            position = command.op.expected_position
+            return self.scheduler.submit_at(stream, position, turn, shared=shared)
         beside = contextlib.ExitStack()
         beside.enter_context(self.scheduler.running_beside(stream))
         try:
-            ticket = self.scheduler.queue(turn, lane=self.lane_of(run_id))
+            ticket = self.scheduler.queue(turn, lane=self.lane_of(run_id), shared=shared)
         except BaseException:
             beside.close()
             raise
@@ -679,13 +694,23 @@ class SessionHost:
         return ticket
 
     def _numbered(
-        self, command: Command, digest: str, turn: Callable[[Command, str], Applied]
+        self,
+        command: Command,
+        digest: str,
+        turn: Callable[[Command, str], Applied],
+        shared: Shared | None = None,
     ) -> Ticket:
         """Queue ``command`` at its number in its stream (``digest`` the one its transport took
         of the request, which a re-send under that number must match); its ticket, which
-        ``turn(command, run_id)`` resolves at the command's turn unless it does not run."""
+        ``turn(command, run_id)`` resolves at the command's turn unless it does not run, or
+        ``shared`` (whose ``end`` gives what ``turn`` gives) in a pass shared with other runs'
+        calls."""
         assert command.stream is not None and command.number is not None
+        # Asked by a pass that looks at it and again at its own turn: answered once.
+        command = dataclasses.replace(command, runs_now=_answered_once(command.runs_now))
         ticket: Ticket = Ticket()
+        if shared is not None:
+            shared = _numbered_pass(command, shared, ticket)
         self.scheduler.submit(
             command.stream,
             command.number,
@@ -694,6 +719,7 @@ class SessionHost:
             size=command.size,
             bounded=command.bounded,
             after_recovery=True,
+            shared=shared,
         )
         return ticket
 
@@ -716,12 +742,22 @@ class SessionHost:
     def _numbered_read(self, command: Command, run_id: str) -> Applied:
         return Applied(command.around(partial(self._read, command, run_id)))
 
-    def _keyed_turn(self, command: Command, digest: KeyDigest, run_id: str) -> Applied:
-        """``_apply_keyed`` under the conditions its caller set (``Command.around``)."""
+    def _keyed_turn(
+        self,
+        command: Command,
+        digest: KeyDigest,
+        run_id: str,
+        apply: Callable[[], tuple[Any, Durable]] | None = None,
+    ) -> Applied:
+        """``_apply_keyed`` (or ``apply``: its part after a shared pass) under the conditions
+        its caller set (``Command.around``)."""
         commits: list[Durable] = []
 
         def run() -> Any:
-            outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
+            if apply is None:
+                outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
+            else:
+                outcome, commit = apply()
             commits.append(commit)
             return outcome
 
@@ -733,8 +769,80 @@ class SessionHost:
     ) -> tuple[Any, Durable]:
         active = self._require_active(run_id)
         assert command.op is not None
+        with self._keyed_failures(active):
+            return keyed_path.apply_keyed(
+                active, command.operation, command.request, command.op, digest
+            )
+
+    def _base_shared_by(self, run_id: str) -> SharedBase | None:
+        """The base ``run_id``'s calls may share passes over; None for a run that computes
+        alone (full weights, a sharded group, a server of one run) or is not open now (a
+        request taken back before its run was restored runs alone)."""
+        active = self._runs.get(run_id) if run_id else self._active
+        return None if active is None else active.session.shared_base
+
+    def _keyed_pass(self, command: Command, digest: KeyDigest, run_id: str) -> Shared | None:
+        """What a keyed call does around a pass it shares with other runs' calls (None: it
+        cannot share one): ``keyed_path.begin`` at its turn (refused as its solo call is, while
+        unavailable or once its run closed) and the engine request; after the pass,
+        ``keyed_path.end`` with the fields of its result under ``Command.around``, failures
+        meaning what they mean alone (``_keyed_failures``)."""
+        operation, op = command.operation, command.op
+        together, base = operation.together, self._base_shared_by(run_id)
+        if together is None or base is None or op is None:
+            return None
+        begun: list[tuple[ActiveRun, keyed_path.Begun]] = []
+
+        def begin() -> Any:
+            self.lifecycle.refuse_if_unavailable()
+            run = self._require_active(run_id)
+            started = keyed_path.begin(run, operation, op, digest)
+            if started.applying is None:
+                return None  # replayed: answered from the journal at its own turn
+            begun[:] = [(run, started)]
+            return together.request(run, command.request)
+
+        def end(result: Any) -> Applied:
+            run, started = begun[0]
+
+            def apply() -> tuple[Any, Durable]:
+                with self._keyed_failures(run):
+                    if isinstance(result, BaseException):
+                        raise result
+                    fields = together.fields(run, result)
+                    return keyed_path.end(run, operation, command.request, op, started, fields)
+
+            # Moves the run outside its positions, as its solo call does (``_numbered_keyed``).
+            with self.scheduler.running_beside(run.spec.run_id):
+                return self._keyed_turn(command, digest, run.spec.run_id, apply)
+
+        return Shared(base, together.backward, begin, end)
+
+    def _read_pass(self, command: Command, run_id: str) -> Shared | None:
+        """What a read that may share a pass with other runs' reads of its kind (a forward)
+        does around it (None: it cannot share one): refused at its turn as alone, then its
+        outcome from the pass's result."""
+        together, base = command.operation.together, self._base_shared_by(run_id)
+        if together is None or base is None:
+            return None
+
+        def begin() -> Any:
+            self.lifecycle.refuse_if_unavailable()
+            return together.request(self._require_active(run_id), command.request)
+
+        def end(result: Any) -> Any:
+            if isinstance(result, BaseException):
+                raise result
+            return together.fields(self._require_active(run_id), result)
+
+        return Shared(base, together.backward, begin, end)
+
+    @contextlib.contextmanager
+    def _keyed_failures(self, active: ActiveRun) -> Iterator[None]:
+        """Around a keyed call's engine work and commit: what a failure means for the server,
+        and the run's snapshot once it applied."""
         try:
-            applied = apply_keyed(active, command.operation, command.request, command.op, digest)
+            yield
         except JournalCommitFailed as error:  # an earlier operation's commit failed
             raise self.journal_failed(error) from None
         except BaseException:
@@ -744,7 +852,6 @@ class SessionHost:
                 self._fail(f"{active.session.broken}; restart the server to restore")
             raise
         self._snapshots[active.spec.run_id] = active.info(digest_known_only=True)
-        return applied
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -829,3 +936,30 @@ def not_open(run_id: str) -> str:
         f"run {run_id!r} is not open on this server (it was closed, or never opened here); "
         "open a run to go on"
     )
+
+
+def _answered_once(runs_now: Callable[[], bool]) -> Callable[[], bool]:
+    """``runs_now``, whose False (the command was answered meanwhile: its answer is given as
+    it is asked) stays False without asking again: a pass that looked at the command and its
+    own turn after it then answer it once."""
+    answered = False
+
+    def once() -> bool:
+        nonlocal answered
+        answered = answered or not runs_now()
+        return not answered
+
+    return once
+
+
+def _numbered_pass(command: Command, shared: Shared, ticket: Ticket) -> Shared:
+    """A numbered command's part in a shared pass: it joins only if it still runs
+    (``Command.runs_now``), and its ticket, not its job, answers what the pass gave it."""
+
+    def begin() -> Any:
+        return shared.begin() if command.runs_now() else None
+
+    def end(result: Any) -> None:
+        settle(ticket, partial(shared.end, result))
+
+    return dataclasses.replace(shared, begin=begin, end=end)

@@ -9,11 +9,17 @@ engine thread; ``apply_keyed`` decides what a keyed operation does, in this orde
 3. the operation's ``apply`` (``operations``) calls the engine (an engine error changes nothing
    and is not journaled);
 4. the journal commits it durably with its position; only then does the caller hear of it.
+
+As phases: ``begin`` (1 and 2, changing nothing), the engine call, ``end`` (4). A call alone
+takes them through ``apply_keyed``; a call that shares one engine pass with other runs' calls
+(the scheduler's shared passes) takes ``begin`` before the pass and ``end`` after it, so both
+paths apply a key once, at its run's position, with the same outcome.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 from trainwire.contract.outcomes import OperationOutcome, OperationSpec
@@ -21,6 +27,16 @@ from trainwire.server.errors import AlreadyExists, PositionMismatch
 from trainwire.server.service.active_run import ActiveRun, Applying, Durable
 from trainwire.server.service.journal import JournalEntry, KeyDigest, outcome_from_record
 from trainwire.server.service.operations import Operation
+
+
+@dataclass(frozen=True)
+class Begun:
+    """A keyed call past its journal lookup and position check: either ``replayed`` (its key
+    was applied already: its outcome, the engine is not called) or ``applying`` (new, at the
+    run's position)."""
+
+    replayed: OperationOutcome | None = None
+    applying: Applying | None = None
 
 
 def apply_keyed(
@@ -37,24 +53,21 @@ def apply_keyed(
     next operation runs while this one's fsync completes (group commit). A commit that fails raises
     ``JournalCommitFailed`` there (only a restart makes journal and engine agree).
     """
+    begun = begin(run, operation, op, digest)
+    fields = None
+    if begun.applying is not None:
+        fields = operation.apply(run, request, begun.applying)  # an engine error: nothing kept
+    return end(run, operation, request, op, begun, fields)
+
+
+def begin(run: ActiveRun, operation: Operation[Any], op: OperationSpec, digest: KeyDigest) -> Begun:
+    """The journal lookup and the position check: what the call is before the engine is
+    called. Changes nothing (a call looked at and then left to its own turn begins again).
+
+    Raises ``AlreadyExists`` (the key bound to another payload) or ``PositionMismatch``."""
     entry = run.journal.lookup(op.key)
     if entry is not None:
-        outcome = _replay(run, entry, operation, digest, op)
-        durable = run.journal.durable(op.key)
-    else:
-        outcome, durable = _apply_new(run, operation, request, op, digest.value)
-    if operation.complete is not None:
-        outcome = operation.complete(run, request, outcome)
-    return outcome, durable
-
-
-def _apply_new(
-    run: ActiveRun,
-    operation: Operation[Any],
-    request: Any,
-    op: OperationSpec,
-    payload_digest: str,
-) -> tuple[OperationOutcome, Durable]:
+        return Begun(replayed=_replay(run, entry, operation, digest, op))
     if op.expected_position is not None and op.expected_position != run.position:
         raise PositionMismatch(
             f"expected_position {op.expected_position}, but the session is at position "
@@ -62,10 +75,38 @@ def _apply_new(
             f"position {run.position}",
             run.position,
         )
-    applying = Applying(
-        operation.kind, operation.outcome_type, op.key, run.position + 1, payload_digest
+    return Begun(
+        applying=Applying(
+            operation.kind, operation.outcome_type, op.key, run.position + 1, digest.value
+        )
     )
-    outcome = applying.outcome(operation.apply(run, request, applying))
+
+
+def end(
+    run: ActiveRun,
+    operation: Operation[Any],
+    request: Any,
+    op: OperationSpec,
+    begun: Begun,
+    fields: dict[str, Any] | None,
+) -> tuple[Any, Durable]:
+    """After the engine call gave ``fields`` (None for a replay): the outcome, committed to
+    the journal with its position (the run moves to it), and the commit to wait on."""
+    if begun.applying is None:
+        assert begun.replayed is not None
+        outcome, durable = begun.replayed, run.journal.durable(op.key)
+    else:
+        assert fields is not None
+        outcome, durable = _commit(run, begun.applying, op, fields)
+    if operation.complete is not None:
+        outcome = operation.complete(run, request, outcome)
+    return outcome, durable
+
+
+def _commit(
+    run: ActiveRun, applying: Applying, op: OperationSpec, fields: dict[str, Any]
+) -> tuple[OperationOutcome, Durable]:
+    outcome = applying.outcome(fields)
     if op.include_digest and not outcome.state_digest:
         outcome = dataclasses.replace(outcome, state_digest=run.session.state_digest())
     durable = run.journal.commit_async(applying.entry(outcome))

@@ -13,7 +13,11 @@ reaches the engine. An ``Operation`` says, for one kind:
   key and position, a read returns its result;
 - ``outcome_type``: what a keyed operation's journaled result is read back as;
 - ``complete``: where the caller's outcome needs more than the journal keeps (an export's
-  directory on this side), applied to fresh and replayed outcomes alike.
+  directory on this side), applied to fresh and replayed outcomes alike;
+- ``together``: for a call the engine may run in one pass over a shared base with other runs'
+  calls (``engine.together``), its engine request and what its ``apply`` makes of the engine's
+  result, as two functions (``SharedPass``): its ``apply`` is the two composed around the
+  session's own call, so alone and together give the same fields.
 
 The keyed operations' checks, payloads and engine calls are below; the unkeyed ones' are in
 ``reads``. A new operation is one entry here (and its request type in ``requests``); a new field
@@ -36,6 +40,8 @@ from trainwire.contract.run.selection import BEST_CHECKPOINT
 from trainwire.contract.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.optimization import UpdateSettings
 from trainwire.server.engine.session.results import TokenOutput
+from trainwire.server.engine.together import Request as EngineRequest
+from trainwire.server.engine.together import Result as EngineResult
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import reads
@@ -71,6 +77,24 @@ KEPT_CHECKPOINT_NAMES = (BEST_CHECKPOINT,)
 
 
 @dataclass(frozen=True)
+class SharedPass(Generic[RequestT]):
+    """What a call that may share a pass over its base with other runs' calls asks of the
+    engine (``request``), whether the pass runs backward, and what the call's ``apply`` returns
+    for the engine's result (``fields``)."""
+
+    backward: bool
+    request: Callable[[ActiveRun, RequestT], EngineRequest]
+    fields: Callable[[ActiveRun, EngineResult], Any]
+
+    def alone(self, run: ActiveRun, request: RequestT) -> Any:
+        """The call run by its session alone: what ``apply`` returns."""
+        engine = self.request(run, request)
+        call = run.session.forward_backward if self.backward else run.session.forward
+        result = call(engine.examples, loss_fn=engine.loss_fn, loss_fn_config=engine.loss_fn_config)
+        return self.fields(run, result)
+
+
+@dataclass(frozen=True)
 class Operation(Generic[RequestT]):
     """One kind of operation; see the module docstring for what each field means."""
 
@@ -81,6 +105,7 @@ class Operation(Generic[RequestT]):
     payload: Callable[[RequestT], dict[str, Any]] | None = None
     outcome_type: type[OperationOutcome] = OperationOutcome
     complete: Callable[[ActiveRun, RequestT, Any], Any] | None = None
+    together: SharedPass[RequestT] | None = None
 
     @property
     def keyed(self) -> bool:
@@ -186,18 +211,32 @@ def _export_payload(request: ExportWeightsRequest) -> dict[str, Any]:
 # -- applies: the engine calls, on the engine thread ----------------------------------------------
 
 
-def _forward_backward(
-    run: ActiveRun, request: ForwardBackwardRequest, _: Applying | None
-) -> Fields:
-    session = run.session
-    result = session.forward_backward(
-        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
-    )
-    fields: Fields = {"token_count": session.last_token_count}
+def engine_request(run: ActiveRun, request: ForwardRequest) -> EngineRequest:
+    """A ``forward_backward`` or ``forward`` as the engine runs it, alone or together."""
+    return EngineRequest(run.session, request.examples, request.loss_fn, request.loss_fn_config)
+
+
+def _forward_backward_fields(run: ActiveRun, result: EngineResult) -> Fields:
+    """A forward_backward outcome's fields, from the engine's result (alone or together)."""
+    fields: Fields = {"token_count": run.session.last_token_count}
     if isinstance(result, TokenOutput):
         logprobs, metrics = reads.token_fields(result)
         return {**fields, "loss": result.loss, "logprobs": logprobs, "metrics": metrics}
     return {**fields, "loss": result}
+
+
+FORWARD_BACKWARD_PASS = SharedPass(True, engine_request, _forward_backward_fields)
+FORWARD_PASS = SharedPass(False, engine_request, reads.forward_outcome)
+
+
+def _forward_backward(
+    run: ActiveRun, request: ForwardBackwardRequest, _: Applying | None
+) -> Fields:
+    return FORWARD_BACKWARD_PASS.alone(run, request)
+
+
+def _forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
+    return FORWARD_PASS.alone(run, request)
 
 
 def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -> Fields:
@@ -297,7 +336,7 @@ def _export_directory(
 
 # -- the table ---------------------------------------------------------------------------------
 
-FORWARD = Operation("Forward", ForwardRequest, _check_batch, reads.forward)
+FORWARD = Operation("Forward", ForwardRequest, _check_batch, _forward, together=FORWARD_PASS)
 FORWARD_BACKWARD = Operation(
     "ForwardBackward",
     ForwardBackwardRequest,
@@ -305,6 +344,7 @@ FORWARD_BACKWARD = Operation(
     _forward_backward,
     _forward_backward_payload,
     outcomes.ForwardBackwardOutcome,
+    together=FORWARD_BACKWARD_PASS,
 )
 OPTIM_STEP = Operation(
     "OptimStep",

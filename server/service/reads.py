@@ -15,14 +15,13 @@ from typing import Any
 from trainwire.contract import outcomes
 from trainwire.server.engine.sampling.params import PromptScoring
 from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
-from trainwire.server.engine.session.results import TokenOutput
+from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service.active_run import ActiveRun, Applying
 from trainwire.server.service.request_limits import check_texts, check_token_lists
 from trainwire.server.service.requests import (
     DetokenizeRequest,
     DiscardExportsRequest,
-    ForwardRequest,
     SampleRequest,
     TokenizeRequest,
 )
@@ -34,10 +33,8 @@ def token_fields(result: TokenOutput) -> tuple[tuple[tuple[float, ...], ...], di
     return tuple(tuple(row) for row in result.logprobs), dict(result.metrics)
 
 
-def forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any:
-    result = run.session.forward(
-        request.examples, loss_fn=request.loss_fn, loss_fn_config=request.loss_fn_config
-    )
+def forward_outcome(_run: ActiveRun, result: ForwardResult | TokenOutput) -> Any:
+    """A forward's outcome, from the engine's result (alone or in a shared pass)."""
     if isinstance(result, TokenOutput):
         return outcomes.ForwardOutcome(result.loss, (), *token_fields(result))
     return outcomes.ForwardOutcome(result.loss, tuple(result.predictions))

@@ -39,9 +39,14 @@ without tenants), and never after: an accepted job runs, whatever other accounts
   except one that nothing accepted waits before, and the one request a stream's held ones wait
   for (nothing of the stream could run without it).
 
-``_take_turn`` takes the one job whose turn it is: it is where ready jobs of several runs are
-seen together (the heads of the other lanes), so where runs that can share a pass over their
-base (``engine.together``) are to be taken with it, each spending its own lane's turn.
+``_take_turn`` takes the one job whose turn it is; where ready jobs of several runs are seen
+together. A job that may share a pass over its base (``Job.shared``: a LoRA run's
+forward_backward or forward) takes with it the ready head job of each other lane that can share
+it (``shared_passes``), each spending its own lane's turn (``FairTurns.take_out_of_turn``): one
+job per lane per pass, so a run with many waiting calls gets no more passes than its turns. A
+job is ready only once its predecessor in its stream has run, so each run's calls still apply
+in its order, each once. ``shared_passes`` counts the passes run so (``shared_jobs`` the jobs
+in them).
 """
 
 from __future__ import annotations
@@ -62,9 +67,10 @@ from trainwire.server.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from trainwire.server.service import shared_passes
 from trainwire.server.service.fair_turns import FairTurns
 from trainwire.server.service.sample_batching import PreparedSample, decode_alone, decode_batch
-from trainwire.server.service.scheduler_jobs import Holder, Job, Samples
+from trainwire.server.service.scheduler_jobs import Holder, Job, Samples, Shared
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +166,9 @@ class Scheduler:
         self._totals: defaultdict[str, int] = defaultdict(int)
         self._released = False
         self._stopping = False
+        # Passes shared by jobs of several runs, and the jobs that ran in them (``_run_shared``).
+        self.shared_passes = 0
+        self.shared_jobs = 0
         self._thread = threading.Thread(target=self._serve, name="trainwire-engine", daemon=True)
         self._thread.start()
 
@@ -218,9 +227,11 @@ class Scheduler:
         *,
         prepare: Callable[[], PreparedSample] | None = None,
         lane: str = "",
+        shared: Shared | None = None,
     ) -> futures.Future[Any]:
         """``run`` (or, given ``prepare``, ``run_sample``) without waiting: the job's future,
-        done before this returns when called on the engine thread (a job's own call)."""
+        done before this returns when called on the engine thread (a job's own call).
+        ``shared``: the job may run as its part of a pass shared with other lanes' jobs."""
         if self.on_engine_thread:
             done: futures.Future[Any] = futures.Future()
             try:
@@ -228,7 +239,7 @@ class Scheduler:
             except BaseException as error:  # its caller hears it from the future
                 done.set_exception(error)
             return done
-        job = Job(call=call, prepare=prepare, lane=lane)
+        job = Job(call=call, prepare=prepare, lane=lane, shared=shared)
         with self._lock:
             if self._released:
                 raise Unavailable("the server has stopped")
@@ -349,28 +360,37 @@ class Scheduler:
         size: int = 0,
         bounded: bool = True,
         after_recovery: bool = False,
+        shared: Shared | None = None,
     ) -> bool:
-        """Accept ``call`` as ``seq`` of ``stream``, holding ``size`` bytes until it has run
-        (see ``accepts``; False for a re-send)."""
+        """Accept ``call`` (or ``shared``'s part of a shared pass) as ``seq`` of ``stream``,
+        holding ``size`` bytes until it has run (see ``accepts``; False for a re-send)."""
         with self._lock:
             if not self.accepts(stream, seq, digest, size, bounded=bounded):
                 return False
             self._seen[(stream, seq)] = digest
-            job = Job(call=call, size=size, after_recovery=after_recovery)
+            job = Job(call=call, size=size, after_recovery=after_recovery, shared=shared)
             self._accept(job, stream)
             self._held[stream][seq] = [job]
             self._release(stream)
             return True
 
-    def submit_at(self, stream: str, position: int, call: Callable[[], T]) -> futures.Future[T]:
-        """Queue ``call``, which expects the run of ``stream`` at ``position``, in position order
-        (see the module docstring); its future. ``FailedPrecondition`` for a stream not
-        started, ``ResourceExhausted`` when its requests are at their bound."""
+    def submit_at(
+        self,
+        stream: str,
+        position: int,
+        call: Callable[[], T],
+        *,
+        shared: Shared | None = None,
+    ) -> futures.Future[T]:
+        """Queue ``call`` (or ``shared``'s part of a shared pass), which expects the run of
+        ``stream`` at ``position``, in position order (see the module docstring); its future.
+        ``FailedPrecondition`` for a stream not started, ``ResourceExhausted`` when its
+        requests are at their bound."""
         with self._lock:
             if stream not in self._positions:
                 raise FailedPrecondition(f"run {stream!r} is not open on this server")
             self._check_room(stream, 0, needed=position <= self._floor(stream))
-            job = Job(call=call)
+            job = Job(call=call, shared=shared)
             self._accept(job, stream)
             if self._closing:  # refused at its turn: no predecessor will run
                 self._make_ready(job)
@@ -584,6 +604,8 @@ class Scheduler:
                 self._active_at = time.monotonic()
             if job.is_sample:
                 self._run_samples(job)
+            elif job.shared is not None:
+                self._run_shared(job)
             else:
                 self._run_one(job)
 
@@ -596,8 +618,7 @@ class Scheduler:
         return self._take_turn()
 
     def _take_turn(self) -> Job | None:
-        """The job whose turn it is. (Runs computing together would take, here, the compatible
-        jobs at the heads of the other lanes with it, each lane's turn spent.)"""
+        """The job whose turn it is (``_run_shared`` takes the jobs that share its pass)."""
         job = self._turns.take()
         if job is not None:
             self._started(job)
@@ -616,6 +637,46 @@ class Scheduler:
         except BaseException as error:
             job.outcome.set_exception(error)
         finally:
+            self._close(job)
+
+    def _run_shared(self, first: Job) -> None:
+        """``first``'s turn, with the heads of the other lanes that share its pass (see
+        ``shared_passes``); alone when none does, or when the pass changed nothing and failed.
+        Only this thread takes jobs, so the heads looked at stay heads until taken."""
+        with self._lock:
+            heads = [
+                job
+                for _, job in self._turns.heads_after(first.lane)
+                if not job.is_sample and shared_passes.may_join(first, job)
+            ]
+        request = shared_passes.begin(first) if heads else None
+        if request is None:
+            self._run_one(first)
+            return
+        begun = [(first, request)]
+        for job in heads:
+            other = shared_passes.begin(job)
+            if other is not None:
+                begun.append((job, other))
+        joined, invariance = shared_passes.group(begun)
+        if len(joined) < 2 or invariance is None:
+            self._run_one(first)
+            return
+        jobs = [job for job, _ in joined]
+        with self._lock:
+            for job in jobs[1:]:
+                taken = self._turns.take_out_of_turn(job.lane)
+                assert taken is job
+                self._started(job)
+        assert first.shared is not None
+        if not shared_passes.run_pass(joined, invariance, backward=first.shared.backward):
+            for job in jobs:
+                self._run_one(job)
+            return
+        self.shared_passes += 1
+        self.shared_jobs += len(jobs)
+        logger.debug("one pass of %d runs: %s", len(jobs), [job.lane for job in jobs])
+        for job in jobs:
             self._close(job)
 
     def _close(self, job: Job) -> None:

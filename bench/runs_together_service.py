@@ -1,0 +1,142 @@
+"""LoRA runs computed together by a server: 8 runs driven by 8 gRPC clients at once against one
+run alone on the same server, total steps per second (``bench/runs_together.py --service``).
+
+One ``serve(max_runs=N + 1)`` on loopback, in this process; each client on a thread of it,
+pipelining its run's calls (``forward_backward_async`` then ``optim_step_async`` a step, two
+on the wire: 8 clients' windows stay within the calls one key may have waiting). Every run
+trains on the same 4 texts a step (a sweep over seeds and adapters), so the runs' ready
+``forward_backward`` calls have one width and the scheduler may take them as one pass
+(``shared_passes``).
+
+- ``alone``: run ``alone`` (seed 0), its steps back to back, the other runs idle;
+- ``together``: runs ``run-0`` .. ``run-{N-1}`` (seeds 0..N-1), all stepping at once.
+
+Alone and together take turns, round by round, so both see the same machine; the line gives the
+medians over the rounds, and the passes the server shared (with the runs in them). Every run's
+state digest is then checked equal to the same run trained alone in this process, step for step.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+IN_FLIGHT = 2  # calls each client pipelines
+
+
+def step_texts(step: int) -> list:
+    from trainwire.testing import tiny_text_examples
+
+    return tiny_text_examples(4, seed=step)
+
+
+def train(client: Any, name: str, steps: range) -> None:
+    """Steps ``steps`` of run ``name``, pipelined; returns once every one has applied."""
+    calls = []
+    for step in steps:
+        calls.append(
+            client.forward_backward_async(step_texts(step), operation_key=f"{name}/{step}")
+        )
+        calls.append(client.optim_step_async(operation_key=f"{name}/{step}/step"))
+    for call in calls:
+        call.result()
+
+
+def timed(clients: dict[str, Any], steps: range) -> float:
+    """Steps per second of every run in ``clients`` stepping ``steps`` at once, in all."""
+    threads = [
+        threading.Thread(target=train, args=(client, name, steps))
+        for name, client in clients.items()
+    ]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return len(clients) * len(steps) / (time.perf_counter() - started)
+
+
+def alone_digest(config: Any, device: str, steps: int) -> str:
+    """The run trained in this process alone, ``steps`` steps: its state digest."""
+    from trainwire.server.engine.session import TrainingSession
+
+    session = TrainingSession(config, device=device)
+    for step in range(steps):
+        session.forward_backward(step_texts(step))
+        session.optim_step()
+    return session.state_digest()
+
+
+def measure_service(
+    tmp: Path, model: Path, configure, device: str, runs: int, steps: int, rounds: int
+) -> dict[str, Any]:
+    """Steps per second alone and together in each round, the passes shared, and whether every
+    run's digest equals its digest alone. ``configure(seed)``: a run's config."""
+    from trainwire.client import SessionClient
+    from trainwire.server import serve
+
+    handle = serve(
+        listen="127.0.0.1:0",
+        state_dir=tmp / "state",
+        model_root=model.parent,
+        device=device,
+        max_runs=runs + 1,
+    )
+    try:
+        scheduler = handle.session_host.scheduler
+        target = f"127.0.0.1:{handle.port}"
+        names = {"alone": 0} | {f"run-{seed}": seed for seed in range(runs)}
+        clients = {name: SessionClient(target, max_in_flight=IN_FLIGHT) for name in names}
+        for name, seed in names.items():
+            clients[name].open(name, configure(seed))
+        alone = {"alone": clients.pop("alone")}
+        # Lazy imports, the first kernels and the row invariance probe, untimed.
+        timed(alone, range(1))
+        timed(clients, range(1))
+        passes, jobs = scheduler.shared_passes, scheduler.shared_jobs
+        alone_rates, together_rates = [], []
+        for round_ in range(rounds):
+            window = range(1 + round_ * steps, 1 + (round_ + 1) * steps)
+            alone_rates.append(timed(alone, window))
+            together_rates.append(timed(clients, window))
+        passes, jobs = scheduler.shared_passes - passes, scheduler.shared_jobs - jobs
+        digests = {
+            name: client.info().state_digest for name, client in {**alone, **clients}.items()
+        }
+        for client in [*alone.values(), *clients.values()]:
+            client.close_channel()
+    finally:
+        handle.stop()
+    trained = 1 + rounds * steps
+    equal = [
+        digests[name] == alone_digest(configure(seed), device, trained)
+        for name, seed in names.items()
+    ]
+    return {
+        "alone": alone_rates,
+        "together": together_rates,
+        "passes": passes,
+        "jobs": jobs,
+        "fb_calls": runs * rounds * steps,
+        "equal": equal,
+    }
+
+
+def report(figures: dict[str, Any], runs: int, goal: float | None) -> str:
+    alone, together = figures["alone"], figures["together"]
+    ratios = [t / a for a, t in zip(alone, together, strict=True)]
+    ratio = statistics.median(ratios)
+    met = "" if goal is None else f" (goal >= {goal}: {'met' if ratio >= goal else 'missed'})"
+    shared = figures["passes"]
+    runs_a_pass = figures["jobs"] / shared if shared else 0.0
+    return (
+        f"service   : alone {statistics.median(alone):7.2f} steps/s, {runs} runs over gRPC "
+        f"{statistics.median(together):7.2f} steps/s in all; ratio {ratio:.2f}{met} (each "
+        f"round: {', '.join(f'{r:.2f}' for r in ratios)}); {shared} shared passes of "
+        f"{runs_a_pass:.2f} runs on average held {figures['jobs']} of {figures['fb_calls']} "
+        f"forward_backward calls; digests equal to alone: {sum(figures['equal'])}/"
+        f"{len(figures['equal'])}"
+    )
