@@ -179,6 +179,13 @@ class Scheduler:
         """Whether any job is ready, held or running."""
         return self.queued > 0
 
+    def lanes_ready_to_share(self) -> list[str]:
+        """The lanes whose next ready job may share a pass over its base (``Job.shared``): what
+        the next turn whose job can share offers it."""
+        with self._lock:
+            heads = self._turns.heads_after("")
+        return [lane for lane, job in heads if job.shared is not None]
+
     @property
     def on_engine_thread(self) -> bool:
         return threading.current_thread() is self._thread
