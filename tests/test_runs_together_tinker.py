@@ -84,7 +84,12 @@ def test_sdk_models_share_passes_and_each_ends_as_alone(
             thread.start()
         for count in range(1, len(TEXTS) + 1):
             assert wait_until(lambda count=count: len(gates) == count, 120)
-            assert wait_until(lambda: len(scheduler.lanes_ready_to_share()) == len(SEEDS), 60)
+            assert wait_until(
+                lambda: (
+                    len(scheduler.ready_lanes(lambda job: job.shared is not None)) == len(SEEDS)
+                ),
+                60,
+            )
             gates[-1].set()
         for thread in threads:
             thread.join(timeout=60)

@@ -22,7 +22,10 @@ thread. Every job (``scheduler_jobs.Job``) is *ready* or *held*:
   than one job of each other lane with work; with one lane the queue is first in, first out.
 - Samples at the head of the lane whose turn it is decode together as one batch
   (``sample_batching``), never across a job queued before them in their lane; one queued while
-  the batch decodes joins it while no other job was queued meanwhile (``epoch``).
+  the batch decodes joins it while no other job was queued meanwhile (``epoch``). The sample at
+  the head of each other lane joins too where it may decode beside them bit for bit
+  (``together_problem``: LoRA runs of one base reading their live weights), spending its
+  lane's turn (``samples_together`` counts those decodes).
 - A barrier (``wait_idle``, ``release``) runs once every job queued before it has run.
 
 Every bound is checked once, when a job is accepted, per *account* (a tenant; "" for a server
@@ -69,7 +72,12 @@ from trainwire.server.errors import (
 )
 from trainwire.server.service import shared_passes
 from trainwire.server.service.fair_turns import FairTurns
-from trainwire.server.service.sample_batching import PreparedSample, decode_alone, decode_batch
+from trainwire.server.service.sample_batching import (
+    PreparedSample,
+    decode_alone,
+    decode_batch,
+    together_problem,
+)
 from trainwire.server.service.scheduler_jobs import Holder, Job, Samples, Shared
 
 logger = logging.getLogger(__name__)
@@ -169,6 +177,7 @@ class Scheduler:
         # Passes shared by jobs of several runs, and the jobs that ran in them (``_run_shared``).
         self.shared_passes = 0
         self.shared_jobs = 0
+        self.samples_together = 0  # decodes that began with samples of several runs
         self._thread = threading.Thread(target=self._serve, name="trainwire-engine", daemon=True)
         self._thread.start()
 
@@ -179,12 +188,12 @@ class Scheduler:
         """Whether any job is ready, held or running."""
         return self.queued > 0
 
-    def lanes_ready_to_share(self) -> list[str]:
-        """The lanes whose next ready job may share a pass over its base (``Job.shared``): what
-        the next turn whose job can share offers it."""
+    def ready_lanes(self, which: Callable[[Job], bool]) -> list[str]:
+        """The lanes whose next ready job is ``which`` (e.g. one that may share a pass, or a
+        sample): what the next turn that takes several lanes' jobs together looks at."""
         with self._lock:
             heads = self._turns.heads_after("")
-        return [lane for lane, job in heads if job.shared is not None]
+        return [lane for lane, job in heads if which(job)]
 
     @property
     def on_engine_thread(self) -> bool:
@@ -737,11 +746,17 @@ class Scheduler:
             self._settle()
             epoch = self.epoch
             batch += self._take_samples(first.lane, prepared)
+            other_runs = self._take_other_runs_samples(first.lane, prepared)
+            batch += other_runs
+            if other_runs:
+                self.samples_together += 1
 
             def join() -> list[PreparedSample]:
                 if self.epoch != epoch:  # another job waits: nothing joins
                     return []
                 more = self._take_samples(first.lane, prepared)
+                if other_runs:  # a batch of several runs: any run's sample that may, joins
+                    more += self._take_other_runs_samples(first.lane, prepared)
                 batch.extend(more)
                 return [p for _, p in more]
 
@@ -790,6 +805,28 @@ class Scheduler:
                 self._close(head)
             else:
                 taken.append((head, prepared))
+
+    def _take_other_runs_samples(
+        self, lane: str, first: PreparedSample
+    ) -> list[tuple[Job, PreparedSample]]:
+        """The sample job at the head of each other lane that may decode in ``first``'s batch
+        (``sample_batching.together_problem``: several runs' samples in one decode, each the
+        bits it gets alone), each taken out of its lane's turn and spending it, so a run's
+        samples get no more room in the decodes than its turns. One looked at and left keeps
+        what it reads for its own turn (``_prepare``)."""
+        with self._lock:
+            heads = [(other, job) for other, job in self._turns.heads_after(lane) if job.is_sample]
+        taken: list[tuple[Job, PreparedSample]] = []
+        for other, head in heads:
+            prepared = self._prepare(head)  # still its lane's head: only this thread takes
+            if prepared is None or together_problem(first, prepared) is not None:
+                continue
+            with self._lock:
+                job = self._turns.take_out_of_turn(other)
+                assert job is head
+                self._started(head)
+            taken.append((head, prepared))
+        return taken
 
     def _settle(self) -> None:
         """Wait while samples keep arriving, a few milliseconds at most: samples sent at one
