@@ -1,30 +1,23 @@
-"""The session host: one TrainingSession behind a durable journal, one operation at a time.
+"""The session host: the open runs of one state directory, their lifecycle and their files.
 
 Plain Python, no gRPC: each transport decodes its requests into the typed requests of the
-operation table (``operations``) and submits each as a ``Command`` (``submit``, whose ticket a
-gRPC handler waits on through ``apply`` and the Tinker intake answers its request id from);
-tests drive this class. Its phases (idle, restoring, open, closed, failed) are the
-``Lifecycle``'s; a server started on a state directory that holds an open run is ``restoring``
-until ``recover()`` has reopened it from its latest checkpoint; the layout on disk is in
-``state_dir``.
-
-Every state-changing operation (ForwardBackward, OptimStep, SaveState, LoadState, LoadWeights,
-ExportWeights) runs on the scheduler's engine thread and takes ``keyed_path.apply_keyed``'s path
-(journal, position, engine, commit), moving the session's *position* (operations applied) by one;
-its caller hears of it once its commit is on disk. A LoRA run's forward_backward (and forward)
-may instead run in one pass with other runs' (``shared_passes``): its job carries the same
-phases, split around the pass (``_keyed_pass``, ``_read_pass``). The host checks requests and
-keys first, and owns what a failure means for the lifecycle: a session broken midway, or a
-journal that could not commit, fails the server (a restart restores the latest checkpoint; see
-``recovery``).
+operation table (``operations``) and submits each as a ``Command`` (``submit``; a gRPC handler
+waits on its ticket through ``apply``, the Tinker intake answers its request id from it); how a
+command becomes the scheduler's job is ``command_queue``'s. The host holds the runs: which are
+open (one, or up to ``max_runs`` LoRA runs sharing one base in memory), opening, closing and
+restoring them (its phases, idle, restoring, open, closed, failed, are the ``Lifecycle``'s; a
+server started on a state directory that holds open runs is ``restoring`` until ``recover()``
+has reopened them from their latest checkpoints), copying and discarding their saved files, and
+what a failure means for the server: a session broken midway, or a journal that could not
+commit, fails it (a restart restores the latest checkpoint; see ``recovery``). The layout on
+disk is in ``state_dir``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -41,25 +34,20 @@ from trainwire.server.errors import (
     NotFound,
     ResourceExhausted,
 )
-from trainwire.server.service import keyed_path
 from trainwire.server.service.active_run import (
     ActiveRun,
-    Durable,
     JournalCommitFailed,
     wait_durable,
 )
-from trainwire.server.service.commands import Applied, Command, Ticket, chained, settle
+from trainwire.server.service.command_queue import CommandQueue, RunAccess, refusing_if_unavailable
+from trainwire.server.service.commands import Applied, Command, Ticket
 from trainwire.server.service.journal import (
     Journal,
-    KeyDigest,
-    check_operation_key,
     forget_run,
-    payload_digest,
-    request_digest,
 )
 from trainwire.server.service.ledger import Ledger
 from trainwire.server.service.lifecycle import Lifecycle
-from trainwire.server.service.operations import SAMPLE, Operation
+from trainwire.server.service.operations import Operation
 from trainwire.server.service.run_checkpoints import (
     copy_into_run,
     discard_run,
@@ -67,7 +55,6 @@ from trainwire.server.service.run_checkpoints import (
 )
 from trainwire.server.service.sample_batching import PreparedSample
 from trainwire.server.service.scheduler import Scheduler
-from trainwire.server.service.scheduler_jobs import Shared
 from trainwire.server.service.state_dir import (
     RUN_CLOSED,
     RunSpec,
@@ -149,6 +136,16 @@ class SessionHost:
         # The one queue every run's work waits in, and its engine thread: a run's positions
         # here, a Tinker model's seq_ids through the intake, samples, reads, lifecycle calls.
         self.scheduler = Scheduler(noun="stream", weight_of=lambda lane: self.run_weight(lane))
+        # How a command (either transport's) becomes the scheduler's job for one of the runs.
+        runs = RunAccess(
+            require=self._require_active,
+            find=self._open_run_or_none,
+            lane_of=self.lane_of,
+            applied=self._applied,
+            fail=self._fail,
+            journal_failed=self.journal_failed,
+        )
+        self.commands = CommandQueue(self.scheduler, self.lifecycle, runs)
         # Who still reads a run's checkpoint folder, by (run id, folder): the requests of other
         # runs a restart would replay from it (the Tinker front sets it: its loads name other
         # runs' checkpoints). A SaveState of any transport refuses to write over a folder
@@ -587,38 +584,9 @@ class SessionHost:
         return applied.outcome
 
     def submit(self, command: Command) -> Ticket:
-        """Queue ``command``: the one way both transports reach the engine. Its ticket resolves
-        on the engine thread with what it ``Applied`` (a keyed operation's commit is then still
-        under way: its answer waits for it, the engine does not), or None when it did not run
-        (``Command.runs_now``), or with its error.
-
-        A command numbered in a stream (``Command.stream``) was accepted by its transport
-        already: it is bound to its run, and checked against the lifecycle, at its turn. Any
-        other is refused now (UNAVAILABLE while the server restores or shuts down, NOT_FOUND for
-        a run not open) and checked again at its turn."""
-        operation = command.operation
-        if operation.keyed:
-            return self._in_position(command, self._key_digest(command))
-        if command.stream is not None:  # a read in its stream's order (a Tinker forward)
-            shared = self._read_pass(command, command.run_id)
-            if shared is not None:  # its outcome as ``_numbered_read`` gives it
-                end = shared.end
-                shared = dataclasses.replace(
-                    shared, end=lambda result: Applied(command.around(partial(end, result)))
-                )
-            return self._numbered(command, command.digest or "", self._numbered_read, shared)
-        self.lifecycle.refuse_if_unavailable()
-        run_id = self._require_active(command.run_id).spec.run_id  # bound to it from here on
-        lane = self.lane_of(run_id)
-        if operation is SAMPLE:  # decoded beside its run's samples queued with it
-            prepare = partial(self.prepare_sample, run_id, command.request)
-            return chained(self.scheduler.queue(prepare=prepare, lane=lane), Applied)
-        read = partial(self._refusing_if_unavailable, partial(self._read, command, run_id))
-        shared = self._read_pass(command, run_id)
-        return chained(self.scheduler.queue(read, lane=lane, shared=shared), Applied)
-
-    def _read(self, command: Command, run_id: str) -> Any:
-        return command.operation.apply(self._require_active(run_id), command.request, None)
+        """Queue ``command`` (``CommandQueue.submit``): the one way both transports reach the
+        engine; its ticket."""
+        return self.commands.submit(command)
 
     # -- the scheduler -----------------------------------------------------------------------------
 
@@ -640,13 +608,8 @@ class SessionHost:
             return self.scheduler.run(lambda: call(*args), lane=lane)
         with self.scheduler.admitted(account):
             self.lifecycle.refuse_if_unavailable()
-            refusing = partial(self._refusing_if_unavailable, partial(call, *args))
+            refusing = partial(refusing_if_unavailable, self.lifecycle, partial(call, *args))
             return self.scheduler.run(refusing, lane=lane)
-
-    def _refusing_if_unavailable(self, call: Callable[[], T]) -> T:
-        # Checked again when its turn comes: callers queued behind the last one are refused.
-        self.lifecycle.refuse_if_unavailable()
-        return call()
 
     def journal_failed(self, error: JournalCommitFailed) -> FailedPrecondition:
         """The engine moved on but the journal did not: the server fails (only a restart makes
@@ -654,212 +617,11 @@ class SessionHost:
         self._fail(str(error))
         return FailedPrecondition(f"{self.lifecycle.failure}; restart the server")
 
-    def _key_digest(self, command: Command) -> KeyDigest:
-        """What the journal binds the command's key to: its transport's digest of the body it
-        received, else the payload's, taken before anything is queued."""
-        if command.op is None:
-            raise TypeError(f"{command.operation.kind} changes the session: give its key")
-        check_operation_key(command.op.key)
-        if command.digest is not None:
-            return KeyDigest(request_digest(command.digest))
-        payload = command.operation.payload
-        assert payload is not None
-        return KeyDigest(payload_digest(command.operation.kind, payload(command.request)))
-
-    def _in_position(self, command: Command, digest: KeyDigest) -> Ticket:
-        """The one keyed job of both transports, queued where its turn comes: at its number in
-        its transport's stream, at its expected position of its run, else now (held positions
-        of the run waiting while it is queued or runs); its ticket. Its ``Shared`` part
-        (``_keyed_pass``) lets it run in one pass with other runs' calls instead."""
-        if command.stream is not None:  # accepted already: bound to its run at its turn
-            keyed = partial(self._numbered_keyed, digest=digest)
-            shared = self._keyed_pass(command, digest, command.run_id)
-            return self._numbered(command, command.digest or digest.value, keyed, shared)
-        self.lifecycle.refuse_if_unavailable()
-        stream = run_id = self._require_active(command.run_id).spec.run_id
-        apply = partial(self._keyed_turn, command, digest, run_id)
-        turn = partial(self._refusing_if_unavailable, apply)
-        shared = self._keyed_pass(command, digest, run_id)
-        if command.op is not None and command.op.expected_position is not None:
-            position = command.op.expected_position
-            return self.scheduler.submit_at(stream, position, turn, shared=shared)
-        beside = contextlib.ExitStack()
-        beside.enter_context(self.scheduler.running_beside(stream))
-        try:
-            ticket = self.scheduler.queue(turn, lane=self.lane_of(run_id), shared=shared)
-        except BaseException:
-            beside.close()
-            raise
-        ticket.add_done_callback(lambda _: beside.close())
-        return ticket
-
-    def _numbered(
-        self,
-        command: Command,
-        digest: str,
-        turn: Callable[[Command, str], Applied],
-        shared: Shared | None = None,
-    ) -> Ticket:
-        """Queue ``command`` at its number in its stream (``digest`` the one its transport took
-        of the request, which a re-send under that number must match); its ticket, which
-        ``turn(command, run_id)`` resolves at the command's turn unless it does not run, or
-        ``shared`` (whose ``end`` gives what ``turn`` gives) in a pass shared with other runs'
-        calls."""
-        assert command.stream is not None and command.number is not None
-        # Asked by a pass that looks at it and again at its own turn: answered once.
-        command = dataclasses.replace(command, runs_now=_answered_once(command.runs_now))
-        ticket: Ticket = Ticket()
-        if shared is not None:
-            shared = _numbered_pass(command, shared, ticket)
-        self.scheduler.submit(
-            command.stream,
-            command.number,
-            digest,
-            partial(settle, ticket, partial(self._numbered_turn, command, turn)),
-            size=command.size,
-            bounded=command.bounded,
-            after_recovery=True,
-            shared=shared,
-        )
-        return ticket
-
-    def _numbered_turn(
-        self, command: Command, turn: Callable[[Command, str], Applied]
-    ) -> Applied | None:
-        """A numbered command's turn, bound to its run as it is now (refused while the server
-        shuts down); None when it was answered meanwhile."""
-        if not command.runs_now():
-            return None
-        self.lifecycle.refuse_if_unavailable()
-        return turn(command, self._require_active(command.run_id).spec.run_id)
-
-    def _numbered_keyed(self, command: Command, run_id: str, *, digest: KeyDigest) -> Applied:
-        """Moves the run outside its positions: calls held for a position of the run wait
-        meanwhile and look again once it ends."""
-        with self.scheduler.running_beside(run_id):
-            return self._keyed_turn(command, digest, run_id)
-
-    def _numbered_read(self, command: Command, run_id: str) -> Applied:
-        return Applied(command.around(partial(self._read, command, run_id)))
-
-    def _keyed_turn(
-        self,
-        command: Command,
-        digest: KeyDigest,
-        run_id: str,
-        apply: Callable[[], tuple[Any, Durable]] | None = None,
-    ) -> Applied:
-        """``_apply_keyed`` (or ``apply``: its part after a shared pass) under the conditions
-        its caller set (``Command.around``)."""
-        commits: list[Durable] = []
-
-        def run() -> Any:
-            if apply is None:
-                outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
-            else:
-                outcome, commit = apply()
-            commits.append(commit)
-            return outcome
-
-        outcome = command.around(run)
-        return Applied(outcome, commits[0] if commits else None)
-
-    def _apply_keyed(
-        self, command: Command, digest: KeyDigest, *, run_id: str = ""
-    ) -> tuple[Any, Durable]:
-        active = self._require_active(run_id)
-        assert command.op is not None
-        with self._keyed_failures(active):
-            return keyed_path.apply_keyed(
-                active, command.operation, command.request, command.op, digest
-            )
-
-    def _base_shared_by(self, run_id: str) -> SharedBase | None:
-        """The base ``run_id``'s calls may share passes over; None for a run that computes
-        alone (full weights, a sharded group, a server of one run) or is not open now (a
-        request taken back before its run was restored runs alone)."""
-        active = self._runs.get(run_id) if run_id else self._active
-        return None if active is None else active.session.shared_base
-
-    def _keyed_pass(self, command: Command, digest: KeyDigest, run_id: str) -> Shared | None:
-        """What a keyed call does around a pass it shares with other runs' calls (None: it
-        cannot share one): ``keyed_path.begin`` at its turn (refused as its solo call is, while
-        unavailable or once its run closed) and the engine request; after the pass,
-        ``keyed_path.end`` with the fields of its result under ``Command.around``, failures
-        meaning what they mean alone (``_keyed_failures``)."""
-        operation, op = command.operation, command.op
-        together, base = operation.together, self._base_shared_by(run_id)
-        if together is None or base is None or op is None:
-            return None
-        begun: list[tuple[ActiveRun, keyed_path.Begun]] = []
-
-        def begin() -> Any:
-            self.lifecycle.refuse_if_unavailable()
-            run = self._require_active(run_id)
-            started = keyed_path.begin(run, operation, op, digest)
-            if started.applying is None:
-                return None  # replayed: answered from the journal at its own turn
-            begun[:] = [(run, started)]
-            return together.request(run, command.request)
-
-        def end(result: Any) -> Applied:
-            run, started = begun[0]
-
-            def apply() -> tuple[Any, Durable]:
-                with self._keyed_failures(run):
-                    if isinstance(result, BaseException):
-                        raise result
-                    fields = together.fields(run, result)
-                    return keyed_path.end(run, operation, command.request, op, started, fields)
-
-            # Moves the run outside its positions, as its solo call does (``_numbered_keyed``).
-            with self.scheduler.running_beside(run.spec.run_id):
-                return self._keyed_turn(command, digest, run.spec.run_id, apply)
-
-        return Shared(base, together.backward, begin, end)
-
-    def _read_pass(self, command: Command, run_id: str) -> Shared | None:
-        """What a read that may share a pass with other runs' reads of its kind (a forward)
-        does around it (None: it cannot share one): refused at its turn as alone, then its
-        outcome from the pass's result."""
-        together, base = command.operation.together, self._base_shared_by(run_id)
-        if together is None or base is None:
-            return None
-
-        def begin() -> Any:
-            self.lifecycle.refuse_if_unavailable()
-            return together.request(self._require_active(run_id), command.request)
-
-        def end(result: Any) -> Any:
-            if isinstance(result, BaseException):
-                raise result
-            return together.fields(self._require_active(run_id), result)
-
-        return Shared(base, together.backward, begin, end)
-
-    @contextlib.contextmanager
-    def _keyed_failures(self, active: ActiveRun) -> Iterator[None]:
-        """Around a keyed call's engine work and commit: what a failure means for the server,
-        and the run's snapshot once it applied."""
-        try:
-            yield
-        except JournalCommitFailed as error:  # an earlier operation's commit failed
-            raise self.journal_failed(error) from None
-        except BaseException:
-            if active.session.broken is not None:
-                # Half applied: only a restart, which restores the latest checkpoint, makes the
-                # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
-                self._fail(f"{active.session.broken}; restart the server to restore")
-            raise
-        self._snapshots[active.spec.run_id] = active.info(digest_known_only=True)
-
     # -- helpers ---------------------------------------------------------------------------------
 
     def prepare_sample(self, run_id: str, request: Any) -> PreparedSample:
-        """A sample at its turn: refused while the server restores or shuts down, else bound
-        to its run (``run_id`` is fixed when the sample is accepted)."""
-        self.lifecycle.refuse_if_unavailable()
-        return PreparedSample.of(self._require_active(run_id), request)
+        """A sample at its turn (``CommandQueue.prepare_sample``)."""
+        return self.commands.prepare_sample(run_id, request)
 
     def _start_positions(self, run_id: str) -> None:
         """Requests that name a position of ``run_id`` are ordered by it from now on."""
@@ -929,6 +691,13 @@ class SessionHost:
     def _fail(self, message: str) -> None:
         self.lifecycle.fail(message)
 
+    def _open_run_or_none(self, run_id: str) -> ActiveRun | None:
+        return self._runs.get(run_id) if run_id else self._active
+
+    def _applied(self, active: ActiveRun) -> None:
+        """A keyed operation applied to ``active``: its snapshot (``info`` while it is busy)."""
+        self._snapshots[active.spec.run_id] = active.info(digest_known_only=True)
+
 
 def not_open(run_id: str) -> str:
     """Why a call for ``run_id`` is refused: that run is not open here."""
@@ -936,30 +705,3 @@ def not_open(run_id: str) -> str:
         f"run {run_id!r} is not open on this server (it was closed, or never opened here); "
         "open a run to go on"
     )
-
-
-def _answered_once(runs_now: Callable[[], bool]) -> Callable[[], bool]:
-    """``runs_now``, whose False (the command was answered meanwhile: its answer is given as
-    it is asked) stays False without asking again: a pass that looked at the command and its
-    own turn after it then answer it once."""
-    answered = False
-
-    def once() -> bool:
-        nonlocal answered
-        answered = answered or not runs_now()
-        return not answered
-
-    return once
-
-
-def _numbered_pass(command: Command, shared: Shared, ticket: Ticket) -> Shared:
-    """A numbered command's part in a shared pass: it joins only if it still runs
-    (``Command.runs_now``), and its ticket, not its job, answers what the pass gave it."""
-
-    def begin() -> Any:
-        return shared.begin() if command.runs_now() else None
-
-    def end(result: Any) -> None:
-        settle(ticket, partial(shared.end, result))
-
-    return dataclasses.replace(shared, begin=begin, end=end)
