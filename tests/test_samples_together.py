@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from host_operations import BATCHES, op
 from sample_requests import prompts
+from test_runs_together import WITH_HEAD
 
 from trainwire.client import LoraSettings
 from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
@@ -239,6 +240,11 @@ def test_a_stack_never_holds_more_positions_than_the_probe_covered(runs, stacks)
             "session 1: its LoRA layers are on other modules than session 0's",
         ),
         (None, "session 1: it runs on another base than session 0"),
+        (
+            {"lora": LoraSettings(r=4, alpha=8, target_modules=WITH_HEAD)},
+            "session 1's output head carries a LoRA adapter: a decode step runs the first "
+            "tile's head over every row",
+        ),
     ],
 )
 def test_runs_that_cannot_share_a_forward_are_refused_with_why(

@@ -22,7 +22,8 @@ many positions are ``row_invariance``'s; each sample's head then runs on its own
 states, as alone. A request's prompt scores (asked for) run alone, as in its session.
 
 ``sessions_problem`` and ``request_problem`` say, in words, why samples may not decode so (the
-caller decodes them per session instead); ``sample_together`` decodes them.
+caller decodes them per session instead); ``sample_together`` decodes them. A session whose
+output head carries a LoRA adapter decodes alone: a step's forward runs one head for the stack.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
 from trainwire.server.engine.sampling.sampler import BatchedSample, SampleCall, Sampler
 from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import adapters_problem
-from trainwire.server.engine.together.row_blocks import adapters_by_row_block
+from trainwire.server.engine.together.row_blocks import adapters_by_row_block, head_adapter
 from trainwire.server.engine.together.row_invariance import RowInvariance
 from trainwire.server.errors import FailedPrecondition
 
@@ -58,6 +59,11 @@ def sessions_problem(sessions: Sequence[TrainingSession]) -> str | None:
             return f"session {index} is sharded: every rank must make each of its decode calls"
         if not session.sampler.batches:
             return f"session {index}'s sampler decodes each request alone"
+        if head_adapter(session.model) is not None:
+            return (
+                f"session {index}'s output head carries a LoRA adapter: a decode step runs "
+                "the first tile's head over every row"
+            )
     return adapters_problem(sessions)
 
 
