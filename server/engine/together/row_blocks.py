@@ -74,18 +74,12 @@ def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]
             )
     for name, layer in leader.items():
         blocks = [layers[name] for layers in owners]
-        layer.forward = functools.partial(_forward_by_row_block, layer, blocks, tuple(rows))
+        layer.forward = functools.partial(by_row_block, layer.base_layer, blocks, tuple(rows))
     try:
         yield
     finally:
         for layer in leader.values():
             del layer.forward  # the class's own forward again
-
-
-def _forward_by_row_block(
-    layer: LoraLinear, blocks: Sequence[LoraLinear], rows: tuple[int, ...], x: torch.Tensor
-) -> torch.Tensor:
-    return by_row_block(layer.base_layer, blocks, rows, x)
 
 
 def by_row_block(
