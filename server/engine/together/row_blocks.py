@@ -11,7 +11,9 @@ back to its dtype). Where a linear layer gives a row the same bits alone and sta
 
 The output head is left as it is here: the chunked logprobs (``loss.chunked_logprobs``) hand it
 zero positions in the model's forward, and ``stacked_head`` runs the base's head over stacks of
-chunks, each chunk under its own session's head (``by_row_block``).
+chunks, each chunk under its own session's head (``by_row_block``). A decode step, which reads
+the head's output from the model's forward, puts each block under its own head adapter with
+``heads_by_row_block``.
 """
 
 from __future__ import annotations
@@ -101,6 +103,29 @@ def by_row_block(
         for own, x_block, base_block in zip(owners, x.split(rows), result.split(rows), strict=True)
     ]
     return torch.cat(pieces)
+
+
+@contextlib.contextmanager
+def heads_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -> Iterator[None]:
+    """While inside, ``models[0]``'s output head, called on stacked rows (as a decode step's
+    forward calls it), gives the ``i``-th block of ``rows[i]`` rows the base's head and
+    ``models[i]``'s head adapter. Every model's head must carry an adapter, or none: then
+    nothing changes. Not for the training pass: its head runs apart (``stacked_head``)."""
+    heads = [head_adapter(model) for model in models]
+    if not any(heads):
+        yield
+        return
+    if not all(heads):
+        raise FailedPrecondition(
+            "some sessions' output heads carry a LoRA adapter and others' do not; one forward "
+            "runs the first session's head for all"
+        )
+    leader = heads[0]
+    leader.forward = functools.partial(by_row_block, leader.base_layer, heads, tuple(rows))
+    try:
+        yield
+    finally:
+        del leader.forward  # the class's own forward again
 
 
 def _with_adapter(layer: LoraLinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
