@@ -112,10 +112,10 @@ def heads_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -
     ``models[i]``'s head adapter. Every model's head must carry an adapter, or none: then
     nothing changes. Not for the training pass: its head runs apart (``stacked_head``)."""
     heads = [head_adapter(model) for model in models]
-    if not any(heads):
+    if all(head is None for head in heads):
         yield
         return
-    if not all(heads):
+    if any(head is None for head in heads):
         raise FailedPrecondition(
             "some sessions' output heads carry a LoRA adapter and others' do not; one forward "
             "runs the first session's head for all"
