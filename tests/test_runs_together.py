@@ -15,10 +15,12 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from fresh_state import fresh_digest
 
 from trainwire.client import InputExample, LoraSettings, TrainingConfig
 from trainwire.contract.tokens import DEFAULT_LOSS
+from trainwire.server.engine.loss.chunked_logprobs import LOGITS_CHUNK_BYTES
 from trainwire.server.engine.session import TrainingSession
 from trainwire.server.engine.together import (
     Request,
@@ -86,25 +88,30 @@ def base(llama_config) -> SharedBase:
     return SharedBase(llama_config(), device="cpu")
 
 
-def _alone(session: TrainingSession, name: str) -> list[Any]:
+Steps = Callable[[int], list[tuple[list, str]]]
+
+
+def _alone(session: TrainingSession, name: str, runs: dict[str, tuple[Any, Steps]] = RUNS):
     out = []
     for step in range(STEPS):
-        for examples, loss_fn in RUNS[name][1](step):
+        for examples, loss_fn in runs[name][1](step):
             out.append(session.forward_backward(examples, loss_fn=loss_fn))
         out.append(fresh_digest(session))
         out.append(session.optim_step())
-        examples, loss_fn = RUNS[name][1](step)[0]
+        examples, loss_fn = runs[name][1](step)[0]
         out.append(session.forward(examples, loss_fn=loss_fn))
         out.append(fresh_digest(session))
     return out
 
 
-def _together(sessions: dict[str, TrainingSession]) -> dict[str, list[Any]]:
+def _together(
+    sessions: dict[str, TrainingSession], runs: dict[str, tuple[Any, Steps]] = RUNS
+) -> dict[str, list[Any]]:
     """The same steps, each round of requests of every run in one pass."""
     out: dict[str, list[Any]] = {name: [] for name in sessions}
     invariance = row_invariance(next(iter(sessions.values())).model)
     for step in range(STEPS):
-        requests = {name: RUNS[name][1](step) for name in sessions}
+        requests = {name: runs[name][1](step) for name in sessions}
         for round_ in range(max(map(len, requests.values()))):
             ready = [name for name in sessions if round_ < len(requests[name])]
             batch = [Request(sessions[n], *requests[n][round_]) for n in ready]
@@ -150,6 +157,108 @@ def test_two_runs_together_equal_alone_with_either_one_leading(base, run_config)
             name: TrainingSession(run_config(name), device="cpu", base=base) for name in order
         }
         assert _together(sessions) == {name: expected[name] for name in order}
+
+
+# The llama's linear layers and its output head: the LoRA targets the Tinker front makes of
+# train_attn, train_mlp and train_unembed (its default).
+WITH_HEAD = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+LONG_WIDTH = 40  # rows from 12 positions up: a chunk of them shares the head's product
+SHORTEST = 12
+
+
+def _long_tokens(count: int, seed: int) -> list:
+    """``count`` token examples of 12 to 16 positions but the last, of ``LONG_WIDTH``."""
+    examples = tiny_token_examples(count - 1, seed=seed, min_length=SHORTEST, max_length=16)
+    last = tiny_token_examples(1, seed=seed + 100, min_length=LONG_WIDTH, max_length=LONG_WIDTH)
+    return [*examples, *last]
+
+
+# Three runs train an adapter on the head (other seeds, ranks and losses), one leaves it to the
+# base: each chunk of the head's stacks is under its own run's head.
+HEAD_RUNS: dict[str, tuple[dict[str, Any], Steps]] = {
+    "head_cross_entropy": (
+        {"seed": 5, "lora": LoraSettings(r=4, alpha=8, target_modules=WITH_HEAD)},
+        lambda step: [(_long_tokens(2, 40 + step), "cross_entropy")],
+    ),
+    "head_importance_sampling": (
+        {"seed": 6, "lora": LoraSettings(r=8, alpha=16, target_modules=WITH_HEAD)},
+        lambda step: [
+            (_long_tokens(3, 50 + step), "importance_sampling"),
+            (_long_tokens(2, 60 + step), "importance_sampling"),  # accumulates
+        ],
+    ),
+    "head_ppo": (
+        {"seed": 7, "lora": LoraSettings(r=2, alpha=4, target_modules=WITH_HEAD)},
+        lambda step: [(_long_tokens(1, 70 + step), "ppo")],
+    ),
+    "no_head": (
+        {"seed": 8, "lora": LoraSettings(r=4, alpha=8)},
+        lambda step: [(_long_tokens(2, 80 + step), "cross_entropy")],
+    ),
+}
+# Positions of one chunk of the head's logits: the tiny llama's 500-entry vocabulary in fp32.
+CHUNK_BUDGETS = {"one chunk": LOGITS_CHUNK_BYTES, "32 positions": 32 * 500 * 4}
+
+
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+@pytest.mark.parametrize("budget", list(CHUNK_BUDGETS))
+def test_runs_with_head_adapters_together_give_every_bit_they_give_alone(
+    base, llama_config, gradient_checkpointing, budget
+):
+    """The head's stacks hold chunks of several runs (rows of 12 to 16 positions share one;
+    with 32 positions a chunk, the 40-position rows are cut into 32 and 8, the 8 run alone);
+    alone a run takes the one-chunk path (head row by row) or the chunked one. Each head
+    adapter's gradients, pending after a forward_backward, come from its own rows only."""
+
+    def session(name: str, on: SharedBase | None) -> TrainingSession:
+        config = llama_config(
+            lr_scheduler="constant",
+            gradient_checkpointing=gradient_checkpointing,
+            max_length=64,
+            **HEAD_RUNS[name][0],
+        )
+        return TrainingSession(
+            config, device="cpu", base=on, logits_chunk_bytes=CHUNK_BUDGETS[budget]
+        )
+
+    expected = {name: _alone(session(name, None), name, HEAD_RUNS) for name in HEAD_RUNS}
+    together = {name: session(name, base) for name in HEAD_RUNS}
+    assert row_invariance(together["head_ppo"].model).min_rows <= SHORTEST  # chunks stack
+    assert _together(together, HEAD_RUNS) == expected
+    assert len({digests[-1] for digests in expected.values()}) == len(HEAD_RUNS)
+
+
+def test_a_head_adapter_gets_the_gradient_of_its_own_rows_only(base, llama_config):
+    """After one shared forward_backward, each run's head adapter holds exactly the gradient
+    its own request leaves alone, and a run beside it changes nothing of it. (A first step,
+    each alone, moves lora_B off its zeros: lora_A's gradient is zero before.)"""
+    names = ("head_cross_entropy", "head_ppo")
+    requests = {name: HEAD_RUNS[name][1](1)[0] for name in names}
+
+    def head_gradients(session: TrainingSession) -> list[torch.Tensor]:
+        head = session.model.get_output_embeddings()
+        return [head.lora_A["default"].weight.grad, head.lora_B["default"].weight.grad]
+
+    def session(name: str, on: SharedBase | None) -> TrainingSession:
+        config = llama_config(lr_scheduler="constant", max_length=64, **HEAD_RUNS[name][0])
+        started = TrainingSession(config, device="cpu", base=on)
+        examples, loss_fn = HEAD_RUNS[name][1](0)[0]
+        started.forward_backward(examples, loss_fn=loss_fn)
+        started.optim_step()
+        return started
+
+    alone = {}
+    for name in names:
+        own = session(name, None)
+        own.forward_backward(requests[name][0], loss_fn=requests[name][1])
+        alone[name] = head_gradients(own)
+    sessions = {name: session(name, base) for name in names}
+    batch = [Request(sessions[name], *requests[name]) for name in names]
+    run_together(batch, row_invariance(sessions[names[0]].model))
+    for name in names:
+        together = head_gradients(sessions[name])
+        assert all(torch.equal(a, b) for a, b in zip(together, alone[name], strict=True))
+        assert all(gradient.abs().sum() > 0 for gradient in together)
 
 
 Build = Callable[[SharedBase, Callable[..., TrainingSession]], list[Request]]

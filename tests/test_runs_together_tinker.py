@@ -2,7 +2,8 @@
 their ``forward_backward`` calls at once; the scheduler runs the ready ones as one pass over
 the base (the SDK's calls are queued through the same submit as gRPC's, each at its seq_id),
 and every model's logprobs, metrics and final state digest are the bits it gets alone on a
-server. The test counts the shared passes, so it tells runs computed together from turns."""
+server. The models keep the SDK's default LoRA targets, the unembedding (the head) included. The
+test counts the shared passes, so it tells runs computed together from turns."""
 
 from __future__ import annotations
 
@@ -18,9 +19,16 @@ from tinker import types
 from tinker_loops import KEY, close_quietly, service_client, supervised_datum, tinker_server
 
 # Four texts a step, each model the same texts (a sweep over seeds): one padded width a step.
+# The longest rows score 14 positions: enough for the head's product to stack them, each
+# model's chunks under its own head adapter; the shorter ones run their own head.
 TEXTS = [
-    ["the cat sat on the mat", "a dog ran in the park", "birds sing in the morning", "the mat"],
-    ["a dog sat on the cat", "the park ran a dog", "morning birds sing", "in the park"],
+    [
+        "the cat sat on the mat all day",
+        "a dog ran in the park at noon",
+        "birds sing in the morning",
+        "the mat",
+    ],
+    ["a dog sat on the cat for an hour", "the park ran a dog", "morning birds sing", "in the park"],
 ]
 SEEDS = (1, 2, 3, 4)
 
@@ -31,10 +39,8 @@ def sdk_loop(
     """A supervised loop as the SDK's docs write it: each step's forward_backward and
     optim_step sent together, then awaited; what it saw and its model id. ``step``: met
     before each step's calls are sent."""
-    # The head left to the base: a head adapter (the SDK's default) trains in turns.
-    training = service.create_lora_training_client(
-        "llama", rank=4, seed=seed, train_unembed=False
-    ).result()
+    # The SDK's defaults: attention, MLP and the unembedding (the head) each carry an adapter.
+    training = service.create_lora_training_client("llama", rank=4, seed=seed).result()
     tokenizer = training.get_tokenizer()
     seen: list[Any] = []
     for texts in TEXTS:

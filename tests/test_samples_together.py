@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from host_operations import BATCHES, op
 from sample_requests import prompts
+from test_runs_together import WITH_HEAD
 
 from trainwire.client import LoraSettings
 from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
@@ -96,17 +97,23 @@ def base(llama_config) -> SharedBase:
     return SharedBase(llama_config(), device="cpu")
 
 
-@pytest.fixture
-def runs(base, llama_config) -> dict[str, TrainingSession]:
-    """Four runs on ``base``, each trained one step on tokens of its own (adapters differ)."""
+def trained_runs(base, llama_config, **lora: Any) -> dict[str, TrainingSession]:
+    """Four runs on ``base`` (``ADAPTERS``, their settings replaced by ``lora``), each trained
+    one step on tokens of its own (adapters differ)."""
     sessions = {}
-    for index, (name, (lora, seed)) in enumerate(ADAPTERS.items()):
-        config = llama_config(lora=lora, seed=seed, lr_scheduler="constant", learning_rate=0.05)
+    for index, (name, (settings, seed)) in enumerate(ADAPTERS.items()):
+        settings = dataclasses.replace(settings, **lora)
+        config = llama_config(lora=settings, seed=seed, lr_scheduler="constant", learning_rate=0.05)
         session = TrainingSession(config, device="cpu", base=base)
         session.forward_backward(tiny_token_examples(3, seed=index, min_length=4, max_length=9))
         session.optim_step()
         sessions[name] = session
     return sessions
+
+
+@pytest.fixture
+def runs(base, llama_config) -> dict[str, TrainingSession]:
+    return trained_runs(base, llama_config)
 
 
 @pytest.fixture
@@ -193,6 +200,22 @@ def test_runs_samples_decode_as_one_batch_each_the_bits_of_its_run_alone(
     assert max(scored_rows) >= 2  # samples of one length scored in one forward
 
 
+def test_runs_with_head_adapters_decode_as_one_batch_each_the_bits_of_its_run_alone(
+    base, llama_config, stacks
+):
+    """Every run's head carries an adapter (as the Tinker SDK's runs do by default): each
+    tile's rows get the base's head among every tile's rows and their own run's adapter."""
+    runs = trained_runs(base, llama_config, target_modules=WITH_HEAD)
+    want = expected(runs)
+    assert len({value for value in want.values()}) == len(want)  # no two answers alike
+    vocab = runs["a"].sampler.vocab_size
+    request = requests_of(0, vocab)[0]
+    # A row under another run's head adapter (its body's too) would differ.
+    assert len({alone(session, request) for session in runs.values()}) == len(runs)
+    assert decode_together(runs, row_invariance(runs["a"].model), joining=False) == want
+    assert max(stacks) == len(runs)
+
+
 def test_adapters_differ_so_a_row_under_another_runs_adapter_would_differ(runs):
     vocab = runs["a"].sampler.vocab_size
     request = requests_of(0, vocab)[0]
@@ -239,6 +262,11 @@ def test_a_stack_never_holds_more_positions_than_the_probe_covered(runs, stacks)
             "session 1: its LoRA layers are on other modules than session 0's",
         ),
         (None, "session 1: it runs on another base than session 0"),
+        (
+            {"lora": LoraSettings(r=4, alpha=8, target_modules=WITH_HEAD)},
+            "session 1's output head carries a LoRA adapter, session 0's carries none: a "
+            "decode step runs one head module for the stack",
+        ),
     ],
 )
 def test_runs_that_cannot_share_a_forward_are_refused_with_why(

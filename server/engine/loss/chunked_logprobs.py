@@ -39,6 +39,7 @@ LOGITS_CHUNK_BYTES = 32 * 2**20
 FP32_BYTES = 4
 
 LogitTransform = Callable[[torch.Tensor], torch.Tensor]
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states to the head's output
 
 
 def positions_per_chunk(vocab_size: int, budget_bytes: int = LOGITS_CHUNK_BYTES) -> int:
@@ -126,13 +127,15 @@ def chunk_positions(head: torch.nn.Module, budget_bytes: int) -> int:
 
 
 def chunk_logprobs(
-    head: torch.nn.Module,
+    head: Head,
     transform: LogitTransform | None,
     states: torch.Tensor,
     targets: torch.Tensor,
 ) -> torch.Tensor:
     """The logprobs of one chunk's targets; under non-reentrant checkpointing when gradients
-    are enabled (its logits are freed once they exist and recomputed in the backward)."""
+    are enabled (its logits are freed once they exist and recomputed in the backward).
+    ``head`` is the output head, or a function computing what it computes (several sessions'
+    heads over a stack of their chunks: ``together.stacked_head``)."""
     if torch.is_grad_enabled():
         return checkpoint(_chunk_logprobs, head, transform, states, targets, use_reentrant=False)
     return _chunk_logprobs(head, transform, states, targets)
@@ -263,7 +266,7 @@ def _chunk_scores(
 
 
 def _chunk_logprobs(
-    head: torch.nn.Module,
+    head: Head,
     transform: LogitTransform | None,
     states: torch.Tensor,
     targets: torch.Tensor,
@@ -279,7 +282,7 @@ def _target_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
 
 
 def _chunk_logits(
-    head: torch.nn.Module, transform: LogitTransform | None, states: torch.Tensor
+    head: Head, transform: LogitTransform | None, states: torch.Tensor
 ) -> torch.Tensor:
     """One chunk's logits in fp32, as the architecture's causal-LM forward returns them."""
     return _as_logits(transform, head(states))

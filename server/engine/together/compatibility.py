@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainwire.server.engine.loss.loss_hook import LossHook
-from trainwire.server.engine.together.row_blocks import lora_layers
+from trainwire.server.engine.together.row_blocks import head_adapter, lora_layers
 from trainwire.server.engine.together.row_invariance import RowInvariance
 from trainwire.server.errors import InvalidArgument
 
@@ -96,7 +96,8 @@ def session_problem(sessions: Sequence[TrainingSession]) -> str | None:
 def adapters_problem(sessions: Sequence[TrainingSession]) -> str | None:
     """Why one forward of session 0's tree over every session's rows cannot put each
     session's own adapter on its own rows (``row_blocks``), or None: they must share one base
-    and run one plain LoRA adapter on the same linear layers, the head left to the base."""
+    and run one plain LoRA adapter on the same linear layers. The output head is apart: each
+    session's chunks run under its own head (``stacked_head``), with an adapter or without."""
     first = sessions[0]
     if first.shared_base is None:
         return "session 0 runs on a base of its own; only sessions on one shared base run together"
@@ -160,9 +161,11 @@ def _find_setup_problem(session: TrainingSession) -> str | None:
         return "DoRA adapters run alone"
     if lora.target_parameters:
         return "adapters on parameters (target_parameters) run alone"
-    if hasattr(session.model.get_output_embeddings(), "lora_A"):
-        return "its output head carries a LoRA adapter (the pass runs one head for all)"
-    for name, layer in lora_layers(session.model).items():
+    layers = dict(lora_layers(session.model))
+    head = head_adapter(session.model)
+    if head is not None:
+        layers["output head"] = head
+    for name, layer in layers.items():
         if len(layer.active_adapters) != 1 or layer.merged or layer.disable_adapters:
             return f"layer {name} does not run exactly one unmerged adapter"
         if layer.lora_variant:

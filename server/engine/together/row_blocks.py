@@ -9,8 +9,11 @@ PEFT's own arithmetic (``lora_B(lora_A(dropout(x))) * scaling`` added to the bas
 back to its dtype). Where a linear layer gives a row the same bits alone and stacked
 (``row_invariance``), each block's output is bit for bit what that session's own forward gives.
 
-The output head is left as it is: the chunked logprobs (``loss.chunked_logprobs``) hand it zero
-positions in the model's forward, and ``stacked_head`` runs the base's head over every row.
+The output head is left as it is here: the chunked logprobs (``loss.chunked_logprobs``) hand it
+zero positions in the model's forward, and ``stacked_head`` runs the base's head over stacks of
+chunks, each chunk under its own session's head (``by_row_block``). A decode step, which reads
+the head's output from the model's forward, puts each block under its own head adapter with
+``heads_by_row_block``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,18 @@ from trainwire.server.errors import FailedPrecondition
 _LAYERS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, LoraLinear]] = (
     weakref.WeakKeyDictionary()
 )
+
+
+def head_adapter(model: torch.nn.Module) -> LoraLinear | None:
+    """The model's output head when it carries a LoRA adapter (as Tinker's ``train_unembed``
+    makes it), else None."""
+    head = model.get_output_embeddings()
+    return head if isinstance(head, LoraLinear) else None
+
+
+def base_layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The base linear a LoRA layer wraps, or the module itself where it carries no adapter."""
+    return module.base_layer if isinstance(module, LoraLinear) else module
 
 
 def lora_layers(model: torch.nn.Module) -> dict[str, LoraLinear]:
@@ -61,7 +76,7 @@ def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]
             )
     for name, layer in leader.items():
         blocks = [layers[name] for layers in owners]
-        layer.forward = functools.partial(_forward_by_row_block, layer, blocks, tuple(rows))
+        layer.forward = functools.partial(by_row_block, layer.base_layer, blocks, tuple(rows))
     try:
         yield
     finally:
@@ -69,18 +84,48 @@ def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]
             del layer.forward  # the class's own forward again
 
 
-def _forward_by_row_block(
-    layer: LoraLinear, blocks: Sequence[LoraLinear], rows: tuple[int, ...], x: torch.Tensor
+def by_row_block(
+    base: torch.nn.Module,
+    owners: Sequence[torch.nn.Module],
+    rows: Sequence[int],
+    x: torch.Tensor,
 ) -> torch.Tensor:
+    """``base`` once over every row of ``x``, then to the ``i``-th block of ``rows[i]`` rows
+    the adapter of ``owners[i]`` as that LoRA layer adds it alone (nothing, where ``owners[i]``
+    carries none): each block's rows as ``owners[i]`` gives them, where ``base`` gives a row the
+    same bits alone and stacked."""
     # The base output is split, not sliced, and the rows too: each split's backward is one
     # concatenation, so the input's gradient gathers the same terms as alone, with no zeros
     # added in between.
-    result = layer.base_layer(x)
+    result = base(x)
     pieces = [
-        _with_adapter(own, x_block, base_block)
-        for own, x_block, base_block in zip(blocks, x.split(rows), result.split(rows), strict=True)
+        _with_adapter(own, x_block, base_block) if isinstance(own, LoraLinear) else base_block
+        for own, x_block, base_block in zip(owners, x.split(rows), result.split(rows), strict=True)
     ]
     return torch.cat(pieces)
+
+
+@contextlib.contextmanager
+def heads_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -> Iterator[None]:
+    """While inside, ``models[0]``'s output head, called on stacked rows (as a decode step's
+    forward calls it), gives the ``i``-th block of ``rows[i]`` rows the base's head and
+    ``models[i]``'s head adapter. Every model's head must carry an adapter, or none: then
+    nothing changes. Not for the training pass: its head runs apart (``stacked_head``)."""
+    heads = [head_adapter(model) for model in models]
+    if all(head is None for head in heads):
+        yield
+        return
+    if any(head is None for head in heads):
+        raise FailedPrecondition(
+            "some sessions' output heads carry a LoRA adapter and others' do not; one forward "
+            "runs the first session's head for all"
+        )
+    leader = heads[0]
+    leader.forward = functools.partial(by_row_block, leader.base_layer, heads, tuple(rows))
+    try:
+        yield
+    finally:
+        del leader.forward  # the class's own forward again
 
 
 def _with_adapter(layer: LoraLinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:

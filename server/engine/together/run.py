@@ -18,7 +18,7 @@ from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.engine.session.rng import preserved_global_rng
 from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import session_problem, shape_problem
-from trainwire.server.engine.together.row_blocks import adapters_by_row_block
+from trainwire.server.engine.together.row_blocks import adapters_by_row_block, base_layer
 from trainwire.server.engine.together.row_invariance import RowInvariance
 from trainwire.server.engine.together.stacked_head import HeadRows, stacked_logprobs
 from trainwire.server.errors import FailedPrecondition
@@ -44,7 +44,8 @@ def run_together(
 
     With ``backward`` every request is a ``forward_backward``, else a ``forward``. The base
     runs once over every request's rows stacked, each session's adapter on its own rows
-    (``row_blocks``), then the head once over stacks of every row's chunks (``stacked_head``);
+    (``row_blocks``), then the base's head once over stacks of every row's chunks, each chunk
+    under its own session's head adapter where it has one (``stacked_head``);
     each session's loss comes from its own rows' logprobs as the default ``LossHook`` computes
     it (``compatible`` refuses other hooks: they may run forwards of their own), and one
     backward of the sum of the losses (whose gradient to each loss is exactly 1) leaves each
@@ -104,20 +105,21 @@ def _losses(
     invariance: RowInvariance,
 ) -> list[torch.Tensor]:
     """Each session's loss from its own rows of one forward of the leader over all of them,
-    through one head over all their chunks (``stacked_head``)."""
+    through the base's head over all their chunks, each with its own head adapter
+    (``stacked_head``)."""
     inputs = [_model_inputs(microbatch) for microbatch in microbatches]
     input_ids = torch.cat([ids for ids, _ in inputs])
     attention_mask = torch.cat([mask for _, mask in inputs])
     leader = sessions[0].model
     hidden, head = final_hidden_states(leader, input_ids, attention_mask)
     parts = [
-        HeadRows(states, *microbatch.head_targets())
-        for states, microbatch in zip(
-            hidden.split([ids.shape[0] for ids, _ in inputs]), microbatches, strict=True
+        HeadRows(session.model.get_output_embeddings(), states, *microbatch.head_targets())
+        for session, states, microbatch in zip(
+            sessions, hidden.split([ids.shape[0] for ids, _ in inputs]), microbatches, strict=True
         )
     ]
     logprobs = stacked_logprobs(
-        head,
+        base_layer(head),
         logit_transform(leader.config),
         parts,
         budget_bytes=sessions[0].encoder.logits_chunk_bytes,

@@ -22,7 +22,9 @@ many positions are ``row_invariance``'s; each sample's head then runs on its own
 states, as alone. A request's prompt scores (asked for) run alone, as in its session.
 
 ``sessions_problem`` and ``request_problem`` say, in words, why samples may not decode so (the
-caller decodes them per session instead); ``sample_together`` decodes them.
+caller decodes them per session instead); ``sample_together`` decodes them. Output heads with
+LoRA adapters (Tinker's ``train_unembed``) decode together too, each tile's rows under its own
+(``heads_by_row_block``), where every session's head carries one, or none does.
 """
 
 from __future__ import annotations
@@ -43,7 +45,11 @@ from trainwire.server.engine.sampling.sample_weights import LIVE_WEIGHTS
 from trainwire.server.engine.sampling.sampler import BatchedSample, SampleCall, Sampler
 from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import adapters_problem
-from trainwire.server.engine.together.row_blocks import adapters_by_row_block
+from trainwire.server.engine.together.row_blocks import (
+    adapters_by_row_block,
+    head_adapter,
+    heads_by_row_block,
+)
 from trainwire.server.engine.together.row_invariance import RowInvariance
 from trainwire.server.errors import FailedPrecondition
 
@@ -58,7 +64,16 @@ def sessions_problem(sessions: Sequence[TrainingSession]) -> str | None:
             return f"session {index} is sharded: every rank must make each of its decode calls"
         if not session.sampler.batches:
             return f"session {index}'s sampler decodes each request alone"
+        if (head_adapter(session.model) is None) != (head_adapter(sessions[0].model) is None):
+            return (
+                f"session {index}'s output head {_head(session)}, session 0's "
+                f"{_head(sessions[0])}: a decode step runs one head module for the stack"
+            )
     return adapters_problem(sessions)
+
+
+def _head(session: TrainingSession) -> str:
+    return "carries none" if head_adapter(session.model) is None else "carries a LoRA adapter"
 
 
 def request_problem(
@@ -232,7 +247,8 @@ def _forward(stack: list[tuple[BatchDecoder, Tile]]) -> dict[Tile, torch.Tensor]
         ]
     )  # fmt: skip
     inputs = torch.cat([tile.inputs for tile in tiles])
-    with adapters_by_row_block([decoder.model for decoder, _ in stack], sizes):
+    models = [decoder.model for decoder, _ in stack]
+    with adapters_by_row_block(models, sizes), heads_by_row_block(models, sizes):
         last = leader.forward(leader.model, inputs, cache)
     layers = [(layer.keys.split(sizes), layer.values.split(sizes)) for layer in cache.layers]
     for index, tile in enumerate(tiles):

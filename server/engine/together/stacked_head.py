@@ -8,12 +8,17 @@ and gathered target are its rows' own, so where the device gives a row the same 
 stacked (``row_invariance``, which probes the head's shape too) each logprob is the bits of its
 chunk alone. A chunk under the probe's ``min_rows`` runs on its own, as alone.
 
-The head is the shared base's (a session whose head carries an adapter does not run together:
-``compatibility``); each stack is recomputed in the backward, as each chunk alone is.
+A session's head may carry a LoRA adapter (Tinker's ``train_unembed``). A stack then runs the
+base's head once over its rows and adds to each chunk its own session's adapter, as that
+session's head adds it alone (``row_blocks.by_row_block``): the adapter's products run on that
+chunk's rows only, in the shapes they take alone (one chunk each), so its logprobs and the
+adapter's gradients are its own. A chunk that runs on its own runs its session's whole head.
+Each stack is recomputed in the backward, as each chunk alone is.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,13 +30,16 @@ from trainwire.server.engine.loss.chunked_logprobs import (
     chunk_positions,
     row_chunks,
 )
+from trainwire.server.engine.together.row_blocks import by_row_block
 
 
 @dataclass(frozen=True)
 class HeadRows:
-    """One session's part: its final hidden states ``(B, W, hidden)``, the target of each
-    position ``(B, W)`` and how many positions of each row are scored."""
+    """One session's part: its own output head (a LoRA layer where it trains one), its final
+    hidden states ``(B, W, hidden)``, the target of each position ``(B, W)`` and how many
+    positions of each row are scored."""
 
+    head: torch.nn.Module
     hidden: torch.Tensor
     targets: torch.Tensor
     lengths: Sequence[int]
@@ -41,12 +49,13 @@ class HeadRows:
 class _Chunk:
     part: int  # which HeadRows
     slot: int  # its place among that part's chunks
+    head: torch.nn.Module  # its session's own
     states: torch.Tensor
     targets: torch.Tensor
 
 
 def stacked_logprobs(
-    head: torch.nn.Module,
+    base_head: torch.nn.Module,
     transform: LogitTransform | None,
     parts: Sequence[HeadRows],
     *,
@@ -54,28 +63,30 @@ def stacked_logprobs(
     min_rows: int,
     max_rows: int,
 ) -> list[torch.Tensor]:
-    """Each part's flat logprobs, in its row order, as ``head_logprobs`` gives them alone."""
-    stack_rows = min(chunk_positions(head, budget_bytes), max_rows)
+    """Each part's flat logprobs, in its row order, as ``head_logprobs`` of its own head gives
+    them alone; ``base_head`` is the shared base's output head (``row_blocks.base_layer``)."""
+    positions = chunk_positions(base_head, budget_bytes)
+    stack_rows = min(positions, max_rows)
     slots: list[list[torch.Tensor | None]] = []
     stack: list[_Chunk] = []
     for index, part in enumerate(parts):
-        chunks = row_chunks(part.lengths, chunk_positions(head, budget_bytes))
+        chunks = row_chunks(part.lengths, positions)
         slots.append([None] * len(chunks))
         for slot, (row, start, end) in enumerate(chunks):
-            chunk = _Chunk(index, slot, part.hidden[row, start:end], part.targets[row, start:end])
+            states, targets = part.hidden[row, start:end], part.targets[row, start:end]
             if end - start < min_rows:  # too few rows to share a product bit for bit
-                slots[index][slot] = chunk_logprobs(head, transform, chunk.states, chunk.targets)
+                slots[index][slot] = chunk_logprobs(part.head, transform, states, targets)
                 continue
-            if sum(len(c.states) for c in stack) + len(chunk.states) > stack_rows:
-                _run(head, transform, stack, slots)
+            if sum(len(c.states) for c in stack) + len(states) > stack_rows:
+                _run(base_head, transform, stack, slots)
                 stack = []
-            stack.append(chunk)
-    _run(head, transform, stack, slots)
+            stack.append(_Chunk(index, slot, part.head, states, targets))
+    _run(base_head, transform, stack, slots)
     return [torch.cat(pieces) for pieces in slots]
 
 
 def _run(
-    head: torch.nn.Module,
+    base_head: torch.nn.Module,
     transform: LogitTransform | None,
     stack: list[_Chunk],
     slots: list[list[torch.Tensor | None]],
@@ -84,7 +95,9 @@ def _run(
         return
     states = torch.cat([chunk.states for chunk in stack])
     targets = torch.cat([chunk.targets for chunk in stack])
-    logp = chunk_logprobs(head, transform, states, targets)
+    sizes = [len(chunk.states) for chunk in stack]
+    heads = functools.partial(by_row_block, base_head, [chunk.head for chunk in stack], sizes)
+    logp = chunk_logprobs(heads, transform, states, targets)
     # Split, not sliced: the backward of a split is one concatenation, no zeros added in.
-    for chunk, piece in zip(stack, logp.split([len(c.states) for c in stack]), strict=True):
+    for chunk, piece in zip(stack, logp.split(sizes), strict=True):
         slots[chunk.part][chunk.slot] = piece
