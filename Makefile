@@ -31,11 +31,12 @@ venv: $(STAMP)
 
 # The suite runs on two pytest-xdist workers, one per core of a small machine: torch takes one
 # thread in each (tests/conftest.py), and much of a test's time is spent waiting on the servers,
-# processes and fsyncs it starts. The tests sharing a module-scoped fixture stay on one worker
-# (--dist loadgroup; tests/conftest.py groups them). `make test-all WORKERS=0` runs it in one
-# process; WORKERS=auto, one worker per core.
+# processes and fsyncs it starts. A module's tests stay on one worker, in their order, so its
+# module-scoped fixtures (servers, workspaces, references) are built once (--dist loadscope;
+# modules with more tests go first). `make test-all WORKERS=0` runs it in one process;
+# WORKERS=auto, one worker per core.
 WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope
 
 # The fast suite: everything but the tests marked slow (SIGKILL chaos, crash restarts, dispatch).
 test: $(STAMP)

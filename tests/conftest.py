@@ -33,7 +33,11 @@ The Dockerfile and deploy/ tests share fixtures over those files (readers in dep
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 
 torch runs on one CPU thread in the suite and in every process a test starts (see
-``OMP_NUM_THREADS`` below).
+``OMP_NUM_THREADS`` below). ``make test`` and ``make test-all`` run the suite on two pytest-xdist
+workers, a test module's tests all on one of them (``--dist loadscope``: its module-scoped
+fixtures are built once, and its tests run in their order). Every fixture here writes under its
+own worker's ``tmp_path``; servers started as processes get ports from
+``trainwire.testing.free_port``, which hands no port to two processes.
 """
 
 from __future__ import annotations
@@ -78,25 +82,6 @@ ConfigFactory = Callable[..., TrainingConfig]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _keep_module_fixtures_on_one_worker(items)
-    _skip_cuda_tests_without_a_device(items)
-
-
-def _keep_module_fixtures_on_one_worker(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist with ``--dist loadgroup`` (the Makefile's), the tests that share a
-    module-scoped fixture (a server, a workspace, references trained in-process) run on one
-    worker, so it is built once, as in one process; every other test goes to whichever worker
-    is free. A module marked ``apart`` has tests minutes long beside a cheap fixture: each may go
-    to its own worker, which builds the fixture again rather than wait minutes for the others."""
-    for item in items:
-        if not isinstance(item, pytest.Function) or item.get_closest_marker("apart"):
-            continue
-        fixtures = item._fixtureinfo.name2fixturedefs.values()
-        if any(definitions[-1].scope == "module" for definitions in fixtures):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-
-def _skip_cuda_tests_without_a_device(items: list[pytest.Item]) -> None:
     """Skip ``cuda`` tests without a CUDA device (torch is imported only if there are some)."""
     cuda_items = [item for item in items if item.get_closest_marker("cuda") is not None]
     if not cuda_items:

@@ -31,10 +31,6 @@ from trainwire.server.engine.session import TrainingSession
 
 KILL_ATTEMPTS = 5  # what a kill aims at can pass between being seen and the kill
 
-# Each seed runs for minutes: under xdist the seeds spread over the workers, each worker training
-# the reference once, rather than one worker running them all (tests/conftest.py).
-pytestmark = pytest.mark.apart
-
 
 def kill_server_during_checkpoint(cluster: Cluster) -> str:
     """Kill the server while it writes a new checkpoint; the dead server's half-written
