@@ -29,13 +29,22 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
+# The suite runs on two pytest-xdist workers, one per core of a small machine: torch takes one
+# thread in each (tests/conftest.py), and much of a test's time is spent waiting on the servers,
+# processes and fsyncs it starts. A module's tests stay on one worker, in their order, so its
+# module-scoped fixtures (servers, workspaces, references) are built once (--dist loadscope;
+# modules with more tests go first). `make test-all WORKERS=0` runs it in one process;
+# WORKERS=auto, one worker per core.
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadscope
+
 # The fast suite: everything but the tests marked slow (SIGKILL chaos, crash restarts, dispatch).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # The whole suite, slow tests included: what CI runs.
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 demo: $(STAMP)
 	$(BIN)/trainwire demo

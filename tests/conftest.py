@@ -33,7 +33,11 @@ The Dockerfile and deploy/ tests share fixtures over those files (readers in dep
 Tests marked ``cuda`` are skipped where torch sees no CUDA device.
 
 torch runs on one CPU thread in the suite and in every process a test starts (see
-``OMP_NUM_THREADS`` below).
+``OMP_NUM_THREADS`` below). ``make test`` and ``make test-all`` run the suite on two pytest-xdist
+workers, a test module's tests all on one of them (``--dist loadscope``: its module-scoped
+fixtures are built once, and its tests run in their order). Every fixture here writes under its
+own worker's ``tmp_path``; servers started as processes get ports from
+``trainwire.testing.free_port``, which hands no port to two processes.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ def test_the_tiny_models_engine_step_and_checkpoints_print_beside_the_plain_ones
     assert re.search(r"^load_state .* ratio +\d+\.\d\d$", done.stdout, re.M), done.stdout
 
 
+@pytest.mark.slow  # the refusal comes after the bench imports torch: 5-20 s here
 def test_cpu_time_is_refused_where_it_would_miss_other_threads_work():
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--clock", "cpu"], capture_output=True, text=True

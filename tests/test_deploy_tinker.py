@@ -251,6 +251,7 @@ def grpc_health(port: int) -> int:
         )
 
 
+@pytest.mark.slow  # a real server and SDK clients: 20-50 s on two busy cores
 @pytest.mark.parametrize("components", [(), ("lab",)], ids=["base", "lab"])
 def test_the_rendered_worker_arguments_serve_both_ports_to_the_example_tenants(
     components, tmp_path, model_root, tiny_llama

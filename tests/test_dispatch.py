@@ -130,6 +130,7 @@ def test_dispatch_over_three_servers_survives_a_killed_server(
         assert summary_digest(tmp_path / "runs", path, plans[name]) == reference_digests[name]
 
 
+@pytest.mark.slow  # two runs trained through one server: 10-15 s on two busy cores
 def test_a_server_takes_the_next_run_after_closing_the_last(
     plans, reference_digests, model_root, tmp_path, capsys
 ):

@@ -122,6 +122,7 @@ def test_a_wrong_token_file_is_named_rather_than_asked_for(model_root, tmp_path,
     assert "give --token-file" not in err
 
 
+@pytest.mark.slow  # a server started, stopped and started again: 10-15 s on two busy cores
 @pytest.mark.timeout(120)
 def test_the_controller_waits_for_a_server_its_run_reached_before(manifest, model_root, tmp_path):
     """A restarted controller whose server is restarting too: its work directory records the

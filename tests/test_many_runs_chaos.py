@@ -75,6 +75,12 @@ def test_four_runs_killed_together_each_end_bit_identical(
             if not controllers:
                 wait_for_listener(cluster.target)  # a controller fails on a server never reached
             controllers.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+        # A controller that never reached its server fails at once, as it should: the kills
+        # begin once every run committed there, however slowly a busy machine starts them.
+        opened = wait_until(
+            lambda: all(journal_position(cluster.state, r) >= 1 for r in run_ids), STALL_S
+        )
+        assert opened, cluster.logs_text()
         for _ in range(3):  # the server killed three times, each when a seeded run moved on
             run_id = rng.choice(run_ids)
             aim = journal_position(cluster.state, run_id) + rng.randint(1, 4)

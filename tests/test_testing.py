@@ -243,3 +243,38 @@ def test_free_port_never_hands_out_a_port_twice() -> None:
 
     ports = [free_port() for _ in range(500)]
     assert len(set(ports)) == len(ports)
+
+
+def test_free_port_never_hands_out_a_port_the_kernel_gives_for_port_0() -> None:
+    from trainwire.testing import free_port
+
+    first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert not [port for port in (free_port() for _ in range(500)) if first <= port <= last]
+
+
+def test_free_port_never_hands_out_a_port_another_process_holds() -> None:
+    """Test processes side by side (pytest-xdist workers) each pick ports; drawn at random, 2,000
+    here would meet some of the other process's 200 about 18 times, were they not reserved."""
+    from trainwire.testing import free_port
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_PORTS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    try:
+        held = set(json.loads(holder.stdout.readline()))
+        assert len(held) == 200
+        assert held.isdisjoint(free_port() for _ in range(2000))
+    finally:
+        holder.communicate(timeout=60)
+
+
+HOLD_PORTS = """
+import json, sys
+from trainwire.testing import free_port
+print(json.dumps([free_port() for _ in range(200)]), flush=True)
+sys.stdin.read()  # holds the ports until the test is done
+"""

@@ -18,8 +18,15 @@ imports no torch (the model helpers import it when called).
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import functools
+import os
+import random
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 from trainwire.tiny_architectures import ARCHITECTURES, TinyArchitecture, make_tiny_architecture
 from trainwire.tiny_data import (
@@ -47,24 +54,66 @@ __all__ = [
 
 
 _HANDED_OUT: set[tuple[str, int]] = set()  # by free_port, in this process
+_CHOOSER = random.Random()  # its own stream: a caller's global RNGs stay untouched
+_RESERVATIONS_FILE = Path(tempfile.gettempdir()) / f"trainwire-free-ports-{os.getuid()}.lock"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on ``host`` just now, for a server started as another process.
+    """A port free on ``host`` now and kept from every other caller, for a server started as
+    another process.
 
     An in-process server binds port 0 and reports its port; a ``trainwire serve`` subprocess (or a
     server restarted on the same address) needs its port before it starts, so one is picked here.
-    Another process could take it in between; on loopback in a test that does not happen in
-    practice. Within this process no port is handed out twice (a dispatch test once got the same
-    port for two of its servers).
+    Nothing else may take it in between, or while its server restarts, though test processes run
+    side by side (pytest-xdist workers, several suites on one machine): the port lies outside the
+    kernel's ephemeral range, so no ``bind(0)`` or outgoing connection is ever given it, and it is
+    reserved with a lock on its byte of one shared file, which this process holds until it exits
+    (the kernel drops the lock then, however the process ends). Every process that asks here skips
+    a reserved port, and this one never hands out a port twice.
     """
-    while True:  # the kernel may hand the same free port out twice in a row; this never does
+    candidates = _ports_outside_the_ephemeral_range()
+    while True:
+        port = _CHOOSER.choice(candidates)
+        if (host, port) in _HANDED_OUT or not _reserve(port):
+            continue
         with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        if (host, port) not in _HANDED_OUT:
-            _HANDED_OUT.add((host, port))
-            return port
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    raise
+                continue  # something that does not ask here uses it
+        _HANDED_OUT.add((host, port))
+        return port
+
+
+@functools.cache
+def _ports_outside_the_ephemeral_range() -> list[int]:
+    """The ports from 10000 up that the kernel never hands out for port 0 or an outgoing
+    connection (outside ``ip_local_port_range``; Linux's default where it cannot be read), or
+    all of them where that range leaves too few."""
+    try:
+        first, last = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        first, last = 32768, 60999
+    ports = [port for port in range(10000, 65536) if not first <= port <= last]
+    return ports if len(ports) >= 1000 else list(range(10000, 65536))
+
+
+@functools.cache
+def _reservations() -> int:
+    """The shared reservations file, open for this process's lifetime: closing any descriptor
+    of it would drop every lock this process holds there."""
+    return os.open(_RESERVATIONS_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+def _reserve(port: int) -> bool:
+    """Lock byte ``port`` of the shared reservations file for this process, without waiting."""
+    try:
+        fcntl.lockf(_reservations(), fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+    except OSError:  # another process holds it
+        return False
+    return True
 
 
 def wait_for_listener(target: str, timeout_s: float = 300.0) -> None:
