@@ -103,8 +103,14 @@ def test_cancelled_samples_stay_cancelled_across_a_sigkill_and_the_rest_answer_a
 ) -> None:
     """Thirty samples sent at once, the last ten cancelled at once (each answered cancelled, or
     already sampled), then the server SIGKILLed and restarted on its port: every cancelled one
-    answers cancelled, every other one the samples of a server never killed nor cancelled."""
+    answers cancelled, every other one the samples of a server never killed nor cancelled. The
+    last ten decode long and are cancelled last sent first, so on a machine however busy at
+    least the last one is cancelled before its samples end."""
     count, cancelled_from = 30, 20
+
+    def max_tokens(seq: int) -> int:
+        return 16 if seq <= cancelled_from else 240
+
     plain_dir, crash_dir = tmp_path / "plain", tmp_path / "crash"
     plain_dir.mkdir(), crash_dir.mkdir()
     started: list[TinkerServeProcess] = []
@@ -113,15 +119,17 @@ def test_cancelled_samples_stay_cancelled_across_a_sigkill_and_the_rest_answer_a
         started.append(TinkerServeProcess(plain_dir, plain_dir / "state", model_root, port, "p"))
         plain = RawFront(f"http://127.0.0.1:{port}")
         _, sampler = sampler_of(plain)
-        expected = sampled(plain, [sample(plain, sampler, seq, 16) for seq in range(1, count + 1)])
+        sent = [sample(plain, sampler, seq, max_tokens(seq)) for seq in range(1, count + 1)]
+        expected = sampled(plain, sent)
 
         port = free_port()
         state_dir = crash_dir / "state"
         started.append(TinkerServeProcess(crash_dir, state_dir, model_root, port, "first"))
         front = RawFront(f"http://127.0.0.1:{port}")
         _, sampler = sampler_of(front)
-        sent = [sample(front, sampler, seq, 16) for seq in range(1, count + 1)]
-        cancelled = [r for r in sent[cancelled_from:] if cancel(front, r).json()["cancelled"]]
+        sent = [sample(front, sampler, seq, max_tokens(seq)) for seq in range(1, count + 1)]
+        last_ten = reversed(sent[cancelled_from:])
+        cancelled = [r for r in last_ten if cancel(front, r).json()["cancelled"]]
         assert cancelled, "every sample ran before its cancel: send more, or longer ones"
         started[-1].kill()
         started.append(TinkerServeProcess(crash_dir, state_dir, model_root, port, "second"))

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tinker
 from ledger_files import opened_store
+from service_fixtures import wait_for
 from tinker import types
 from tinker_loops import (
     SENTENCES,
@@ -260,10 +262,14 @@ def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_th
         assert api.poll(again.json()["request_id"]).headers["content-type"] == codec.PROTOBUF
 
 
-def pipelined_steps(service: tinker.ServiceClient, steps: int = 2) -> list[Any]:
-    """Six forward_backwards and an optim_step sent before any is awaited, ``steps`` times."""
+def pipelined_steps(
+    service: tinker.ServiceClient, steps: int = 2, before: Callable[[], None] = lambda: None
+) -> list[Any]:
+    """Six forward_backwards and an optim_step sent before any is awaited, ``steps`` times;
+    ``before()`` once the model is made, before anything is sent."""
     training = service.create_lora_training_client(base_model="llama", rank=4).result()
     tokenizer = training.get_tokenizer()
+    before()
     seen: list[Any] = []
     for _ in range(steps):
         data = [[supervised_datum(tokenizer, text)] for text in SENTENCES * 2]
@@ -296,7 +302,21 @@ def test_the_sdk_retries_a_call_refused_past_the_bound_and_gets_an_unbounded_run
     monkeypatch.setattr(scheduler.Scheduler, "_check_room", counted)
     monkeypatch.setattr(scheduler, "DEFAULT_MAX_HELD_BYTES", 1)
     with tinker_server(tmp_path / "bounded", model_root) as handle:
-        assert pipelined_steps(service_client(handle)) == expected
+
+        def hold_until_refused() -> None:
+            """The first calls wait behind a held engine until one is refused, however fast
+            the engine would have run them: the bound is met whatever the machine's load."""
+            gate = hold_the_calls(handle)
+
+            def release_once_refused() -> None:
+                try:
+                    wait_for(lambda: bool(refused), 60)
+                finally:
+                    gate.set()
+
+            threading.Thread(target=release_once_refused).start()
+
+        assert pipelined_steps(service_client(handle), before=hold_until_refused) == expected
     assert refused
 
 
