@@ -98,14 +98,16 @@ class FairTurns(Generic[T]):
         self._leave_if_empty(lane)
         return taken
 
+    def lane_heads(self) -> list[tuple[str, T]]:
+        """Each lane with work and its first item, in the order of their turns."""
+        return [(lane, self._lanes[lane][0]) for lane in self._turns]
+
     def heads_after(self, lane: str) -> list[tuple[str, T]]:
         """The first item of each lane with work but ``lane``, in the order of their turns
         from ``lane``'s (the order ``take_out_of_turn`` takes them in for one batch)."""
-        order = list(self._turns)
-        if lane in order:
-            at = order.index(lane)
-            order = order[at + 1 :] + order[:at]
-        return [(other, self._lanes[other][0]) for other in order if other != lane]
+        heads = self.lane_heads()
+        at = next((i for i, (other, _) in enumerate(heads) if other == lane), None)
+        return heads if at is None else heads[at + 1 :] + heads[:at]
 
     def take_out_of_turn(self, lane: str) -> T:
         """The first item of ``lane``, taken before its turn (it runs in one batch with the

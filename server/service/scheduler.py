@@ -192,7 +192,7 @@ class Scheduler:
         """The lanes whose next ready job is ``which`` (e.g. one that may share a pass, or a
         sample): what the next turn that takes several lanes' jobs together looks at."""
         with self._lock:
-            heads = self._turns.heads_after("")
+            heads = self._turns.lane_heads()
         return [lane for lane, job in heads if which(job)]
 
     @property
@@ -233,10 +233,6 @@ class Scheduler:
         in ``lane``; at once when called on the engine thread (a job's own call)."""
         return self.queue(call, lane=lane).result()
 
-    def run_sample(self, prepare: Callable[[], PreparedSample], *, lane: str = "") -> Any:
-        """A sample's result: decoded in ``lane``'s turn, with the samples queued beside it."""
-        return self.queue(prepare=prepare, lane=lane).result()
-
     def queue(
         self,
         call: Callable[[], Any] | None = None,
@@ -245,8 +241,9 @@ class Scheduler:
         lane: str = "",
         shared: Shared | None = None,
     ) -> futures.Future[Any]:
-        """``run`` (or, given ``prepare``, ``run_sample``) without waiting: the job's future,
-        done before this returns when called on the engine thread (a job's own call).
+        """``run`` without waiting (or, given ``prepare``, a sample decoded in ``lane``'s turn
+        with the samples queued beside it): the job's future, done before this returns when
+        called on the engine thread (a job's own call).
         ``shared``: the job may run as its part of a pass shared with other lanes' jobs."""
         if self.on_engine_thread:
             done: futures.Future[Any] = futures.Future()
