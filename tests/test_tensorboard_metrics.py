@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -307,3 +308,27 @@ def test_the_flag_keeps_the_client_free_of_torch(tmp_path):
         "train/learning_rate": [(1, float(np.float32(0.1)))],  # a float32, as TensorBoard keeps
         "train/grad_norm": [(1, 1.0)],
     }
+
+
+def update(step: int, loss: float) -> dict[str, object]:
+    return {"kind": "update", "microbatch": step - 1, "epoch": 0, "step": step,
+            "loss": loss, "learning_rate": 0.1, "grad_norm": 1.0}  # fmt: skip
+
+
+def test_a_resume_in_the_second_its_killed_run_opened_its_file_writes_a_file_read_after_it(
+    tmp_path,
+):
+    """TensorBoard reads a directory's event files by name, the second they were opened first:
+    here the killed run's file is named for the coming second on a host whose name sorts after
+    this one's, so a file the resume opened in that second would be read first."""
+    from trainwire.contract.report.tensorboard_log import TensorBoardLog
+
+    with TensorBoardLog(tmp_path) as killed:
+        killed.follow([update(1, 0.5)])
+    (first,) = event_files(tmp_path)
+    second = int(time.time()) + 1
+    first.rename(tmp_path / f"events.out.tfevents.{second:010d}.~later-host.1.0")
+    with TensorBoardLog(tmp_path) as resumed:
+        resumed.follow([update(1, 0.5), update(2, 0.25)])
+    assert [step for step, _ in board(tmp_path)["train/loss"]] == [1, 2]
+    assert int(event_files(tmp_path)[-1].name.split(".")[3]) > second

@@ -11,7 +11,9 @@ data server (what ``tensorboard --logdir`` loads with by default) shows no float
 value is ``metrics.jsonl``'s rounded to the nearest float32, and nothing else.
 
 A resumed run opens a new event file in the same directory (TensorBoard reads a directory's files
-in order) and writes only steps the files do not hold yet: a replay after a crash runs records
+in the order of their names, which begin with the second the file was opened: a resume in the
+second its killed run opened its file waits for the next, so its file sorts after) and writes
+only steps the files do not hold yet: a replay after a crash runs records
 again that the files already have, and a killed process may have lost records that its run's
 history still holds, so each tag goes on from the last step the files hold. Steps of one tag
 never repeat: a run's updates count up, and an evaluation follows an update.
@@ -22,6 +24,7 @@ Torch-free (the controller uses it); the ``tensorboard`` package is imported onl
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -108,8 +111,19 @@ class TensorBoardLog:
         if self._writer is None:
             from tensorboard.summary import Writer
 
+            _after_the_newest_file(self.directory)
             self._writer = Writer(str(self.directory))
         return self._writer
+
+
+def _after_the_newest_file(directory: Path) -> None:
+    """Wait, if need be, until a file opened now sorts after every event file ``directory``
+    holds: a name's second comes first (``events.out.tfevents.<second>.<host>.<pid>...``), so
+    two files of one second sort by host and process id, not by when they were opened."""
+    names = [path.name.split(".") for path in directory.glob("events.out.tfevents.*")]
+    seconds = [int(parts[3]) for parts in names if len(parts) > 3 and parts[3].isdigit()]
+    if seconds:
+        time.sleep(max(0.0, max(seconds) + 1 - time.time()))
 
 
 def last_steps(directory: Path) -> dict[str, int]:
