@@ -23,7 +23,7 @@ from test_service_restart import TOKEN, ServeProcess
 from trainwire.client import LoraSettings, SessionClient, TokenExample
 from trainwire.contract.outcomes import OperationSpec
 from trainwire.server.engine.session import TrainingSession
-from trainwire.server.errors import InvalidArgument, PositionMismatch
+from trainwire.server.errors import FailedPrecondition, InvalidArgument, PositionMismatch
 from trainwire.server.service import operations as ops
 from trainwire.server.service.requests import (
     ForwardBackwardRequest,
@@ -260,17 +260,51 @@ def token_batch(last: int) -> list[TokenExample]:
     return [TokenExample.from_sequence([5, 9, 14, 3, 7, 21, 4, seed, last]) for seed in range(4)]
 
 
-def test_a_pass_one_request_of_which_is_refused_runs_each_alone_and_only_that_one_fails(
+def test_a_request_its_run_refuses_is_left_out_of_the_pass_and_only_it_fails(
+    make_host, llama_config, passes
+):
+    """A token batch's ids are checked against the vocabulary when the engine encodes it, which
+    grouping does (each request is encoded once): the refused request runs alone and meets its
+    error, the others share the pass."""
+    configs = dict(list(run_configs(llama_config).items())[:3])
+    host = make_host(max_runs=3)
+    for name, config in configs.items():
+        host.open(name, config)
+    batches = {"r0": token_batch(2), "r1": token_batch(10**6), "r2": token_batch(2)}
+    release = held(host.scheduler).set
+    threads = {
+        name: forward_backward_thread(host, name, f"{name}/0", batch)
+        for name, batch in batches.items()
+    }
+    assert wait_until(lambda: host.scheduler.queued == 4, 60)
+    release()
+    for thread in threads.values():
+        thread.join(120)
+    assert passes == [["r0", "r2"]]
+    assert isinstance(threads["r1"].result, InvalidArgument)
+    assert [host.info(name).position for name in configs] == [1, 0, 1]
+    for name in ("r0", "r2"):
+        losses, digest = alone_digest(configs[name], [batches[name]])
+        assert threads[name].result.loss == losses[0].loss
+        assert host.info(name).state_digest == digest
+
+
+def test_a_pass_its_engine_refuses_runs_each_alone_and_only_the_refused_one_fails(
     make_host, llama_config, passes, caplog
 ):
-    """A token batch's ids are checked against the vocabulary only when the engine encodes it,
-    inside the pass: the pass fails having changed nothing, and each call runs alone."""
+    """A run whose session a failed backward left unusable still joins a pass (its key is
+    fresh); the pass refuses before any session changed, so each job runs alone at its turn: the
+    others end as alone, the broken run meets its own FailedPrecondition (which, as alone,
+    fails the server until a restart restores the latest checkpoint: it is last in turn)."""
     caplog.set_level(logging.INFO, logger="trainwire.server.service.shared_passes")
     configs = dict(list(run_configs(llama_config).items())[:3])
     host = make_host(max_runs=3)
     for name, config in configs.items():
         host.open(name, config)
-    batches = {"r0": token_batch(2), "r1": token_batch(2), "r2": token_batch(10**6)}
+    broken = host._runs["r2"].session
+    with pytest.raises(RuntimeError), broken.breaks_on_failure("a backward"):
+        raise RuntimeError("a kernel failed")
+    batches = {name: token_batch(2) for name in configs}
     release = held(host.scheduler).set
     threads = {
         name: forward_backward_thread(host, name, f"{name}/0", batch)
@@ -282,12 +316,14 @@ def test_a_pass_one_request_of_which_is_refused_runs_each_alone_and_only_that_on
         thread.join(120)
     assert "a shared pass of 3 runs was refused" in caplog.text
     assert passes == []  # every call ran alone
-    assert isinstance(threads["r2"].result, InvalidArgument)
-    assert [host.info(name).position for name in configs] == [1, 1, 0]
+    assert isinstance(threads["r2"].result, FailedPrecondition)
+    assert "unusable" in str(threads["r2"].result)
+    assert host.info("r0").state == "failed"  # the server reports nothing else until restarted
     for name in ("r0", "r1"):
         losses, digest = alone_digest(configs[name], [batches[name]])
+        assert threads[name].result.position == 1
         assert threads[name].result.loss == losses[0].loss
-        assert host.info(name).state_digest == digest
+        assert host._runs[name].session.state_digest() == digest
 
 
 def test_runs_that_cannot_share_take_turns_and_still_end_as_alone(make_host, llama_config, passes):

@@ -39,6 +39,10 @@ class TextMicrobatch:
     def token_count(self) -> int:
         return self.batch.token_count
 
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask)``: what the model's forward reads."""
+        return self.batch.inputs["input_ids"], self.batch.inputs["attention_mask"]
+
     def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
         self._output = hook.compute_loss(model, self.batch, training=training)
         return self._output.loss
@@ -79,6 +83,10 @@ class TokenMicrobatch:
     @property
     def token_count(self) -> int:
         return self.batch.token_count
+
+    def model_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(input_ids, attention_mask)``: what the model's forward reads."""
+        return self.batch.input_ids, self.batch.attention_mask
 
     def loss(self, model: torch.nn.Module, hook: LossHook, *, training: bool) -> torch.Tensor:
         output, logp = hook.compute_token_loss(

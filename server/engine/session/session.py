@@ -227,7 +227,7 @@ class TrainingSession:
         give a ``TokenOutput`` with every target's logprob under ``loss_fn``.
         """
         with self._guard.operation(changes_state=False):
-            microbatch = self._encode(examples, loss_fn, loss_fn_config)
+            microbatch = self.encode(examples, loss_fn, loss_fn_config)
             self._set_training(False)
             with torch.no_grad(), refuse_out_of_memory("forward"):
                 loss = microbatch.loss(self.model, self.loss_hook, training=False)
@@ -249,7 +249,7 @@ class TrainingSession:
         when the update is applied, whichever kinds they were.
         """
         with self._guard.operation():
-            microbatch = self._encode(examples, loss_fn, loss_fn_config)
+            microbatch = self.encode(examples, loss_fn, loss_fn_config)
             self._set_training(True)
             # Out of memory here, nothing was applied yet: the state (RNG included) is unchanged.
             with refuse_out_of_memory("forward_backward"):
@@ -266,18 +266,12 @@ class TrainingSession:
         self._guard.changed()
 
     @contextlib.contextmanager
-    def shared_pass(
-        self,
-        examples: Sequence[InputExample | TokenExample],
-        *,
-        loss_fn: str = DEFAULT_LOSS,
-        loss_fn_config: Mapping[str, float] | None = None,
-        training: bool,
-    ) -> Iterator[Microbatch | ShardedMicrobatch]:
+    def shared_pass(self, microbatch: Microbatch, *, training: bool) -> Iterator[Microbatch]:
         """This session's part of one pass over its base that it shares with other sessions on
-        it (``engine.together``): held under its lock, refused while broken, ``examples``
-        encoded (InvalidArgument before anything changes) and the model in the mode
-        ``forward_backward`` (``training``) or ``forward`` sets.
+        it (``engine.together``): held under its lock, refused while broken, and the model in
+        the mode ``forward_backward`` (``training``) or ``forward`` sets. ``microbatch`` is
+        what ``encode`` gave for the request (the pass encodes each request once: grouping
+        reads its width, the pass its tensors).
 
         The pass itself runs the model and the backward. When it ends without an error, the
         session ends as the same operation alone ends: its RNG advanced as an operation that
@@ -287,7 +281,6 @@ class TrainingSession:
         guard = self._guard
         with guard.lock:
             guard.refuse_if_broken("the session is unusable")
-            microbatch = self._encode(examples, loss_fn, loss_fn_config)
             self._set_training(training)
             yield microbatch
             with guard.session_rng(keep=training):
@@ -300,9 +293,12 @@ class TrainingSession:
         backward): the session refuses operations until a ``load_state``."""
         return self._guard.breaks_on_failure(what)
 
-    def _encode(
+    def encode(
         self, examples: Sequence[Any], loss_fn: str, loss_fn_config: Mapping[str, float] | None
     ) -> Microbatch | ShardedMicrobatch:
+        """The batch as this session trains on it (this rank's slice in a sharded group):
+        InvalidArgument for a request it refuses, before anything changes. Reads only the
+        session's encoder, so it may run outside the session's lock."""
         vocab_size = self.sampler.vocab_size
         return encode_for_group(
             examples, loss_fn, loss_fn_config, self.encoder, vocab_size, self.shards

@@ -51,11 +51,15 @@ def group_together(requests: Sequence[Request], invariance: RowInvariance) -> li
     Each request's padded shape is found once (text is encoded for it). A request joins the
     first earlier group it is ``compatible`` with, else starts its own; groups keep the order
     their first request came in, and so do the requests in each. A group of one runs alone. A
-    request its session would refuse gets a group of its own, where it meets its error alone.
+    request its session would refuse, or whose session shares no pass, gets a group of its
+    own, where it meets its error or runs alone.
     """
     groups: list[list[int]] = []
     shapes: dict[int, tuple[int, int]] = {}
     for index, request in enumerate(requests):
+        if session_problem([request.session]) is not None:  # it shares no pass: not encoded
+            groups.append([index])
+            continue
         try:
             shapes[index] = padded_shape(request)
         except InvalidArgument:
@@ -126,6 +130,28 @@ def _training_problem(session: TrainingSession, first: TrainingSession) -> str |
         return "logits_chunk_bytes differs from session 0's (it decides the head's chunks)"
     if type(session.loss_hook) is not LossHook:
         return f"its loss hook {type(session.loss_hook).__name__} may run its own forward"
+    return _draws_problem(session)
+
+
+# What a session's set up decides never changes: found once per session (walking a module tree
+# costs about half a millisecond, and a scheduler asks this of every run it offers a pass).
+_SETUP_PROBLEMS: weakref.WeakKeyDictionary[TrainingSession, str | None] = (
+    weakref.WeakKeyDictionary()
+)
+_DRAWS_PROBLEMS: weakref.WeakKeyDictionary[TrainingSession, str | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _draws_problem(session: TrainingSession) -> str | None:
+    if session not in _DRAWS_PROBLEMS:
+        _DRAWS_PROBLEMS[session] = _find_draws_problem(session)
+    return _DRAWS_PROBLEMS[session]
+
+
+def _find_draws_problem(session: TrainingSession) -> str | None:
+    """Whether the session's training forward draws from a generator (a dropout anywhere): a
+    shared pass draws once for all, so each session would draw other numbers than alone."""
     lora = session.config.lora
     if lora is not None and lora.dropout:
         return f"LoRA dropout {lora.dropout} draws from the session's generator"
@@ -135,12 +161,6 @@ def _training_problem(session: TrainingSession, first: TrainingSession) -> str |
     if getattr(session.model.config, "attention_dropout", 0.0):
         return "the model's attention dropout draws from the session's generator"
     return None
-
-
-# What a session's set up decides never changes: found once per session.
-_SETUP_PROBLEMS: weakref.WeakKeyDictionary[TrainingSession, str | None] = (
-    weakref.WeakKeyDictionary()
-)
 
 
 def _setup_problem(session: TrainingSession) -> str | None:
@@ -177,14 +197,9 @@ def _find_setup_problem(session: TrainingSession) -> str | None:
 
 
 def padded_shape(request: Request) -> tuple[int, int]:
-    """(rows, padded width) of the batch the request's session would encode."""
-    examples = request.examples
-    if not examples:
-        raise InvalidArgument("empty batch: send at least one example")
-    if all(hasattr(example, "target_tokens") for example in examples):
-        return len(examples), max(len(example) for example in examples)
-    batch = request.session.encoder.encode(examples)
-    return tuple(batch.inputs["input_ids"].shape)
+    """(rows, padded width) of the batch the request's session encodes (``Request.microbatch``:
+    InvalidArgument where the session refuses it)."""
+    return tuple(request.microbatch.model_inputs()[0].shape)
 
 
 def shape_problem(shapes: Sequence[tuple[int, int]], invariance: RowInvariance) -> str | None:

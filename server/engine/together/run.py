@@ -4,6 +4,7 @@ forward) requests, each session ending exactly as it ends running its request al
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -12,7 +13,7 @@ import torch
 from trainwire.contract.config import InputExample
 from trainwire.contract.tokens import DEFAULT_LOSS, TokenExample
 from trainwire.server.engine.loss.chunked_logprobs import final_hidden_states, logit_transform
-from trainwire.server.engine.loss.microbatches import Microbatch, TextMicrobatch
+from trainwire.server.engine.loss.microbatches import Microbatch
 from trainwire.server.engine.session.operation_guard import refuse_out_of_memory
 from trainwire.server.engine.session.results import ForwardResult, TokenOutput
 from trainwire.server.engine.session.rng import preserved_global_rng
@@ -26,12 +27,20 @@ from trainwire.server.errors import FailedPrecondition
 
 @dataclass(frozen=True)
 class Request:
-    """One session's ``forward_backward`` (or ``forward``) call, as its arguments."""
+    """One session's ``forward_backward`` (or ``forward``) call, as its arguments. One request
+    runs in at most one pass (its ``microbatch`` carries that pass's loss and outputs)."""
 
     session: TrainingSession
     examples: Sequence[InputExample | TokenExample]
     loss_fn: str = DEFAULT_LOSS
     loss_fn_config: Mapping[str, float] | None = field(default=None)
+
+    @functools.cached_property
+    def microbatch(self) -> Microbatch:
+        """The request as its session encodes it (InvalidArgument where it refuses it), once:
+        grouping reads its width, the pass its tensors (tokenizing is a large part of a small
+        model's step)."""
+        return self.session.encode(self.examples, self.loss_fn, self.loss_fn_config)
 
 
 Result = float | ForwardResult | TokenOutput
@@ -66,23 +75,16 @@ def run_together(
     with contextlib.ExitStack() as held:
         # One lock order for every pass: two passes over overlapping sessions never deadlock.
         order = sorted(range(len(requests)), key=lambda i: id(requests[i].session))
-        encoded: dict[int, Microbatch] = {}
+        microbatches = [request.microbatch for request in requests]  # InvalidArgument first
+        _refuse(shape_problem([mb.model_inputs()[0].shape for mb in microbatches], invariance))
         for index in order:
-            request = requests[index]
-            encoded[index] = held.enter_context(
-                request.session.shared_pass(
-                    request.examples,
-                    loss_fn=request.loss_fn,
-                    loss_fn_config=request.loss_fn_config,
-                    training=backward,
-                )
+            held.enter_context(
+                requests[index].session.shared_pass(microbatches[index], training=backward)
             )
-        microbatches = [encoded[index] for index in range(len(requests))]
-        _refuse(shape_problem([_model_inputs(mb)[0].shape for mb in microbatches], invariance))
         with preserved_global_rng(), torch.set_grad_enabled(backward):
             drawn_from = torch.get_rng_state()
             models = [session.model for session in sessions]
-            rows = [_model_inputs(microbatch)[0].shape[0] for microbatch in microbatches]
+            rows = [microbatch.model_inputs()[0].shape[0] for microbatch in microbatches]
             with adapters_by_row_block(models, rows):
                 with refuse_out_of_memory(what):
                     losses = _losses(sessions, microbatches, invariance)
@@ -107,7 +109,7 @@ def _losses(
     """Each session's loss from its own rows of one forward of the leader over all of them,
     through the base's head over all their chunks, each with its own head adapter
     (``stacked_head``)."""
-    inputs = [_model_inputs(microbatch) for microbatch in microbatches]
+    inputs = [microbatch.model_inputs() for microbatch in microbatches]
     input_ids = torch.cat([ids for ids, _ in inputs])
     attention_mask = torch.cat([mask for _, mask in inputs])
     leader = sessions[0].model
@@ -130,12 +132,6 @@ def _losses(
         microbatch.loss_of_logprobs(logp)
         for microbatch, logp in zip(microbatches, logprobs, strict=True)
     ]
-
-
-def _model_inputs(microbatch: Microbatch) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(microbatch, TextMicrobatch):
-        return microbatch.batch.inputs["input_ids"], microbatch.batch.inputs["attention_mask"]
-    return microbatch.batch.input_ids, microbatch.batch.attention_mask
 
 
 def _refuse(problem: str | None) -> None:
