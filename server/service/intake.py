@@ -419,9 +419,9 @@ class Intake:
         request_id = f"{stream}/{seq}"
         digest, body_size = self._payload(route, body)
         size = size or body_size
-        taken = partial(self._resent, request_id, stream, seq, digest, size)
+        is_a_resend = partial(self._is_a_resend, request_id, stream, seq, digest, size)
         with self._lock:
-            if taken():  # checked first too: a refused or re-sent call is not even decoded
+            if is_a_resend():  # checked first too: a refused or re-sent call is not even decoded
                 return request_id
         refusal: Exception | None = None
         try:
@@ -431,7 +431,7 @@ class Intake:
             work, refusal = Failed(str(error), "user"), error
         recorded = self._recorded(request_id)
         with self._lock:
-            if taken():
+            if is_a_resend():
                 return request_id  # a re-send: its ticket already exists
             stored = self._append(CallRecord(route, request_id, seq, body, encoding))
             self.results.add(request_id, digest)
@@ -465,7 +465,7 @@ class Intake:
             raise refusal
         return request_id
 
-    def _resent(self, request_id: str, stream: str, seq: int, digest: str, size: int) -> bool:
+    def _is_a_resend(self, request_id: str, stream: str, seq: int, digest: str, size: int) -> bool:
         """Whether a call is a re-send (under ``_lock``); raises when it cannot be taken: another
         payload under its key, its stream ended, too much already waiting."""
         self.admit(request_id)

@@ -109,19 +109,19 @@ def by_row_block(
 def heads_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -> Iterator[None]:
     """While inside, ``models[0]``'s output head, called on stacked rows (as a decode step's
     forward calls it), gives the ``i``-th block of ``rows[i]`` rows the base's head and
-    ``models[i]``'s head adapter. Every model's head must carry an adapter, or none: then
-    nothing changes. Not for the training pass: its head runs apart (``stacked_head``)."""
-    heads = [head_adapter(model) for model in models]
-    if all(head is None for head in heads):
+    ``models[i]``'s head adapter where it carries one (the base's head alone where it does
+    not, as that model's own head gives it). Not for the training pass: its head runs apart
+    (``stacked_head``)."""
+    heads = [model.get_output_embeddings() for model in models]
+    if not any(isinstance(head, LoraLinear) for head in heads):
         yield
         return
-    if any(head is None for head in heads):
-        raise FailedPrecondition(
-            "some sessions' output heads carry a LoRA adapter and others' do not; one forward "
-            "runs the first session's head for all"
-        )
     leader = heads[0]
-    leader.forward = functools.partial(by_row_block, leader.base_layer, heads, tuple(rows))
+    if isinstance(leader, LoraLinear):
+        base = leader.base_layer
+    else:  # the class's own forward: the instance's, replaced below, would call itself
+        base = functools.partial(type(leader).forward, leader)
+    leader.forward = functools.partial(by_row_block, base, heads, tuple(rows))
     try:
         yield
     finally:

@@ -23,8 +23,9 @@ states, as alone. A request's prompt scores (asked for) run alone, as in its ses
 
 ``sessions_problem`` and ``request_problem`` say, in words, why samples may not decode so (the
 caller decodes them per session instead); ``sample_together`` decodes them. Output heads with
-LoRA adapters (Tinker's ``train_unembed``) decode together too, each tile's rows under its own
-(``heads_by_row_block``), where every session's head carries one, or none does.
+LoRA adapters (Tinker's ``train_unembed``) decode together too, beside heads without: each
+tile's rows get the base's head and their own session's head adapter, if any
+(``heads_by_row_block``).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from trainwire.server.engine.session.session import TrainingSession
 from trainwire.server.engine.together.compatibility import adapters_problem
 from trainwire.server.engine.together.row_blocks import (
     adapters_by_row_block,
-    head_adapter,
     heads_by_row_block,
 )
 from trainwire.server.engine.together.row_invariance import RowInvariance
@@ -64,16 +64,7 @@ def sessions_problem(sessions: Sequence[TrainingSession]) -> str | None:
             return f"session {index} is sharded: every rank must make each of its decode calls"
         if not session.sampler.batches:
             return f"session {index}'s sampler decodes each request alone"
-        if (head_adapter(session.model) is None) != (head_adapter(sessions[0].model) is None):
-            return (
-                f"session {index}'s output head {_head(session)}, session 0's "
-                f"{_head(sessions[0])}: a decode step runs one head module for the stack"
-            )
     return adapters_problem(sessions)
-
-
-def _head(session: TrainingSession) -> str:
-    return "carries none" if head_adapter(session.model) is None else "carries a LoRA adapter"
 
 
 def request_problem(
