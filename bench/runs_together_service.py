@@ -12,8 +12,11 @@ trains on the same 4 texts a step (a sweep over seeds and adapters), so the runs
 - ``together``: runs ``run-0`` .. ``run-{N-1}`` (seeds 0..N-1), all stepping at once.
 
 Alone and together take turns, round by round, so both see the same machine; the line gives the
-medians over the rounds, and the passes the server shared (with the runs in them). Every run's
-state digest is then checked equal to the same run trained alone in this process, step for step.
+medians over the rounds, the passes the server shared (with the runs in them), and how evenly the
+runs went (issue 45: shares within 10 %): in the worst round, the time the first run took for its
+steps as a fraction of the time the last run took (every run has its calls waiting throughout,
+so fair turns keep it near 1). Every run's state digest is then checked equal to the same run
+trained alone in this process, step for step.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ def step_texts(step: int) -> list:
     return tiny_text_examples(4, seed=step)
 
 
-def train(client: Any, name: str, steps: range) -> None:
-    """Steps ``steps`` of run ``name``, pipelined; returns once every one has applied."""
+def train(client: Any, name: str, steps: range, finished: dict[str, float]) -> None:
+    """Steps ``steps`` of run ``name``, pipelined; returns once every one has applied, noting
+    when in ``finished``."""
     calls = []
     for step in steps:
         calls.append(
@@ -43,12 +47,16 @@ def train(client: Any, name: str, steps: range) -> None:
         calls.append(client.optim_step_async(operation_key=f"{name}/{step}/step"))
     for call in calls:
         call.result()
+    finished[name] = time.perf_counter()
 
 
-def timed(clients: dict[str, Any], steps: range) -> float:
-    """Steps per second of every run in ``clients`` stepping ``steps`` at once, in all."""
+def timed(clients: dict[str, Any], steps: range) -> tuple[float, float]:
+    """Steps per second of every run in ``clients`` stepping ``steps`` at once, in all, and
+    the runs' shares: the first run to finish its steps took this fraction of the time the last
+    one took (1.0: every run went at one pace; each had its steps waiting throughout)."""
+    finished: dict[str, float] = {}
     threads = [
-        threading.Thread(target=train, args=(client, name, steps))
+        threading.Thread(target=train, args=(client, name, steps, finished))
         for name, client in clients.items()
     ]
     started = time.perf_counter()
@@ -56,7 +64,8 @@ def timed(clients: dict[str, Any], steps: range) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return len(clients) * len(steps) / (time.perf_counter() - started)
+    elapsed = [at - started for at in finished.values()]
+    return len(clients) * len(steps) / max(elapsed), min(elapsed) / max(elapsed)
 
 
 def alone_digest(config: Any, device: str, steps: int) -> str:
@@ -97,11 +106,13 @@ def measure_service(
         timed(alone, range(1))
         timed(clients, range(1))
         passes, jobs = scheduler.shared_passes, scheduler.shared_jobs
-        alone_rates, together_rates = [], []
+        alone_rates, together_rates, shares = [], [], []
         for round_ in range(rounds):
             window = range(1 + round_ * steps, 1 + (round_ + 1) * steps)
-            alone_rates.append(timed(alone, window))
-            together_rates.append(timed(clients, window))
+            alone_rates.append(timed(alone, window)[0])
+            rate, share = timed(clients, window)
+            together_rates.append(rate)
+            shares.append(share)
         passes, jobs = scheduler.shared_passes - passes, scheduler.shared_jobs - jobs
         digests = {
             name: client.info().state_digest for name, client in {**alone, **clients}.items()
@@ -118,6 +129,7 @@ def measure_service(
     return {
         "alone": alone_rates,
         "together": together_rates,
+        "shares": shares,
         "passes": passes,
         "jobs": jobs,
         "fb_calls": runs * rounds * steps,
@@ -137,6 +149,7 @@ def report(figures: dict[str, Any], runs: int, goal: float | None) -> str:
         f"{statistics.median(together):7.2f} steps/s in all; ratio {ratio:.2f}{met} (each "
         f"round: {', '.join(f'{r:.2f}' for r in ratios)}); {shared} shared passes of "
         f"{runs_a_pass:.2f} runs on average held {figures['jobs']} of {figures['fb_calls']} "
-        f"forward_backward calls; digests equal to alone: {sum(figures['equal'])}/"
+        f"forward_backward calls; the first run done took {min(figures['shares']):.2f} of the "
+        f"last one's time at worst; digests equal to alone: {sum(figures['equal'])}/"
         f"{len(figures['equal'])}"
     )
