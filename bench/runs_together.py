@@ -20,8 +20,9 @@ alone (each run stepped again on its own). Goals (issue 45): together / alone >=
 tiny llama, >= 1.3 on the small one.
 
 ``--service`` measures the same through a server instead (``runs_together_service``): N runs
-driven by N concurrent gRPC clients, the scheduler taking their ready calls as shared passes,
-against one run alone on that server.
+driven by N concurrent gRPC clients, each in a process of its own (``--client-threads``: on
+threads of the server's process, as measured before 2026-12-07), the scheduler taking their ready
+calls as shared passes, against one run alone on that server.
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ def main() -> None:
     parser.add_argument(
         "--service", action="store_true", help="through a server and gRPC clients (see above)"
     )
+    parser.add_argument(
+        "--client-threads",
+        action="store_true",
+        help="--service: each run's client on a thread of the server's process, not a process",
+    )
     args = parser.parse_args()
     refuse_cuda_without_a_gpu(parser, args.device)
     steps = args.steps or (4 if args.quick else 8)
@@ -169,6 +175,7 @@ def main() -> None:
                 args.runs,
                 steps,
                 rounds,
+                client_threads=args.client_threads,
             )
             print(report(figures, args.runs, goal))
             return
