@@ -74,7 +74,7 @@ RequestT = TypeVar("RequestT")
 
 
 class SessionHost:
-    """Owns the state directory and the one session in it.
+    """Owns the state directory and the runs open in it.
 
     Args:
         state_dir: where runs live (created if needed).
@@ -413,7 +413,7 @@ class SessionHost:
             return self._recorded_info(run_id)
         if self.phase != outcomes.OPEN:
             return self._idle_info()
-        active = self._runs.get(run_id) if run_id else self._active
+        active = self._runs.get(run_id) if run_id else self._only_run
         if active is None:
             raise FailedPrecondition(self._name_the_run())
         run_id = active.spec.run_id
@@ -460,7 +460,7 @@ class SessionHost:
         self.scheduler.release(release)
 
     @property
-    def _active(self) -> ActiveRun | None:
+    def _only_run(self) -> ActiveRun | None:
         """The open run when exactly one is (the server's only run), else None."""
         if len(self._runs) != 1:
             return None
@@ -474,14 +474,15 @@ class SessionHost:
 
     @property
     def open_run_id(self) -> str | None:
-        """The open run's id (None when no run, or several, are open), at no cost."""
-        return None if self._active is None else self._active.spec.run_id
+        """The only open run's id (None when no run, or several, are open), at no cost."""
+        return None if self._only_run is None else self._only_run.spec.run_id
 
     @property
     def position(self) -> int:
-        """The open run's position (state-changing operations applied; 0 when none is open), at
-        no cost: ``info()`` would hash the whole state to give its digest too."""
-        return 0 if self._active is None else self._active.position
+        """The only open run's position (state-changing operations applied; 0 unless exactly
+        one run is open), at no cost: ``info()`` would hash the whole state to give its digest
+        too."""
+        return 0 if self._only_run is None else self._only_run.position
 
     def was_closed(self, run_id: str) -> bool:
         """Whether run ``run_id`` was closed on this server (through any transport): neither
@@ -500,15 +501,16 @@ class SessionHost:
 
     @property
     def journal(self) -> Journal | None:
-        """The open run's journal (None when no run is open); for inspection only: operations
-        go through ``apply``."""
-        return None if self._active is None else self._active.journal
+        """The only open run's journal (None unless exactly one run is open); for inspection
+        only: operations go through ``apply``."""
+        return None if self._only_run is None else self._only_run.journal
 
     @property
     def session(self) -> TrainingSession | None:
-        """The open run's engine (None when no run is open); for inspection only: operations
-        go through ``apply``, and nothing outside the host changes the engine."""
-        return None if self._active is None else self._active.session
+        """The only open run's engine (None unless exactly one run is open); for inspection
+        only: operations go through ``apply``, and nothing outside the host changes the
+        engine."""
+        return None if self._only_run is None else self._only_run.session
 
     # -- operations ------------------------------------------------------------------------------
 
@@ -669,7 +671,7 @@ class SessionHost:
             if active is None:
                 raise NotFound(not_open(run_id))
             return active
-        active = self._active
+        active = self._only_run
         if active is None:
             raise FailedPrecondition(self._name_the_run())
         return active
@@ -692,7 +694,7 @@ class SessionHost:
         self.lifecycle.fail(message)
 
     def _open_run_or_none(self, run_id: str) -> ActiveRun | None:
-        return self._runs.get(run_id) if run_id else self._active
+        return self._runs.get(run_id) if run_id else self._only_run
 
     def _applied(self, active: ActiveRun) -> None:
         """A keyed operation applied to ``active``: its snapshot (``info`` while it is busy)."""
