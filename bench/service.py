@@ -92,6 +92,8 @@ class StepFigures:
     local_s: float
     remote_s: float
     replay_s: float
+    info_s: float  # an Info read's round trip: no journal, no engine
+    raw_s: float  # a bare gRPC unary call's round trip (1 KiB echoed), no trainwire code
     commit_s: float
     local_block_s: float  # a block of steps in a row, per step
     pipelined_block_s: float  # the same block pipelined (futures, max_in_flight 4), per step
@@ -167,12 +169,16 @@ def compare_steps(config: TrainingConfig, examples, model_root: Path, state_dir:
         _timed(lambda i: client.forward_backward(batches[0], operation_key="fb/0"), i)
         for i in range(50)
     )
+    info = statistics.median(_timed(lambda i: client.info(), i) for i in range(50))
+    raw = raw_unary_round_trip(50)
     client.close_channel()
     handle.stop()
     return StepFigures(
         min(local_rounds),
         min(remote_rounds),
         replay,
+        info,
+        raw,
         statistics.median(commits),
         min(local_blocks),
         min(pipelined_blocks),
@@ -193,6 +199,27 @@ def timed_commits(ledger: Ledger) -> list[float]:
 
     ledger._transact = timed_transact  # an instance attribute: this ledger only
     return commits
+
+
+def raw_unary_round_trip(calls: int) -> float:
+    """Median seconds of a bare gRPC unary call on loopback (1 KiB echoed; a server with the
+    service's thread pool size): what gRPC itself costs a call here, before any trainwire code."""
+    handler = grpc.method_handlers_generic_handler(
+        "bench.Raw", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, _: request)}
+    )
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    echo = channel.unary_unary("/bench.Raw/Echo")
+    payload = b"x" * 1024
+    try:
+        echo(payload)  # connect
+        return statistics.median(_timed(lambda i: echo(payload), i) for i in range(calls))
+    finally:
+        channel.close()
+        server.stop(None)
 
 
 def raw_stream_server(files: list[Path]) -> tuple[grpc.Server, int]:
@@ -309,6 +336,10 @@ def main() -> None:
         ("  a replayed call's round trip, for scale (µs; share)", "",
          f"{tiny.replay_s * 1e6:.0f}", f"{tiny.replay_s * 1e6 / added_us:.0%}",
          "gRPC + journal lookup, no engine"),
+        ("  an Info read's round trip, for scale (µs)", "", f"{tiny.info_s * 1e6:.0f}", "",
+         "no journal, no engine"),
+        ("  a bare gRPC unary call's round trip (µs)", "", f"{tiny.raw_s * 1e6:.0f}", "",
+         "1 KiB echoed, no trainwire code"),
         ("  pipelined, 4 in flight (ms/step, blocks in a row)", f"{tiny.local_block_s * 1e3:.2f}",
          f"{tiny.pipelined_block_s * 1e3:.2f}",
          f"{tiny.pipelined_block_s / tiny.local_block_s:.2f}", "goal <= 1.10"),
