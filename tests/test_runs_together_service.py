@@ -141,6 +141,21 @@ def forward_backward_thread(host, run_id: str, key: str, batch, **spec: Any) -> 
     return thread
 
 
+def forward_backwards_queued_together(host, batches: dict[str, Any]) -> dict[str, threading.Thread]:
+    """One forward_backward of each run (key ``{run}/0``), all queued behind a held engine
+    before it is released, so the scheduler sees every one ready at once; joined."""
+    release = held(host.scheduler).set
+    threads = {
+        name: forward_backward_thread(host, name, f"{name}/0", batch)
+        for name, batch in batches.items()
+    }
+    assert wait_until(lambda: host.scheduler.queued == 1 + len(batches), 60)
+    release()
+    for thread in threads.values():
+        thread.join(120)
+    return threads
+
+
 def test_a_run_with_many_waiting_calls_gets_one_job_a_pass_and_shares_stay_even(
     make_host, llama_config, passes
 ):
@@ -271,15 +286,7 @@ def test_a_request_its_run_refuses_is_left_out_of_the_pass_and_only_it_fails(
     for name, config in configs.items():
         host.open(name, config)
     batches = {"r0": token_batch(2), "r1": token_batch(10**6), "r2": token_batch(2)}
-    release = held(host.scheduler).set
-    threads = {
-        name: forward_backward_thread(host, name, f"{name}/0", batch)
-        for name, batch in batches.items()
-    }
-    assert wait_until(lambda: host.scheduler.queued == 4, 60)
-    release()
-    for thread in threads.values():
-        thread.join(120)
+    threads = forward_backwards_queued_together(host, batches)
     assert passes == [["r0", "r2"]]
     assert isinstance(threads["r1"].result, InvalidArgument)
     assert [host.info(name).position for name in configs] == [1, 0, 1]
@@ -305,15 +312,7 @@ def test_a_pass_its_engine_refuses_runs_each_alone_and_only_the_refused_one_fail
     with pytest.raises(RuntimeError), broken.breaks_on_failure("a backward"):
         raise RuntimeError("a kernel failed")
     batches = {name: token_batch(2) for name in configs}
-    release = held(host.scheduler).set
-    threads = {
-        name: forward_backward_thread(host, name, f"{name}/0", batch)
-        for name, batch in batches.items()
-    }
-    assert wait_until(lambda: host.scheduler.queued == 4, 60)
-    release()
-    for thread in threads.values():
-        thread.join(120)
+    threads = forward_backwards_queued_together(host, batches)
     assert "a shared pass of 3 runs was refused" in caplog.text
     assert passes == []  # every call ran alone
     assert isinstance(threads["r2"].result, FailedPrecondition)
@@ -338,14 +337,7 @@ def test_runs_that_cannot_share_take_turns_and_still_end_as_alone(make_host, lla
     host = make_host(max_runs=4)
     for name, config in configs.items():
         host.open(name, config)
-    release = held(host.scheduler).set
-    threads = {
-        name: forward_backward_thread(host, name, f"{name}/0", BATCHES[0]) for name in configs
-    }
-    assert wait_until(lambda: host.scheduler.queued == 5, 60)
-    release()
-    for thread in threads.values():
-        thread.join(120)
+    threads = forward_backwards_queued_together(host, {name: BATCHES[0] for name in configs})
     assert [sorted(lanes) for lanes in passes] == [["plain-a", "plain-b"]]
     for name, config in configs.items():
         losses, digest = alone_digest(config, [BATCHES[0]])
