@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 from peft.tuners.lora import Linear as LoraLinear
@@ -75,8 +77,8 @@ def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]
                 "needs the same adapter targets"
             )
     for name, layer in leader.items():
-        blocks = [layers[name] for layers in owners]
-        layer.forward = functools.partial(by_row_block, layer.base_layer, blocks, tuple(rows))
+        adapters = [row_adapter(layers[name]) for layers in owners]
+        layer.forward = functools.partial(by_row_block, layer.base_layer, adapters, tuple(rows))
     try:
         yield
     finally:
@@ -84,25 +86,89 @@ def adapters_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]
             del layer.forward  # the class's own forward again
 
 
+@dataclass(frozen=True)
+class RowAdapter:
+    """One LoRA layer's adapter as a pass adds it to a block of rows taken as a matrix
+    (positions by features): PEFT's ``Linear.forward`` after its base layer, for a plain (not
+    DoRA) active adapter. A pass calls it for every block of every layer (a hundred times over
+    in a small model), where PEFT's module lookups and calls cost more than the products
+    themselves, so the layer's modules are looked up, and its weights transposed, once a pass.
+    Each product is the call ``nn.Linear`` makes for a matrix (``mm``, or ``addmm`` with a
+    bias, of the transposed weight), so the bits are PEFT's."""
+
+    weight_A_t: torch.Tensor
+    bias_A: torch.Tensor | None
+    weight_B_t: torch.Tensor
+    bias_B: torch.Tensor | None
+    dropout: torch.nn.Module | None  # None: PEFT's identity (no dropout)
+    scaling: float
+    cast_input: bool
+
+    def __call__(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+        result_dtype = result.dtype
+        if self.cast_input and x.dtype != self.weight_A_t.dtype:
+            x = x.to(dtype=self.weight_A_t.dtype)
+        if self.dropout is not None:
+            x = self.dropout(x)
+        hidden = _product(x, self.weight_A_t, self.bias_A)
+        update = _product(hidden, self.weight_B_t, self.bias_B) * self.scaling
+        return (result + update).to(result_dtype)
+
+
+def _product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` of a matrix, as it computes it."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def row_adapter(module: torch.nn.Module) -> RowAdapter | None:
+    """What ``module`` adds to its rows after its base layer: its active LoRA adapter, or
+    None where it carries none. Made inside the pass (its transposes are part of its graph)."""
+    if not isinstance(module, LoraLinear):
+        return None
+    (adapter,) = module.active_adapters
+    lora_A, lora_B, dropout = (
+        module.lora_A[adapter],
+        module.lora_B[adapter],
+        module.lora_dropout[adapter],
+    )
+    return RowAdapter(
+        weight_A_t=lora_A.weight.t(),
+        bias_A=lora_A.bias,
+        weight_B_t=lora_B.weight.t(),
+        bias_B=lora_B.bias,
+        dropout=None if isinstance(dropout, torch.nn.Identity) else dropout,
+        scaling=module.scaling[adapter],
+        cast_input=getattr(module, "cast_input_dtype_enabled", True),
+    )
+
+
 def by_row_block(
-    base: torch.nn.Module,
-    owners: Sequence[torch.nn.Module],
+    base: Callable[[torch.Tensor], torch.Tensor],
+    adapters: Sequence[RowAdapter | None],
     rows: Sequence[int],
     x: torch.Tensor,
 ) -> torch.Tensor:
     """``base`` once over every row of ``x``, then to the ``i``-th block of ``rows[i]`` rows
-    the adapter of ``owners[i]`` as that LoRA layer adds it alone (nothing, where ``owners[i]``
-    carries none): each block's rows as ``owners[i]`` gives them, where ``base`` gives a row the
-    same bits alone and stacked."""
+    ``adapters[i]`` (nothing, where it is None): each block's rows as that adapter's layer gives
+    them alone, where ``base`` gives a row the same bits alone and stacked."""
     # The base output is split, not sliced, and the rows too: each split's backward is one
     # concatenation, so the input's gradient gathers the same terms as alone, with no zeros
-    # added in between.
+    # added in between. The blocks are taken as matrices (positions by features): a layer alone
+    # folds its input to that matrix for its product anyway (``torch.matmul``), so each product
+    # is the same call on the same numbers, and the backward walks two nodes a product fewer
+    # (a pass has one block per run per layer: its nodes are most of a small model's backward).
     result = base(x)
+    positions = math.prod(x.shape[1:-1])  # a row's positions (1 for a matrix of rows)
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_result = result.reshape(-1, result.shape[-1])
+    sizes = [count * positions for count in rows]
     pieces = [
-        _with_adapter(own, x_block, base_block) if isinstance(own, LoraLinear) else base_block
-        for own, x_block, base_block in zip(owners, x.split(rows), result.split(rows), strict=True)
+        base_block if adapter is None else adapter(x_block, base_block)
+        for adapter, x_block, base_block in zip(
+            adapters, flat_x.split(sizes), flat_result.split(sizes), strict=True
+        )
     ]
-    return torch.cat(pieces)
+    return torch.cat(pieces).view(result.shape)
 
 
 @contextlib.contextmanager
@@ -121,18 +187,9 @@ def heads_by_row_block(models: Sequence[torch.nn.Module], rows: Sequence[int]) -
         base = leader.base_layer
     else:  # the class's own forward: the instance's, replaced below, would call itself
         base = functools.partial(type(leader).forward, leader)
-    leader.forward = functools.partial(by_row_block, base, heads, tuple(rows))
+    adapters = [row_adapter(head) for head in heads]
+    leader.forward = functools.partial(by_row_block, base, adapters, tuple(rows))
     try:
         yield
     finally:
         del leader.forward  # the class's own forward again
-
-
-def _with_adapter(layer: LoraLinear, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    """PEFT's ``Linear.forward`` after its base layer, for a plain (not DoRA) active adapter."""
-    result_dtype = result.dtype
-    (adapter,) = layer.active_adapters
-    lora_A, lora_B = layer.lora_A[adapter], layer.lora_B[adapter]
-    x = layer._cast_input_dtype(x, lora_A.weight.dtype)
-    result = result + lora_B(lora_A(layer.lora_dropout[adapter](x))) * layer.scaling[adapter]
-    return result.to(result_dtype)

@@ -30,7 +30,7 @@ from trainwire.server.engine.loss.chunked_logprobs import (
     chunk_positions,
     row_chunks,
 )
-from trainwire.server.engine.together.row_blocks import by_row_block
+from trainwire.server.engine.together.row_blocks import by_row_block, row_adapter
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ def _run(
     states = torch.cat([chunk.states for chunk in stack])
     targets = torch.cat([chunk.targets for chunk in stack])
     sizes = [len(chunk.states) for chunk in stack]
-    heads = functools.partial(by_row_block, base_head, [chunk.head for chunk in stack], sizes)
+    adapters = [row_adapter(chunk.head) for chunk in stack]
+    heads = functools.partial(by_row_block, base_head, adapters, sizes)
     logp = chunk_logprobs(heads, transform, states, targets)
     # Split, not sliced: the backward of a split is one concatenation, no zeros added in.
     for chunk, piece in zip(stack, logp.split(sizes), strict=True):
