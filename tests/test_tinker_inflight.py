@@ -57,7 +57,7 @@ def test_a_sampling_session_a_replayed_call_is_to_make_is_known_while_the_replay
     """After a restart, the SDK keeps polling and sampling a sampling session whose snapshot
     call is replayed but has not run yet: it is answered while the replay runs (a 404 there is
     one the SDK does not retry), and unknown once the replay is over and nothing made it."""
-    sessions = SamplingSessions(restarted=True)
+    sessions = SamplingSessions()
     sessions.expect("tw-a:sample:0", "tw-a:train:0")
     sessions.require("tw-a:sample:0", replaying=True)
     with pytest.raises(NotFound):

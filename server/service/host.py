@@ -512,6 +512,13 @@ class SessionHost:
         engine."""
         return None if self._only_run is None else self._only_run.session
 
+    def weights_version(self, run_id: str) -> int:
+        """How many times the open run's live weights changed in this process (an update, a
+        load: ``TrainingSession.weights_version``). Read at an export's turn, it is the version
+        the export holds: a sample that names both (``SampleRequest.live_at``) reads the live
+        weights while they are still that version."""
+        return self._require_active(run_id).session.weights_version
+
     # -- operations ------------------------------------------------------------------------------
 
     def apply(

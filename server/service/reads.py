@@ -7,6 +7,7 @@ weights in the middle of an update and an export is never removed while a sample
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from trainwire.contract import outcomes
 from trainwire.server.engine.sampling.params import PromptScoring
 from trainwire.server.engine.sampling.sample_weights import BASE_MODEL, LIVE_WEIGHTS, SampleWeights
 from trainwire.server.engine.session.results import ForwardResult, TokenOutput
-from trainwire.server.errors import InvalidArgument
+from trainwire.server.errors import FailedPrecondition, InvalidArgument
 from trainwire.server.service.active_run import ActiveRun, Applying
 from trainwire.server.service.request_limits import check_texts, check_token_lists
 from trainwire.server.service.requests import (
@@ -79,6 +80,8 @@ def check_sample(request: SampleRequest, _root: Path | None) -> None:
         check_name(request.export, "export")
         if request.base_model:
             raise InvalidArgument("sample: an export or the base model, not both")
+    elif request.live_at is not None or request.export_gone:
+        raise InvalidArgument("sample: live_at and export_gone are about an export; name it")
 
 
 def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> SampleResult:
@@ -101,9 +104,23 @@ def sample(run: ActiveRun, request: SampleRequest, _: Applying | None) -> Sample
     return SampleResult(samples, scored)
 
 
+def resolve_snapshot(run: ActiveRun, request: SampleRequest) -> SampleRequest:
+    """``request`` with its weights decided now, at its turn: an export written at the live
+    weights' version (``live_at``) reads the live weights while they are still that version,
+    else the export (refused with ``export_gone`` where the export is known gone)."""
+    if request.live_at is None:
+        return request
+    if request.live_at == run.session.weights_version and not request.export_run:
+        return dataclasses.replace(request, export="", live_at=None, export_gone="")
+    if request.export_gone:
+        raise FailedPrecondition(request.export_gone)
+    return dataclasses.replace(request, live_at=None)
+
+
 def sample_weights(run: ActiveRun, request: SampleRequest) -> SampleWeights:
     """The weights ``request`` reads: the live ones, an export of this run or of the run
     ``export_run``, or the base model."""
+    assert request.live_at is None, "resolve_snapshot first"
     if request.export:
         saved_by = sibling_run(run.run, request.export_run) if request.export_run else run.run
         return SampleWeights(export=saved_by.export(request.export))

@@ -79,6 +79,11 @@ class SampleRequest:
 
     The weights sampled are the live ones, or those of the run's export ``export`` (a snapshot
     the trainer may have moved past), or with ``base_model`` the model before any training.
+    ``live_at`` (with ``export``): the run's ``weights_version`` when the export was written;
+    while the live weights are still that version the sample reads them instead (the same
+    bits, no swap), and once they moved on, ``export_gone`` (when given) is why the export can
+    no longer be read (FailedPrecondition). Decided at the sample's turn (``resolve_snapshot``),
+    so it sees every update and load queued before it.
     ``prompt_logprobs`` also scores the prompt under the same weights, in the same operation;
     ``topk_prompt_logprobs`` reports the k most likely ids of each prompt position, both for
     the last ``prompt_logprobs_last_n`` tokens only when given, and ``target_prompt_logprobs``
@@ -98,6 +103,8 @@ class SampleRequest:
     export: str = ""
     export_run: str = ""  # the run that wrote ``export``, when not the open one
     base_model: bool = False
+    live_at: int | None = None
+    export_gone: str = ""
     prompt_logprobs: bool = False
     topk_sample_logprobs: int = 0
     topk_prompt_logprobs: int = 0
@@ -120,7 +127,8 @@ class SampleRequest:
         the reports beside the samples (``REPORTS``), the weights' choice and the caller's
         liveness."""
         settings = {f.name: getattr(self, f.name) for f in fields(self)}
-        for name in ("prompt_tokens", "export", "export_run", "base_model", "cancelled"):
+        weights = ("export", "export_run", "base_model", "live_at", "export_gone")
+        for name in ("prompt_tokens", *weights, "cancelled"):
             del settings[name]
         for name in self.REPORTS:
             del settings[name]

@@ -60,6 +60,9 @@ class PreparedSample:
 
     @classmethod
     def of(cls, run: ActiveRun, request: SampleRequest) -> PreparedSample:
+        """``request`` at its turn on ``run``: its weights decided now
+        (``reads.resolve_snapshot``), so requests that read the same ones batch."""
+        request = reads.resolve_snapshot(run, request)
         return cls(run, request, params_of(request))
 
     @property

@@ -116,7 +116,7 @@ class ModelTable:
         self.directory = directory
         self.model_root = model_root
         self.tokenizer_id = tokenizer_id
-        self.sampling_sessions = SamplingSessions(restarted=bool(intake.store.records))
+        self.sampling_sessions = SamplingSessions()
         self.sessions = SdkSessions()  # a test may give its ``clock``
         self._swept_at = -math.inf  # when lapsed sessions were last looked for (sessions' clock)
         self._lock = threading.Lock()  # the models; one create_model or close at a time

@@ -66,13 +66,14 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
 
         def finish(_: Any) -> None:
             sessions, model_name = front.sampling_sessions, model.base_model
+            version = front.host.weights_version(model.run_id)  # what the export holds
             if path:
-                sessions.snapshot(model_id, None, path, model_name, export, seq_id)
+                sessions.snapshot(model_id, None, path, model_name, export, seq_id, version)
                 saved = TinkerPath(model_id, "sampler_weights", name or "")
                 saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
                 return
             pruned = sessions.snapshot(
-                model_id, sampling_id, None, model_name, export, seq_id, inflight=inflight
+                model_id, sampling_id, None, model_name, export, seq_id, version, inflight=inflight
             )
             if pruned:
                 discard = DiscardExportsRequest(pruned)
@@ -279,15 +280,20 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
     saved_by = sampler.export_run or (run_id_for(sampler.model_id) if sampler.model_id else "")
     owner = front.models.by_run(saved_by) if saved_by else None
     if owner is not None and sampler.export is not None:  # its model is open
-        if front.sampling_sessions.is_live(sampler) and not sampler.export_run:
-            return owner.run_id, {}
+        # The live weights while they are still the snapshot's (the service decides at the
+        # sample's turn), else the export, unless it was pruned.
+        weights: dict[str, Any] = {"export": sampler.export}
+        if not sampler.export_run and sampler.weights_version is not None:
+            weights["live_at"] = sampler.weights_version
         if front.sampling_sessions.pruned(sampler):
-            raise FailedPrecondition(
+            weights["export_gone"] = (
                 f"the snapshot {sampler.export!r} of this sampling client was pruned (the server "
                 "keeps the newest unnamed snapshots only); call "
                 "save_weights_and_get_sampling_client() again, or save it under a name"
             )
-        return owner.run_id, {"export": sampler.export}
+            if "live_at" not in weights:
+                raise FailedPrecondition(weights["export_gone"])
+        return owner.run_id, weights
     models = front.models.open_models()
     if sampler.export is None:  # the base model, which every open model's run holds
         if not models:

@@ -10,11 +10,13 @@ error. Closing a
 model forgets the sampling sessions of its snapshots (``end_model``), and forgetting an SDK
 session forgets its own (``forget``).
 
-Each snapshot names the model that took it (``model_id``; many models may train on one server).
-A model's weights version counts its trainer's weight changes (optim_step, load_weights) in
-this process (``weights_changed``). A restarted front starts every model's at 1, so a snapshot
-restored from the request store, whose version is unknown, and the base model are never
-mistaken for the live weights.
+Each snapshot names the model that took it (``model_id``; many models may train on one server)
+and the version of its run's live weights it holds (``SessionHost.weights_version``, counted by
+the engine in this process: every update and load moves it). A sample of the snapshot names
+both, and the service decides at the sample's turn whether the live weights are still the
+snapshot's (``SampleRequest.live_at``): this front keeps no count of its own, so nothing it
+does after an update or a load has to run before the next sample. A snapshot restored from the
+request store has no version (it was counted by another process): it always reads its export.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class SamplingSession:
     model_path: str | None  # the tinker path it samples (None: the base model or unnamed)
     export: str | None  # the run's export holding its weights (None: the base model)
     snapshot_seq: int  # the training seq_id that took it (0: the base model)
-    weights_version: int | None = None  # the trainer's version it holds (None: unknown)
+    weights_version: int | None = None  # its run's weights version it holds (None: unknown)
     export_run: str = ""  # the run that saved ``export``, when another (closed) run did
     model_id: str = ""  # the model that took the snapshot ("": none, it samples the base model)
     inflight: bool = False  # reads its model's inflight weights, not its own snapshot
@@ -66,10 +68,8 @@ class SamplingSession:
 class SamplingSessions:
     """The server's sampling sessions, named snapshots and unnamed snapshot exports."""
 
-    def __init__(self, *, restarted: bool = False) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._first_version = 1 if restarted else 0
-        self._versions: dict[str, int] = {}  # model id → its weights version
         self._sessions: dict[str, SamplingSession] = {}
         self._named: dict[str, SamplingSession] = {}  # tinker path → its snapshot
         self._unnamed: dict[str, list[str]] = {}  # model id → its unnamed snapshots, oldest first
@@ -77,18 +77,6 @@ class SamplingSessions:
         self._expected: dict[str, str] = {}
         # Each model's inflight weights: the snapshot of its latest inflight save.
         self._inflight: dict[str, SamplingSession] = {}
-
-    def weights_version(self, model_id: str) -> int:
-        with self._lock:
-            return self._versions.get(model_id, self._first_version)
-
-    def weights_changed(self, model_id: str) -> None:
-        with self._lock:
-            self._versions[model_id] = self._versions.get(model_id, self._first_version) + 1
-
-    def is_live(self, sampler: SamplingSession) -> bool:
-        """Whether ``sampler``'s model has not changed its weights since its snapshot."""
-        return sampler.weights_version == self.weights_version(sampler.model_id)
 
     def snapshot(
         self,
@@ -98,18 +86,19 @@ class SamplingSessions:
         base_model: str,
         export: str,
         seq: int,
+        weights_version: int,
         *,
         inflight: bool = False,
     ) -> list[str]:
-        """Register a snapshot ``model_id`` just wrote (a named ``path`` or a sampling
-        session); returns that model's unnamed snapshot exports now beyond what is kept, for
-        the caller to remove. ``inflight``: the sampling session reads the model's inflight
-        weights, which move to this snapshot (also for its inflight sessions made before: the
-        newest inflight snapshot is always among the unnamed ones kept)."""
+        """Register a snapshot ``model_id`` just wrote at its run's ``weights_version`` (a
+        named ``path`` or a sampling session); returns that model's unnamed snapshot exports
+        now beyond what is kept, for the caller to remove. ``inflight``: the sampling session
+        reads the model's inflight weights, which move to this snapshot (also for its inflight
+        sessions made before: the newest inflight snapshot is always among the unnamed ones
+        kept)."""
         with self._lock:
-            version = self._versions.get(model_id, self._first_version)
             sampler = SamplingSession(
-                sampling_id or "", base_model, path, export, seq, version, model_id=model_id
+                sampling_id or "", base_model, path, export, seq, weights_version, model_id=model_id
             )
             if path:
                 self._named[path] = sampler
@@ -168,7 +157,6 @@ class SamplingSessions:
             self._named = {k: v for k, v in self._named.items() if v.model_id != model_id}
             self._unnamed.pop(model_id, None)
             self._inflight.pop(model_id, None)
-            self._versions.pop(model_id, None)
             self._expected = {k: v for k, v in self._expected.items() if v != model_id}
 
     def named(self, path: str) -> bool:

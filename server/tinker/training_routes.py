@@ -72,16 +72,12 @@ def _encode_forward_backward(request: codec.ForwardBackwardCall, outcome: Any) -
 def optim_step(front: TinkerFront, body: dict[str, Any]) -> str:
     """One update at the step's own learning rate; Tinker adds the gradients of every
     forward_backward since the last step (``sum_microbatches``)."""
-    model_id = _model_id(body)
 
     def prepare() -> Submission:
         step = OptimStepRequest(**adam_settings(body), sum_microbatches=True)
-        return Submission(ops.OPTIM_STEP, step, _optim_step_output, finish)
+        return Submission(ops.OPTIM_STEP, step, _optim_step_output)
 
-    def finish(_: Any) -> None:
-        front.sampling_sessions.weights_changed(model_id)
-
-    return front.submit("optim_step", body, model_id, body.get("seq_id"), prepare)
+    return front.submit("optim_step", body, _model_id(body), body.get("seq_id"), prepare)
 
 
 def _optim_step_output(outcome: Any) -> dict[str, Any]:
@@ -134,16 +130,13 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
                     front.catalog.find(path, expired_ok=True)
                 return run()
 
-        def finish(_: Any) -> None:
-            front.sampling_sessions.weights_changed(model_id)
-
         def encode(_: Any) -> dict[str, Any]:
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         if get_bool(body, "optimizer"):  # the engine restores a full state only into a fresh one
             load = CheckpointRequest(saved.stored_as, run_id)
-            return Submission(ops.LOAD_STATE, load, encode, finish, around)
+            return Submission(ops.LOAD_STATE, load, encode, around=around)
         weights = LoadWeightsRequest(WeightsSource("checkpoint", saved.stored_as), run_id)
-        return Submission(ops.LOAD_WEIGHTS, weights, encode, finish, around)
+        return Submission(ops.LOAD_WEIGHTS, weights, encode, around=around)
 
     return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)

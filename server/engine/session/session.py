@@ -170,6 +170,10 @@ class TrainingSession:
         self.step = 0
         self.accumulated = 0  # microbatches whose gradients are pending
         self.last_token_count = 0  # tokens in the last forward_backward batch (throughput)
+        # How many times the live weights changed in this process (an update, a load): weights
+        # saved at one version are the live ones while it holds, so a sample of them reads the
+        # live ones instead of swapping the saved ones in.
+        self.weights_version = 0
         self._digests = StateDigests(self._guard)
         self.announcer: Announcer | None = None  # rank 0 of a served group (``lockstep``)
 
@@ -350,6 +354,7 @@ class TrainingSession:
                 )
             self.step += 1
             self.accumulated = 0
+            self.weights_version += 1
             self._guard.changed()
             return StepResult(self.step, rate, grad_norm)
 
@@ -706,6 +711,7 @@ class TrainingSession:
         self.accumulated = accumulated
         self.base_fingerprint = base_fingerprint
         self._guard.rng = rng
+        self.weights_version += 1
 
     @collective
     def load_weights(self, path: str | Path) -> None:
@@ -734,6 +740,7 @@ class TrainingSession:
             else:
                 fingerprint = self._load_sharded_weights(path, self.shards)
             self.base_fingerprint = fingerprint
+            self.weights_version += 1
             guard.changed()
 
     def _load_sharded_weights(self, path: Path, shards: ShardGroup) -> str | None:
