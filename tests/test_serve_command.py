@@ -61,6 +61,10 @@ def test_a_model_root_that_does_not_exist_is_refused_in_one_line(tmp_path, capsy
         (["--set", "nope=1"], "--set nope: unknown"),
         (["--tls-cert", "missing.pem"], "--tls-cert missing.pem: no such file"),
         (["--model-root", "missing"], "--model-root missing: no such directory"),
+        # The resolver wraps a port past 65535: 99999 served on 34463, silently.
+        (["--listen", "127.0.0.1:99999"], "--listen 127.0.0.1:99999: ports go from 0"),
+        (["--listen", "localhost"], "--listen takes HOST:PORT (port 0 picks a free one)"),
+        (["--tinker-listen", "127.0.0.1:70000"], "--tinker-listen 127.0.0.1:70000: ports go"),
     ],
 )
 def test_every_argument_mistake_is_refused_before_torch_is_imported(tmp_path, extra, message):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from trainwire.contract.planning.overrides import checked_config_overrides
 from trainwire.server.group.heartbeat import DEFAULT_RANK_STALL_TIMEOUT_S, start_rank_watch
 from trainwire.server.group.launch import Launch
+from trainwire.server.listen_address import split_listen
 from trainwire.server.memory_release import release_freed_memory
 from trainwire.server.port_keys import PortKeys, port_keys
 from trainwire.server.serve_defaults import (
@@ -171,6 +172,9 @@ def command_serve(args: argparse.Namespace) -> int:
             f"--rank-stall-timeout-s must be positive, got {args.rank_stall_timeout_s}"
         )
     # Every argument is checked before torch is imported (seconds): a mistake is one line at once.
+    split_listen(args.listen, "--listen")
+    if args.tinker_listen is not None:
+        split_listen(args.tinker_listen, "--tinker-listen")
     keys = read_port_keys(args)  # a keyed port beside an open one is refused here too
     settings = serve_settings(args)
     check_device_name(args.device)

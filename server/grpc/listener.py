@@ -21,6 +21,7 @@ from trainwire.contract.files import Pem, read_pem
 from trainwire.server.grpc.auth import BearerTokenInterceptor
 from trainwire.server.grpc.run_access import RunAccess
 from trainwire.server.grpc.servicer import TrainingSessionServicer, add_to_server
+from trainwire.server.listen_address import split_listen
 from trainwire.server.serve_defaults import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_MAX_WORKERS
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.scheduler import DEFAULT_MAX_QUEUED
@@ -122,9 +123,7 @@ def rpc_threads(max_workers: int, tenants: Tenants | None) -> int:
 def _bind(
     server: grpc.Server, listen: str, cert: bytes | None, key: bytes | None, ca: bytes | None
 ) -> int:
-    host, sep, port = listen.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"--listen takes HOST:PORT (port 0 picks a free one), got {listen!r}")
+    split_listen(listen, "--listen")
     try:
         if cert is None:
             bound = server.add_insecure_port(listen)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import uvicorn
 
+from trainwire.server.listen_address import split_listen
 from trainwire.server.service.host import SessionHost
 from trainwire.server.service.run_owners import RunOwners
 from trainwire.server.service.tenants import Tenants, tenants_of
@@ -36,9 +37,7 @@ class TinkerListener:
         owners: RunOwners | None = None,
     ) -> None:
         check_token(token)
-        address, sep, port = listen.rpartition(":")
-        if not sep or not address or not port.isdigit():
-            raise ValueError(f"--tinker-listen takes HOST:PORT (port 0 picks one), got {listen!r}")
+        address, port = split_listen(listen, "--tinker-listen")
         self.front = start_front(
             host,
             state_dir,
@@ -51,7 +50,7 @@ class TinkerListener:
         config = uvicorn.Config(
             self.app,
             host=address,
-            port=int(port),
+            port=port,
             log_level="warning",
             lifespan="off",
             # Bounded connections (strangers' apart), a deadline for each request's head.
