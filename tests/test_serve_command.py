@@ -65,10 +65,13 @@ def test_a_model_root_that_does_not_exist_is_refused_in_one_line(tmp_path, capsy
         (["--listen", "127.0.0.1:99999"], "--listen 127.0.0.1:99999: ports go from 0"),
         (["--listen", "localhost"], "--listen takes HOST:PORT (port 0 picks a free one)"),
         (["--tinker-listen", "127.0.0.1:70000"], "--tinker-listen 127.0.0.1:70000: ports go"),
+        (["--state-dir", "a-file"], "--state-dir a-file: not a directory"),
+        (["--state-dir", "a-file/state"], "--state-dir a-file/state: a file stands where"),
     ],
 )
 def test_every_argument_mistake_is_refused_before_torch_is_imported(tmp_path, extra, message):
     """Issue 46.9: serve's argument errors came after torch's import, 5-11 s after the command."""
+    (tmp_path / "a-file").write_text("")
     script = (
         "import sys\nfrom trainwire.cli import main\n"
         f"code = main(['serve', '--listen', '127.0.0.1:0', '--state-dir', 'state', *{extra!r}])\n"

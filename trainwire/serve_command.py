@@ -249,7 +249,8 @@ def check_device_name(device: str | None) -> None:
 
 
 def check_files(args: argparse.Namespace) -> None:
-    """The files serve reads at start exist and are files (read later, after torch loads)."""
+    """The files serve reads at start exist and are files (read later, after torch loads), and
+    the state directory is one, or can be made."""
     for option in ("tls_cert", "tls_key", "tls_client_ca"):
         value = getattr(args, option)
         if value is not None and not Path(value).is_file():
@@ -257,6 +258,23 @@ def check_files(args: argparse.Namespace) -> None:
             raise ValueError(f"{flag} {value}: no such file")
     if args.model_root is not None and not Path(args.model_root).is_dir():
         raise ValueError(f"--model-root {args.model_root}: no such directory")
+    state_dir = Path(args.state_dir)
+    if state_dir.exists() and not state_dir.is_dir():
+        raise ValueError(
+            f"--state-dir {args.state_dir}: not a directory (serve keeps its runs there)"
+        )
+    if not state_dir.exists() and not _nearest_existing(state_dir).is_dir():
+        raise ValueError(
+            f"--state-dir {args.state_dir}: a file stands where its parent directory would be"
+        )
+
+
+def _nearest_existing(path: Path) -> Path:
+    """``path`` or its nearest parent that exists (serve creates the rest of a state directory)."""
+    for candidate in (path, *path.absolute().parents):
+        if candidate.exists():
+            return candidate
+    return Path("/")
 
 
 def check_nproc(nproc: int, launch: Launch | None) -> None:
