@@ -140,6 +140,10 @@ def test_the_front_answers_400_for_a_switch_without_layers_and_opens_gpt2_withou
         )
         assert refused.status_code == 400
         assert "train_attn matches no attn layer of MambaForCausalLM" in refused.text
+        wide = {"session_id": session_id, "base_model": "gpt2", "lora_config": {"rank": 10**5}}
+        refused = client.post("/create_model", json=wide)  # a rank no weight can use: bounded
+        assert refused.status_code == 400
+        assert "rank 100000 is past what this model's weights can use" in refused.text
         lora_config = {"rank": 2, "train_unembed": False}
         opened = client.post(
             "/create_model",

@@ -91,3 +91,17 @@ def test_a_model_named_relative_to_the_model_root_loads(model_root, tiny_llama) 
     session = TrainingSession(TrainingConfig(model=name, max_length=64), model_root=model_root)
     assert session.model_dir == Path(tiny_llama).resolve()
     assert session.forward(TEXTS[:2]).loss > 0
+
+
+def test_a_lora_rank_no_weight_can_use_is_refused_with_the_bound(llama_config) -> None:
+    """A rank past every weight's smaller dimension only adds parameters and moments (a typo's
+    100000 on the tiny model took a gigabyte); the tiny llama's widest is 32."""
+    from trainwire.client import LoraSettings
+    from trainwire.server.engine.weights.shared_base import SharedBase
+
+    base = SharedBase(llama_config(), device="cpu")
+    for shared in (None, base):
+        with pytest.raises(InvalidArgument, match=r"rank 33 .* choose a rank from 1 to 32"):
+            TrainingSession(llama_config(lora=LoraSettings(r=33)), device="cpu", base=shared)
+        widest = TrainingSession(llama_config(lora=LoraSettings(r=32)), device="cpu", base=shared)
+        assert widest.forward_backward(TEXTS) > 0

@@ -100,6 +100,7 @@ def apply_lora(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Modul
 
     lora = config.lora
     assert lora is not None
+    check_lora_rank(model, lora.r)
     task_type = TaskType.CAUSAL_LM if config.task == "causal-lm" else TaskType.SEQ_CLS
     try:
         peft_config = LoraConfig(
@@ -115,6 +116,24 @@ def apply_lora(model: torch.nn.Module, config: TrainingConfig) -> torch.nn.Modul
         return get_peft_model(model, peft_config)
     except ValueError as error:
         raise InvalidArgument(f"lora: {error}") from None
+
+
+def check_lora_rank(model: torch.nn.Module, rank: int) -> None:
+    """InvalidArgument, before any adapter is made, for a rank no weight of ``model`` can use.
+
+    An adapter's update to a ``[out, in]`` weight has rank at most ``min(out, in)``; past the
+    largest such bound of any of the model's weights, a rank only adds parameters and moments
+    that change nothing (a typo's rank of 100000 on a small model took a gigabyte), so it is
+    refused with the bound."""
+    usable = max(
+        (min(p.shape[-2], p.shape[-1]) for p in model.parameters() if p.ndim >= 2), default=0
+    )
+    if rank > usable:
+        raise InvalidArgument(
+            f"lora: rank {rank} is past what this model's weights can use (an update to a "
+            f"weight has rank at most its smaller dimension; the largest here is {usable}): "
+            f"choose a rank from 1 to {usable}"
+        )
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
