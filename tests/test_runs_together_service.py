@@ -301,8 +301,8 @@ def test_a_pass_its_engine_refuses_runs_each_alone_and_only_the_refused_one_fail
 ):
     """A run whose session a failed backward left unusable still joins a pass (its key is
     fresh); the pass refuses before any session changed, so each job runs alone at its turn: the
-    others end as alone, the broken run meets its own FailedPrecondition (which, as alone,
-    fails the server until a restart restores the latest checkpoint: it is last in turn)."""
+    others end as alone, the broken run meets its own FailedPrecondition and fails alone (a
+    restart restores it from its latest checkpoint); the others go on serving."""
     caplog.set_level(logging.INFO, logger="trainwire.server.service.shared_passes")
     configs = dict(list(run_configs(llama_config).items())[:3])
     host = make_host(max_runs=3)
@@ -317,12 +317,19 @@ def test_a_pass_its_engine_refuses_runs_each_alone_and_only_the_refused_one_fail
     assert passes == []  # every call ran alone
     assert isinstance(threads["r2"].result, FailedPrecondition)
     assert "unusable" in str(threads["r2"].result)
-    assert host.info("r0").state == "failed"  # the server reports nothing else until restarted
+    assert host.info("r2").state == "failed"
+    with pytest.raises(FailedPrecondition, match="restart the server to restore; the other runs"):
+        host.apply(ops.OPTIM_STEP, OptimStepRequest(), OperationSpec("r2/step"), run_id="r2")
     for name in ("r0", "r1"):
         losses, digest = alone_digest(configs[name], [batches[name]])
         assert threads[name].result.position == 1
         assert threads[name].result.loss == losses[0].loss
         assert host._runs[name].session.state_digest() == digest
+        assert host.info(name).state == "open"
+        stepped = host.apply(
+            ops.OPTIM_STEP, OptimStepRequest(), OperationSpec(f"{name}/step"), run_id=name
+        )
+        assert stepped.position == 2  # the other runs serve on
 
 
 def test_runs_that_cannot_share_take_turns_and_still_end_as_alone(make_host, llama_config, passes):

@@ -48,7 +48,7 @@ class RunAccess:
     find: Callable[[str], ActiveRun | None]  # the open run, or None
     lane_of: Callable[[str], str]  # the scheduler lane of a run's jobs
     applied: Callable[[ActiveRun], None]  # a keyed operation applied to the run
-    fail: Callable[[str], None]  # the server fails: a session broke midway
+    broke: Callable[[ActiveRun, str], None]  # a run's session broke midway: it fails
     journal_failed: Callable[[JournalCommitFailed], FailedPrecondition]  # the server fails
 
 
@@ -304,8 +304,9 @@ class CommandQueue:
         except BaseException:
             if active.session.broken is not None:
                 # Half applied: only a restart, which restores the latest checkpoint, makes the
-                # session trustworthy again. Health goes NOT_SERVING so a supervisor restarts it.
-                self.runs.fail(f"{active.session.broken}; restart the server to restore")
+                # session trustworthy again; the host fails the run (the server, where it is
+                # the only one: health goes NOT_SERVING so a supervisor restarts it).
+                self.runs.broke(active, f"{active.session.broken}; restart the server to restore")
             raise
         self.runs.applied(active)
 

@@ -142,7 +142,7 @@ class SessionHost:
             find=self._open_run_or_none,
             lane_of=self.lane_of,
             applied=self._applied,
-            fail=self._fail,
+            broke=self._run_broke,
             journal_failed=self.journal_failed,
         )
         self.commands = CommandQueue(self.scheduler, self.lifecycle, runs)
@@ -154,8 +154,9 @@ class SessionHost:
         self._runs: dict[str, ActiveRun] = {}  # the open runs, by run id
         self._snapshots: dict[str, SessionInfo] = {}  # each run as of its last finished operation
         self._shared_base: SharedBase | None = None  # with max_runs > 1: the LoRA runs' base
-        # On a server of many runs, a run a restart could not restore fails alone: why, by run
-        # (its calls answer it, and it holds its slot until it is closed).
+        # On a server of many runs, a run a restart could not restore, or whose session broke
+        # midway, fails alone: why, by run (its calls answer it, and it holds its slot until it
+        # is closed).
         self._failed_runs: dict[str, tuple[RunSpec, str]] = {}
         self.idle_release_s = DEFAULT_IDLE_RELEASE_S  # read when a run opens or is restored
         open_runs = self.state_dir.open_runs()
@@ -699,6 +700,25 @@ class SessionHost:
 
     def _fail(self, message: str) -> None:
         self.lifecycle.fail(message)
+
+    def _run_broke(self, active: ActiveRun, message: str) -> None:
+        """``active``'s session broke midway (an operation half applied): only a restart,
+        which restores its latest checkpoint, makes it trustworthy again. Where other runs are
+        open they go on serving (one tenant's run never stops another's accepted calls): this
+        run fails alone, its calls answered with ``message`` and its slot held until it is
+        closed or the server restarts (its files say it is open: a restart restores it). The
+        server's only open run fails the server instead (health NOT_SERVING: a supervisor
+        restarts it, and nothing else is interrupted)."""
+        run_id = active.spec.run_id
+        if set(self._runs) == {run_id}:
+            self._fail(message)
+            return
+        logger.error("run %s failed alone (the other runs serve): %s", run_id, message)
+        del self._runs[run_id]
+        self._snapshots.pop(run_id, None)
+        self._failed_runs[run_id] = (active.spec, message)
+        self.scheduler.end_stream(run_id)  # its held calls fail at their turn, as it is failed
+        active.journal.close()  # what it applied before is durable, as at a close
 
     def _open_run_or_none(self, run_id: str) -> ActiveRun | None:
         return self._runs.get(run_id) if run_id else self._only_run
