@@ -710,6 +710,8 @@ class SessionHost:
         server's only open run fails the server instead (health NOT_SERVING: a supervisor
         restarts it, and nothing else is interrupted)."""
         run_id = active.spec.run_id
+        if self._runs.get(run_id) is not active:  # failed already (or closed meanwhile)
+            return
         if set(self._runs) == {run_id}:
             self._fail(message)
             return
