@@ -17,10 +17,11 @@
 #    and the same eight runs (r=8) computed together, one pass over the base for all of them,
 #    against one run alone, each run's digest checked equal to alone (the probe first says
 #    whether this GPU's kernels give a row the same bits alone and stacked; where they do not,
-#    every run takes its turn and the ratio stays near 1);
+#    every run takes its turn and the ratio stays near 1), and their samples decoded together
+#    against each run's in its own turn, every answer checked equal to its own turn's;
 # 4. writes every figure into RESULTS_DIR/gpu-results.txt (and each step's log beside it).
 #
-# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 22 minutes.
+# Without a CUDA device it refuses at once (exit 3) and runs nothing. Budget: about 25 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -78,6 +79,8 @@ step many-runs 300 bash -c '"$0" bench/many_runs.py "$@" --quick; memory=$?
     "$0" bench/many_runs_throughput.py "$@" --steps 10 && exit "$memory"' \
     "$PYTHON" --device cuda --shape qwen2-0.5b --runs 8
 step runs-together 240 "$PYTHON" bench/runs_together.py --device cuda --shape qwen2-0.5b \
+    --runs 8 --quick
+step samples-together 180 "$PYTHON" bench/samples_together.py --device cuda --shape qwen2-0.5b \
     --runs 8 --quick
 
 echo "results: $SUMMARY"

@@ -40,5 +40,6 @@ def test_every_test_file_and_benchmark_it_runs_exists():
         "bench/many_runs.py",
         "bench/many_runs_throughput.py",
         "bench/runs_together.py",
+        "bench/samples_together.py",
     } <= named
     assert [path for path in sorted(named) if not (root / path).is_file()] == []
