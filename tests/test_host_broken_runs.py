@@ -64,6 +64,8 @@ def test_a_broken_run_fails_alone_the_others_serve_and_a_restart_restores_it(
     ):
         _step(host, "b", "b/2")
     assert _step(host, "a", "a/1") == 5  # the other run serves on
+    with pytest.raises(FailedPrecondition, match="2 runs are open on this server: name the run"):
+        _step(host, "", "unnamed")  # the failed run holds its slot: "" is not the other one
     assert host.phase == outcomes.OPEN and False not in serving  # health never went down
     host.release()
 

@@ -462,8 +462,10 @@ class SessionHost:
 
     @property
     def _only_run(self) -> ActiveRun | None:
-        """The open run when exactly one is (the server's only run), else None."""
-        if len(self._runs) != 1:
+        """The open run when exactly one is (the server's only run), else None. A run that
+        failed alone still holds its slot: beside it, "" names no run (a client of the failed
+        run that never named it would land on the other)."""
+        if len(self._runs) != 1 or self._failed_runs:
             return None
         return next(iter(self._runs.values()))
 
@@ -686,7 +688,7 @@ class SessionHost:
 
     def _name_the_run(self) -> str:
         return (
-            f"{len(self._runs)} runs are open on this server: name the run (run_id; "
+            f"{len(self.open_run_ids)} runs are open on this server: name the run (run_id; "
             "SessionClient binds the run it opened, ListRuns lists them)"
         )
 
