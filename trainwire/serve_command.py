@@ -270,11 +270,9 @@ def check_files(args: argparse.Namespace) -> None:
 
 
 def _nearest_existing(path: Path) -> Path:
-    """``path`` or its nearest parent that exists (serve creates the rest of a state directory)."""
-    for candidate in (path, *path.absolute().parents):
-        if candidate.exists():
-            return candidate
-    return Path("/")
+    """``path`` or its nearest parent that exists (serve creates the rest of a state directory;
+    the root always exists)."""
+    return next(candidate for candidate in (path, *path.absolute().parents) if candidate.exists())
 
 
 def check_nproc(nproc: int, launch: Launch | None) -> None:
@@ -346,14 +344,17 @@ def _serve_until_stopped(
 
 def check_address_free(option: str, listen: str | None) -> None:
     """Refuse an address something already listens on, in one line, before the server binds
-    it (gRPC would log its own multi-part error line first). Port 0 and addresses this check
-    cannot parse or resolve are left to the server, which says what is wrong with them."""
-    host, sep, port = (listen or "").rpartition(":")
-    if not sep or not port.isdigit() or int(port) == 0:
+    it (gRPC would log its own multi-part error line first). ``command_serve`` refused an
+    address that is not ``HOST:PORT`` already; port 0 and hosts this check cannot resolve are
+    left to the server, which says what is wrong with them."""
+    if listen is None:
+        return
+    host, port = split_listen(listen, option)
+    if port == 0:
         return
     try:
         addresses = socket.getaddrinfo(
-            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
     except socket.gaierror:
         return
