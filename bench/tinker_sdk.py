@@ -40,6 +40,9 @@ from trainwire.testing import free_port, make_tiny_model, tiny_text_examples
 
 KEY = "tml-trainwire-bench"
 RATE = 1e-3
+# Every wait is bounded: a step that stalls fails the bench with both servers' stacks and logs
+# (a step takes well under a second; on a loaded 2-core machine, seconds).
+WAIT_S = 180
 
 
 @contextlib.contextmanager
@@ -77,7 +80,9 @@ def server_process(state: Path, models: Path, *, tinker_front: bool) -> Iterator
     env = dict(os.environ)
     if torch.get_num_threads() != (os.cpu_count() or 1):  # --threads: the server's torch too
         env["OMP_NUM_THREADS"] = str(torch.get_num_threads())
-    process = subprocess.Popen(command, stderr=subprocess.DEVNULL, env=env)
+    log = state.parent / f"{state.name}.log"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command, stderr=stderr, env=env)
     try:
         deadline = time.monotonic() + 120
         while not port_file.exists():
@@ -85,8 +90,17 @@ def server_process(state: Path, models: Path, *, tinker_front: bool) -> Iterator
                 raise RuntimeError(f"trainwire serve did not start: {command}")
             time.sleep(0.05)
         yield int(port_file.read_text()), base_url
+    except BaseException:
+        # The server's side of a failure or a stall: its stacks where it waits, then its log.
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGUSR1)
+            time.sleep(1)
+        print(f"--- {log.name} (exit {process.poll()}), last lines:", file=sys.stderr)
+        print("\n".join(log.read_text().splitlines()[-150:]), file=sys.stderr)
+        raise
     finally:
-        os.kill(process.pid, signal.SIGTERM)
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
         process.wait(timeout=60)
 
 
@@ -122,8 +136,8 @@ def sdk_step(client) -> Callable[[list[list[int]]], None]:
         ]
         fwd_bwd = client.forward_backward(data, "cross_entropy")
         optim = client.optim_step(types.AdamParams(learning_rate=RATE))
-        fwd_bwd.result()
-        optim.result()
+        fwd_bwd.result(timeout=WAIT_S)
+        optim.result(timeout=WAIT_S)
 
     return step
 
@@ -136,8 +150,8 @@ def own_step(client: SessionClient, prefix: str) -> Callable[[list[list[int]]], 
         batch = [TokenExample(ids[:-1], ids[1:]) for ids in rows]
         fwd_bwd = client.forward_backward_async(batch, operation_key=f"{prefix}/{count}/fb")
         optim = client.optim_step_async(operation_key=f"{prefix}/{count}/step", learning_rate=RATE)
-        fwd_bwd.result()
-        optim.result()
+        fwd_bwd.result(timeout=WAIT_S)
+        optim.result(timeout=WAIT_S)
         count += 1
 
     return step
@@ -162,12 +176,14 @@ def compare(
 ) -> tuple[tuple[float, float], tuple[float, float]]:
     with servers(work, models, model, in_process) as (base_url, own_port):
         service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
-        training = service.create_lora_training_client(base_model=model, rank=4).result()
+        training = service.create_lora_training_client(base_model=model, rank=4).result(
+            timeout=WAIT_S
+        )
         tokenizer = training.get_tokenizer()
         # The config the front builds for the SDK's model (``ModelTable.create_model``).
         config = training_config({"base_model": model, "lora_config": {"rank": 4}})
         config = fit_lora_roles(fit_max_length(config, models / model), models / model)
-        own = SessionClient(f"127.0.0.1:{own_port}", timeout_s=120)
+        own = SessionClient(f"127.0.0.1:{own_port}", timeout_s=WAIT_S)
         own.wait_until_serving()
         own.open("bench", config)
         rows = token_rows(tokenizer, 32)
@@ -180,7 +196,7 @@ def compare(
             for name, step in sides.items():
                 best[name] = min(best[name], timed(step, batches, steps))  # by wall time
         own.close_channel()
-        service.close("success").result()
+        service.close("success").result(timeout=WAIT_S)
     return best["sdk"], best["own"]
 
 

@@ -1,5 +1,5 @@
-"""A real ``trainwire serve`` process killed with SIGKILL, restarted on its state directory, and
-stopped with SIGTERM."""
+"""A real ``trainwire serve`` process killed with SIGKILL, restarted on its state directory, read
+with SIGUSR1 and stopped with SIGTERM."""
 
 from __future__ import annotations
 
@@ -105,6 +105,11 @@ def test_a_server_killed_after_a_checkpoint_restarts_there_and_replays_to_the_sa
         assert replayed == uninterrupted
         assert client.info().state_digest == final.state_digest
 
+    os.kill(second.process.pid, signal.SIGUSR1)  # every thread's stack to stderr; it serves on
+    wait_for(lambda: "serve_command.py" in second.log.read_text(), 30)
+    assert "(most recent call first)" in second.log.read_text()
+    with connect(second.port, token=TOKEN) as client:
+        assert client.info().state_digest == final.state_digest
     assert second.stop(signal.SIGTERM) == 0
     log = second.log.read_text()
     assert "restored at position 4 (checkpoint c1" in log

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import re
 import signal
@@ -309,6 +310,9 @@ def _serve_until_stopped(
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
+    # SIGUSR1 writes every thread's stack to stderr and the server serves on: a server that
+    # seems stuck can be read where it waits, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     for option, listen in (("--listen", args.listen), ("--tinker-listen", args.tinker_listen)):
         check_address_free(option, listen)
     handle = serve(
