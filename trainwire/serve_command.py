@@ -13,6 +13,7 @@ import logging
 import re
 import signal
 import socket
+import sys
 import threading
 import types
 from pathlib import Path
@@ -311,8 +312,9 @@ def _serve_until_stopped(
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     # SIGUSR1 writes every thread's stack to stderr and the server serves on: a server that
-    # seems stuck can be read where it waits, without stopping it.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # seems stuck can be read where it waits, without stopping it. The process's own stderr
+    # (a descriptor; ``sys.stderr`` may be a stream without one where serve runs in a caller).
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     for option, listen in (("--listen", args.listen), ("--tinker-listen", args.tinker_listen)):
         check_address_free(option, listen)
     handle = serve(
