@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -208,6 +209,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    # Should the bench itself stall (past every bounded wait), its stacks, where it waits.
+    faulthandler.dump_traceback_later(8 * 60)
     logging.basicConfig(level=logging.WARNING)
     rounds, steps = (2, 5) if args.quick else (5, 10)
     with tempfile.TemporaryDirectory(prefix="trainwire-bench-") as tmp:
