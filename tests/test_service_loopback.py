@@ -258,3 +258,18 @@ def test_a_graceful_stop_lets_the_operation_in_flight_commit_and_refuses_new_one
     assert handle_box["handle"].wait(1)
     with opened_journal(state_dir, "run") as journal:
         assert [e.operation_key for e in journal.entries()] == ["k1"]
+
+
+def test_a_stopped_server_leaves_no_handler_thread_behind(tmp_path, model_root, llama_config):
+    """An embedding process that starts and stops servers keeps no thread of theirs (each
+    stopped server used to leave its gRPC handler pool's threads)."""
+    before = set(threading.enumerate())
+    with running_server(tmp_path / "state", model_root) as handle:
+        client = connect(handle, retry=NO_RETRY)
+        client.open("run", llama_config(), max_steps=4)
+        client.forward_backward(TEXTS[:3], operation_key="k1")
+        started = set(threading.enumerate()) - before
+        handlers = [t for t in started if t.name.startswith("trainwire-rpc")]
+        assert handlers
+        client.close_channel()
+    wait_for(lambda: not any(t.is_alive() for t in handlers))

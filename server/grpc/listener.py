@@ -64,8 +64,13 @@ class GrpcListener:
         self.token_required = bool(token)
         chain = ([BearerTokenInterceptor(token)] if token else []) + list(interceptors)
         self.max_workers = rpc_threads(max_workers, tenants_of(token))
+        # Its own pool, shut down when it stops: grpc never stops a pool it was given, so each
+        # stopped server left its handler threads behind in the process that embedded it.
+        self.handlers = futures.ThreadPoolExecutor(
+            self.max_workers, thread_name_prefix="trainwire-rpc"
+        )
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(self.max_workers, thread_name_prefix="trainwire-rpc"),
+            self.handlers,
             interceptors=chain,
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -80,7 +85,8 @@ class GrpcListener:
             pems = read_pem(tls_cert), read_pem(tls_key), read_pem(tls_client_ca)
             self.port = _bind(self.server, listen, *pems)
         except BaseException:
-            self.server.stop(None)  # release the worker threads of a refused start
+            self.server.stop(None)  # release the threads of a refused start
+            self.handlers.shutdown(wait=False)
             raise
         self.address = f"{listen.rsplit(':', 1)[0]}:{self.port}"
 
@@ -107,8 +113,10 @@ class GrpcListener:
         self.health.enter_graceful_shutdown()
 
     def stop(self, grace: float | None) -> None:
-        """Stop taking calls; the ones running get ``grace`` seconds (None: none)."""
+        """Stop taking calls; the ones running get ``grace`` seconds (None: none). The handler
+        threads end once their calls return."""
         self.server.stop(grace).wait()
+        self.handlers.shutdown(wait=False)
 
 
 def rpc_threads(max_workers: int, tenants: Tenants | None) -> int:
