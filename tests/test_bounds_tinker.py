@@ -111,6 +111,12 @@ def long_prompt(tokens: int) -> dict[str, Any]:
         ({"sampling_params": {"seed": -1}}, "seed must be in [0, 9223372036854775807]"),
         ({"sampling_params": {"seed": 2**70}}, "seed must be in [0, 9223372036854775807]"),
         ({"sampling_params": {"temperature": -0.5}}, "temperature must be >= 0"),
+        # the SDK writes a NaN or an infinity as null: refused, never read as the default
+        (
+            {"sampling_params": {"temperature": None}},
+            "temperature must be a finite number, got null",
+        ),
+        ({"sampling_params": {"top_p": None}}, "top_p must be a finite number, got null"),
         ({"sampling_params": {"top_p": 0}}, "top_p must be in (0, 1]"),
         ({"sampling_params": {"stop": [7] * 1025}}, "1025 stop tokens; at most 1024"),
         ({"sampling_params": {"stop": [2**40]}}, "stop must hold token ids in [0, 2147483647]"),

@@ -232,4 +232,9 @@ def test_every_adam_param_applies_to_its_update_and_bad_ones_are_refused(
             if name == "cookbook":
                 with pytest.raises(tinker.BadRequestError, match="beta1 must be in"):
                     run.training.optim_step(types.AdamParams(beta1=1.5)).result()
+                # A scheduler's NaN or infinity (sent as null) is refused, not read as 1e-4.
+                for rate in (float("nan"), float("inf")):
+                    with pytest.raises(tinker.BadRequestError, match="finite number, got null"):
+                        run.training.optim_step(types.AdamParams(learning_rate=rate)).result()
+                assert run.handle.session_host.info().state_digest == digests[-1]
     assert digests[0] != digests[1] == digests[2]

@@ -2,7 +2,8 @@
 
 A field of the wrong type is the caller's mistake: INVALID_ARGUMENT (HTTP 400) naming the field
 and what it must be, raised before any work, never a TypeError deep in the server. A missing
-field or JSON null reads as ``default``.
+field or JSON null reads as ``default``, except a float setting the SDK always writes
+(``get_setting``: there null is a NaN or an infinity).
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ def get_int(body: Mapping[str, Any], name: str, default: int | None = None) -> i
 def get_float(body: Mapping[str, Any], name: str, default: float | None = None) -> float | None:
     value = _typed_field(body, name, default, _is_number, "a finite number")
     return None if value is None else float(value)
+
+
+def get_setting(body: Mapping[str, Any], name: str, default: float) -> float:
+    """A float setting the SDK always writes (``AdamParams``, ``SamplingParams``): missing
+    reads as ``default``, but JSON null is refused. The SDK's encoder writes NaN and infinity as
+    null, so a null there is a NaN the caller computed, never a request for the default (a
+    scheduler's NaN learning rate silently trained at 1e-4)."""
+    if name in body and body[name] is None:
+        raise InvalidArgument(
+            f"{name} must be a finite number, got null (the SDK sends NaN and infinity as null)"
+        )
+    value = get_float(body, name, default)
+    return default if value is None else value
 
 
 def get_bool(body: Mapping[str, Any], name: str, default: bool = False) -> bool:

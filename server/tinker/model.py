@@ -19,7 +19,7 @@ from trainwire.contract.files import write_text_atomic
 from trainwire.contract.model_ids import run_id_for
 from trainwire.server.errors import InvalidArgument
 from trainwire.server.service.capabilities import LORA_ROLES, lora_role_targets
-from trainwire.server.tinker.fields import get_bool, get_dict, get_float, get_int, get_str
+from trainwire.server.tinker.fields import get_bool, get_dict, get_int, get_setting, get_str
 
 # Tinker scales every adapter by alpha / rank with alpha fixed at 32, whatever the rank (the
 # "LoRA Without Regret" recipe: a good learning rate then barely depends on the rank).
@@ -153,11 +153,11 @@ def adam_settings(body: dict[str, Any]) -> dict[str, float]:
     params = get_dict(body, "adam_params") or get_dict(body, "optim_params")
     if params is None:
         raise InvalidArgument("optim_step: adam_params is required")
-    settings = {"learning_rate": get_float(params, "learning_rate", 1e-4)}
+    settings = {"learning_rate": get_setting(params, "learning_rate", 1e-4)}
     for name, default in ADAM_DEFAULTS.items():
-        settings[name] = get_float(params, name, default)
-    settings["max_grad_norm"] = get_float(params, "grad_clip_norm", 0.0)
-    return settings  # type: ignore[return-value]
+        settings[name] = get_setting(params, name, default)
+    settings["max_grad_norm"] = get_setting(params, "grad_clip_norm", 0.0)
+    return settings
 
 
 def checkpoint_name(path: str, model_id: str, kind: str) -> str:

@@ -21,9 +21,9 @@ from trainwire.server.errors import InvalidArgument
 from trainwire.server.tinker.fields import (
     get_bool,
     get_dict,
-    get_float,
     get_int,
     get_list,
+    get_setting,
     get_str,
     int_list,
     is_non_negative_int,
@@ -156,8 +156,8 @@ def decode_sample(body: Mapping[str, Any]) -> SampleCall:
         prompt=tuple(prompt),
         num_samples=_int(body, "num_samples", 1),
         max_tokens=max_tokens or 0,
-        temperature=_float(params, "temperature", 1.0),
-        top_p=_float(params, "top_p", 1.0),
+        temperature=get_setting(params, "temperature", 1.0),
+        top_p=get_setting(params, "top_p", 1.0),
         top_k=0 if top_k == -1 else top_k,  # the SDK's -1 is trainwire's 0: keep every token
         stop_tokens=stop,
         seed=get_int(params, "seed"),
@@ -329,11 +329,6 @@ def _prompt_bounds(prompt: Sequence[int]) -> list[str]:
 
 def _int(body: Mapping[str, Any], name: str, default: int) -> int:
     value = get_int(body, name, default)
-    return default if value is None else value
-
-
-def _float(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = get_float(body, name, default)
     return default if value is None else value
 
 
