@@ -23,6 +23,8 @@ from tinker_loops import (
     train_step,
 )
 
+from trainwire.testing import make_tiny_model
+
 
 def test_supervised_loop_loss_falls_and_repeats_bit_for_bit(
     tmp_path: Path, model_root: Path, tiny_llama: Path
@@ -238,3 +240,26 @@ def test_every_adam_param_applies_to_its_update_and_bad_ones_are_refused(
                         run.training.optim_step(types.AdamParams(learning_rate=rate)).result()
                 assert run.handle.session_host.info().state_digest == digests[-1]
     assert digests[0] != digests[1] == digests[2]
+
+
+def test_a_base_model_sampling_client_samples_the_model_it_names_or_is_refused(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """The base model a sampling client names is the one it samples: an unknown name is a 404
+    when the client is made, and a model under the root that no open model trains is refused
+    at the sample (each once sampled the open model's base, silently)."""
+    import tinker
+
+    other = model_root / "llama-seed-1"
+    if not other.exists():
+        make_tiny_model(other, seed=1)
+    with lora_training(tmp_path / "state", model_root) as run:
+        prompt = types.ModelInput.from_ints(run.tokenizer.encode(SENTENCES[0]))
+        params = types.SamplingParams(max_tokens=4, seed=5)
+        base = run.service.create_sampling_client(base_model="llama").result(timeout=60)
+        assert len(base.sample(prompt, 1, params).result(timeout=60).sequences[0].tokens) == 4
+        with pytest.raises(tinker.NotFoundError, match="no model 'Qwen/Qwen3-8B' under the"):
+            run.service.create_sampling_client(base_model="Qwen/Qwen3-8B").result(timeout=60)
+        elsewhere = run.service.create_sampling_client(base_model="llama-seed-1").result()
+        with pytest.raises(tinker.RequestFailedError, match="samples 'llama-seed-1'; the open"):
+            elsewhere.sample(prompt, 1, params).result(timeout=60)

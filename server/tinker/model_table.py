@@ -211,9 +211,7 @@ class ModelTable:
         session_id = get_str(body, "session_id", "") or ""
         self.require_session(session_id)
         config = training_config(body)
-        model_dir = resolve_under(self.model_root, config.model, "base_model")
-        if not model_dir.is_dir():
-            raise NotFound(f"create_model: no model {config.model!r} under the model root")
+        model_dir = self.base_model_dir(config.model, "create_model")
         config = fit_max_length(config, model_dir)  # the engine refuses more than it holds
         config = fit_lora_roles(config, model_dir)  # the switches, as this model's layers
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
@@ -481,6 +479,14 @@ class ModelTable:
         """Where the run of model ``model_id`` is (0 when it is not open)."""
         model = self._models.get(model_id)
         return 0 if model is None else self.host.position_of(model.run_id)
+
+    def base_model_dir(self, name: str, call: str) -> Path:
+        """Base model ``name``'s directory under the model root; NotFound, naming ``call``,
+        where there is none."""
+        model_dir = resolve_under(self.model_root, name, "base_model")
+        if not model_dir.is_dir():
+            raise NotFound(f"{call}: no model {name!r} under the model root")
+        return model_dir
 
     def model_name(self) -> str:
         """The base model this server's open models train ("" with none open)."""

@@ -126,8 +126,13 @@ def create_sampling_session(front: TinkerFront, body: dict[str, Any]) -> str:
     front.models.require_session(session_id)
     sampling_id = f"{session_id}:sample:{get_int(body, 'sampling_session_seq_id')}"
     model_path = get_str(body, "model_path")
+    base_model = front.models.model_name()
+    named = get_str(body, "base_model") if model_path is None else None
+    if named:  # the base model the caller names, never another one
+        front.models.base_model_dir(named, "create_sampling_session")
+        base_model = named
     sampler = front.sampling_sessions.create_from(
-        sampling_id, front.models.model_name(), model_path, saved_elsewhere(front, model_path)
+        sampling_id, base_model, model_path, saved_elsewhere(front, model_path)
     )
     front.intake.record(sampler.record())  # a restart knows it before any sample asks
     return sampling_id
@@ -295,13 +300,22 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
                 raise FailedPrecondition(weights["export_gone"])
         return owner.run_id, weights
     models = front.models.open_models()
-    if sampler.export is None:  # the base model, which every open model's run holds
+    if sampler.export is None:  # the base model, which every open model's run of it holds
         if not models:
             raise NotFound(
                 "no model is open on this server to sample the base model on: create a "
                 "training client of it first"
             )
-        return models[0].run_id, {"base_model": True}
+        # A client that named no base model samples the open model's ("" when none was open).
+        wanted = sampler.base_model or models[0].base_model
+        of_base = [model for model in models if model.base_model == wanted]
+        if not of_base:
+            raise FailedPrecondition(
+                f"this sampling client samples {sampler.base_model!r}; the open model is "
+                f"{models[0].base_model!r}: open one of {sampler.base_model!r} (on a server "
+                "without other models) to sample it"
+            )
+        return of_base[0].run_id, {"base_model": True}
     weights = {"export": sampler.export, "export_run": saved_by}
     if not models:
         source = front.catalog.run(TinkerPath.parse(sampler.model_path or "").model_id)
