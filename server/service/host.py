@@ -8,9 +8,10 @@ open (one, or up to ``max_runs`` LoRA runs sharing one base in memory), opening,
 restoring them (its phases, idle, restoring, open, closed, failed, are the ``Lifecycle``'s; a
 server started on a state directory that holds open runs is ``restoring`` until ``recover()``
 has reopened them from their latest checkpoints), copying and discarding their saved files, and
-what a failure means for the server: a session broken midway, or a journal that could not
-commit, fails it (a restart restores the latest checkpoint; see ``recovery``). The layout on
-disk is in ``state_dir``.
+what a failure means: a session broken midway fails its run alone while other runs are open
+(they serve on), and the server where it was the only run; a journal that could not commit
+fails the server (a restart restores each run's latest checkpoint; see ``recovery``). The
+layout on disk is in ``state_dir``.
 """
 
 from __future__ import annotations
