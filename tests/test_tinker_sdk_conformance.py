@@ -258,6 +258,9 @@ def sampling_create(w: World, call: Call) -> None:
 
 def service_sampling_client(w: World, call: Call) -> None:
     assert call(w.service, model_path=w.sampler_path).get_base_model() == "llama"
+    assert call(w.service, base_model="llama").get_base_model() == "llama"
+    with pytest.raises(tinker.NotFoundError, match="no model 'Qwen/Qwen3-8B' under"):
+        call(w.service, base_model="Qwen/Qwen3-8B")
 
 
 def get_session(w: World, call: Call) -> None:
@@ -510,7 +513,8 @@ TABLE: dict[str, tuple[str, str, Case]] = {
     "SamplingClient.create": (SERVED, "a sampling session", sampling_create),
     "ServiceClient.create_sampling_client": (
         SERVED,
-        "samples saved weights",
+        "samples saved weights, or the base model it names (one no model under `--model-root` "
+        "is a 404; one no open model trains is refused at the sample)",
         service_sampling_client,
     ),
     "RestClient.get_server_capabilities": (
