@@ -44,8 +44,17 @@ def test_a_max_length_of_exactly_the_models_positions_trains_at_it(llama_config)
     session = TrainingSession(llama_config(max_length=POSITIONS), device="cpu")
     assert session.encoder.max_length == POSITIONS
     session.forward_backward([TokenExample([5] * POSITIONS, [6] * POSITIONS)])
-    with pytest.raises(InvalidArgument, match=f"{POSITIONS + 1} tokens is over max_length 256;"):
-        session.forward([TokenExample([5] * (POSITIONS + 1), [6] * (POSITIONS + 1))])
+    too_long = TokenExample([5] * (POSITIONS + 1), [6] * (POSITIONS + 1))
+    with pytest.raises(InvalidArgument) as refused:
+        session.forward([too_long])
+    # max_length cannot rise past the model's positions: the message does not suggest it
+    assert str(refused.value) == (
+        f"example 0: {POSITIONS + 1} tokens is over max_length 256; shorten it (the model has "
+        f"{POSITIONS} positions)"
+    )
+    shorter = TrainingSession(llama_config(max_length=64), device="cpu")
+    with pytest.raises(InvalidArgument, match=r"raise max_length \(up to the model's 256 "):
+        shorter.forward([TokenExample([5] * 65, [6] * 65)])
 
 
 def test_grpc_open_refuses_it_as_invalid_argument_and_opens_nothing(

@@ -65,6 +65,7 @@ class BatchEncoder:
         self.tokenizer = tokenizer
         self.config = config
         self.max_length = config.max_length
+        self.model_positions = model_positions  # where a too-long example is told its bound
         self.device = device
         self.label_ids = {label: i for i, label in enumerate(config.labels)}
         # Read once: each read goes through the tokenizer's special-token lookup.

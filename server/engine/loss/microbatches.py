@@ -148,5 +148,6 @@ def encode_microbatch(
         pad_id=encoder.pad_id,
         device=encoder.device,
         logits_chunk_bytes=encoder.logits_chunk_bytes,
+        model_positions=encoder.model_positions,
     )
     return TokenMicrobatch(batch, spec, resolved)

@@ -54,6 +54,14 @@ class TokenBatch:
         return out
 
 
+def _how_to_fit(max_length: int, model_positions: int | None) -> str:
+    if model_positions is None:
+        return "shorten it or raise max_length"
+    if max_length >= model_positions:
+        return f"shorten it (the model has {model_positions} positions)"
+    return f"shorten it or raise max_length (up to the model's {model_positions} positions)"
+
+
 def encode_token_batch(
     examples: Sequence[TokenExample],
     *,
@@ -62,12 +70,14 @@ def encode_token_batch(
     pad_id: int,
     device: torch.device,
     logits_chunk_bytes: int = LOGITS_CHUNK_BYTES,
+    model_positions: int | None = None,
 ) -> TokenBatch:
     """Validate token examples against the model and pad them into one batch.
 
     Raises ``InvalidArgument`` naming the example and the position: an id outside the
     vocabulary, or a sequence longer than ``max_length`` (never cut: a cut sequence would train
-    on other targets than the caller sent).
+    on other targets than the caller sent; where ``max_length`` is the model's
+    ``model_positions`` already, the message does not suggest raising it).
     """
     if not examples:
         raise InvalidArgument("empty batch: send at least one example")
@@ -77,7 +87,7 @@ def encode_token_batch(
         if len(example) > max_length:
             raise InvalidArgument(
                 f"example {index}: {len(example)} tokens is over max_length {max_length}; "
-                "shorten it or raise max_length"
+                + _how_to_fit(max_length, model_positions)
             )
         for name in ("tokens", "target_tokens"):
             ids = getattr(example, name)
