@@ -23,8 +23,10 @@ from tinker_loops import (
     lora_training,
     service_client,
     supervised_datum,
+    tinker_server,
     train_step,
 )
+from transformers import AutoTokenizer
 
 from trainwire.server.process import ServerHandle
 from trainwire.server.tinker import external_weights
@@ -182,6 +184,26 @@ def test_sampler_weights_of_a_closed_run_sample_with_no_model_open_until_one_is_
         training = later.create_lora_training_client(base_model="llama", rank=4).result()
         assert forward_logprobs(training, tokenizer)  # the model's own run took its place
         assert not run.handle.session_host.open_run_id.startswith("tinker-sampling-")
+
+
+def test_the_base_model_samples_before_any_training_client_as_it_does_beside_one(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """An evaluation of the base before training: only a sampling client of the base model.
+    The server opens a run of it to sample on (it refused, asking for a training client first);
+    the samples are those the base gives beside a training client, bit for bit, and a model
+    created later takes the sampling run's place."""
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        base = service.create_sampling_client(base_model="llama").result()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)  # the SDK's looks on the hub
+        before = sample_of(base, tokenizer)
+        assert handle.session_host.open_run_id.startswith("tinker-sampling-")
+        service.create_lora_training_client(base_model="llama", rank=4).result()
+        assert not handle.session_host.open_run_id.startswith("tinker-sampling-")
+        assert sample_of(base, tokenizer) == before
+        again = service.create_sampling_client(base_model="llama").result()
+        assert sample_of(again, tokenizer) == before
 
 
 def export_folder(handle: ServerHandle, model_id: str, name: str) -> Path:

@@ -480,6 +480,14 @@ class ModelTable:
         model = self._models.get(model_id)
         return 0 if model is None else self.host.position_of(model.run_id)
 
+    def base_sampling_config(self, base_model: str) -> TrainingConfig:
+        """The config of a run opened only to sample ``base_model`` (``open_for_sampling``):
+        the smallest LoRA run of it, whose adapter a base-model sample leaves out, so its
+        samples are those of any open model of that base."""
+        config = training_config({"base_model": base_model, "lora_config": {"rank": 1}})
+        model_dir = self.base_model_dir(base_model, "sample")
+        return fit_lora_roles(fit_max_length(config, model_dir), model_dir)
+
     def base_model_dir(self, name: str, call: str) -> Path:
         """Base model ``name``'s directory under the model root; NotFound, naming ``call``,
         where there is none."""

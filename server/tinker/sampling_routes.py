@@ -301,10 +301,15 @@ def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict
         return owner.run_id, weights
     models = front.models.open_models()
     if sampler.export is None:  # the base model, which every open model's run of it holds
+        if not models and sampler.base_model:  # evaluating a base before any training: a
+            # run of it is opened to sample on (a model created later takes its place)
+            config = front.models.base_sampling_config(sampler.base_model)
+            tenant = tenant_of(sampler.sampling_session_id)
+            return front.models.open_for_sampling(config, tenant), {"base_model": True}
         if not models:
             raise NotFound(
-                "no model is open on this server to sample the base model on: create a "
-                "training client of it first"
+                "no model is open on this server to sample the base model on: name it "
+                "(create_sampling_client(base_model=...)) or create a training client of it"
             )
         # A client that named no base model samples the open model's ("" when none was open).
         wanted = sampler.base_model or models[0].base_model
