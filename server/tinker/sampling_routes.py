@@ -280,8 +280,8 @@ def held_bytes(request: sample_codec.SampleCall) -> int:
 def _weights_of(front: TinkerFront, sampler: SamplingSession) -> tuple[str, dict[str, Any]]:
     """Which run samples for ``sampler`` now, and which weights, as ``SampleRequest`` fields:
     its model's run, with the live weights while they are its snapshot, else its snapshot's
-    export; the base model on any open run; a closed run's export on an open run of its base
-    model, or on a run opened to sample it."""
+    export; the base model on an open run of it, or on a run opened to sample it; a closed
+    run's export on an open run of its base model, or on a run opened to sample it."""
     saved_by = sampler.export_run or (run_id_for(sampler.model_id) if sampler.model_id else "")
     owner = front.models.by_run(saved_by) if saved_by else None
     if owner is not None and sampler.export is not None:  # its model is open
