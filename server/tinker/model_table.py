@@ -210,10 +210,7 @@ class ModelTable:
         """Open a run for this model; its request id resolves at once."""
         session_id = get_str(body, "session_id", "") or ""
         self.require_session(session_id)
-        config = training_config(body)
-        model_dir = self.base_model_dir(config.model, "create_model")
-        config = fit_max_length(config, model_dir)  # the engine refuses more than it holds
-        config = fit_lora_roles(config, model_dir)  # the switches, as this model's layers
+        config, model_dir = self._fitted(training_config(body), "create_model")
         model_id = f"{session_id}:train:{get_int(body, 'model_seq_id', 0)}"
         listed = run_record(model_id, config, lora_switches(body), body)  # checked before opening
         with self._lock:
@@ -485,8 +482,14 @@ class ModelTable:
         the smallest LoRA run of it, whose adapter a base-model sample leaves out, so its
         samples are those of any open model of that base."""
         config = training_config({"base_model": base_model, "lora_config": {"rank": 1}})
-        model_dir = self.base_model_dir(base_model, "sample")
-        return fit_lora_roles(fit_max_length(config, model_dir), model_dir)
+        return self._fitted(config, "sample")[0]
+
+    def _fitted(self, config: TrainingConfig, call: str) -> tuple[TrainingConfig, Path]:
+        """``config`` fitted to its base model under the model root, and that model's
+        directory: ``max_length`` at most its positions (the engine refuses more than it
+        holds), the LoRA switches as its layers."""
+        model_dir = self.base_model_dir(config.model, call)
+        return fit_lora_roles(fit_max_length(config, model_dir), model_dir), model_dir
 
     def base_model_dir(self, name: str, call: str) -> Path:
         """Base model ``name``'s directory under the model root; NotFound, naming ``call``,
