@@ -2,7 +2,7 @@
 
 A transport hands the intake each request with its stream and number (a Tinker model and its
 ``seq_id``) and a ``prepare`` closure that decodes the rest into a ``Submission`` (an operation of
-the host's table, its request, and what the transport does around it and with its outcome); the
+the host's table, its request, and what the transport does with its outcome); the
 host checks the request there, once, and the intake answers the request id at once.
 ``{stream}/{seq}`` is both the request id and the operation key the host journals, bound to the
 digest the intake took of the body (the one hash of a request), so a re-sent request finds its
@@ -90,15 +90,15 @@ class Submission:
     once, when the intake accepts it) and ``encode``, which makes the operation's outcome the
     request's response: a keyed call's when it is fetched (off the engine thread: the journal
     holds the outcome), a read's before it is stored. What the transport changes once the
-    operation ran is ``finish`` (on the engine thread, before the next call of any stream);
-    what runs ``around`` the operation (given the operation's run, it returns what that
-    returns) are the transport's checks at its turn and the locks it holds meanwhile."""
+    operation ran is ``finish`` (on the engine thread, before the next call of any stream).
+    Whatever a call must find at its turn is checked by its operation (``ExportWeightsRequest.
+    written_once``) or held from its acceptance on (a load's checkpoint), never by the
+    transport at the turn."""
 
     operation: Operation[Any]
     request: Any
     encode: Callable[[Any], Any]
     finish: Callable[[Any], None] = field(default=lambda outcome: None)
-    around: Callable[[Callable[[], Any]], Any] = field(default=lambda run: run())
     run_id: str = ""  # the run it is for ("" the server's only run)
 
 
@@ -453,7 +453,7 @@ class Intake:
                     size=size,
                     bounded=bounded,
                     runs_now=partial(self._runs_at_turn, request_id, recorded),
-                    around=partial(_finished_around, work),
+                    around=partial(_then_finish, work),
                 )
                 ticket = self.host.submit(command)
                 answered = partial(self._answered, request_id, command, work.encode)
@@ -697,10 +697,9 @@ class Intake:
             self._finished.wait_for(lambda: not self._finishing)
 
 
-def _finished_around(submission: Submission, run: Callable[[], Any]) -> Any:
-    """A submission's operation run under its transport's ``around``, then its ``finish``; the
-    operation's outcome."""
-    outcome = submission.around(run)
+def _then_finish(submission: Submission, run: Callable[[], Any]) -> Any:
+    """A submission's operation, then its ``finish``; the operation's outcome."""
+    outcome = run()
     submission.finish(outcome)
     return outcome
 

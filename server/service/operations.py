@@ -42,7 +42,7 @@ from trainwire.server.engine.optimization import UpdateSettings
 from trainwire.server.engine.session.results import TokenOutput
 from trainwire.server.engine.together import Request as EngineRequest
 from trainwire.server.engine.together import Result as EngineResult
-from trainwire.server.errors import InUse, InvalidArgument, NotFound
+from trainwire.server.errors import FailedPrecondition, InUse, InvalidArgument, NotFound
 from trainwire.server.paths import resolve_under
 from trainwire.server.service import reads
 from trainwire.server.service.active_run import ActiveRun, Applying
@@ -312,6 +312,8 @@ def _load_weights(run: ActiveRun, request: LoadWeightsRequest, _: Applying | Non
 
 def _export_weights(run: ActiveRun, request: ExportWeightsRequest, _: Applying | None) -> Fields:
     target = run.run.export(request.name)
+    if request.written_once and target.exists():
+        raise FailedPrecondition(f"{request.written_once} exist already; save under a new name")
     if request.checkpoint:
         source = run.run.checkpoint(request.checkpoint)
         if not source.is_dir():

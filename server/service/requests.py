@@ -67,10 +67,16 @@ class LoadWeightsRequest:
 
 @dataclass(frozen=True)
 class ExportWeightsRequest:
-    """Write export ``name``: the live weights, or ``checkpoint``'s when one is named."""
+    """Write export ``name``: the live weights, or ``checkpoint``'s when one is named.
+
+    ``written_once`` (what the export is to its caller: named sampler weights, whose sampling
+    clients keep reading them) makes a name in use a refusal at the export's turn, named so,
+    instead of new weights under readers of the old ones; a replayed key is answered from the
+    journal before that check, as every keyed call is."""
 
     name: str
     checkpoint: str = ""
+    written_once: str = ""
 
 
 @dataclass(frozen=True)

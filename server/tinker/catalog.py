@@ -191,9 +191,9 @@ class Catalog:
         self.directory = directory / CATALOG_DIR
         self.directory.mkdir(parents=True, exist_ok=True)
         self.clock = clock
-        # Held while a checkpoint is removed and while a load that names one runs: a removal
-        # then either sees the load's logged request (and is refused) or comes first (and the
-        # load fails, as it will again on replay), never between the two.
+        # Held while a checkpoint is removed and while a load that names one is accepted: a
+        # removal then either sees the load's logged request (and is refused) or comes first
+        # (and the load is not found), never between the two.
         self.removal_guard = threading.Lock()
         # Samples being accepted now, by the canonical path of the sampler weights they read
         # (under ``removal_guard``): a delete sees them as it sees accepted ones.

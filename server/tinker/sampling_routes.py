@@ -12,7 +12,7 @@ the request before answering its id and the result before a poll sees it.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from trainwire.contract.config import TrainingConfig
@@ -57,13 +57,6 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
 
-        def around(run: Callable[[], Any]) -> Any:
-            if path and front.sampling_sessions.named(path):  # its clients keep their weights
-                raise FailedPrecondition(
-                    f"sampler weights {path!r} exist already; save under a new name"
-                )
-            return run()
-
         def finish(_: Any) -> None:
             sessions, model_name = front.sampling_sessions, model.base_model
             version = front.host.weights_version(model.run_id)  # what the export holds
@@ -85,8 +78,10 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
                 return {"type": "save_weights_for_sampler", "path": path}
             return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
 
-        export_request = ExportWeightsRequest(export)
-        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, finish, around)
+        # Named weights are written once: their sampling clients keep reading them.
+        once = f"sampler weights {path!r}" if path else ""
+        export_request = ExportWeightsRequest(export, written_once=once)
+        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, finish)
 
     # A re-send may carry another sampling_session_seq_id: only the first try's session is made.
     new = not front.intake.results.known(f"{model_id}/{seq_id}")

@@ -164,7 +164,7 @@ def unpublish(front: TinkerFront, path: TinkerPath) -> None:
     read it private as well, so they never hold it."""
     front.catalog.run(path.model_id)  # another tenant's run: not found, its readers unnamed
     front.catalog.find(path)
-    with front.catalog.removal_guard:  # see ``delete``: a load runs, or is refused, whole
+    with front.catalog.removal_guard:  # see ``delete``: a load is accepted or not, whole
         owner = tenant_of(path.model_id)
         readers = [r for r in replay_readers(front, path) if tenant_of(r) != owner]
         if readers:

@@ -2,7 +2,7 @@
 
 Each route reads the call's ``(model_id, seq_id)`` and hands the intake a ``prepare`` closure:
 it decodes the rest of the request into a ``Submission`` (an entry of the operation table, its
-request, and what the front does around it and with its outcome), which the intake checks when
+request, and what the front does with its outcome), which the intake checks when
 it accepts the request and runs in seq_id order with the request id as its operation key. A
 refused request still takes its seq_id (the SDK has already numbered the calls after it), so the
 calls behind it are not held.
@@ -10,7 +10,6 @@ calls behind it are not held.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -32,7 +31,6 @@ from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import adam_settings
-from trainwire.server.tinker.tenancy import calling, tenant_of
 
 
 def _model_id(body: dict[str, Any]) -> str:
@@ -108,7 +106,13 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
 
 
 def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
-    """This model's checkpoint: its weights, or (``optimizer``) the full state."""
+    """This model's checkpoint: its weights, or (``optimizer``) the full state.
+
+    Found and logged under the guard of removals and unpublishing (``saved_checkpoints``): a
+    delete or an unpublish comes before it (then it is not found, 404) or after it (then it
+    sees this load logged and is refused, 409, until the load's run no longer needs it), so
+    at its turn the checkpoint is there as its sender found it, and its replay, which runs as
+    the sender, reads it too."""
     model_id = _model_id(body)
     if not model_id and body.get("session_id") is not None:  # create_training_client_from_state
         return front.models.create_from_state(body)
@@ -121,22 +125,13 @@ def load_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         source, saved = front.catalog.find(path, expired_ok=front.intake.taking_back)
         run_id = "" if source.model_id == model_id else source.run_id
 
-        def around(run: Callable[[], Any]) -> Any:
-            # Under the guard of removals and unpublishing (saved_checkpoints): found as the
-            # sender finds it, neither deleted nor unpublished since it was accepted, so its
-            # replay, which runs as the sender, reads it too.
-            with front.catalog.removal_guard:
-                with calling(tenant_of(model_id)):
-                    front.catalog.find(path, expired_ok=True)
-                return run()
-
         def encode(_: Any) -> dict[str, Any]:
             return {"type": "load_weights", "path": body.get("path"), "model_id": model_id}
 
         if get_bool(body, "optimizer"):  # the engine restores a full state only into a fresh one
-            load = CheckpointRequest(saved.stored_as, run_id)
-            return Submission(ops.LOAD_STATE, load, encode, around=around)
+            return Submission(ops.LOAD_STATE, CheckpointRequest(saved.stored_as, run_id), encode)
         weights = LoadWeightsRequest(WeightsSource("checkpoint", saved.stored_as), run_id)
-        return Submission(ops.LOAD_WEIGHTS, weights, encode, around=around)
+        return Submission(ops.LOAD_WEIGHTS, weights, encode)
 
-    return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
+    with front.catalog.removal_guard:
+        return front.submit("load_weights", body, model_id, body.get("seq_id"), prepare)
