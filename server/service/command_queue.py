@@ -86,7 +86,7 @@ class CommandQueue:
             if shared is not None:  # its outcome as ``_numbered_read`` gives it
                 end = shared.end
                 shared = dataclasses.replace(
-                    shared, end=lambda result: Applied(command.around(partial(end, result)))
+                    shared, end=lambda result: Applied(_observed(command, end(result)))
                 )
             return self._numbered(command, command.digest or "", self._numbered_read, shared)
         self.lifecycle.refuse_if_unavailable()
@@ -196,7 +196,7 @@ class CommandQueue:
             return self._keyed_turn(command, digest, run_id)
 
     def _numbered_read(self, command: Command, run_id: str) -> Applied:
-        return Applied(command.around(partial(self._read, command, run_id)))
+        return Applied(_observed(command, self._read(command, run_id)))
 
     def _keyed_turn(
         self,
@@ -205,20 +205,13 @@ class CommandQueue:
         run_id: str,
         apply: Callable[[], tuple[Any, Durable]] | None = None,
     ) -> Applied:
-        """``_apply_keyed`` (or ``apply``: its part after a shared pass) under the conditions
-        its caller set (``Command.around``)."""
-        commits: list[Durable] = []
-
-        def run() -> Any:
-            if apply is None:
-                outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
-            else:
-                outcome, commit = apply()
-            commits.append(commit)
-            return outcome
-
-        outcome = command.around(run)
-        return Applied(outcome, commits[0] if commits else None)
+        """``_apply_keyed`` (or ``apply``: its part after a shared pass), then its caller told
+        (``Command.applied``)."""
+        if apply is None:
+            outcome, commit = self._apply_keyed(command, digest, run_id=run_id)
+        else:
+            outcome, commit = apply()
+        return Applied(_observed(command, outcome), commit)
 
     def _apply_keyed(
         self, command: Command, digest: KeyDigest, *, run_id: str = ""
@@ -241,7 +234,7 @@ class CommandQueue:
         """What a keyed call does around a pass it shares with other runs' calls (None: it
         cannot share one): ``keyed_path.begin`` at its turn (refused as its solo call is, while
         unavailable or once its run closed) and the engine request; after the pass,
-        ``keyed_path.end`` with the fields of its result under ``Command.around``, failures
+        ``keyed_path.end`` with the fields of its result, then ``Command.applied``, failures
         meaning what they mean alone (``_keyed_failures``)."""
         operation, op = command.operation, command.op
         together, base = operation.together, self._base_shared_by(run_id)
@@ -336,3 +329,9 @@ def _numbered_pass(command: Command, shared: Shared, ticket: Ticket) -> Shared:
         settle(ticket, partial(shared.end, result))
 
     return dataclasses.replace(shared, begin=begin, end=end)
+
+
+def _observed(command: Command, outcome: Any) -> Any:
+    """``outcome``, once ``command``'s caller was told of it (``Command.applied``)."""
+    command.applied(outcome)
+    return outcome

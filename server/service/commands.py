@@ -21,8 +21,8 @@ from trainwire.server.service.active_run import Durable
 from trainwire.server.service.operations import Operation
 
 
-def _run_as_is(run: Callable[[], Any]) -> Any:
-    return run()
+def _nothing(outcome: Any) -> None:
+    return None
 
 
 def _always() -> bool:
@@ -51,8 +51,10 @@ class Command:
         bounded: whether the stream's bounds refuse it (False for what a restart takes back).
         runs_now: asked at its turn, on the engine thread: False when it was answered meanwhile
             (nothing runs, and the ticket resolves with None).
-        around: runs the operation at its turn under the conditions its caller sets (checks at
-            its turn, what stays held meanwhile), returning what the operation returns.
+        applied: told the operation's outcome on the engine thread once it applied (or the
+            journal answered it), before the next job runs: how a transport observes what it
+            records beside the operation (``Intake.applied``). A failure raised there fails
+            the command as the operation's own would.
     """
 
     operation: Operation[Any]
@@ -66,7 +68,7 @@ class Command:
     size: int = 0
     bounded: bool = True
     runs_now: Callable[[], bool] = _always
-    around: Callable[[Callable[[], Any]], Any] = _run_as_is
+    applied: Callable[[Any], None] = _nothing
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A transport hands the intake each request with its stream and number (a Tinker model and its
 ``seq_id``) and a ``prepare`` closure that decodes the rest into a ``Submission`` (an operation of
-the host's table, its request, and what the transport does with its outcome); the
+the host's table, its request, and what the transport records once it applied); the
 host checks the request there, once, and the intake answers the request id at once.
 ``{stream}/{seq}`` is both the request id and the operation key the host journals, bound to the
 digest the intake took of the body (the one hash of a request), so a re-sent request finds its
@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -89,16 +89,16 @@ class Submission:
     """A request as its transport decoded it: the ``operation`` it runs on ``request`` (checked
     once, when the intake accepts it) and ``encode``, which makes the operation's outcome the
     request's response: a keyed call's when it is fetched (off the engine thread: the journal
-    holds the outcome), a read's before it is stored. What the transport changes once the
-    operation ran is ``finish`` (on the engine thread, before the next call of any stream).
-    Whatever a call must find at its turn is checked by its operation (``ExportWeightsRequest.
-    written_once``) or held from its acceptance on (a load's checkpoint), never by the
-    transport at the turn."""
+    holds the outcome), a read's before it is stored. ``note`` (data: what the transport
+    records once the operation applied, a Tinker save's catalog entry say) goes to the
+    transport's one observer, ``Intake.applied``. Whatever a call must find at its turn is
+    checked by its operation (``ExportWeightsRequest.written_once``) or held from its
+    acceptance on (a load's checkpoint), never by the transport at the turn."""
 
     operation: Operation[Any]
     request: Any
     encode: Callable[[Any], Any]
-    finish: Callable[[Any], None] = field(default=lambda outcome: None)
+    note: Any = None
     run_id: str = ""  # the run it is for ("" the server's only run)
 
 
@@ -172,6 +172,10 @@ class Intake:
         # records out.
         self.admit: Callable[[str], None] = lambda request_id: None
         self.before_compaction: Callable[[], None] = lambda: None
+        # ``applied(request_id, note, outcome)``: the transport's observer of the submissions
+        # that carry a ``note``, told on the engine thread once the operation applied (or the
+        # journal answered it), before the next call of any stream runs.
+        self.applied: Callable[[str, Any, Any], None] = lambda request_id, note, outcome: None
 
     def stop(self) -> None:
         """Take no turn any more: a request queued and not yet run stays stored, and the next
@@ -453,7 +457,7 @@ class Intake:
                     size=size,
                     bounded=bounded,
                     runs_now=partial(self._runs_at_turn, request_id, recorded),
-                    around=partial(_then_finish, work),
+                    applied=partial(self._observed, request_id, work.note),
                 )
                 ticket = self.host.submit(command)
                 answered = partial(self._answered, request_id, command, work.encode)
@@ -464,6 +468,11 @@ class Intake:
             self.results.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
         return request_id
+
+    def _observed(self, request_id: str, note: Any, outcome: Any) -> None:
+        """A submission's operation applied: the transport's ``applied`` told, with its note."""
+        if note is not None:
+            self.applied(request_id, note, outcome)
 
     def _is_a_resend(self, request_id: str, stream: str, seq: int, digest: str, size: int) -> bool:
         """Whether a call is a re-send (under ``_lock``); raises when it cannot be taken: another
@@ -695,13 +704,6 @@ class Intake:
         """Until every result written has committed and been answered."""
         with self._finished:
             self._finished.wait_for(lambda: not self._finishing)
-
-
-def _then_finish(submission: Submission, run: Callable[[], Any]) -> Any:
-    """A submission's operation, then its ``finish``; the operation's outcome."""
-    outcome = run()
-    submission.finish(outcome)
-    return outcome
 
 
 def _raise(error: Exception) -> None:

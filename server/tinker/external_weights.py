@@ -36,10 +36,10 @@ from trainwire.server.service.intake import Submission
 from trainwire.server.service.requests import ExportWeightsRequest
 from trainwire.server.service.run_checkpoints import link_or_copy
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl, iso
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
+from trainwire.server.tinker.save_notes import ExternalWeights
 from trainwire.server.tinker.saved_checkpoints import ENCRYPTED_DIR, encrypted_dir
 
 EXPORT_PREFIX = "external-"
@@ -57,22 +57,17 @@ def save_weights_external(front: TinkerFront, body: dict[str, Any]) -> str:
     def prepare() -> Submission:
         name = check_name(get_str(body, "path", "") or "", "save_weights_external path")
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_external")
-        recipients = parse_recipients(body.get("age_encryption_recipients"))
+        given = body.get("age_encryption_recipients")
+        parse_recipients(given)  # refused now, whole, before anything is written
         path = TinkerPath(model_id, "external_weights", name)
         export = EXPORT_PREFIX + name
-
-        def finish(_: Any) -> None:
-            if recipients:
-                encrypt(front, path, export, recipients)
-            else:  # an earlier save under this name was encrypted: its files are not these
-                shutil.rmtree(encrypted_dir(front, path), ignore_errors=True)
-            saved_checkpoints.record_saved(front, path, export, ttl, f"{model_id}/{seq_id}")
 
         def encode(outcome: Any) -> dict[str, Any]:
             size = sum(f.size_bytes for f in outcome.files)
             return {"type": "save_weights_external", "path": str(path), "size_bytes": size}
 
-        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), encode, finish)
+        note = ExternalWeights(path, export, ttl, tuple(given or ()))
+        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), encode, note)
 
     return front.submit("save_weights_external", body, model_id, seq_id, prepare)
 

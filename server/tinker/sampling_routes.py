@@ -22,18 +22,18 @@ from trainwire.server.service.intake import SampleSubmission, Submission
 from trainwire.server.service.reads import SampleResult
 from trainwire.server.service.request_records import digest
 from trainwire.server.service.requests import (
-    DiscardExportsRequest,
     ExportWeightsRequest,
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import sample_codec, saved_checkpoints
+from trainwire.server.tinker import sample_codec
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.sampling_sessions import SamplingSession, snapshot_export
+from trainwire.server.tinker.save_notes import SamplerSnapshot
 from trainwire.server.tinker.tenancy import tenant_of, visible
 
 SAMPLE_CALL_BYTES = 4096  # a decoded sample's call, settings and closure, past its tokens
@@ -57,22 +57,6 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
 
-        def finish(_: Any) -> None:
-            sessions, model_name = front.sampling_sessions, model.base_model
-            version = front.host.weights_version(model.run_id)  # what the export holds
-            if path:
-                sessions.snapshot(model_id, None, path, model_name, export, seq_id, version)
-                saved = TinkerPath(model_id, "sampler_weights", name or "")
-                saved_checkpoints.record_saved(front, saved, export, ttl, f"{model_id}/{seq_id}")
-                return
-            pruned = sessions.snapshot(
-                model_id, sampling_id, None, model_name, export, seq_id, version, inflight=inflight
-            )
-            if pruned:
-                discard = DiscardExportsRequest(pruned)
-                # At the snapshot's turn: accepted already, never refused for what waits.
-                front.host.apply(ops.DISCARD_EXPORTS, discard, run_id=model.run_id, account=None)
-
         def encode(_: Any) -> dict[str, Any]:
             if path:
                 return {"type": "save_weights_for_sampler", "path": path}
@@ -81,7 +65,19 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         # Named weights are written once: their sampling clients keep reading them.
         once = f"sampler weights {path!r}" if path else ""
         export_request = ExportWeightsRequest(export, written_once=once)
-        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, finish)
+        note = SamplerSnapshot(
+            model_id,
+            model.run_id,
+            model.base_model,
+            export,
+            seq_id,
+            path,
+            name or "",
+            sampling_id,
+            ttl,
+            inflight,
+        )
+        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, note)
 
     # A re-send may carry another sampling_session_seq_id: only the first try's session is made.
     new = not front.intake.results.known(f"{model_id}/{seq_id}")

@@ -31,6 +31,7 @@ from trainwire.server.tinker import (
     external_weights,
     sampling_routes,
     saved_checkpoints,
+    saves_applied,
     training_routes,
 )
 from trainwire.server.tinker.catalog import Catalog
@@ -82,6 +83,7 @@ def start_front(
     for name, route in ROUTES.items():
         intake.routes[name] = partial(_submit_again, route, front)
     intake.identities["save_weights_for_sampler"] = sampling_routes.snapshot_identity
+    intake.applied = partial(saves_applied.applied, front)
     # Before the replay: a replayed load reads what it read, so no save may write over it.
     host.checkpoint_readers = partial(saved_checkpoints.checkpoint_readers, front)
     replay(front)

@@ -26,11 +26,12 @@ from trainwire.server.service.requests import (
     OptimStepRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import codec, saved_checkpoints
+from trainwire.server.tinker import codec
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.fields import get_bool, get_str
 from trainwire.server.tinker.front import TinkerFront
 from trainwire.server.tinker.model import adam_settings
+from trainwire.server.tinker.save_notes import SavedWeights
 
 
 def _model_id(body: dict[str, Any]) -> str:
@@ -93,14 +94,11 @@ def save_weights(front: TinkerFront, body: dict[str, Any]) -> str:
         ttl = check_ttl(body.get("ttl_seconds"), "save_state")
         path = TinkerPath(model_id, "weights", name)
 
-        def finish(saved: Any) -> None:
-            front.intake.compact_at(model_id, seq_id, saved.position, front.models.head_records)
-            saved_checkpoints.record_saved(front, path, name, ttl, f"{model_id}/{seq_id}")
-
         def encode(_: Any) -> dict[str, Any]:
             return {"type": "save_weights", "path": str(path)}
 
-        return Submission(ops.SAVE_STATE, CheckpointRequest(name), encode, finish)
+        note = SavedWeights(path, name, ttl, seq_id)
+        return Submission(ops.SAVE_STATE, CheckpointRequest(name), encode, note)
 
     return front.submit("save_weights", body, model_id, seq_id, prepare)
 
