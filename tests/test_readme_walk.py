@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ from trainwire.testing import free_port, wait_for_listener
 
 REPO = Path(__file__).resolve().parents[1]
 COMMAND_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 60  # a server stops within seconds of SIGTERM; this is only its bound
 # The README's fixed ports: its servers' gRPC and Tinker ports, and the cookbook server's.
 README_PORTS = ("50051", "8000", "50052", "8001")
 
@@ -109,11 +111,26 @@ class Walk:
         return ""
 
     def stop_background(self) -> None:
-        for process in self.background:
+        """SIGTERM each background command and wait for it; one still running after
+        ``STOP_TIMEOUT_S`` is asked for its threads' stacks (a server writes them on SIGUSR1),
+        killed, and fails the walk with the end of its log, where it waited."""
+        background, self.background = self.background, []
+        for process in background:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-                process.wait(60)
-        self.background.clear()
+        for index, process in enumerate(background):
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+                process.kill()
+                process.wait(10)
+                log = (self.root / f"background-{index}.log").read_text(errors="replace")
+                raise AssertionError(
+                    f"{process.args[-1]} did not stop within {STOP_TIMEOUT_S} s of SIGTERM; "
+                    f"its log ends:\n{log[-12000:]}"
+                ) from None
 
 
 def fresh_checkout(tmp_path: Path) -> Path:

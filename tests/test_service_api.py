@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import json
 import subprocess
 import sys
 
@@ -45,6 +47,26 @@ def test_outcomes_round_trip_through_the_journal_record_and_the_wire():
         "k", 2, True, "", step=1, learning_rate=0.1 + 0.2, grad_norm=3.5
     )
     assert codec.optim_step_from_proto(codec.optim_step_to_proto(step)) == step  # doubles exact
+
+
+def test_a_forward_backward_record_is_the_outcome_as_json_and_round_trips_bit_for_bit():
+    """The journal's record is taken field by field (no deep copy on the engine thread): the
+    same JSON a deep copy gives, and the same outcome back, every float exact."""
+    logprobs = ((-0.1, -2.5e-300, float("-inf")), (0.1 + 0.2,))
+    outcome = outcomes.ForwardBackwardOutcome(
+        "k", 5, False, "", loss=1 / 3, token_count=4, logprobs=logprobs, metrics={"loss:sum": 2.0}
+    )
+
+    record = journal_records.outcome_record(outcome)
+    deep = dataclasses.asdict(outcome)
+    del deep["replayed"]
+    back = journal_records.outcome_from_record(
+        outcomes.ForwardBackwardOutcome, json.loads(json.dumps(record))
+    )
+
+    assert json.dumps(record, sort_keys=True) == json.dumps(deep, sort_keys=True)
+    assert back == outcome and back.logprobs == logprobs
+    assert record["metrics"] is not outcome.metrics  # a copy: the entry never changes after
 
 
 def test_session_info_round_trips_every_state():

@@ -120,6 +120,13 @@ def _check_batch(request: ForwardRequest, _root: Path | None) -> None:
     check_batch(request.examples)
 
 
+def _given_settings(request: OptimStepRequest) -> dict[str, float | None]:
+    """The step's settings by name (None: the run's own), read field by field: this runs on the
+    engine thread and the gRPC handlers for every step, where ``dataclasses.asdict`` deep-copies."""
+    settings = _update_settings(request)
+    return {field.name: getattr(settings, field.name) for field in dataclasses.fields(settings)}
+
+
 def _update_settings(request: OptimStepRequest) -> UpdateSettings:
     return UpdateSettings(
         request.learning_rate,
@@ -185,9 +192,7 @@ def _optim_step_payload(request: OptimStepRequest) -> dict[str, Any]:
     """Every setting given; a step with the defaults digests as ``{}``, the digest every journal
     holds for a plain step."""
     payload: dict[str, Any] = {
-        name: value
-        for name, value in dataclasses.asdict(_update_settings(request)).items()
-        if value is not None
+        name: value for name, value in _given_settings(request).items() if value is not None
     }
     if request.sum_microbatches:
         payload["sum_microbatches"] = True
@@ -240,7 +245,7 @@ def _forward(run: ActiveRun, request: ForwardRequest, _: Applying | None) -> Any
 
 
 def _optim_step(run: ActiveRun, request: OptimStepRequest, _: Applying | None) -> Fields:
-    settings = dataclasses.asdict(_update_settings(request))
+    settings = _given_settings(request)
     result = run.session.optim_step(**settings, sum_microbatches=request.sum_microbatches)
     rate, grad_norm = result.learning_rate, result.grad_norm
     return {"step": result.step, "learning_rate": rate, "grad_norm": grad_norm}
