@@ -4,12 +4,14 @@ server restart, and the slot rule that one live client's model holds the server.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import tinker
+from service_fixtures import wait_for
 from test_tinker_request_log import FrontApi  # raw calls, no SDK retries
 from tinker_loops import (
     KEY,
@@ -246,3 +248,29 @@ def test_bad_user_metadata_is_refused_before_anything_opens(
             assert refused.status_code == 400 and "user_metadata" in refused.json()["detail"]
             assert handle.session_host.open_run_id is None  # nothing opened, nothing listed
         assert api.create_model(session_id, lora_rank=4).status_code == 200  # the next create opens
+
+
+def test_a_save_that_finds_a_checkpoint_expired_while_a_delete_waits_for_the_engine_ends(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delete (or a copy) holds the catalog's removal guard while the engine thread removes
+    (or links) its files; a save's catalog record, on the engine thread, sweeps expired
+    checkpoints. The sweep after a save passes over the guard while another thread holds it
+    instead of waiting for it (the two waited for each other for good before), and the next
+    listing deletes what it left."""
+    with lora_training(tmp_path / "state", model_root) as run:
+        training, model_id, rest = run.training, run.training.model_id, rest_client(run.handle)
+        front, engine = run.handle.tinker.front, run.handle.session_host.scheduler
+        short = training.save_state("short", ttl_seconds=HOUR).result().path
+        move_clock(run.handle, monkeypatch, HOUR + 1)  # "short" is past its TTL now
+        gate, saved = threading.Event(), []
+        engine.run_unordered(lambda: gate.wait(60))  # the engine busy: the save waits its turn
+        save = threading.Thread(target=lambda: saved.append(training.save_state("new").result()))
+        save.start()
+        wait_for(lambda: front.intake.results.pending_among(lambda r: r.startswith(model_id)))
+        with front.catalog.removal_guard:  # as a delete holds it while the engine works for it
+            gate.set()
+            save.join(60)  # the save's turn ends while the guard is held elsewhere
+            assert saved and saved[0].path.endswith("/weights/new")
+        listed = [c.tinker_path for c in rest.list_checkpoints(model_id).result().checkpoints]
+        assert short not in listed and listed[-1].endswith("/weights/new")

@@ -193,8 +193,9 @@ class Catalog:
         self.clock = clock
         # Held while a checkpoint is removed and while a load that names one is accepted: a
         # removal then either sees the load's logged request (and is refused) or comes first
-        # (and the load is not found), never between the two.
-        self.removal_guard = threading.Lock()
+        # (and the load is not found), never between the two. Re-entrant: a sweep holds it
+        # across the deletes it makes (``saved_checkpoints.sweep``).
+        self.removal_guard = threading.RLock()
         # Samples being accepted now, by the canonical path of the sampler weights they read
         # (under ``removal_guard``): a delete sees them as it sees accepted ones.
         self.samples_accepting: Counter[str] = Counter()

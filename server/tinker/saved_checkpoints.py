@@ -65,7 +65,7 @@ def record_saved(
         )
     if path.segment == "weights":
         finish_removals(front, path.model_id)
-    sweep(front)
+    sweep(front, wait=False)  # on the engine thread, after the save (``saves_applied``)
 
 
 def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
@@ -199,10 +199,20 @@ def finish_removals(front: TinkerFront, model_id: str) -> None:
         front.catalog.set_deferred(model_id, kept)
 
 
-def sweep(front: TinkerFront) -> None:
-    """Delete every checkpoint past its TTL, every tenant's (whichever request asks)."""
-    with unrestricted():
-        _delete_expired(front)
+def sweep(front: TinkerFront, *, wait: bool = True) -> None:
+    """Delete every checkpoint past its TTL, every tenant's (whichever request asks), under the
+    removal guard. ``wait=False`` (after a save, on the engine thread) skips the sweep when
+    another thread holds the guard: a delete or a copy holds it while it waits for the engine
+    thread to remove or link files, so waiting for it there would stop both for good; the next
+    sweep (every listing, every save) deletes what this one left."""
+    guard = front.catalog.removal_guard
+    if not guard.acquire(blocking=wait):
+        return
+    try:
+        with unrestricted():
+            _delete_expired(front)
+    finally:
+        guard.release()
 
 
 def _delete_expired(front: TinkerFront) -> None:
