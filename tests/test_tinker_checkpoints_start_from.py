@@ -206,6 +206,27 @@ def test_the_base_model_samples_before_any_training_client_as_it_does_beside_one
         assert sample_of(again, tokenizer) == before
 
 
+def test_a_base_model_sample_whose_run_must_open_while_a_model_is_being_created_never_hangs(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """A create_model (or a close) holds the model table while it waits for the engine thread
+    to open (or close) its run; a base-model sample with no model open opens its sampling run at
+    its turn, on that thread. The sample waits a bounded time for the table and is then refused
+    (send it again: the model being created samples it then), never stopping the engine and the
+    create with it (they waited for each other for good)."""
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        service = service_client(handle)
+        base = service.create_sampling_client(base_model="llama").result()
+        tokenizer = AutoTokenizer.from_pretrained(tiny_llama)  # the SDK's looks on the hub
+        models, engine = handle.tinker.front.models, handle.session_host.scheduler
+        with models._lock:  # as create_model holds it while its open waits for the engine
+            refused = pytest.raises(tinker.RequestFailedError, match="being created or closed")
+            with refused:
+                sample_of(base, tokenizer)
+            assert engine.queue(lambda: "ran").result(timeout=30) == "ran"  # not stopped
+        assert sample_of(base, tokenizer)  # sent again: its sampling run opens
+
+
 def export_folder(handle: ServerHandle, model_id: str, name: str) -> Path:
     """Where the server wrote external weights ``name`` of run ``model_id``."""
     return handle.session_host.state_dir.run(run_id_for(model_id)).export(EXPORT_PREFIX + name)

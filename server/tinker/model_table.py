@@ -90,6 +90,9 @@ SESSION_LAPSE_S = 3 * SDK_HEARTBEAT_S
 SESSION_KEEP_S = 60 * SDK_HEARTBEAT_S
 SWEEP_EVERY_S = 6 * SDK_HEARTBEAT_S  # create_session looks for lapsed sessions at most this often
 SAMPLING_RUN_PREFIX = "tinker-sampling-"  # a run opened only to sample saved sampler weights
+# How long a sample's turn waits for the model table before refusing (``open_for_sampling``):
+# longer than any bookkeeping under it takes, far shorter than a client's patience.
+TABLE_WAIT_ON_ENGINE_S = 2.0
 
 
 class ModelTable:
@@ -347,29 +350,43 @@ class ModelTable:
         """A run of ``config`` (a closed run's) to sample its saved sampler weights on, for
         ``tenant``; its run id. A sampling run of another config is closed first; a new model
         closes it. On a server of one run, FailedPrecondition while a model is open (its own
-        run samples); on a server of many, ResourceExhausted while every slot is taken."""
-        with self._lock:
-            models = self.open_models()
-            if not self.many and models:
-                model = models[0]
-                raise FailedPrecondition(
-                    f"this server trains {model.base_model!r} now (one server, one model)"
-                )
-            run_id = self._sampling_run.get(config.fingerprint())
-            if run_id is not None and run_id in self.host.open_run_ids:
-                return run_id
-            self._end_sampling_runs()
-            if self.many and len(self.host.open_run_ids) >= self.host.max_runs:
-                raise ResourceExhausted(
-                    f"every run slot of this server is taken (--max-runs {self.host.max_runs}): "
-                    "these sampler weights are sampled once a model closes"
-                )
-            run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
-            self.host.open(
-                run_id, config, admit=partial(self._claim, run_id, tenant, training=False)
+        run samples); on a server of many, ResourceExhausted while every slot is taken.
+
+        It runs at a sample's turn, on the engine thread, where a create_model or a close may
+        hold the table while it waits for that very thread to open or close its run: it waits
+        for the table ``TABLE_WAIT_ON_ENGINE_S`` at most, then refuses the sample (Unavailable:
+        sent again, it samples on the model just created, or opens its run then)."""
+        if not self._lock.acquire(timeout=TABLE_WAIT_ON_ENGINE_S):
+            raise Unavailable(
+                "a model is being created or closed on this server while this sample was to "
+                "open a run of its model to sample on; sample again"
             )
-            self._sampling_run = {config.fingerprint(): run_id}
+        try:
+            return self._open_for_sampling(config, tenant)
+        finally:
+            self._lock.release()
+
+    def _open_for_sampling(self, config: TrainingConfig, tenant: str) -> str:
+        """``open_for_sampling``, under ``_lock``."""
+        models = self.open_models()
+        if not self.many and models:
+            model = models[0]
+            raise FailedPrecondition(
+                f"this server trains {model.base_model!r} now (one server, one model)"
+            )
+        run_id = self._sampling_run.get(config.fingerprint())
+        if run_id is not None and run_id in self.host.open_run_ids:
             return run_id
+        self._end_sampling_runs()
+        if self.many and len(self.host.open_run_ids) >= self.host.max_runs:
+            raise ResourceExhausted(
+                f"every run slot of this server is taken (--max-runs {self.host.max_runs}): "
+                "these sampler weights are sampled once a model closes"
+            )
+        run_id = f"{SAMPLING_RUN_PREFIX}{uuid.uuid4().hex[:16]}"
+        self.host.open(run_id, config, admit=partial(self._claim, run_id, tenant, training=False))
+        self._sampling_run = {config.fingerprint(): run_id}
+        return run_id
 
     def _claim(self, run_id: str, tenant: str, *, training: bool = True) -> None:
         """A run of ``tenant``'s admission, run by the host atomically with the open
