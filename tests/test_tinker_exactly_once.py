@@ -35,7 +35,8 @@ from trainwire.server.service.request_records import (
     SessionRecord,
 )
 from trainwire.server.service.request_store import read_records
-from trainwire.server.tinker import codec, model_table
+from trainwire.server.tinker import codec, model, model_table
+from trainwire.server.tinker.sampling_sessions import snapshot_export
 
 
 def raw(handle: ServerHandle) -> RawFront:
@@ -362,3 +363,25 @@ def test_a_compacted_log_keeps_the_sessions_still_alive_not_every_one_ever_made(
     with tinker_server(state_dir, model_root) as handle:
         beat = raw(handle).post("session_heartbeat", {"session_id": model_session})
         assert beat.status_code == 200
+
+
+def test_named_sampler_weights_a_crash_left_before_their_entry_committed_are_written_again(
+    tmp_path: Path, model_root: Path, tiny_llama: Path
+) -> None:
+    """Named sampler weights are written once: a second save under the name is refused. A
+    folder a crash left (written, its journal entry never committed: nobody was answered it)
+    is no save: the call, replayed, writes it and answers as an uninterrupted run does."""
+    with tinker_server(tmp_path / "state", model_root) as handle:
+        api = raw(handle)
+        _, model_id = api.model()
+        run = handle.session_host.state_dir.run(model.run_id_for(model_id))
+        left = run.export(snapshot_export(1, "named"))
+        left.mkdir(parents=True)
+        (left / "half-written").write_bytes(b"left by a crash")
+        body = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0, "path": "named"}
+        first = api.poll(api.post("save_weights_for_sampler", body).json()["request_id"]).json()
+        assert first["path"].endswith("/sampler_weights/named"), first
+        assert not (left / "half-written").exists() and any(left.glob("*.safetensors"))
+        second = {**body, "seq_id": 2}
+        refused = api.poll(api.post("save_weights_for_sampler", second).json()["request_id"])
+        assert "exist already" in refused.json()["error"]

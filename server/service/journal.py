@@ -91,6 +91,23 @@ class Journal:
         )
         return None if row is None else _entry(row)
 
+    def returned_name(self, kind: str, name: str) -> bool:
+        """Whether a live entry of ``kind``, queued or committed, returned ``name`` (its
+        result's ``name``): an export this run's timeline wrote, say, as against one a crash
+        left behind before its entry committed (its key runs again, and writes it again)."""
+        with self._state:
+            pending = [entry for entry, _ in self._pending.values()]
+        if any(e.kind == kind and e.result.get("name") == name for e in pending):
+            return True
+        row = self.ledger.read(
+            lambda db: db.execute(
+                "SELECT 1 FROM operations WHERE run = ? AND kind = ? AND rolled_back = 0 "
+                "AND json_extract(result, '$.name') = ? LIMIT 1",
+                (self.run_id, kind, name),
+            ).fetchone()
+        )
+        return row is not None
+
     def durable(self, operation_key: str) -> futures.Future[None] | None:
         """The commit of ``operation_key``'s entry while it is queued; None once it is on disk."""
         with self._state:

@@ -317,7 +317,7 @@ def _load_weights(run: ActiveRun, request: LoadWeightsRequest, _: Applying | Non
 
 def _export_weights(run: ActiveRun, request: ExportWeightsRequest, _: Applying | None) -> Fields:
     target = run.run.export(request.name)
-    if request.written_once and target.exists():
+    if request.written_once and target.exists() and _written_by_the_run(run, request.name):
         raise FailedPrecondition(f"{request.written_once} exist already; save under a new name")
     if request.checkpoint:
         source = run.run.checkpoint(request.checkpoint)
@@ -332,6 +332,12 @@ def _export_weights(run: ActiveRun, request: ExportWeightsRequest, _: Applying |
         "format": outcomes.FORMAT_ADAPTER if adapter else outcomes.FORMAT_FULL,
         "files": list_export_files(target),
     }
+
+
+def _written_by_the_run(run: ActiveRun, export: str) -> bool:
+    """Whether a live journal entry wrote ``export``: a folder a crash left before its writer's
+    entry committed is no one's (no client was answered it), and its replay writes it again."""
+    return run.journal.returned_name(EXPORT_WEIGHTS.kind, export)
 
 
 def _export_directory(

@@ -70,9 +70,10 @@ class ExportWeightsRequest:
     """Write export ``name``: the live weights, or ``checkpoint``'s when one is named.
 
     ``written_once`` (what the export is to its caller: named sampler weights, whose sampling
-    clients keep reading them) makes a name in use a refusal at the export's turn, named so,
-    instead of new weights under readers of the old ones; a replayed key is answered from the
-    journal before that check, as every keyed call is."""
+    clients keep reading them) makes a name in use (its folder there, written by a live journal
+    entry) a refusal at the export's turn, named so, instead of new weights under readers of the
+    old ones; a replayed key is answered from the journal before that check, as every keyed
+    call is, and a folder a crash left before its entry committed is written again."""
 
     name: str
     checkpoint: str = ""
