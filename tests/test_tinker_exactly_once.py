@@ -6,6 +6,7 @@ request log keeps. In process, over raw HTTP as the SDK sends it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -146,6 +147,34 @@ def test_a_poller_watching_a_result_does_not_hand_it_out() -> None:
     assert not store.delivered("s/1")
     asyncio.run(store.wait("s/1", 0))
     assert store.delivered("s/1")
+
+
+def test_a_fetch_cancelled_or_on_a_closed_loop_never_breaks_the_result_it_waited_for() -> None:
+    """A fetch whose client went away (its task cancelled) leaves no waiter behind, and a
+    result resolved after a waiter's event loop closed (a listener stopped under a held fetch)
+    resolves all the same: resolving runs on a commit's thread, and a stopping server waits
+    until every result finishing there has (it waited for good when the wake-up raised)."""
+    store = result_store.ResultStore()
+    store.add("s/1")
+    store.add("s/2")
+
+    async def cancelled_fetch() -> None:
+        fetch = asyncio.ensure_future(store.wait("s/1", 60))
+        await asyncio.sleep(0.01)
+        fetch.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fetch
+
+    asyncio.run(cancelled_fetch())
+    assert "s/1" not in store._waiters  # the cancelled fetch's waiter went with it
+    loop = asyncio.new_event_loop()
+    held = loop.create_task(store.wait("s/2", 60))
+    loop.run_until_complete(asyncio.sleep(0.01))  # s/2's waiter is registered on ``loop``
+    held.cancel()  # as a listener stopping cancels its tasks, but the waiter's loop closes
+    loop.close()  # before the fetch's cleanup ran
+    for request_id in ("s/1", "s/2"):
+        store.resolve(request_id, result_store.Done(b"x"))
+        assert asyncio.run(store.wait(request_id, 0)) == result_store.Done(b"x")
 
 
 def test_a_sample_under_a_used_key_with_another_prompt_is_refused(

@@ -682,12 +682,14 @@ class Intake:
     ) -> None:
         """On the ledger's commit thread: the result is durable (or could not be written: then
         the fetch hears a server error, and a restart runs its call again)."""
-        error = self.store.write_error(ticket)
-        if error is not None:
-            outcome = _not_recorded(request_id, error)
-        with self._resolving_lock(request_id):
-            self.results.resolve(request_id, outcome, at)
-        self._ended_finishing(request_id)
+        try:
+            error = self.store.write_error(ticket)
+            if error is not None:
+                outcome = _not_recorded(request_id, error)
+            with self._resolving_lock(request_id):
+                self.results.resolve(request_id, outcome, at)
+        finally:  # counted out whatever happened: a stopping intake waits for the count
+            self._ended_finishing(request_id)
 
     def _started_finishing(self, request_id: str) -> None:
         with self._finished:

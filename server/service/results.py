@@ -219,8 +219,7 @@ class ResultStore:
                 return
             entry.outcome, entry.resolved_at = outcome, at or self._clock()
             waiters = self._waiters.pop(request_id, [])
-        for loop, waiter in waiters:
-            loop.call_soon_threadsafe(_wake, waiter)
+        _wake_all(waiters)
 
     def restore(self, result: Resolved) -> None:
         """A result carried by the request store (its request's record compacted away)."""
@@ -274,13 +273,20 @@ class ResultStore:
             for request_id in dropped:
                 del self._entries[request_id]
                 waiters.extend(self._waiters.pop(request_id, []))
-        for loop, waiter in waiters:
-            loop.call_soon_threadsafe(_wake, waiter)
+        _wake_all(waiters)
         return len(dropped)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def _forget_waiter(self, request_id: str, waiter: asyncio.Future) -> None:
+        with self._lock:
+            waiting = self._waiters.get(request_id, [])
+            if (waiter.get_loop(), waiter) in waiting:
+                waiting.remove((waiter.get_loop(), waiter))
+            if not waiting:
+                self._waiters.pop(request_id, None)
 
     async def wait(
         self, request_id: str, hold_s: float, *, hand_out: bool = True
@@ -300,12 +306,12 @@ class ResultStore:
             else:
                 waiter = None
         if waiter is not None:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(waiter, hold_s)
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(waiter, hold_s)
+            finally:  # cancelled too (its client went away): no waiter outlives its fetch
+                self._forget_waiter(request_id, waiter)
         with self._lock:
-            waiting = self._waiters.get(request_id, [])
-            if waiter is not None and (waiter.get_loop(), waiter) in waiting:
-                waiting.remove((waiter.get_loop(), waiter))
             entry = self._entries.get(request_id)
             if entry is None:  # forgotten while the fetch was held
                 raise KeyError(request_id)
@@ -317,6 +323,15 @@ class ResultStore:
 def _wake(waiter: asyncio.Future) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def _wake_all(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    """Wake each waiter on its own event loop. A loop closed meanwhile (its listener stopped)
+    has no fetch left to wake: the resolve that called this, on a commit's thread, must go on
+    (its caller counts the results still finishing, and a server stopping waits for them)."""
+    for loop, waiter in waiters:
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+            loop.call_soon_threadsafe(_wake, waiter)
 
 
 def run_to_outcome(call: Callable[[], Any]) -> Outcome:
