@@ -7,9 +7,11 @@ import contextlib
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from trainwire.server.service.journal import Journal
 from trainwire.server.service.ledger import Ledger, ledger_path
+from trainwire.server.service.request_records import CallRecord, payload
 from trainwire.server.service.request_store import RequestStore
 from trainwire.server.tinker.sdk_sessions import session_of
 
@@ -54,3 +56,25 @@ def opened_journal(state_dir: Path, run_id: str) -> Iterator[Journal]:
     leaving)."""
     with Ledger(state_dir) as ledger, Journal(ledger, run_id) as journal:
         yield journal
+
+
+def stored_call(
+    request_id: str,
+    operation: str,
+    body: Any,
+    answer: str,
+    note: dict[str, Any] | None = None,
+) -> CallRecord:
+    """An accepted call of the server's only run as the intake stores it: ``operation`` (a kind
+    of the host's table) on ``body`` (its typed request), answered by the encoder ``answer``."""
+    digest, size = payload(body)
+    seq = int(request_id.rpartition("/")[2])
+    return CallRecord(request_id, seq, operation, body, digest, size, "", answer, note)
+
+
+def stored_save(model_id: str, seq: int, name: str) -> CallRecord:
+    """A stored ``save_weights`` of ``model_id``'s checkpoint ``name`` (its catalog note too)."""
+    path = f"tinker://{model_id}/weights/{name}"
+    note = {"note": "saved_weights", "path": path, "name": name, "ttl_seconds": None, "seq_id": seq}
+    body = {"name": name, "run_id": ""}
+    return stored_call(f"{model_id}/{seq}", "SaveState", body, "save_weights", note)

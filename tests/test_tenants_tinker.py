@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 from service_fixtures import running_server
 from tinker.proto import tinker_public_pb2 as pb
 
@@ -388,13 +387,12 @@ def test_a_tenant_named_default_owns_what_a_single_key_server_saved(
             )
 
 
-def test_a_request_taken_back_after_a_restart_is_decoded_as_its_senders(
+def test_a_request_refused_as_its_senders_stays_refused_after_a_restart(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    """What a restart replays runs the route again outside any HTTP request: bob's load of
-    alice's checkpoint, refused when he sent it, is refused again there (not run unrestricted)."""
-    from trainwire.server.errors import NotFound
-
+    """A restart queues a stored call again from its record, outside any HTTP request: bob's
+    load of alice's checkpoint, refused when he sent it (404), is answered the same refusal
+    after the restart, and nothing was loaded into his run (not run unrestricted)."""
     with tenant_server(tmp_path / "state", model_root) as handle:
         alice, bob = Front(handle, ALICE), Front(handle, BOB)
         session = alice.post("create_session", {})["session_id"]
@@ -406,9 +404,10 @@ def test_a_request_taken_back_after_a_restart_is_decoded_as_its_senders(
         mine = bob.post("create_model", {"session_id": bob_session, "base_model": "llama"})
         load = {"model_id": mine["model_id"], "seq_id": 1, "path": path}
         assert bob.send("POST", f"{API}/load_weights", json=load).status_code == 404
-        replay = handle.tinker.front.intake.routes["load_weights"]  # as a restart calls it
-        with pytest.raises(NotFound, match="no checkpoint"):
-            replay({**load, "seq_id": 2}, None)
+    with tenant_server(tmp_path / "state", model_root) as handle:
+        answer = Front(handle, BOB).result({"request_id": f"{mine['model_id']}/1"})
+        assert answer["category"] == "user" and "no checkpoint" in answer["error"]
+        assert handle.session_host.info().position == 0  # nothing loaded into bob's run
 
 
 def test_on_a_server_of_many_runs_tenants_train_side_by_side_and_see_only_their_own(

@@ -43,7 +43,7 @@ def test_no_front_function_runs_on_the_engine_thread_for_the_sdks_forward_backwa
     finally:
         threading.setprofile(None)  # type: ignore[arg-type]
     assert len(losses) == 3 and losses[0] == losses[1] == losses[2]  # no update between them
-    assert any("_encode_forward_backward" in call for call in front_calls)  # it was seen
+    assert any("answers.forward_backward" in call for call in front_calls)  # it was seen
     assert not [call for call in front_calls if call.startswith(f"{ENGINE_THREAD}:")]
 
 

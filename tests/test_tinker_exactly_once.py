@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import tinker
-from ledger_files import opened_store
+from ledger_files import opened_store, stored_call, stored_save
 from service_fixtures import wait_for
 from tinker import types
 from tinker_loops import (
@@ -239,9 +239,9 @@ def test_a_snapshot_re_sent_with_a_new_sampling_session_seq_id_is_answered_its_f
 def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    """Item 5 (replay side): records a route cannot take again (a body that is not an object,
-    a route this version does not know) fail their own requests with a ``server`` error, logged;
-    the server starts and the call after them runs."""
+    """Item 5 (replay side): records the intake cannot queue again (a request that is not an
+    object, an operation this version does not have) fail their own requests with a ``server``
+    error, logged; the server starts and the call after them runs."""
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         api = raw(handle)
@@ -249,10 +249,9 @@ def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
         assert "path" in save(api, model_id, 1, "one")
     with opened_store(state_dir) as log:
         not_an_object: Any = ["not", "an", "object"]
-        log.write(CallRecord("optim_step", f"{model_id}/2", 2, not_an_object))
-        log.write(CallRecord("from_a_newer_version", f"{model_id}/3", 3, {"seq_id": 3}))
-        body = {"model_id": model_id, "seq_id": 4, "path": "four"}
-        log.write(CallRecord("save_weights", f"{model_id}/4", 4, body))
+        log.write(stored_call(f"{model_id}/2", "OptimStep", not_an_object, "optim_step"))
+        log.write(stored_call(f"{model_id}/3", "from_a_newer_version", {}, "optim_step"))
+        log.write(stored_save(model_id, 4, "four"))
     answers = []
     for _ in range(2):  # the failures are logged: the second start answers them as they were
         with tinker_server(state_dir, model_root) as handle:

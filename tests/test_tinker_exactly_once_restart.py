@@ -7,11 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ledger_files import opened_store
+from ledger_files import opened_store, stored_call, stored_save
 from test_tinker_restart import TinkerServeProcess
 from tinker_loops import RawFront
 
-from trainwire.server.service.request_records import CallRecord
 from trainwire.server.tinker.codec import PROTOBUF
 from trainwire.testing import free_port
 
@@ -46,9 +45,9 @@ def test_a_lost_poll_response_is_answered_again_after_a_compaction_and_a_sigkill
 def test_a_record_the_restarted_front_cannot_replay_fails_alone_and_the_server_starts(
     tmp_path: Path, model_root: Path, tiny_llama: Path
 ) -> None:
-    """Item 5 with a real kill: after the SIGKILL the log holds a call no route of this version
-    takes; ``trainwire serve`` still starts, that call fails with a ``server`` error, and the
-    call after it runs."""
+    """Item 5 with a real kill: after the SIGKILL the log holds a call of an operation this
+    version does not have; ``trainwire serve`` still starts, that call fails with a ``server``
+    error, and the call after it runs."""
     port, state_dir = free_port(), tmp_path / "state"
     started: list[TinkerServeProcess] = []
     try:
@@ -57,9 +56,8 @@ def test_a_record_the_restarted_front_cannot_replay_fails_alone_and_the_server_s
         _, model_id = api.model()
         started[0].kill()
         with opened_store(state_dir) as log:
-            log.write(CallRecord("from_a_newer_version", f"{model_id}/1", 1, {"seq_id": 1}))
-            body = {"model_id": model_id, "seq_id": 2, "path": "after"}
-            log.write(CallRecord("save_weights", f"{model_id}/2", 2, body))
+            log.write(stored_call(f"{model_id}/1", "from_a_newer_version", {}, "optim_step"))
+            log.write(stored_save(model_id, 2, "after"))
         started.append(TinkerServeProcess(tmp_path, state_dir, model_root, port, "second"))
         failed = api.poll(f"{model_id}/1").json()
         assert failed["category"] == "server" and "from_a_newer_version" in failed["error"]

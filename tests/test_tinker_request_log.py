@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
-from ledger_files import opened_store
+from ledger_files import opened_store, stored_call
 from tinker_loops import KEY, tinker_server
 
 from trainwire.server.errors import ResourceExhausted
@@ -30,8 +30,8 @@ from trainwire.server.tinker.sdk_sessions import session_of
 
 def test_records_come_back_in_order_after_a_reopen(tmp_path: Path) -> None:
     with opened_store(tmp_path) as store:
-        store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
-        store.write(CallRecord("forward_backward", "m/2", 2, b"\x00proto", "zstd"))
+        store.write(stored_call("m/1", "optim_step", {"seq_id": 1}, "optim_step"))
+        store.write(stored_call("m/2", "forward_backward", b"\x00proto", "forward_backward"))
     with opened_store(tmp_path) as again:
         assert [r.request_id for r in again.records] == ["m/1", "m/2"]  # type: ignore[union-attr]
         again.write(ResultRecord("m/2", Done(b"\x01bytes")))
@@ -69,13 +69,13 @@ def test_requests_and_journal_entries_written_together_share_one_commit(tmp_path
 
 def test_a_full_disk_refuses_the_request_and_leaves_no_half_record(tmp_path: Path) -> None:
     with opened_store(tmp_path) as store:
-        store.write(CallRecord("optim_step", "m/1", 1, {"seq_id": 1}))
+        store.write(stored_call("m/1", "optim_step", {"seq_id": 1}, "optim_step"))
         before = read_records(tmp_path)
         ledger = store.ledger
         (pages,) = ledger.write_now(lambda db: db.execute("PRAGMA page_count").fetchone())
         # No page more for the writer: SQLite's disk is full.
         ledger.write_now(lambda db: db.execute(f"PRAGMA max_page_count={pages}"))
-        big = CallRecord("forward_backward", "m/2", 2, bytes(range(256)) * 400, "zstd")
+        big = stored_call("m/2", "forward_backward", bytes(range(256)) * 400, "forward_backward")
         with pytest.raises(ResourceExhausted, match="disk is full"):
             store.sync(store.append(big))
         assert read_records(tmp_path) == before and len(store.records) == 1
@@ -111,14 +111,14 @@ def test_forgetting_sessions_deletes_their_records_for_good(tmp_path: Path) -> N
 
 def test_compaction_keeps_the_calls_since_the_checkpoint_and_undelivered_samples() -> None:
     records = [
-        CallRecord("optim_step", "m/1", 1, {}),
-        CallRecord("forward_backward", "m/2", 2, b"x", ""),
+        stored_call("m/1", "optim_step", {}, "optim_step"),
+        stored_call("m/2", "forward_backward", b"x", "forward_backward"),
         ResultRecord("m/2", Failed("bad loss", "user")),
         SampleRecord("s/1", {}),
         SampleRecord("s/2", {}),
         ResultRecord("s/2", Done(b"y")),
-        CallRecord("save_weights", "m/3", 3, {}),
-        CallRecord("optim_step", "m/4", 4, {}),
+        stored_call("m/3", "save_weights", {}, "save_weights"),
+        stored_call("m/4", "optim_step", {}, "optim_step"),
     ]
     head = [SessionRecord("tw-1"), ResumeRecord(3, 2, "m")]
     delivered = {"m/1", "m/2", "s/1"}
@@ -131,12 +131,12 @@ def test_compacting_one_models_records_keeps_every_other_models_calls() -> None:
     """Many models on one server: a checkpoint of model "a" drops a's calls before it only;
     model "b"'s calls (before any checkpoint of b's) replay after a restart as they are."""
     records = [
-        CallRecord("optim_step", "a/1", 1, {}),
-        CallRecord("optim_step", "b/1", 1, {}),
+        stored_call("a/1", "optim_step", {}, "optim_step"),
+        stored_call("b/1", "optim_step", {}, "optim_step"),
         ResultRecord("b/1", Failed("bad step", "user")),
-        CallRecord("save_weights", "a/2", 2, {}),
-        CallRecord("optim_step", "b/2", 2, {}),
-        CallRecord("optim_step", "a/3", 3, {}),
+        stored_call("a/2", "save_weights", {}, "save_weights"),
+        stored_call("b/2", "optim_step", {}, "optim_step"),
+        stored_call("a/3", "optim_step", {}, "optim_step"),
     ]
     head = [ResumeRecord(2, 1, "a")]
     every = {"a/1", "b/1", "a/2", "b/2"}.__contains__

@@ -7,18 +7,18 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from ledger_files import opened_store
+from ledger_files import opened_store, stored_call
 
 from trainwire.server.service.ledger import ledger_path
 from trainwire.server.service.request_records import CallRecord, ResultRecord, SessionRecord
 from trainwire.server.service.request_store import HEAVY_RECORD_BYTES, Stored
 from trainwire.server.service.results import Done
 
-BODY = bytes(range(256)) * (HEAVY_RECORD_BYTES // 64)  # a protobuf body past the bound
+BODY = bytes(range(256)) * (HEAVY_RECORD_BYTES // 64)  # a body past the bound
 
 
 def heavy_call(seq: int) -> CallRecord:
-    return CallRecord("forward_backward", f"m/{seq}", seq, BODY + bytes([seq]), "zstd")
+    return stored_call(f"m/{seq}", "forward_backward", BODY + bytes([seq]), "forward_backward")
 
 
 def stored_rows(directory: Path) -> list[str]:
@@ -34,7 +34,7 @@ def placed_rows(directory: Path) -> list[tuple[int, str]]:
 
 
 def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_path: Path) -> None:
-    small = CallRecord("optim_step", "m/3", 3, {"seq_id": 3})
+    small = stored_call("m/3", "optim_step", {"seq_id": 3}, "optim_step")
     with opened_store(tmp_path) as store:
         for record in (SessionRecord("s"), heavy_call(1), heavy_call(2), small):
             store.write(record)
@@ -44,8 +44,8 @@ def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_pa
         assert calls["m/3"].body == {"seq_id": 3}
         result = next(r for r in store.records if isinstance(r, ResultRecord))
         assert isinstance(result.outcome, Done) and isinstance(result.outcome.body, Stored)
-        whole, answered = store.calls("forward_backward")  # what a route asks for, whole
-        assert [call.body for call in whole] == [BODY + b"\x01", BODY + b"\x02"]
+        listed, answered = store.calls(("forward_backward",))  # ids and notes, bodies left
+        assert [call.request_id for call in listed] == ["m/1", "m/2"]
         assert answered == {"m/2"}
 
         before = placed_rows(tmp_path)
@@ -63,7 +63,7 @@ def test_heavy_bodies_stay_in_their_rows_and_compaction_copies_them_whole(tmp_pa
             ("m/2", BODY + b"\x02"),
             ("m/3", small.body),
         ]
-        assert calls_back[0].encoding == "zstd"
+        assert calls_back[0].answer == "forward_backward"
         reopened.leave_bodies_on_disk()  # taken back: left in the row again
         first = next(r for r in reopened.records if isinstance(r, CallRecord))
         assert isinstance(first.body, Stored)

@@ -76,7 +76,7 @@ def logged_request_id(state_dir: Path, route: str, seq: int) -> str:
 
 def stored_calls(state_dir: Path, route: str) -> list[CallRecord]:
     records = read_records(state_dir)
-    return [r for r in records if isinstance(r, CallRecord) and r.route == route]
+    return [r for r in records if isinstance(r, CallRecord) and r.answer == route]
 
 
 def logged(state_dir: Path, route: str, seq: int) -> Callable[[], bool]:

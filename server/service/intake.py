@@ -26,12 +26,15 @@ holds its place in its stream's numbering, and the calls after it expect its eff
 
 Exactly once across a crash: each accepted request is stored before its request id is handed out. A
 restarted intake reads the store back (``replaying``) before its transport serves: recorded results
-are answered as they are, every other request is submitted again in its original order to the route
-that took it (``replay``, through ``routes``), and one that cannot be submitted again fails alone
-(``replay_failed``). Nothing runs until the host has restored its run (``recovered``); the engine
-restarted from its latest checkpoint, so the journal answers the keyed calls before it and the ones
-since run again, the same bits. A checkpoint compacts the store (``compact_at``): the results of the
-calls before it that a client may still ask for are carried, bounded by ``results``'s retention.
+are answered as they are, every other request is queued again in its original order (``replay``):
+a call from its record, typed as it was accepted (its operation, its request, the run it was sent
+to, its transport's note and encoder's name), with no transport decoding it again; a sample through
+its transport (``sample_again``), which resolves its weights at its turn. One that cannot be
+queued again fails alone (``replay_failed``). Nothing runs until the host has restored its run
+(``recovered``); the engine restarted from its latest checkpoint, so the journal answers the keyed
+calls before it and the ones since run again, the same bits. A checkpoint compacts the store
+(``compact_at``): the results of the calls before it that a client may still ask for are carried,
+bounded by ``results``'s retention.
 
 Client sessions come and go (the Tinker front's model slot forgets them): a request is taken only
 for a session the transport knows (``admit``); a forgotten session's results and records go at
@@ -57,8 +60,9 @@ from trainwire.server.errors import InvalidArgument, ResourceExhausted, Trainwir
 from trainwire.server.service.active_run import Durable, JournalCommitFailed, wait_durable
 from trainwire.server.service.commands import Applied, Command
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.operations import SAMPLE, Operation
+from trainwire.server.service.operations import OPERATIONS, SAMPLE, Operation
 from trainwire.server.service.reads import SampleResult
+from trainwire.server.service.request_bodies import request_body, request_of
 from trainwire.server.service.request_records import (
     Body,
     CallRecord,
@@ -87,19 +91,22 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Submission:
     """A request as its transport decoded it: the ``operation`` it runs on ``request`` (checked
-    once, when the intake accepts it) and ``encode``, which makes the operation's outcome the
-    request's response: a keyed call's when it is fetched (off the engine thread: the journal
-    holds the outcome), a read's before it is stored. ``note`` (data: what the transport
-    records once the operation applied, a Tinker save's catalog entry say) goes to the
-    transport's one observer, ``Intake.applied``. Whatever a call must find at its turn is
-    checked by its operation (``ExportWeightsRequest.written_once``) or held from its
-    acceptance on (a load's checkpoint), never by the transport at the turn."""
+    once, when the intake accepts it) for run ``run_id`` ("" the server's only run), and
+    ``answer``, the name of the transport's encoder (``Intake.encoders``) that makes the
+    operation's outcome the request's response: a keyed call's when it is fetched (off the
+    engine thread: the journal holds the outcome), a read's before it is stored. ``note``
+    (JSON: what the transport records once the operation applied, a Tinker save's catalog
+    entry say) goes to the transport's one observer, ``Intake.applied``, and to its encoder.
+    All of it is data, stored with the request (``CallRecord``), so a restart queues the call
+    again as it was accepted. Whatever a call must find at its turn is checked by its operation
+    (``ExportWeightsRequest.written_once``) or held from its acceptance on (a load's
+    checkpoint), never by the transport at the turn."""
 
     operation: Operation[Any]
     request: Any
-    encode: Callable[[Any], Any]
-    note: Any = None
-    run_id: str = ""  # the run it is for ("" the server's only run)
+    answer: str
+    note: dict[str, Any] | None = None
+    run_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,8 +119,12 @@ class SampleSubmission:
     encode: Callable[[SampleResult], Any]
 
 
-Route = Callable[[Body, str | None], Any]  # a stored request given to its route again
-UNORDERED_ROUTE = "unordered"  # the route an unordered request (``SampleRecord``) goes to again
+class UnreadableCall(Exception):
+    """A stored call this version cannot queue again: it fails alone, as the server's error."""
+
+
+# A transport's encoder of a call's response: (its request, its note, the operation's outcome).
+Encoder = Callable[[Any, dict[str, Any] | None, Any], Any]
 RESOLVING_LOCKS = 64
 CANCELLED = "cancelled by its client (cancel_future): {what}"
 
@@ -144,11 +155,11 @@ class Intake:
         self.results = ResultStore()
         self.store = RequestStore(host.ledger, owner_of)
         self.scheduler = host.scheduler  # one queue for every transport
-        # The transport's routes by the names its stored requests carry (``replay``).
-        self.routes: dict[str, Route] = {}
-        # What identifies a route's request, where not its whole body: a client may re-send a
-        # request with a field it draws anew on each try (the SDK's sampling_session_seq_id).
-        self.identities: dict[str, Callable[[Body], Body]] = {}
+        # The transport's encoders of responses, by the names its submissions give (``answer``).
+        self.encoders: dict[str, Encoder] = {}
+        # How the transport takes a stored sample again (``replay``): a sample's weights are
+        # the transport's to resolve at its turn, so it is decoded again as it was sent.
+        self.sample_again: Callable[[dict[str, Any]], Any] | None = None
         # Results (and keyed calls' journal entries) written and not yet committed, counted by
         # request id: each is answered once its commit lands (on the ledger's commit thread),
         # while the engine runs the next job.
@@ -208,8 +219,8 @@ class Intake:
 
     @property
     def taking_back(self) -> bool:
-        """Whether the records read at start are being submitted again now (a route that checks
-        what a request names may then find what was valid when it was accepted)."""
+        """Whether the records read at start are being submitted again now (a sample's route
+        then finds the sampling sessions it was accepted for)."""
         return self._replayed is not None
 
     def start_stream(self, stream: str, next_seq: int = 1, *, run_id: str = "") -> None:
@@ -244,30 +255,33 @@ class Intake:
         return self._replayed is not None or bool(self._resubmitted)
 
     def replay(self, records: list[Record]) -> None:
-        """Submit every stored request without a recorded result again, in its original order,
-        to the route that took it (``routes``): inside ``replaying``, before the transport
-        serves. A request that cannot be submitted again, whatever the error, fails alone
-        (``replay_failed``): one bad record never keeps the server from starting."""
+        """Queue every stored request without a recorded result again, in its original order:
+        inside ``replaying``, before the transport serves. A call is queued from its record
+        (its operation on its typed request, as accepted: nothing is decoded or checked
+        again), a sample given to the transport again (``sample_again``). A request that
+        cannot be queued again, whatever the error, fails alone (``replay_failed``): one bad
+        record never keeps the server from starting."""
         for record in records:
             if isinstance(record, CallRecord | SampleRecord):
                 self._resubmit(record)
 
     def _resubmit(self, record: CallRecord | SampleRecord) -> None:
         self._resubmitted.add(record.request_id)
-        route = record.route if isinstance(record, CallRecord) else UNORDERED_ROUTE
-        encoding = record.encoding if isinstance(record, CallRecord) else None
         try:
-            if route not in self.routes:
-                raise LookupError(f"no route {route!r} takes this request in this version")
-            self.routes[route](record.body, encoding)
-        except Exception as error:  # refused again, its stream ended, or a record it cannot take
+            if isinstance(record, CallRecord):
+                self._requeue(record)
+            elif self.sample_again is None:
+                raise LookupError("no transport takes a stored sample again")
+            else:
+                self.sample_again(record.body)
+        except Exception as error:  # its stream ended, its session forgotten, a bad record
             if self.replay_failed(record, error):
                 logger.warning("intake: %s failed on replay: %r", record.request_id, error)
             else:
                 logger.info("intake: %s refused again: %s", record.request_id, error)
 
     def replay_failed(self, record: CallRecord | SampleRecord, error: Exception) -> bool:
-        """A stored request whose route failed before queueing it again fails alone: its ticket
+        """A stored request that could not be queued again fails alone: its ticket
         answers the failure (logged; a ``server`` one unless the error is the caller's), it
         takes its seq_id so the calls after it run, and the start goes on. False when it was
         queued before failing (a refusal again): its turn answers it."""
@@ -276,9 +290,8 @@ class Intake:
         failure = Failed(
             f"replaying this request failed: {type(error).__name__}: {error}", category
         )
-        route = record.route if isinstance(record, CallRecord) else UNORDERED_ROUTE
-        digest, _ = self._payload(route, record.body)
-        job = self._job(request_id, failure, digest)
+        digest = record.digest if isinstance(record, CallRecord) else payload(record.body)[0]
+        job = self._job(request_id, failure)
         stream = request_id.rpartition("/")[0]
         with self._lock:
             if self.results.known(request_id):
@@ -293,12 +306,6 @@ class Intake:
             account = self.account_of(request_id)
             self.scheduler.run_unordered(job, account=account, after_recovery=True)
             return True
-
-    def _payload(self, route: str, body: Body) -> tuple[str, int]:
-        """The digest that identifies a request of ``route`` (``identities``) and its size."""
-        identity = self.identities.get(route)
-        digest, size = payload(body)
-        return (digest, size) if identity is None else (payload(identity(body))[0], size)
 
     def recovered(self, position_of: Callable[[str], int]) -> None:
         """The host restored its runs, stream ``s``'s at journal position ``position_of(s)``:
@@ -401,27 +408,29 @@ class Intake:
 
     def submit(
         self,
-        route: str,
         body: Body,
         stream: str,
         seq: Any,
         prepare: Callable[[], Submission],
         *,
-        encoding: str | None = None,
+        identity: Any = None,
         size: int | None = None,
     ) -> str:
         """Queue ``prepare()``'s submission as ``seq`` of ``stream``; its request id, once the
         request is stored durably. A keyed operation's success is the journal's to keep (bound
-        to this body's digest: the request is hashed once); every other outcome is stored
-        before a fetch sees it. ``prepare`` decodes the request and the host checks it: a
-        refusal is raised (HTTP 400) and still takes the seq, answered as that failure to a
-        fetch or a re-send, so the calls numbered after it are not held. ``route`` names the
-        entry of ``routes`` that takes the stored body again after a restart. ``size``: the
-        request's bytes held while it waits (default: the body's)."""
+        to the digest of this body, or of ``identity`` where a client may re-send the request
+        with a field it draws anew on each try: the request is hashed once); every other
+        outcome is stored before a fetch sees it. ``prepare`` decodes the request and the host
+        checks it: a refusal is raised (HTTP 400) and still takes the seq, answered as that
+        failure to a fetch or a re-send, so the calls numbered after it are not held. What is
+        stored is the submission (``CallRecord``), typed, as a restart queues it again.
+        ``size``: the request's bytes held while it waits (default: the body's)."""
         if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
             raise InvalidArgument(f"seq_id must be an integer >= 1, got {seq!r}")
         request_id = f"{stream}/{seq}"
-        digest, body_size = self._payload(route, body)
+        digest, body_size = payload(body)
+        if identity is not None:
+            digest = payload(identity)[0]
         size = size or body_size
         is_a_resend = partial(self._is_a_resend, request_id, stream, seq, digest, size)
         with self._lock:
@@ -433,41 +442,77 @@ class Intake:
             self.host.check(work.operation, work.request)  # once: its turn does not again
         except USER_ERRORS as error:
             work, refusal = Failed(str(error), "user"), error
-        recorded = self._recorded(request_id)
+        record = _call_record(request_id, seq, work, digest, size)
         with self._lock:
             if is_a_resend():
                 return request_id  # a re-send: its ticket already exists
-            stored = self._append(CallRecord(route, request_id, seq, body, encoding))
-            self.results.add(request_id, digest)
-            bounded = self._replayed is None  # a restart takes back all it accepted before
-            if isinstance(work, Failed):  # it still takes its seq, answered at its turn
-                job = self._job(request_id, work, digest)
-                self.scheduler.submit(
-                    stream, seq, digest, job, size=size, bounded=bounded, after_recovery=True
-                )
-            else:
-                command = Command(
-                    work.operation,
-                    work.request,
-                    work.run_id,
-                    OperationSpec(request_id) if work.operation.keyed else None,
-                    stream=stream,
-                    number=seq,
-                    digest=digest,
-                    size=size,
-                    bounded=bounded,
-                    runs_now=partial(self._runs_at_turn, request_id, recorded),
-                    applied=partial(self._observed, request_id, work.note),
-                )
-                ticket = self.host.submit(command)
-                answered = partial(self._answered, request_id, command, work.encode)
-                ticket.add_done_callback(answered)
+            stored = self._append(record)
+            self._queue(record, work, bounded=self._replayed is None)
         if stored is not None:
             self.store.sync(stored)
         if refusal is not None:
             self.results.mark_delivered(request_id)  # the 400 is its answer
             raise refusal
         return request_id
+
+    def _requeue(self, record: CallRecord) -> None:
+        """A stored call queued again from its record (inside ``replaying``), as it was
+        accepted; raises for a record it cannot take (``replay_failed``)."""
+        work = self._submission_of(record)
+        stream = stream_of(record.request_id)
+        with self._lock:
+            if self._is_a_resend(record.request_id, stream, record.seq, record.digest, record.size):
+                return
+            self._queue(record, work, bounded=False)  # a restart takes back all it accepted
+
+    def _submission_of(self, record: CallRecord) -> Submission | Failed:
+        """What ``record`` stored: its submission, or the refusal it was answered with."""
+        if record.refused is not None:
+            return Failed(record.refused, "user")
+        operation = OPERATIONS.get(record.operation)
+        if operation is None:
+            raise UnreadableCall(f"no operation {record.operation!r} in this version")
+        if record.answer not in self.encoders:
+            raise UnreadableCall(f"no encoder {record.answer!r} answers it in this version")
+        try:
+            request = request_of(operation.request_type, record.body)
+        except ValueError as error:  # the server's record, not the caller's request
+            raise UnreadableCall(str(error)) from None
+        return Submission(operation, request, record.answer, record.note, record.run_id)
+
+    def _queue(self, record: CallRecord, work: Submission | Failed, *, bounded: bool) -> None:
+        """Queue an accepted call at its number in its stream (under ``_lock``): its
+        submission as a command of the host, or a refusal answered at its turn."""
+        request_id, stream = record.request_id, stream_of(record.request_id)
+        recorded = self._recorded(request_id)
+        self.results.add(request_id, record.digest)
+        if isinstance(work, Failed):  # it still takes its seq, answered at its turn
+            job = self._job(request_id, work)
+            self.scheduler.submit(
+                stream,
+                record.seq,
+                record.digest,
+                job,
+                size=record.size,
+                bounded=bounded,
+                after_recovery=True,
+            )
+            return
+        command = Command(
+            work.operation,
+            work.request,
+            work.run_id,
+            OperationSpec(request_id) if work.operation.keyed else None,
+            stream=stream,
+            number=record.seq,
+            digest=record.digest,
+            size=record.size,
+            bounded=bounded,
+            runs_now=partial(self._runs_at_turn, request_id, recorded),
+            applied=partial(self._observed, request_id, work.note),
+        )
+        ticket = self.host.submit(command)
+        ticket.add_done_callback(partial(self._answered, request_id, command, work))
 
     def _observed(self, request_id: str, note: Any, outcome: Any) -> None:
         """A submission's operation applied: the transport's ``applied`` told, with its note."""
@@ -544,7 +589,7 @@ class Intake:
 
     # -- answering -----------------------------------------------------------------------------
 
-    def _job(self, request_id: str, failure: Failed, digest: str) -> Callable[[], None]:
+    def _job(self, request_id: str, failure: Failed) -> Callable[[], None]:
         """What answers a request refused when it was accepted, at its turn (once the host
         restored its runs): it takes its seq, so the calls numbered after it run."""
         return partial(self._answer_refusal, request_id, self._recorded(request_id), failure)
@@ -584,7 +629,7 @@ class Intake:
         self,
         request_id: str,
         command: Command,
-        encode: Callable[[Any], Any],
+        work: Submission,
         ticket: Future[Applied | None],
     ) -> None:
         """A request's ticket resolved, on the engine thread: answered once durable (a keyed
@@ -594,7 +639,8 @@ class Intake:
             return  # it did not run: answered already
         outcome = run_to_outcome(lambda: ticket.result().outcome)
         if isinstance(outcome, Done):
-            respond = partial(encode, outcome.body)
+            encode = self.encoders[work.answer]
+            respond = partial(encode, work.request, work.note, outcome.body)
             outcome = (
                 Done(Deferred(respond)) if command.operation.keyed else run_to_outcome(respond)
             )
@@ -706,6 +752,26 @@ class Intake:
         """Until every result written has committed and been answered."""
         with self._finished:
             self._finished.wait_for(lambda: not self._finishing)
+
+
+def _call_record(
+    request_id: str, seq: int, work: Submission | Failed, digest: str, size: int
+) -> CallRecord:
+    """An accepted call as the store keeps it: typed, or the refusal it is answered with."""
+    if isinstance(work, Failed):
+        return CallRecord(request_id, seq, "", {}, digest, size, refused=work.error)
+    body = request_body(work.request)
+    return CallRecord(
+        request_id,
+        seq,
+        work.operation.kind,
+        body,
+        digest,
+        size,
+        work.run_id,
+        work.answer,
+        work.note,
+    )
 
 
 def _raise(error: Exception) -> None:

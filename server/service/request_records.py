@@ -11,7 +11,8 @@ back.
   transport's, and its ``owner`` the client session it goes with (None: the server's).
 - ``ResumeRecord``: where a compacted stream resumes: its next seq and the journal position of
   the checkpoint it was compacted at.
-- ``CallRecord``: an accepted ordered request, as its route takes it again.
+- ``CallRecord``: an accepted ordered request, typed (its operation and request), as a restart
+  queues it again.
 - ``SampleRecord``: an accepted unordered request (a sample).
 - ``ResultRecord``: a result the journal does not hold (a forward, a sample, any failure), or,
   in a compacted store, one whose request's record is gone but which is still kept (see
@@ -93,19 +94,34 @@ class ResumeRecord:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """An accepted training call: ``route`` takes ``body`` (and ``encoding``) again."""
+    """An accepted ordered call, typed: what a restart queues again with no transport's help.
 
-    route: str
+    ``operation`` (a kind of the host's operation table) on ``body`` (its request, as
+    ``request_bodies`` stores it) for run ``run_id``; ``digest`` is what a re-send must match
+    and ``size`` the bytes it holds while it waits. ``answer`` names the transport's encoder of
+    its response and ``note`` (JSON) is what the transport records once it applied (both the
+    transport's, handed back as they are). A call refused when it was accepted still holds its
+    number: ``refused`` is why (then it has no operation), answered again after a restart."""
+
     request_id: str
     seq: int
+    operation: str
     body: Body
-    encoding: str | None = None
+    digest: str
+    size: int
+    run_id: str = ""
+    answer: str = ""
+    note: dict[str, Any] | None = None
+    refused: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        record = {"kind": "call", "route": self.route, "request_id": self.request_id}
-        record.update(seq=self.seq, body=encode_body(self.body))
-        if self.encoding is not None:
-            record["encoding"] = self.encoding
+        record: dict[str, Any] = {"kind": "call", "request_id": self.request_id, "seq": self.seq}
+        record.update(operation=self.operation, body=encode_body(self.body))
+        record.update(digest=self.digest, size=self.size, run_id=self.run_id, answer=self.answer)
+        if self.note is not None:
+            record["note"] = self.note
+        if self.refused is not None:
+            record["refused"] = self.refused
         return record
 
 
@@ -178,8 +194,18 @@ def record_from_json(data: dict[str, Any]) -> Record:
     if kind == "resume":
         return ResumeRecord(data["next_seq"], data["position"], data["stream"])
     if kind == "call":
-        body, encoding = decode_body(data["body"]), data.get("encoding")
-        return CallRecord(data["route"], data["request_id"], data["seq"], body, encoding)
+        return CallRecord(
+            data["request_id"],
+            data["seq"],
+            data["operation"],
+            decode_body(data["body"]),
+            data["digest"],
+            data["size"],
+            data["run_id"],
+            data["answer"],
+            data.get("note"),
+            data.get("refused"),
+        )
     if kind == "sample":
         return SampleRecord(data["request_id"], data["body"])
     if kind == "result":

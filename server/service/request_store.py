@@ -22,10 +22,10 @@ the samples not yet answered, and the results a client can still ask for, which 
 retention bounds in time, count and bytes), in one transaction: a crash leaves the old records or
 the new.
 
-In memory the store keeps what compaction and the routes ask of its records (ids, seq_ids, small
-bodies); a heavy body (a ``forward_backward``'s protobuf, a long prompt, a large result) stays in
-its row (``Stored``), and compaction copies that row as it was written, so what a process holds does
-not grow with the calls a run sends between two checkpoints.
+In memory the store keeps what compaction and the transport ask of its records (ids, seq_ids, a
+call's note, small bodies); a heavy body (a ``forward_backward``'s examples, a long prompt, a large
+result) stays in its row (``Stored``), and compaction copies that row as it was written, so what a
+process holds does not grow with the calls a run sends between two checkpoints.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import json
 import logging
 import sqlite3
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent import futures
 from dataclasses import dataclass, replace
 from functools import partial
@@ -178,30 +178,16 @@ class RequestStore:
                 for record, place in zip(self._records, self._places, strict=True)
             ]
 
-    def calls(self, route: str) -> tuple[list[CallRecord], set[str]]:
-        """The stored calls of ``route`` whole (a body left in its row read back), and the
-        request ids whose result is recorded; as of one moment (no append or compaction
-        meanwhile)."""
+    def calls(self, operations: Collection[str]) -> tuple[list[CallRecord], set[str]]:
+        """The stored calls of the kinds ``operations`` (their notes whole: only a body may be
+        left in its row), and the request ids whose result is recorded; as of one moment (no
+        append or compaction meanwhile)."""
         with self._lock:
             self._settle()
             records = self._records
-            calls = [r for r in records if isinstance(r, CallRecord) and r.route == route]
+            calls = [r for r in records if isinstance(r, CallRecord) and r.operation in operations]
             answered = {r.request_id for r in records if isinstance(r, ResultRecord)}
-            whole = [self._whole(call) for call in calls]
-        return whole, answered
-
-    def _whole(self, call: CallRecord) -> CallRecord:
-        if not isinstance(call.body, Stored):
-            return call
-        place = call.body.place
-        if place in self._unsettled:
-            futures.wait([self._unsettled[place]])  # its row is read once it is committed
-        (text,) = self.ledger.read(
-            lambda db: db.execute("SELECT record FROM records WHERE place = ?", (place,)).fetchone()
-        )
-        record = record_from_json(json.loads(text))
-        assert isinstance(record, CallRecord) and record.request_id == call.request_id
-        return record
+        return calls, answered
 
     # -- writing -------------------------------------------------------------------------------
 

@@ -256,18 +256,16 @@ class Catalog:
             self._save(record)
             return existing
 
-    def find(
-        self, path: TinkerPath, *, expired_ok: bool = False
-    ) -> tuple[TrainingRunRecord, SavedCheckpoint]:
+    def find(self, path: TinkerPath) -> tuple[TrainingRunRecord, SavedCheckpoint]:
         """The run and checkpoint ``path`` names; NotFound when it is not (or no longer) there.
-        ``expired_ok``: one past its TTL but not yet removed is found too (a request accepted
-        before it expired, replayed after a restart, reads what it read then)."""
+        (A load accepted before the checkpoint expired is queued again after a restart from
+        its stored request, which names the folder it found: it is not looked up again.)"""
         with self._lock:
             record = self._runs.get(path.model_id)
             saved = None if record is None else record.checkpoints.get(path.checkpoint_id)
         if saved is not None and not saved.public and not visible(path.model_id):
             saved = None  # another tenant's, unpublished: as if it were not there
-        if record is None or saved is None or (not expired_ok and saved.expired(self.clock())):
+        if record is None or saved is None or saved.expired(self.clock()):
             raise NotFound(f"no checkpoint {str(path)!r} on this server (deleted or expired?)")
         return record, saved
 

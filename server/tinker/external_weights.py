@@ -36,6 +36,7 @@ from trainwire.server.service.intake import Submission
 from trainwire.server.service.requests import ExportWeightsRequest
 from trainwire.server.service.run_checkpoints import link_or_copy
 from trainwire.server.service.state_dir import check_name
+from trainwire.server.tinker import save_notes
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl, iso
 from trainwire.server.tinker.fields import get_str
 from trainwire.server.tinker.front import TinkerFront
@@ -61,15 +62,11 @@ def save_weights_external(front: TinkerFront, body: dict[str, Any]) -> str:
         parse_recipients(given)  # refused now, whole, before anything is written
         path = TinkerPath(model_id, "external_weights", name)
         export = EXPORT_PREFIX + name
+        note = save_notes.to_json(ExternalWeights(path, export, ttl, tuple(given or ())))
+        request = ExportWeightsRequest(export)
+        return Submission(ops.EXPORT_WEIGHTS, request, "save_weights_external", note)
 
-        def encode(outcome: Any) -> dict[str, Any]:
-            size = sum(f.size_bytes for f in outcome.files)
-            return {"type": "save_weights_external", "path": str(path), "size_bytes": size}
-
-        note = ExternalWeights(path, export, ttl, tuple(given or ()))
-        return Submission(ops.EXPORT_WEIGHTS, ExportWeightsRequest(export), encode, note)
-
-    return front.submit("save_weights_external", body, model_id, seq_id, prepare)
+    return front.submit(body, model_id, seq_id, prepare)
 
 
 def parse_recipients(value: Any) -> list[Any]:

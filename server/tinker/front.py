@@ -44,7 +44,6 @@ class TinkerFront:
 
     def submit(
         self,
-        route: str,
         body: Body,
         model_id: str,
         seq_id: Any,
@@ -59,4 +58,4 @@ class TinkerFront:
         def bound() -> Submission:
             return replace(prepare(), run_id=run_id)
 
-        return self.intake.submit(route, body, model_id, seq_id, bound, **options)
+        return self.intake.submit(body, model_id, seq_id, bound, **options)

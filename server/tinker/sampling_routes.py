@@ -26,7 +26,7 @@ from trainwire.server.service.requests import (
     SampleRequest,
 )
 from trainwire.server.service.state_dir import check_name
-from trainwire.server.tinker import sample_codec
+from trainwire.server.tinker import sample_codec, save_notes
 from trainwire.server.tinker.catalog import TinkerPath, check_ttl
 from trainwire.server.tinker.codec import BYTES_PER_DECODED_VALUE
 from trainwire.server.tinker.fields import get_int, get_str
@@ -56,12 +56,6 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
         check_name(export, "save_weights_for_sampler path")
         path = f"tinker://{model_id}/sampler_weights/{name}" if name else ""
         ttl = check_ttl(body.get("ttl_seconds"), "save_weights_for_sampler")
-
-        def encode(_: Any) -> dict[str, Any]:
-            if path:
-                return {"type": "save_weights_for_sampler", "path": path}
-            return {"type": "save_weights_for_sampler", "sampling_session_id": sampling_id}
-
         # Named weights are written once: their sampling clients keep reading them.
         once = f"sampler weights {path!r}" if path else ""
         export_request = ExportWeightsRequest(export, written_once=once)
@@ -77,11 +71,13 @@ def save_weights_for_sampler(front: TinkerFront, body: dict[str, Any]) -> str:
             ttl,
             inflight,
         )
-        return Submission(ops.EXPORT_WEIGHTS, export_request, encode, note)
+        answer = "save_weights_for_sampler"
+        return Submission(ops.EXPORT_WEIGHTS, export_request, answer, save_notes.to_json(note))
 
     # A re-send may carry another sampling_session_seq_id: only the first try's session is made.
     new = not front.intake.results.known(f"{model_id}/{seq_id}")
-    request_id = front.submit("save_weights_for_sampler", body, model_id, seq_id, prepare)
+    identity = snapshot_identity(body)
+    request_id = front.submit(body, model_id, seq_id, prepare, identity=identity)
     if new and not get_str(body, "path"):
         front.sampling_sessions.expect(sampling_id, model_id)  # its samples take model's turns
     return request_id

@@ -7,10 +7,12 @@ supersedes it (the catalog remembers those, and the next save asks again).
 
 What a run read stays readable to its replay as it was read: while an open model's logged
 ``load_state`` of a checkpoint is one a restart replays (``replay_readers``), the checkpoint's
-owner may not delete it, unpublish it under another tenant's load (that replay runs as its
-sender and would find it private), nor save over it (``checkpoint_readers``, which the host asks
-before a SaveState writes over a folder): each is refused (409) until the reader has saved a
-checkpoint of its own or closed.
+owner may not delete it, unpublish it under another tenant's load (the reader was shown it
+public, and its replay reads it again), nor save over it (``checkpoint_readers``, which the host
+asks before a SaveState writes over a folder): each is refused (409) until the reader has saved a
+checkpoint of its own or closed. A replayed load is queued from its stored request, which names
+the folder it found (``request_records.CallRecord``); the load's note names the path it asked for,
+which is how a delete finds it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainwire.server.errors import InUse, InvalidArgument, NotFound
+from trainwire.server.service import operations as ops
 from trainwire.server.tinker.catalog import SavedCheckpoint, TinkerPath
 from trainwire.server.tinker.model import run_id_for
 from trainwire.server.tinker.tenancy import tenant_of, unrestricted
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ENCRYPTED_DIR = "encrypted"  # the front's age-encrypted copies of external weights
-LOAD_ROUTE = "load_weights"  # the logged route of load_state, whose replay reads a checkpoint
+# The operations of a stored load_state, whose replay reads a checkpoint (its note names it).
+LOADS = (ops.LOAD_STATE.kind, ops.LOAD_WEIGHTS.kind)
 
 
 def encrypted_dir(front: TinkerFront, path: TinkerPath) -> Path:
@@ -74,13 +78,13 @@ def replay_readers(front: TinkerFront, path: TinkerPath) -> list[str]:
     success is the journal's, and replaying it reads the checkpoint again). A checkpoint of the
     model itself counts too: recovery restores its newest checkpoint, not an older one it
     loaded since."""
-    calls, answered = front.intake.store.calls(LOAD_ROUTE)
+    calls, answered = front.intake.store.calls(LOADS)
     return [
         call.request_id
         for call in calls
         if call.request_id not in answered
-        and isinstance(call.body, dict)
-        and _names(call.body.get("path"), path)
+        and call.note is not None
+        and _names(call.note.get("path"), path)
     ]
 
 

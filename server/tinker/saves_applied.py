@@ -3,11 +3,11 @@
 A Tinker save is the host's operation (``SaveState`` or ``ExportWeights``) plus what only the
 Tinker API has: a catalog entry with its TTL, a sampling session's weights, age-encrypted copies,
 the request store compacted behind a checkpoint. A route says which of those its call needs as a
-typed note on its ``Submission`` (data, not code: ``save_notes``); the intake hands each applied
-note to ``applied``, on the engine thread, before the next call of any stream runs (so a sample
-sent after the save's answer finds its weights), and again when a restart's replay is answered
-from the journal (each step here may run twice: a crash can fall between the operation's commit
-and the note's effect).
+typed note on its ``Submission`` (data, not code: ``save_notes``, stored as JSON with the call);
+the intake hands each applied note to ``applied``, on the engine thread, before the next call of
+any stream runs (so a sample sent after the save's answer finds its weights), and again when a
+restart's replay is answered from the journal (each step here may run twice: a crash can fall
+between the operation's commit and the note's effect). A load's note records nothing here.
 """
 
 from __future__ import annotations
@@ -20,19 +20,27 @@ from trainwire.server.service.requests import DiscardExportsRequest
 from trainwire.server.tinker import external_weights, saved_checkpoints
 from trainwire.server.tinker.catalog import TinkerPath
 from trainwire.server.tinker.front import TinkerFront
-from trainwire.server.tinker.save_notes import ExternalWeights, SamplerSnapshot, SavedWeights
+from trainwire.server.tinker.save_notes import (
+    ExternalWeights,
+    LoadedCheckpoint,
+    SamplerSnapshot,
+    SavedWeights,
+    note_of,
+)
 from trainwire.server.tinker.saved_checkpoints import encrypted_dir
 
 
-def applied(front: TinkerFront, request_id: str, note: Any, outcome: Any) -> None:
-    """What ``note`` says the front records now that ``request_id``'s save applied."""
+def applied(front: TinkerFront, request_id: str, fields: dict[str, Any], outcome: Any) -> None:
+    """What the note ``fields`` hold says the front records now that ``request_id``'s call
+    applied (a load: nothing)."""
+    note = note_of(fields)
     if isinstance(note, SavedWeights):
         _saved_weights(front, request_id, note, outcome)
     elif isinstance(note, SamplerSnapshot):
         _sampler_snapshot(front, request_id, note)
     elif isinstance(note, ExternalWeights):
         _external_weights(front, request_id, note)
-    else:
+    elif not isinstance(note, LoadedCheckpoint):
         raise TypeError(f"no front record follows a note of type {type(note).__name__}")
 
 

@@ -2,24 +2,26 @@
 the front's own state back, and let the calls run once the host has restored its run.
 
 A restarted front takes its own state back from the request store before its listener serves
-(``replay``): sessions, samplers and where a compacted store resumes. Then the intake submits
-every stored request without a recorded result again, to the route that took it, in its
-original order (``Intake.replay``); the calls wait until the host's recovery is done
-(``Intake.recovered``).
+(``replay``): sessions, samplers, where a compacted store resumes, and the sampling sessions its
+stored snapshot calls make. Then the intake queues every stored request without a recorded
+result again, in its original order (``Intake.replay``): a call from its typed record, answered
+by the encoder it names (``answers``), a sample through ``asample`` as its sender sent it; the
+calls wait until the host's recovery is done (``Intake.recovered``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
 
+from trainwire.server.errors import InvalidArgument
 from trainwire.server.service.host import SessionHost
-from trainwire.server.service.intake import UNORDERED_ROUTE, Intake
+from trainwire.server.service.intake import Intake
 from trainwire.server.service.request_records import (
+    CallRecord,
     NoteRecord,
     Record,
     ResumeRecord,
@@ -28,30 +30,20 @@ from trainwire.server.service.request_records import (
 from trainwire.server.service.run_owners import RunOwners
 from trainwire.server.service.tenants import Tenants
 from trainwire.server.tinker import (
+    answers,
     external_weights,
     sampling_routes,
     saved_checkpoints,
     saves_applied,
-    training_routes,
 )
 from trainwire.server.tinker.catalog import Catalog
 from trainwire.server.tinker.front import FRONT_DIR, TinkerFront
 from trainwire.server.tinker.model_table import ModelTable
+from trainwire.server.tinker.save_notes import Note, SamplerSnapshot, note_of
 from trainwire.server.tinker.sdk_sessions import session_of
 from trainwire.server.tinker.tenancy import calling, sender_of, tenant_of
 
 logger = logging.getLogger(__name__)
-
-# The routes a stored request is given to again, by the name its record holds.
-ROUTES: dict[str, Callable[..., Any]] = {
-    "forward_backward": training_routes.forward_backward,
-    "optim_step": training_routes.optim_step,
-    "save_weights": training_routes.save_weights,
-    "load_weights": training_routes.load_weights,
-    "save_weights_for_sampler": sampling_routes.save_weights_for_sampler,
-    "save_weights_external": external_weights.save_weights_external,
-    UNORDERED_ROUTE: sampling_routes.asample,
-}
 
 
 def start_front(
@@ -80,9 +72,8 @@ def start_front(
         owners=owners,
     )
     front = TinkerFront(host, intake, models, directory, model_root, catalog)
-    for name, route in ROUTES.items():
-        intake.routes[name] = partial(_submit_again, route, front)
-    intake.identities["save_weights_for_sampler"] = sampling_routes.snapshot_identity
+    intake.encoders.update(answers.ANSWERS)
+    intake.sample_again = partial(_sample_again, front)
     intake.applied = partial(saves_applied.applied, front)
     # Before the replay: a replayed load reads what it read, so no save may write over it.
     host.checkpoint_readers = partial(saved_checkpoints.checkpoint_readers, front)
@@ -118,15 +109,25 @@ def _restore_front_state(front: TinkerFront, record: Record) -> None:
         models = {model.model_id: model.run_id for model in front.models.open_models()}
         if record.stream in models:
             front.intake.resume_at(record, run_id=models[record.stream])
+    elif isinstance(record, CallRecord) and record.note is not None:
+        note = _note_or_none(record)
+        if isinstance(note, SamplerSnapshot) and not note.path:  # its samples wait behind it
+            front.sampling_sessions.expect(note.sampling_id, note.model_id)
 
 
-def _submit_again(
-    route: Callable[..., Any], front: TinkerFront, body: Any, encoding: str | None
-) -> Any:
-    """A stored request given to its route again, as the listener gave it the first time: as
-    its tenant's, so what it was refused then (another tenant's checkpoint) it is refused now."""
+def _note_or_none(record: CallRecord) -> Note | None:
+    """A stored call's note (None for one that is not the front's: the call fails alone)."""
+    try:
+        return note_of(record.note or {})
+    except (ValueError, InvalidArgument):
+        return None
+
+
+def _sample_again(front: TinkerFront, body: dict[str, Any]) -> Any:
+    """A stored sample given to ``asample`` again, as the listener gave it the first time: as
+    its tenant's, so what it was refused then it is refused now."""
     with calling(sender_of(body)):
-        return route(front, body) if encoding is None else route(front, body, encoding)
+        return sampling_routes.asample(front, body)
 
 
 def _await_recovery(front: TinkerFront) -> None:

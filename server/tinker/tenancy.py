@@ -12,8 +12,9 @@ without tenants is ``default``'s.
 The caller is request-scoped: ``RequireKey`` sets it from the key (``calling``) for everything
 the request runs, its worker threads included, and each lookup of an id (a session, the model,
 a sampling session, a future, the catalog) asks ``visible``: another tenant's id is not found,
-with the same answer as an id that does not exist. A request the intake submits again after a
-restart is decoded again as its sender's (``sender_of``). A call that runs when its turn comes
+with the same answer as an id that does not exist. A sample the intake takes back after a
+restart is decoded again as its sender's (``sender_of``); a stored call is queued again from its
+typed record, as it was accepted, with nothing looked up again. A call that runs when its turn comes
 was checked when it was accepted, and runs with no caller, which means no restriction; so does a
 front without keys.
 """
@@ -58,8 +59,8 @@ def tenant_of(identifier: str) -> str:
 
 
 def sender_of(body: Any) -> str | None:
-    """The tenant a stored request came from, by the first id its JSON body names (None: a
-    body that names none, such as a forward_backward's, which reaches nothing but its model)."""
+    """The tenant a stored sample came from, by the first id its JSON body names (None: a
+    body that names none)."""
     if isinstance(body, dict):
         for name in ID_FIELDS:
             value = body.get(name)
