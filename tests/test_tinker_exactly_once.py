@@ -36,7 +36,7 @@ from trainwire.server.service.request_records import (
     SessionRecord,
 )
 from trainwire.server.service.request_store import read_records
-from trainwire.server.tinker import codec, model, model_table
+from trainwire.server.tinker import codec, model, model_table, training_routes
 from trainwire.server.tinker.sampling_sessions import snapshot_export
 
 
@@ -261,6 +261,28 @@ def test_a_logged_call_that_fails_on_replay_fails_alone_and_the_server_starts(
             assert handle.session_host.info().position == 2
     assert answers[0] == answers[1]
     assert all(a["category"] == "server" and "replaying" in a["error"] for a in answers[0])
+
+
+def test_a_restart_queues_a_stored_call_from_its_record_and_decodes_nothing_again(
+    tmp_path: Path, model_root: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One ledger, one queue: a stored call is queued again from its typed record (operation,
+    request, run, note), not given to its route: with the route's decoding made to fail after
+    the restart, the stored save still runs and answers as the route would have."""
+    state_dir = tmp_path / "state"
+    with tinker_server(state_dir, model_root) as handle:
+        _, model_id = raw(handle).model()
+    with opened_store(state_dir) as log:
+        log.write(stored_save(model_id, 1, "kept"))
+
+    def refuse(*args: Any) -> str:
+        raise AssertionError("a stored call was decoded again by its route")
+
+    monkeypatch.setattr(training_routes, "check_name", refuse)
+    with tinker_server(state_dir, model_root) as handle:
+        answer = raw(handle).poll(f"{model_id}/1").json()
+        assert answer == {"type": "save_weights", "path": f"tinker://{model_id}/weights/kept"}
+        assert handle.session_host.info().position == 1
 
 
 def test_calls_waiting_for_their_turn_are_bounded_in_bytes_and_refused_before_the_log(
