@@ -44,6 +44,16 @@ class OperationGuard:
             if keep:
                 self.rng = self.rng.advanced(cuda=self.cuda)
 
+    def drew_nothing(self) -> None:
+        """The RNG as a state-changing operation that drew nothing leaves it (a shared pass,
+        which checks it drew nothing): on a CPU session the same state, with nothing to install
+        or read back (that costs a tenth of a millisecond a run, every pass); on a CUDA session
+        read back as ``session_rng`` does, since CUDA's generators join the state once CUDA is
+        up."""
+        if self.cuda:
+            with self.session_rng():
+                pass
+
     @contextlib.contextmanager
     def operation(self, *, changes_state: bool = True) -> Iterator[None]:
         """Hold the lock with the session's RNG installed; refuse while the session is broken.

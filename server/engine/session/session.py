@@ -287,9 +287,8 @@ class TrainingSession:
             guard.refuse_if_broken("the session is unusable")
             self._set_training(training)
             yield microbatch
-            with guard.session_rng(keep=training):
-                pass
             if training:
+                guard.drew_nothing()
                 self._accumulate(microbatch)
 
     def breaks_on_failure(self, what: str) -> contextlib.AbstractContextManager[None]:

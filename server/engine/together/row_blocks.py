@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 
 from trainwire.server.errors import FailedPrecondition
@@ -92,54 +93,51 @@ class RowAdapter:
     (positions by features): PEFT's ``Linear.forward`` after its base layer, for a plain (not
     DoRA) active adapter. A pass calls it for every block of every layer (a hundred times over
     in a small model), where PEFT's module lookups and calls cost more than the products
-    themselves, so the layer's modules are looked up, and its weights transposed, once a pass.
-    Each product is the call ``nn.Linear`` makes for a matrix (``mm``, or ``addmm`` with a
-    bias, of the transposed weight), so the bits are PEFT's."""
+    themselves, so a layer's modules and settings are looked up once (``row_adapter`` keeps
+    them: a session's adapter never changes after set up). Each product is the call
+    ``nn.Linear`` makes (``F.linear``: for a matrix, ``mm`` or ``addmm`` of the transposed
+    weight), so the bits are PEFT's."""
 
-    weight_A_t: torch.Tensor
-    bias_A: torch.Tensor | None
-    weight_B_t: torch.Tensor
-    bias_B: torch.Tensor | None
+    lora_A: torch.nn.Module
+    lora_B: torch.nn.Module
     dropout: torch.nn.Module | None  # None: PEFT's identity (no dropout)
     scaling: float
     cast_input: bool
 
     def __call__(self, x: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
         result_dtype = result.dtype
-        if self.cast_input and x.dtype != self.weight_A_t.dtype:
-            x = x.to(dtype=self.weight_A_t.dtype)
+        weight_A = self.lora_A.weight
+        if self.cast_input and x.dtype != weight_A.dtype:
+            x = x.to(dtype=weight_A.dtype)
         if self.dropout is not None:
             x = self.dropout(x)
-        hidden = _product(x, self.weight_A_t, self.bias_A)
-        update = _product(hidden, self.weight_B_t, self.bias_B) * self.scaling
+        hidden = F.linear(x, weight_A, self.lora_A.bias)
+        update = F.linear(hidden, self.lora_B.weight, self.lora_B.bias) * self.scaling
         return (result + update).to(result_dtype)
 
 
-def _product(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` of a matrix, as it computes it."""
-    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+# Each LoRA layer's ``RowAdapter``, made at its first pass.
+_ADAPTERS: weakref.WeakKeyDictionary[LoraLinear, RowAdapter] = weakref.WeakKeyDictionary()
 
 
 def row_adapter(module: torch.nn.Module) -> RowAdapter | None:
     """What ``module`` adds to its rows after its base layer: its active LoRA adapter, or
-    None where it carries none. Made inside the pass (its transposes are part of its graph)."""
+    None where it carries none."""
     if not isinstance(module, LoraLinear):
         return None
-    (adapter,) = module.active_adapters
-    lora_A, lora_B, dropout = (
-        module.lora_A[adapter],
-        module.lora_B[adapter],
-        module.lora_dropout[adapter],
-    )
-    return RowAdapter(
-        weight_A_t=lora_A.weight.t(),
-        bias_A=lora_A.bias,
-        weight_B_t=lora_B.weight.t(),
-        bias_B=lora_B.bias,
-        dropout=None if isinstance(dropout, torch.nn.Identity) else dropout,
-        scaling=module.scaling[adapter],
-        cast_input=getattr(module, "cast_input_dtype_enabled", True),
-    )
+    adapter = _ADAPTERS.get(module)
+    if adapter is None:
+        (name,) = module.active_adapters
+        dropout = module.lora_dropout[name]
+        adapter = RowAdapter(
+            lora_A=module.lora_A[name],
+            lora_B=module.lora_B[name],
+            dropout=None if isinstance(dropout, torch.nn.Identity) else dropout,
+            scaling=module.scaling[name],
+            cast_input=getattr(module, "cast_input_dtype_enabled", True),
+        )
+        _ADAPTERS[module] = adapter
+    return adapter
 
 
 def by_row_block(
