@@ -167,3 +167,32 @@ def test_each_loss_is_the_sum_of_its_per_token_terms_and_the_sdk_front_reports_t
     )
     (row,) = elementwise_loss(name, {}, [example], SimpleNamespace(logprobs=[logp.tolist()]))
     assert row == out.elementwise.tolist()
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_the_sdk_fronts_terms_of_a_batch_are_the_engines_own_split_by_example(name):
+    """A batch of examples of unequal lengths: each row the front reports is that example's
+    slice of the terms the engine computes over the whole batch (flat, with the lengths), bit
+    for bit."""
+    from types import SimpleNamespace
+
+    from trainwire.server.service.loss_terms import elementwise_loss
+
+    lengths = (5, 1, 17, 9)
+    logp, inputs = _inputs(n=sum(lengths), seed=3)
+    starts = [sum(lengths[:index]) for index in range(len(lengths))]
+    inputs.sequence_ratio_mask[starts] = 1.0  # each example's sequence ratio covers a token
+    spec, resolved = resolve_loss(name, {})
+    engine = spec.fn(logp, TokenInputs(**{**vars(inputs), "lengths": lengths}), resolved)
+
+    def part(values: torch.Tensor) -> list[list[float]]:
+        return [row.tolist() for row in values.split(lengths)]
+
+    fields = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
+    columns = [part(getattr(inputs, field)) for field in fields]
+    examples = [
+        TokenExample([1] * n, [2] * n, **dict(zip(fields, values, strict=True)))
+        for n, *values in zip(lengths, *columns, strict=True)
+    ]
+    reported = elementwise_loss(name, {}, examples, SimpleNamespace(logprobs=part(logp)))
+    assert reported == part(engine.elementwise)
