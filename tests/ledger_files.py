@@ -78,3 +78,10 @@ def stored_save(model_id: str, seq: int, name: str) -> CallRecord:
     note = {"note": "saved_weights", "path": path, "name": name, "ttl_seconds": None, "seq_id": seq}
     body = {"name": name, "run_id": ""}
     return stored_call(f"{model_id}/{seq}", "SaveState", body, "save_weights", note)
+
+
+def stored_refusal(request_id: str, why: str) -> CallRecord:
+    """A call refused when it was accepted, as the intake stores it: it holds its number."""
+    digest, size = payload({"refused": why})
+    seq = int(request_id.rpartition("/")[2])
+    return CallRecord(request_id, seq, "", {}, digest, size, refused=why)

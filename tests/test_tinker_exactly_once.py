@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import tinker
-from ledger_files import opened_store, stored_call, stored_save
+from ledger_files import opened_store, stored_call, stored_refusal, stored_save
 from service_fixtures import wait_for
 from tinker import types
 from tinker_loops import (
@@ -268,19 +268,23 @@ def test_a_restart_queues_a_stored_call_from_its_record_and_decodes_nothing_agai
 ) -> None:
     """One ledger, one queue: a stored call is queued again from its typed record (operation,
     request, run, note), not given to its route: with the route's decoding made to fail after
-    the restart, the stored save still runs and answers as the route would have."""
+    the restart, the stored save still runs and answers as the route would have, and a call
+    refused when it was accepted is answered the same refusal (it held its number)."""
     state_dir = tmp_path / "state"
     with tinker_server(state_dir, model_root) as handle:
         _, model_id = raw(handle).model()
     with opened_store(state_dir) as log:
-        log.write(stored_save(model_id, 1, "kept"))
+        log.write(stored_refusal(f"{model_id}/1", "save_weights path: a bad name"))
+        log.write(stored_save(model_id, 2, "kept"))
 
     def refuse(*args: Any) -> str:
         raise AssertionError("a stored call was decoded again by its route")
 
     monkeypatch.setattr(training_routes, "check_name", refuse)
     with tinker_server(state_dir, model_root) as handle:
-        answer = raw(handle).poll(f"{model_id}/1").json()
+        refused = raw(handle).poll(f"{model_id}/1").json()
+        assert refused == {"error": "save_weights path: a bad name", "category": "user"}
+        answer = raw(handle).poll(f"{model_id}/2").json()
         assert answer == {"type": "save_weights", "path": f"tinker://{model_id}/weights/kept"}
         assert handle.session_host.info().position == 1
 
