@@ -89,7 +89,7 @@ def stop_front(front: TinkerFront) -> None:
 
 
 def replay(front: TinkerFront) -> None:
-    """Restore the front's own state, then let the intake submit every unanswered request.
+    """Restore the front's own state, then let the intake queue every unanswered request.
     A model whose run was closed through the gRPC port (and the server stopped before the front
     heard of it) is forgotten then, before the host's recovery is checked against the
     positions its stored calls were compacted at: a closed run is not resumed."""
@@ -116,7 +116,8 @@ def _restore_front_state(front: TinkerFront, record: Record) -> None:
 
 
 def _note_or_none(record: CallRecord) -> Note | None:
-    """A stored call's note (None for one that is not the front's: the call fails alone)."""
+    """A stored call's note (None for JSON that is no note of the front's: it makes no
+    sampling session to expect)."""
     try:
         return note_of(record.note or {})
     except (ValueError, InvalidArgument):
