@@ -78,7 +78,13 @@ def test_every_other_request_a_call_stores_reads_back_equal() -> None:
 
 @pytest.mark.parametrize(
     "body",
-    [["not", "an", "object"], {"name": "x", "unknown": 1}, {"examples": [{"tokens": "A", "x": 1}]}],
+    [
+        ["not", "an", "object"],
+        {"name": "x", "unknown": 1},
+        {"examples": [{"tokens": "A", "x": 1}]},
+        {"examples": [{"text": "a", "unknown": 1}]},
+        {"examples": [{"tokens": "not base64!", "target_tokens": "AAAAAAAAAAA="}]},
+    ],
 )
 def test_a_body_that_holds_no_request_is_a_value_error(body: object) -> None:
     request_type = (

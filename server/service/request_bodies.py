@@ -14,6 +14,7 @@ it is (Python writes a float's shortest repr, which reads back exactly).
 from __future__ import annotations
 
 import base64
+import binascii
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,17 +47,18 @@ def request_body(request: Any) -> dict[str, Any]:
 
 def request_of(request_type: type[Any], body: Any) -> Any:
     """The ``request_type`` request ``body`` holds; ValueError when it holds none."""
+    what = f"a stored {request_type.__name__}"
     if not isinstance(body, dict):
-        raise ValueError(f"a stored {request_type.__name__} is an object, got {body!r:.80}")
+        raise ValueError(f"{what} must be an object, got {body!r:.80}")
     fields = dict(body)
-    if "examples" in fields:
-        fields["examples"] = tuple(_example_of(example) for example in fields["examples"])
-    if isinstance(fields.get("source"), dict):
-        fields["source"] = WeightsSource(**fields["source"])
     try:
+        if "examples" in fields:
+            fields["examples"] = tuple(_example_of(example) for example in fields["examples"])
+        if isinstance(fields.get("source"), dict):
+            fields["source"] = WeightsSource(**fields["source"])
         return request_type(**fields)
-    except TypeError as error:
-        raise ValueError(f"a stored {request_type.__name__}: {error}") from None
+    except (TypeError, ValueError, binascii.Error) as error:
+        raise ValueError(f"{what}: {error}") from None
 
 
 def _example_body(example: InputExample | TokenExample) -> dict[str, Any]:
