@@ -24,7 +24,12 @@ from trainwire.server.service.requests import (
     OptimStepRequest,
 )
 
-finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+# Floats of either width and ids of either size: each array takes the narrow type only where it
+# holds every value exactly.
+finite = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False, width=64),
+    st.floats(allow_nan=False, allow_infinity=False, width=32),
+)
 
 
 @st.composite
@@ -61,6 +66,20 @@ def test_token_batches_read_back_bit_for_bit(examples: list[TokenExample], confi
         for mine, theirs in zip(request.examples, back.examples, strict=True):  # -0.0 too
             for name in ("weights", "logprobs", "advantages", "sequence_ratio_mask"):
                 assert bits(getattr(mine, name)) == bits(getattr(theirs, name))
+
+
+def test_each_array_is_stored_in_the_narrowest_type_that_holds_it_exactly() -> None:
+    """A vocabulary's ids and float32 values take half the bytes; an id past int32 or a float
+    float32 would round keeps the wide type, and every one reads back exactly."""
+    narrow = TokenExample([5, 2**31 - 1], [7, 0], weights=[0.5, -0.0])
+    wide = TokenExample([5, 2**31], [7, 0], weights=[0.1, 1.0])
+    bodies = [request_body(ForwardRequest((example,)))["examples"][0] for example in (narrow, wide)]
+    assert [body["tokens"][:3] for body in bodies] == ["i4:", "i8:"]
+    assert [body["target_tokens"][:3] for body in bodies] == ["i4:", "i4:"]
+    assert [body["weights"][:3] for body in bodies] == ["f4:", "f8:"]
+    for example in (narrow, wide):
+        (back,) = stored(ForwardRequest((example,))).examples
+        assert back == example and bits(back.weights) == bits(example.weights)
 
 
 def test_every_other_request_a_call_stores_reads_back_equal() -> None:

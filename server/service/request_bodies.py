@@ -5,10 +5,13 @@ transport decoded (``requests``), not the transport's body. A restart takes the 
 here with no transport decoding it again, so what the transport found when it accepted the call
 (a checkpoint's folder, the run it was sent to) is what runs, whatever changed since.
 
-Lossless: a token example's ids and floats are stored as the little-endian bytes of int64 and
-float64 arrays (base64), so the request read back equals the accepted one bit for bit, and
-writing a large batch costs one copy, not a float's repr per value. Every other field is JSON as
-it is (Python writes a float's shortest repr, which reads back exactly).
+Lossless: a token example's ids and floats are stored as the little-endian bytes of an array
+(base64, tagged with its type), so the request read back equals the accepted one bit for bit,
+and writing a large batch costs one copy, not a float's repr per value. Each array takes the
+narrowest type that holds it exactly: ids int32 where they fit (a vocabulary's always do), else
+int64; floats float32 where every value is one (whatever a client sent as float32, the SDK's
+tensors and the gRPC contract's), else float64. Every other field is JSON as it is (Python
+writes a float's shortest repr, which reads back exactly).
 """
 
 from __future__ import annotations
@@ -25,7 +28,14 @@ from trainwire.contract.config import InputExample
 from trainwire.contract.outcomes import WeightsSource
 from trainwire.contract.tokens import FLOAT_FIELDS, TOKEN_FIELDS, TokenExample
 
-ARRAY_TYPES = {**dict.fromkeys(TOKEN_FIELDS, "<i8"), **dict.fromkeys(FLOAT_FIELDS, "<f8")}
+# Each array field's types, narrow then wide, as (the tag its stored text starts with, dtype).
+Types = tuple[tuple[str, str], tuple[str, str]]
+IDS: Types = (("i4", "<i4"), ("i8", "<i8"))
+FLOATS: Types = (("f4", "<f4"), ("f8", "<f8"))
+ARRAY_TYPES: dict[str, Types] = {
+    **dict.fromkeys(TOKEN_FIELDS, IDS),
+    **dict.fromkeys(FLOAT_FIELDS, FLOATS),
+}
 
 
 def request_body(request: Any) -> dict[str, Any]:
@@ -77,9 +87,20 @@ def _example_of(body: dict[str, Any]) -> InputExample | TokenExample:
     return TokenExample(**{name: _unpacked(text, ARRAY_TYPES[name]) for name, text in body.items()})
 
 
-def _packed(values: Sequence[float], dtype: str) -> str:
-    return base64.b64encode(np.asarray(values, dtype=dtype).tobytes()).decode("ascii")
+def _packed(values: Sequence[float], types: Types) -> str:
+    """``values`` in the narrower of ``types`` where it holds every one exactly, else the wider,
+    as ``tag:base64``."""
+    narrow, wide = types
+    array = np.asarray(values, dtype=wide[1])
+    with np.errstate(over="ignore"):  # a value too large overflows: then it is not narrowed
+        narrowed = array.astype(narrow[1])
+    tag, array = (narrow[0], narrowed) if np.array_equal(narrowed, array) else (wide[0], array)
+    return f"{tag}:{base64.b64encode(array.tobytes()).decode('ascii')}"
 
 
-def _unpacked(text: str, dtype: str) -> tuple[Any, ...]:
-    return tuple(np.frombuffer(base64.b64decode(text), dtype=dtype).tolist())
+def _unpacked(text: str, types: Types) -> tuple[Any, ...]:
+    tag, _, data = text.partition(":")
+    dtypes = dict(types)
+    if tag not in dtypes:
+        raise ValueError(f"a stored array of type {tag!r}: one of {sorted(dtypes)}")
+    return tuple(np.frombuffer(base64.b64decode(data), dtype=dtypes[tag]).tolist())
