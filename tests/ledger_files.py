@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,4 @@ def stored_save(model_id: str, seq: int, name: str) -> CallRecord:
 
 def stored_refusal(request_id: str, why: str) -> CallRecord:
     """A call refused when it was accepted, as the intake stores it: it holds its number."""
-    digest, size = payload({"refused": why})
-    seq = int(request_id.rpartition("/")[2])
-    return CallRecord(request_id, seq, "", {}, digest, size, refused=why)
+    return replace(stored_call(request_id, "", {}, ""), refused=why)
